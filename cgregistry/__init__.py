@@ -1,0 +1,40 @@
+"""cgregistry: CUDA graphs for batched inference engines, keyed by BatchDescriptor."""
+
+from cgregistry.backends.cpu import GraphUnsafeOpError
+from cgregistry.buffers import InputError, StaticInput
+from cgregistry.descriptor import BatchDescriptor, Padding
+from cgregistry.hookspecs import hookimpl, hookspec
+from cgregistry.matcher import Candidate, Explanation, Match, Matcher
+from cgregistry.outputs import OutputError
+from cgregistry.plan import MODES, CapturePlan, PlanEntry, UncoveredRange
+from cgregistry.plugins import PluginError, Plugins, make_plugin_manager
+from cgregistry.registry import CaptureError, EntryInfo, GraphRegistry, Stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MODES",
+    "BatchDescriptor",
+    "Candidate",
+    "CaptureError",
+    "CapturePlan",
+    "EntryInfo",
+    "Explanation",
+    "GraphRegistry",
+    "GraphUnsafeOpError",
+    "InputError",
+    "Match",
+    "Matcher",
+    "OutputError",
+    "Padding",
+    "PlanEntry",
+    "PluginError",
+    "Plugins",
+    "StaticInput",
+    "Stats",
+    "UncoveredRange",
+    "__version__",
+    "hookimpl",
+    "hookspec",
+    "make_plugin_manager",
+]

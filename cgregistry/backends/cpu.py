@@ -1,0 +1,239 @@
+"""The ``cpu`` backend: a CUDA-graph emulator for machines with no GPU.
+
+Capture runs the callable under a TorchDispatchMode that records every aten op
+with the very tensors it touched.  Replay re-runs the recorded ops on those
+tensors, in order, so graph semantics carry over: Python control flow and
+Python scalars are frozen at capture, a tensor the step read at capture is read
+again at replay (a forgotten copy into a static input gives stale results), and
+ops a CUDA capture forbids (host syncs, data-dependent output shapes, copies to
+the host) raise ``GraphUnsafeOpError`` naming the op and the user's source line.
+
+Whether an op was a view is decided by storage at capture time: ops such as
+``reshape`` or ``contiguous`` return a view or a copy depending on strides, and
+only ops that produced fresh storage (or mutated an argument) are replayed.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cgregistry.hookspecs import hookimpl
+
+_CG_INTERNAL = True
+
+__all__ = ["CpuBackend", "CpuGraph", "GraphUnsafeOpError", "find_graph_unsafe_ops"]
+
+aten = torch.ops.aten
+
+# Ops that read device memory on the host, or whose output shape depends on data.
+_HOST_SYNC = {
+    aten._local_scalar_dense.default: "reads a tensor value on the host (.item(), int(), float())",
+    aten.item.default: "reads a tensor value on the host (.item())",
+    aten.is_nonzero.default: "reads a tensor value on the host (bool(tensor), if tensor:)",
+    aten.equal.default: "compares tensors on the host (torch.equal)",
+}
+_DATA_DEPENDENT = {
+    "nonzero": "output shape depends on data (nonzero / torch.where(cond))",
+    "argwhere": "output shape depends on data (argwhere)",
+    "masked_select": "output shape depends on data (masked_select)",
+    "unique": "output shape depends on data (unique)",
+    "_unique": "output shape depends on data (unique)",
+    "_unique2": "output shape depends on data (unique)",
+    "unique_dim": "output shape depends on data (unique)",
+    "unique_consecutive": "output shape depends on data (unique_consecutive)",
+}
+_BOOL_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
+_COPY_OPS = {"to", "_to_copy", "_copy_from", "_copy_from_and_resize"}
+
+_capturing: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_cpu_capturing", default=False)
+
+
+class GraphUnsafeOpError(RuntimeError):
+    """An op that a CUDA graph capture cannot contain; names the op and where it was called."""
+
+    def __init__(self, op: str, why: str, where: str) -> None:
+        super().__init__(f"graph-unsafe op {op} at {where}: {why}")
+        self.op = op
+        self.why = why
+        self.where = where
+
+
+def _user_frame() -> str:
+    """The innermost caller outside torch and cgregistry's internals, as 'file:line: code'."""
+    torch_dir = torch.__file__.rsplit("/", 1)[0]
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(torch_dir) and not frame.f_globals.get("_CG_INTERNAL"):
+            summary = traceback.extract_stack(frame, limit=1)[-1]
+            return f"{summary.filename}:{summary.lineno}: {(summary.line or '').strip()}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "<unknown>"
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    return []
+
+
+def _unsafe_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
+    reason = _HOST_SYNC.get(func)
+    if reason is not None:
+        return reason
+    name = func.overloadpacket.__name__
+    reason = _DATA_DEPENDENT.get(name)
+    if reason is not None:
+        return reason
+    if name == "repeat_interleave" and kwargs.get("output_size") is None and any(
+        isinstance(a, torch.Tensor) for a in args[1:2]
+    ):
+        return "output shape depends on data (repeat_interleave with tensor repeats and no output_size)"
+    if name in _BOOL_INDEX_OPS and len(args) > 1:
+        if any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(args[1])):
+            return "boolean-mask indexing has a data-dependent output shape"
+    if name in _COPY_OPS:
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cpu":
+            return "copies device memory to the host (.cpu(), .to('cpu'))"
+        if kwargs.get("pin_memory"):
+            return "copies into pinned host memory"
+    return None
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _Op:
+    """One recorded call: the op, its exact arguments, and the fresh outputs to refresh."""
+
+    __slots__ = ("func", "args", "kwargs", "targets")
+
+    def __init__(self, func: Any, args: tuple, kwargs: dict, targets: list[tuple[int, torch.Tensor]]) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.targets = targets  # (position in the flattened result, tensor captured there)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[_Op] = []
+        self.fresh_bytes = 0
+        self._fresh_storages: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        reason = _unsafe_reason(func, args, kwargs)
+        if reason is not None:
+            raise GraphUnsafeOpError(str(func), reason, _user_frame())
+        result = func(*args, **kwargs)
+        inputs = {_storage_key(t) for t in _tensors(args) + _tensors(list(kwargs.values()))}
+        outs = _tensors(result if isinstance(result, (list, tuple)) else [result])
+        targets = []
+        for i, t in enumerate(outs):
+            key = _storage_key(t)
+            if t.untyped_storage().nbytes() == 0 or key in inputs:
+                continue  # a view or the mutated argument itself: it follows its storage
+            targets.append((i, t))
+            if key not in self._fresh_storages:
+                self._fresh_storages.add(key)
+                self.fresh_bytes += t.untyped_storage().nbytes()
+        if targets or func._schema.is_mutable:
+            self.ops.append(_Op(func, args, kwargs, targets))
+        return result
+
+
+class CpuGraph:
+    """Recorded ops replayed on the tensors they were captured with."""
+
+    __slots__ = ("ops", "memory_bytes")
+
+    def __init__(self, ops: list[_Op], memory_bytes: int) -> None:
+        self.ops = ops
+        self.memory_bytes = memory_bytes
+
+    def replay(self) -> None:
+        with torch.inference_mode():
+            for op in self.ops:
+                result = op.func(*op.args, **op.kwargs)
+                if op.targets:
+                    fresh = _tensors(result if isinstance(result, (list, tuple)) else [result])
+                    for i, target in op.targets:
+                        target.copy_(fresh[i])
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.ops)
+
+
+def find_graph_unsafe_ops(fn: Callable[[], Any]) -> list[GraphUnsafeOpError]:
+    """Run ``fn`` eagerly and list every graph-unsafe op it calls (does not stop at the first)."""
+    found: list[GraphUnsafeOpError] = []
+
+    class _Finder(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            kwargs = kwargs or {}
+            reason = _unsafe_reason(func, args, kwargs)
+            if reason is not None:
+                found.append(GraphUnsafeOpError(str(func), reason, _user_frame()))
+            return func(*args, **kwargs)
+
+    with torch.inference_mode(), _Finder():
+        fn()
+    return found
+
+
+class CpuBackend:
+    """The emulator: runs anywhere, records and replays aten ops."""
+
+    name = "cpu"
+
+    def is_available(self) -> bool:
+        return True
+
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def new_pool(self) -> object:
+        return object()  # recorded tensors are held per graph; there is no pool to share
+
+    def warmup(self, fn: Callable[[], Any], runs: int) -> Any:
+        out = None
+        for _ in range(max(runs, 1)):
+            out = fn()
+        return out
+
+    def capture(self, fn: Callable[[], Any], pool: object) -> tuple[CpuGraph, Any]:
+        if _capturing.get():
+            raise RuntimeError("nested capture: a cpu graph capture is already in progress on this thread")
+        token = _capturing.set(True)
+        recorder = _Recorder()
+        try:
+            with recorder:
+                out = fn()
+        finally:
+            _capturing.reset(token)
+        return CpuGraph(recorder.ops, recorder.fresh_bytes), out
+
+    def share_outputs(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        return leaves
+
+    def synchronize(self) -> None:
+        return None
+
+
+@hookimpl
+def cgregistry_register_backends(register: Callable[[Any], None]) -> None:
+    register(CpuBackend())

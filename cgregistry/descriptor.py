@@ -1,0 +1,121 @@
+"""BatchDescriptor: the hashable shape of one model step, and padding arithmetic.
+
+The engine describes the batch it has (the *actual* batch); the registry holds
+captured descriptors (*keys*).  A key *covers* an actual batch when the graph
+captured for the key can serve the batch after padding.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import attrs
+
+__all__ = ["BatchDescriptor", "Padding"]
+
+
+class Padding(NamedTuple):
+    """How much a key pads an actual batch: tokens, requests, LoRA slots."""
+
+    tokens: int
+    reqs: int
+    loras: int
+
+
+def _check_count(name: str, value: object, minimum: int) -> None:
+    # bool is an int subclass; True tokens is a bug, not a batch of one.
+    if type(value) is not int:
+        raise TypeError(f"BatchDescriptor.{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        bound = "positive" if minimum == 1 else "non-negative"
+        raise ValueError(f"BatchDescriptor.{name} must be {bound}, got {value}")
+
+
+@attrs.frozen(slots=True, cache_hash=True, repr=False)
+class BatchDescriptor:
+    """The shape of one model step.
+
+    ``num_reqs=None`` means "any request count" (a relaxed key); ``uniform``
+    means every request has query length ``1 + spec_depth`` (a pure decode or
+    speculative-verify batch).
+    """
+
+    num_tokens: int
+    num_reqs: int | None = None
+    num_active_loras: int = 0
+    spec_depth: int = 0
+    uniform: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        _check_count("num_tokens", self.num_tokens, 1)
+        if self.num_reqs is not None:
+            _check_count("num_reqs", self.num_reqs, 1)
+            if self.num_reqs > self.num_tokens:
+                raise ValueError(
+                    f"BatchDescriptor.num_reqs={self.num_reqs} exceeds num_tokens={self.num_tokens}: "
+                    "every request contributes at least one token"
+                )
+        _check_count("num_active_loras", self.num_active_loras, 0)
+        _check_count("spec_depth", self.spec_depth, 0)
+        if type(self.uniform) is not bool:
+            raise TypeError(f"BatchDescriptor.uniform must be a bool, got {self.uniform!r}")
+        if self.uniform:
+            if self.num_reqs is None:
+                raise ValueError(
+                    "BatchDescriptor.uniform=True needs num_reqs: a uniform batch has exactly "
+                    "num_tokens / (1 + spec_depth) requests"
+                )
+            query_len = 1 + self.spec_depth
+            if self.num_tokens != self.num_reqs * query_len:
+                raise ValueError(
+                    f"uniform BatchDescriptor needs num_tokens == num_reqs * (1 + spec_depth) = "
+                    f"{self.num_reqs} * {query_len} = {self.num_reqs * query_len}, got num_tokens={self.num_tokens}"
+                )
+
+    @classmethod
+    def decode(cls, num_reqs: int, spec_depth: int = 0, num_active_loras: int = 0) -> BatchDescriptor:
+        """A uniform batch of ``num_reqs`` requests, each with ``1 + spec_depth`` tokens."""
+        return cls(num_reqs * (1 + spec_depth), num_reqs, num_active_loras, spec_depth, True)
+
+    @property
+    def query_len(self) -> int | None:
+        """Tokens per request for a uniform batch, None otherwise."""
+        return 1 + self.spec_depth if self.uniform else None
+
+    def covers(self, actual: BatchDescriptor) -> bool:
+        """Whether a graph captured for this key can serve ``actual`` after padding."""
+        if self.num_tokens < actual.num_tokens or self.num_active_loras < actual.num_active_loras:
+            return False
+        if self.num_reqs is not None and (actual.num_reqs is None or self.num_reqs < actual.num_reqs):
+            return False
+        if self.uniform:
+            # A uniform graph bakes in the per-request query length.
+            return actual.uniform and actual.spec_depth == self.spec_depth
+        return True
+
+    def padding(self, actual: BatchDescriptor) -> Padding:
+        """Slots this key adds to ``actual``; raises if the key does not cover it."""
+        if not self.covers(actual):
+            raise ValueError(f"{self} does not cover {actual}")
+        reqs = 0 if self.num_reqs is None else self.num_reqs - actual.num_reqs  # type: ignore[operator]
+        return Padding(
+            self.num_tokens - actual.num_tokens, reqs, self.num_active_loras - actual.num_active_loras
+        )
+
+    def relaxed(self) -> BatchDescriptor:
+        """The same batch with any request count (and therefore not uniform)."""
+        if self.num_reqs is None and not self.uniform:
+            return self
+        return BatchDescriptor(self.num_tokens, None, self.num_active_loras, self.spec_depth, False)
+
+    def __repr__(self) -> str:
+        parts = [f"tokens={self.num_tokens}", f"reqs={'any' if self.num_reqs is None else self.num_reqs}"]
+        if self.num_active_loras:
+            parts.append(f"loras={self.num_active_loras}")
+        if self.spec_depth:
+            parts.append(f"spec={self.spec_depth}")
+        if self.uniform:
+            parts.append("uniform")
+        return f"Batch({', '.join(parts)})"
+
+    __str__ = __repr__

@@ -1,0 +1,244 @@
+"""Matcher: the best captured key for an actual batch, in table time.
+
+Rule: among keys that cover the batch, the most preferred strategy wins; then
+the least padding (tokens, then requests, then LoRA slots); ties go to uniform
+keys, then to keys with an exact request count.  Pure: no plugin or torch import.
+
+Keys are grouped into *classes* that differ only in token (and request) count:
+(strategy, uniform, spec depth of uniform keys, LoRA count, exact-reqs).  Per
+class a table maps an actual token count to the first key at or above it, so a
+lookup is a few list indexings whatever the number of keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import attrs
+
+from cgregistry.descriptor import BatchDescriptor, Padding
+
+__all__ = ["DEFAULT_PREFERENCE", "Candidate", "Explanation", "Match", "Matcher"]
+
+DEFAULT_PREFERENCE: tuple[str, ...] = ("full", "piecewise", "breakable")
+
+# Above this many token slots a class falls back to bisect instead of a dense table.
+_DENSE_TABLE_LIMIT = 1 << 20
+
+
+class Match(NamedTuple):
+    """The key chosen for an actual batch, its strategy and the padding it adds."""
+
+    key: BatchDescriptor
+    strategy: str
+    padding: Padding
+
+
+@attrs.frozen(slots=True)
+class Candidate:
+    """One key considered by ``explain``: whether it won and why."""
+
+    key: BatchDescriptor
+    strategy: str
+    covers: bool
+    chosen: bool
+    reason: str
+    padding: Padding | None
+
+
+@attrs.frozen(slots=True)
+class Explanation:
+    """Every key considered for ``actual``; prints as a table."""
+
+    actual: BatchDescriptor
+    match: Match | None
+    candidates: tuple[Candidate, ...]
+
+    def __str__(self) -> str:
+        head = f"actual {self.actual}: " + (
+            f"matched {self.match.key} [{self.match.strategy}], padding {tuple(self.match.padding)}"
+            if self.match
+            else "no covering key (runs eagerly)"
+        )
+        rows = [("", "key", "strategy", "padding (tok, req, lora)", "reason")]
+        for c in self.candidates:
+            pad = "-" if c.padding is None else str(tuple(c.padding))
+            rows.append(("*" if c.chosen else "", str(c.key), c.strategy, pad, c.reason))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = [head] + ["  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows]
+        return "\n".join(line.rstrip() for line in lines)
+
+
+class _Class:
+    """Keys that differ only in token/request count, sorted, with a token lookup table."""
+
+    __slots__ = ("strategy", "uniform", "spec_depth", "loras", "exact_reqs", "keys", "tokens", "first_at")
+
+    def __init__(self, strategy: str, uniform: bool, spec_depth: int | None, loras: int, exact_reqs: bool) -> None:
+        self.strategy = strategy
+        self.uniform = uniform
+        self.spec_depth = spec_depth
+        self.loras = loras
+        self.exact_reqs = exact_reqs
+        self.keys: list[BatchDescriptor] = []
+        self.tokens: list[int] = []
+        self.first_at: list[int] | None = None
+
+    def freeze(self) -> None:
+        self.keys.sort(key=lambda d: (d.num_tokens, d.num_reqs or 0, d.spec_depth))
+        self.tokens = [d.num_tokens for d in self.keys]
+        top = self.tokens[-1]
+        if top <= _DENSE_TABLE_LIMIT:
+            table = [0] * (top + 1)
+            i = 0
+            for t in range(top + 1):
+                while self.tokens[i] < t:
+                    i += 1
+                table[t] = i
+            self.first_at = table
+
+    def best(self, actual: BatchDescriptor) -> BatchDescriptor | None:
+        """The smallest key of this class covering ``actual`` (class-level fields already checked)."""
+        t = actual.num_tokens
+        tokens = self.tokens
+        if t > tokens[-1]:
+            return None
+        if self.first_at is not None:
+            i = self.first_at[t]
+        else:
+            from bisect import bisect_left
+
+            i = bisect_left(tokens, t)
+        if not self.exact_reqs:
+            return self.keys[i]
+        reqs = actual.num_reqs
+        if reqs is None:
+            return None
+        keys = self.keys
+        # Uniform keys: request count grows with tokens, so the first key covers.
+        # Non-uniform exact keys: scan forward to the first with enough requests.
+        for j in range(i, len(keys)):
+            if keys[j].num_reqs >= reqs:  # type: ignore[operator]
+                return keys[j]
+        return None
+
+
+class Matcher:
+    """Chooses covering keys; built once from (key, strategy) pairs."""
+
+    def __init__(
+        self, keys: Iterable[tuple[BatchDescriptor, str]], preference: Sequence[str] = DEFAULT_PREFERENCE
+    ) -> None:
+        pairs = list(dict.fromkeys(keys))
+        self._pairs = pairs
+        strategies = list(dict.fromkeys(s for _, s in pairs))
+        order = list(dict.fromkeys([*preference, *strategies]))
+        self._rank = {s: i for i, s in enumerate(order)}
+        classes: dict[tuple[str, bool, int | None, int, bool], _Class] = {}
+        for key, strategy in pairs:
+            sig = (
+                strategy,
+                key.uniform,
+                key.spec_depth if key.uniform else None,
+                key.num_active_loras,
+                key.num_reqs is not None,
+            )
+            cls = classes.get(sig)
+            if cls is None:
+                cls = classes[sig] = _Class(*sig)
+            cls.keys.append(key)
+        for cls in classes.values():
+            cls.freeze()
+        self._classes = sorted(classes.values(), key=lambda c: (self._rank[c.strategy], c.loras))
+        # (uniform, spec depth, loras) of an actual batch -> applicable classes grouped by strategy rank
+        self._plans: dict[tuple[bool, int, int], list[list[_Class]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    @property
+    def preference(self) -> list[str]:
+        """Strategy names, most preferred first."""
+        return sorted(self._rank, key=self._rank.__getitem__)
+
+    def _groups_for(self, actual: BatchDescriptor) -> list[list[_Class]]:
+        sig = (actual.uniform, actual.spec_depth, actual.num_active_loras)
+        groups = self._plans.get(sig)
+        if groups is None:
+            by_rank: dict[int, list[_Class]] = {}
+            for cls in self._classes:
+                if cls.loras < actual.num_active_loras:
+                    continue
+                if cls.uniform and not (actual.uniform and cls.spec_depth == actual.spec_depth):
+                    continue
+                by_rank.setdefault(self._rank[cls.strategy], []).append(cls)
+            groups = self._plans[sig] = [by_rank[r] for r in sorted(by_rank)]
+        return groups
+
+    def match(self, actual: BatchDescriptor) -> Match | None:
+        """The best covering key for ``actual``, or None when nothing covers it."""
+        for group in self._groups_for(actual):
+            best: BatchDescriptor | None = None
+            best_order: tuple[int, int, int, int, int] | None = None
+            for cls in group:
+                key = cls.best(actual)
+                if key is None:
+                    continue
+                order = _order(key, actual)
+                if best_order is None or order < best_order:
+                    best, best_order = key, order
+            if best is not None:
+                # Each strategy has its own rank, so a group holds one strategy.
+                return Match(best, group[0].strategy, Padding(*best_order[:3]))  # type: ignore[index]
+        return None
+
+    def explain(self, actual: BatchDescriptor) -> Explanation:
+        """Every key with the reason it won or lost against ``actual``."""
+        chosen = self.match(actual)
+        rows: list[tuple[tuple[int, ...], Candidate]] = []
+        for key, strategy in self._pairs:
+            if not key.covers(actual):
+                rows.append(((1, self._rank[strategy], key.num_tokens), Candidate(key, strategy, False, False, _why_not(key, actual), None)))
+                continue
+            pad = key.padding(actual)
+            if chosen is not None and (key, strategy) == (chosen.key, chosen.strategy):
+                reason = "chosen: " + ("most preferred strategy, least padding" if pad != (0, 0, 0) else "exact fit")
+                rows.append(((0, -1), Candidate(key, strategy, True, True, reason, pad)))
+                continue
+            assert chosen is not None
+            if self._rank[strategy] > self._rank[chosen.strategy]:
+                reason = f"covers, but strategy {strategy!r} is less preferred than {chosen.strategy!r}"
+            else:
+                reason = f"covers, but pads more: {tuple(pad)} vs {tuple(chosen.padding)}"
+                if pad == chosen.padding:
+                    reason = "covers with equal padding; lost the tie (uniform, then exact request count)"
+            rows.append(((0, self._rank[strategy], *pad), Candidate(key, strategy, True, False, reason, pad)))
+        rows.sort(key=lambda r: r[0])
+        return Explanation(actual, chosen, tuple(c for _, c in rows))
+
+
+def _order(key: BatchDescriptor, actual: BatchDescriptor) -> tuple[int, int, int, int, int]:
+    reqs_pad = 0 if key.num_reqs is None or actual.num_reqs is None else key.num_reqs - actual.num_reqs
+    return (
+        key.num_tokens - actual.num_tokens,
+        reqs_pad,
+        key.num_active_loras - actual.num_active_loras,
+        0 if key.uniform else 1,
+        0 if key.num_reqs is not None else 1,
+    )
+
+
+def _why_not(key: BatchDescriptor, actual: BatchDescriptor) -> str:
+    if key.num_tokens < actual.num_tokens:
+        return f"too few tokens: {key.num_tokens} < {actual.num_tokens}"
+    if key.num_active_loras < actual.num_active_loras:
+        return f"too few LoRA slots: {key.num_active_loras} < {actual.num_active_loras}"
+    if key.num_reqs is not None:
+        if actual.num_reqs is None:
+            return "key needs a request count; the batch gives none"
+        if key.num_reqs < actual.num_reqs:
+            return f"too few requests: {key.num_reqs} < {actual.num_reqs}"
+    if key.uniform and not actual.uniform:
+        return "uniform key cannot serve a non-uniform batch"
+    return f"uniform key of spec depth {key.spec_depth}, batch has depth {actual.spec_depth}"

@@ -1,0 +1,101 @@
+"""Step outputs: flatten a pytree of tensors, and hand back views sliced to the actual batch.
+
+A step may return a tensor or nested tuples, lists, dicts and named tuples of
+tensors (None leaves pass through).  Every tensor's leading dimension is the
+padded token count (or request count, with ``output_axis="reqs"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["OutputError", "OutputSlicer", "flatten", "unflatten"]
+
+Spec = Any  # None for a tensor leaf, ("const", value), or (container type, keys, child specs)
+
+
+class OutputError(TypeError):
+    """A step returned something the registry cannot slice (names the leaf)."""
+
+
+def flatten(obj: Any, path: str = "output") -> tuple[list[torch.Tensor], Spec]:
+    """Tensor leaves in a fixed order, and the structure to rebuild ``obj``."""
+    leaves: list[torch.Tensor] = []
+    spec = _flatten(obj, path, leaves)
+    return leaves, spec
+
+
+def _flatten(obj: Any, path: str, leaves: list[torch.Tensor]) -> Spec:
+    if isinstance(obj, torch.Tensor):
+        leaves.append(obj)
+        return None
+    if obj is None:
+        return ("const", None)
+    if isinstance(obj, dict):
+        keys = list(obj)
+        return (type(obj), keys, [_flatten(obj[k], f"{path}[{k!r}]", leaves) for k in keys])
+    if isinstance(obj, (tuple, list)):
+        return (type(obj), None, [_flatten(v, f"{path}[{i}]", leaves) for i, v in enumerate(obj)])
+    raise OutputError(f"{path} is a {type(obj).__name__}; a step must return tensors (in tuples, lists or dicts)")
+
+
+def unflatten(leaves: list[torch.Tensor], spec: Spec) -> Any:
+    """Rebuild the structure ``flatten`` recorded, with ``leaves`` in place of its tensors."""
+    it = iter(leaves)
+    return _unflatten(it, spec)
+
+
+def _unflatten(it: Any, spec: Spec) -> Any:
+    if spec is None:
+        return next(it)
+    kind, keys, children = spec
+    if kind == "const":
+        return keys
+    values = [_unflatten(it, c) for c in children]
+    if keys is not None:
+        return kind(zip(keys, values))
+    if kind is tuple or kind is list:
+        return kind(values)
+    return kind(*values)  # named tuple
+
+
+def _immutable(spec: Spec) -> bool:
+    if spec is None:
+        return True
+    kind, _, children = spec
+    if kind == "const":
+        return True
+    return issubclass(kind, tuple) and all(_immutable(c) for c in children)
+
+
+class OutputSlicer:
+    """Full-size output tensors of one entry, sliced (and cached) per actual row count."""
+
+    __slots__ = ("leaves", "spec", "_cache", "_immutable", "_single")
+
+    def __init__(self, leaves: list[torch.Tensor], spec: Spec) -> None:
+        self.leaves = leaves
+        self.spec = spec
+        self._single = spec is None
+        self._immutable = _immutable(spec)
+        self._cache: dict[int, Any] = {}
+
+    def sliced(self, rows: int) -> Any:
+        """Outputs cut to ``rows``; tensors and tuples are cached, mutable containers rebuilt."""
+        hit = self._cache.get(rows)
+        if hit is not None:
+            if self._immutable:
+                return hit
+            return unflatten(hit, self.spec)
+        views = [leaf[:rows] for leaf in self.leaves]
+        if self._single:
+            self._cache[rows] = views[0]
+            return views[0]
+        if self._immutable:
+            built = unflatten(views, self.spec)
+            self._cache[rows] = built
+            return built
+        self._cache[rows] = views
+        return unflatten(views, self.spec)

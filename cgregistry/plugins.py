@@ -1,0 +1,121 @@
+"""The plugin manager: entry points and built-ins registered the same way, one manager per registry.
+
+Third-party plugins are found through the ``cgregistry`` entry-point group
+(set ``CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD=1`` to skip them); built-ins
+(``DEFAULT_PLUGINS``) are registered after them as ordinary plugin modules.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pluggy
+
+from cgregistry import hookspecs
+from cgregistry.backends import Backend
+
+__all__ = ["DEFAULT_PLUGINS", "DISABLE_AUTOLOAD_ENV", "PluginError", "Plugins", "make_plugin_manager"]
+
+DISABLE_AUTOLOAD_ENV = "CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD"
+DEFAULT_PLUGINS = (
+    "cgregistry.backends.cuda",
+    "cgregistry.backends.cpu",
+    "cgregistry.strategies.full",
+)
+
+
+class PluginError(ValueError):
+    """A plugin registered something invalid (names the plugin)."""
+
+
+def make_plugin_manager(plugins: Iterable[object] = (), *, autoload: bool | None = None) -> pluggy.PluginManager:
+    """A fresh manager: entry points (unless disabled), then ``plugins``, then the built-ins."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    if autoload is None:
+        autoload = not os.environ.get(DISABLE_AUTOLOAD_ENV)
+    if autoload:
+        pm.load_setuptools_entrypoints(hookspecs.PROJECT)
+    for plugin in plugins:
+        pm.register(plugin)
+    for name in DEFAULT_PLUGINS:
+        if pm.get_plugin(name) is None:
+            pm.register(importlib.import_module(name), name=name)
+    pm.check_pending()
+    return pm
+
+
+def _collect(pm: pluggy.PluginManager, hook_name: str, kind: str, check: Callable[[Any], str | None]) -> tuple[dict[str, Any], dict[str, str]]:
+    found: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    hook = getattr(pm.hook, hook_name)
+    # Call each implementation on its own so that every registration is attributed to its plugin.
+    for impl in reversed(hook.get_hookimpls()):
+        plugin_name = impl.plugin_name
+
+        def register(obj: Any, _plugin: str = plugin_name) -> None:
+            problem = check(obj)
+            if problem:
+                raise PluginError(f"plugin {_plugin!r} registered an invalid {kind} {obj!r}: {problem}")
+            if obj.name in found:
+                raise PluginError(
+                    f"{kind} {obj.name!r} is registered by both plugin {origin[obj.name]!r} and plugin {_plugin!r}"
+                )
+            found[obj.name] = obj
+            origin[obj.name] = _plugin
+
+        impl.function(register=register)
+    return found, origin
+
+
+def _strategy_problem(obj: Any) -> str | None:
+    if not isinstance(getattr(obj, "name", None), str) or not obj.name:
+        return "it needs a non-empty str attribute 'name'"
+    if not callable(getattr(obj, "capture", None)):
+        return "it needs a method capture(body, backend, pool)"
+    if not isinstance(getattr(obj, "relaxes_num_reqs", None), bool):
+        return "it needs a bool attribute 'relaxes_num_reqs'"
+    return None
+
+
+def _backend_problem(obj: Any) -> str | None:
+    if not isinstance(getattr(obj, "name", None), str) or not obj.name:
+        return "it needs a non-empty str attribute 'name'"
+    if not isinstance(obj, Backend):
+        missing = [m for m in ("is_available", "device", "new_pool", "warmup", "capture", "share_outputs", "synchronize") if not callable(getattr(obj, m, None))]
+        return f"it lacks {', '.join(missing)}"
+    return None
+
+
+class Plugins:
+    """Strategies and backends registered through one plugin manager."""
+
+    def __init__(self, pm: pluggy.PluginManager | None = None) -> None:
+        self.pm = pm if pm is not None else make_plugin_manager()
+        self.strategies, self.strategy_origin = _collect(self.pm, "cgregistry_register_strategies", "strategy", _strategy_problem)
+        self.backends, self.backend_origin = _collect(self.pm, "cgregistry_register_backends", "backend", _backend_problem)
+
+    def strategy(self, name: str) -> Any:
+        try:
+            return self.strategies[name]
+        except KeyError:
+            raise KeyError(f"strategy {name!r} is not registered; available: {', '.join(sorted(self.strategies))}") from None
+
+    def backend(self, name: str) -> Any:
+        """The backend called ``name``; "auto" is cuda when available, else cpu."""
+        if name == "auto":
+            for candidate in ("cuda", "cpu"):
+                backend = self.backends.get(candidate)
+                if backend is not None and backend.is_available():
+                    return backend
+            raise KeyError("backend 'auto' found neither an available 'cuda' nor a 'cpu' backend")
+        try:
+            backend = self.backends[name]
+        except KeyError:
+            raise KeyError(f"backend {name!r} is not registered; available: {', '.join(sorted(self.backends))}") from None
+        if not backend.is_available():
+            raise RuntimeError(f"backend {name!r} is registered but not available on this machine")
+        return backend

@@ -1,0 +1,32 @@
+"""The ``full`` strategy: the whole step is one graph.
+
+Fastest replay, but attention metadata is frozen into the graph, so keys carry
+an exact request count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cgregistry.backends import Backend, Graph
+from cgregistry.hookspecs import hookimpl
+
+_CG_INTERNAL = True
+
+__all__ = ["FullStrategy"]
+
+
+class FullStrategy:
+    """One backend graph for the whole step."""
+
+    name = "full"
+    relaxes_num_reqs = False
+
+    def capture(self, body: Callable[[], Any], backend: Backend, pool: object) -> tuple[Graph, Any]:
+        return backend.capture(body, pool)
+
+
+@hookimpl
+def cgregistry_register_strategies(register: Callable[[Any], None]) -> None:
+    register(FullStrategy())
