@@ -13,7 +13,7 @@ import torch
 
 __all__ = ["OutputError", "OutputSlicer", "flatten", "unflatten"]
 
-Spec = Any  # None for a tensor leaf, ("const", value), or (container type, keys, child specs)
+Spec = Any  # None for a tensor leaf, ("const", None, None) for a None leaf, or (container type, keys, child specs)
 
 
 class OutputError(TypeError):
@@ -32,7 +32,7 @@ def _flatten(obj: Any, path: str, leaves: list[torch.Tensor]) -> Spec:
         leaves.append(obj)
         return None
     if obj is None:
-        return ("const", None)
+        return ("const", None, None)
     if isinstance(obj, dict):
         keys = list(obj)
         return (type(obj), keys, [_flatten(obj[k], f"{path}[{k!r}]", leaves) for k in keys])
@@ -52,7 +52,7 @@ def _unflatten(it: Any, spec: Spec) -> Any:
         return next(it)
     kind, keys, children = spec
     if kind == "const":
-        return keys
+        return None
     values = [_unflatten(it, c) for c in children]
     if keys is not None:
         return kind(zip(keys, values))

@@ -51,6 +51,7 @@ _DATA_DEPENDENT = {
 }
 _BOOL_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 _COPY_OPS = {"to", "_to_copy", "_copy_from", "_copy_from_and_resize"}
+_HOST_READ_OPS = {"resolve_conj", "resolve_neg"}  # what .tolist() dispatches before reading memory
 
 _capturing: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_cpu_capturing", default=False)
 
@@ -101,12 +102,27 @@ def _unsafe_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> st
     if name in _BOOL_INDEX_OPS and len(args) > 1:
         if any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(args[1])):
             return "boolean-mask indexing has a data-dependent output shape"
-    if name in _COPY_OPS:
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cpu":
-            return "copies device memory to the host (.cpu(), .to('cpu'))"
-        if kwargs.get("pin_memory"):
-            return "copies into pinned host memory"
+    if name in _COPY_OPS or name in _HOST_READ_OPS:
+        return _host_copy_reason(name, args, kwargs)
+    return None
+
+
+def _host_copy_reason(name: str, args: tuple, kwargs: dict) -> str | None:
+    """Copies to the host.  On a CPU-only machine host and device are one, so ``.to(x.device)``
+    and ``.cpu()`` dispatch alike; the user's source line tells them apart (a heuristic that
+    can miss, never flag legal code)."""
+    if kwargs.get("pin_memory"):
+        return "copies into pinned host memory"
+    line = _user_frame().split(": ", 1)[-1]
+    if name in _HOST_READ_OPS:
+        if ".tolist(" in line or ".numpy(" in line:
+            return "reads device memory on the host (.tolist(), .numpy())"
+        return None
+    devices = [a for a in (*args[1:2], kwargs.get("device")) if isinstance(a, (torch.device, str))]
+    if any(torch.device(d).type == "cpu" for d in devices) and (
+        ".cpu(" in line or "'cpu'" in line or '"cpu"' in line
+    ):
+        return "copies device memory to the host (.cpu(), .to('cpu'))"
     return None
 
 

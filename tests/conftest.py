@@ -1,0 +1,37 @@
+"""Shared fixtures: backends to run strategy tests on (cpu always, cuda when present)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cgregistry as cg
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each graph backend in turn: the emulator everywhere, CUDA where there is a GPU."""
+    return request.param
+
+
+@pytest.fixture
+def plugins() -> cg.Plugins:
+    return cg.Plugins()
+
+
+def device_of(backend: str) -> torch.device:
+    return torch.device("cuda") if backend == "cuda" else torch.device("cpu")

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import pytest
+
+from cgregistry import BatchDescriptor, Padding
+
+B = BatchDescriptor
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"num_tokens": 0}, ValueError, "num_tokens must be positive, got 0"),
+        ({"num_tokens": -3}, ValueError, "num_tokens must be positive, got -3"),
+        ({"num_tokens": True}, TypeError, "num_tokens must be an int, got True"),
+        ({"num_tokens": 4.0}, TypeError, "num_tokens must be an int, got 4.0"),
+        ({"num_tokens": 4, "num_reqs": 0}, ValueError, "num_reqs must be positive, got 0"),
+        ({"num_tokens": 4, "num_reqs": 5}, ValueError, "num_reqs=5 exceeds num_tokens=4"),
+        ({"num_tokens": 4, "num_active_loras": -1}, ValueError, "num_active_loras must be non-negative, got -1"),
+        ({"num_tokens": 4, "spec_depth": -2}, ValueError, "spec_depth must be non-negative, got -2"),
+        ({"num_tokens": 4, "uniform": 1}, TypeError, "uniform must be a bool, got 1"),
+        ({"num_tokens": 4, "uniform": True}, ValueError, "uniform=True needs num_reqs"),
+        ({"num_tokens": 8, "num_reqs": 3, "spec_depth": 1, "uniform": True}, ValueError, "3 \\* 2 = 6, got num_tokens=8"),
+    ],
+)
+def test_invalid_descriptors_name_field_and_value(kwargs: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        B(**kwargs)
+
+
+def test_equal_descriptors_hash_equal_and_are_immutable() -> None:
+    a = B(8, 4, 0, 1, True)
+    b = B(num_tokens=8, num_reqs=4, num_active_loras=0, spec_depth=1, uniform=True)
+    assert a == b and hash(a) == hash(b) and {a: 1}[b] == 1
+    assert a != B(8, 4, 0, 1, False)
+    with pytest.raises(AttributeError):
+        a.num_tokens = 9  # type: ignore[misc]
+
+
+def test_decode_builds_uniform_batch() -> None:
+    assert BatchDescriptor.decode(4, spec_depth=1) == B(8, 4, 0, 1, True)
+    assert BatchDescriptor.decode(3).query_len == 1
+    assert B(5, 2).query_len is None
+
+
+def test_covers_tokens_requests_and_loras() -> None:
+    key = B(16, 8, num_active_loras=2)
+    assert key.covers(B(16, 8, 2))
+    assert key.covers(B(10, 3, 1))
+    assert not key.covers(B(17, 8))
+    assert not key.covers(B(16, 9))
+    assert not key.covers(B(8, 4, 3))
+    assert not key.covers(B(8, None)), "a key with an exact request count needs the batch's count"
+
+
+def test_relaxed_key_covers_any_request_count() -> None:
+    key = B(16)
+    assert key.covers(B(16, 16)) and key.covers(B(3, 1)) and key.covers(B(5))
+
+
+def test_uniform_key_needs_uniform_batch_of_same_depth() -> None:
+    key = BatchDescriptor.decode(4, spec_depth=1)  # 8 tokens
+    assert key.covers(BatchDescriptor.decode(3, spec_depth=1))
+    assert not key.covers(BatchDescriptor.decode(2, spec_depth=3)), "8 tokens but another query length"
+    assert not key.covers(B(6, 3, spec_depth=1)), "a non-uniform batch never gets a uniform key"
+    assert B(8, 8).covers(BatchDescriptor.decode(4, spec_depth=1)), "a uniform batch may use a non-uniform key"
+
+
+def test_padding_counts_slots_and_refuses_non_covering() -> None:
+    assert B(16, 8, 2).padding(B(10, 3, 1)) == Padding(6, 5, 1)
+    assert B(16).padding(B(10, 3)) == Padding(6, 0, 0)
+    with pytest.raises(ValueError, match="does not cover"):
+        B(4).padding(B(5))
+
+
+def test_relaxed_drops_request_count_and_uniformity() -> None:
+    d = BatchDescriptor.decode(4, spec_depth=1, num_active_loras=2)
+    r = d.relaxed()
+    assert r == B(8, None, 2, 1, False)
+    assert r.relaxed() is r
+    assert r.covers(d)
