@@ -25,6 +25,8 @@ DEFAULT_PREFERENCE: tuple[str, ...] = ("full", "piecewise", "breakable")
 
 # Above this many token slots a class falls back to bisect instead of a dense table.
 _DENSE_TABLE_LIMIT = 1 << 20
+# Distinct actual shapes remembered by match() before its memo starts over.
+_MEMO_LIMIT = 1 << 16
 
 
 class Match(NamedTuple):
@@ -153,6 +155,7 @@ class Matcher:
         self._classes = sorted(classes.values(), key=lambda c: (self._rank[c.strategy], c.loras))
         # (uniform, spec depth, loras) of an actual batch -> applicable classes grouped by strategy rank
         self._plans: dict[tuple[bool, int, int], list[list[_Class]]] = {}
+        self._memo: dict[BatchDescriptor, Match | None] = {}
 
     def __len__(self) -> int:
         return len(self._pairs)
@@ -177,7 +180,19 @@ class Matcher:
         return groups
 
     def match(self, actual: BatchDescriptor) -> Match | None:
-        """The best covering key for ``actual``, or None when nothing covers it."""
+        """The best covering key for ``actual``, or None; memoised, so a seen shape costs one dict lookup."""
+        try:
+            return self._memo[actual]
+        except KeyError:
+            pass
+        found = self.match_uncached(actual)
+        if len(self._memo) >= _MEMO_LIMIT:
+            self._memo.clear()
+        self._memo[actual] = found
+        return found
+
+    def match_uncached(self, actual: BatchDescriptor) -> Match | None:
+        """``match`` without the memo: a table index per applicable key class."""
         for group in self._groups_for(actual):
             best: BatchDescriptor | None = None
             best_order: tuple[int, int, int, int, int] | None = None

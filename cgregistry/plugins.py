@@ -53,7 +53,7 @@ def _collect(pm: pluggy.PluginManager, hook_name: str, kind: str, check: Callabl
     origin: dict[str, str] = {}
     hook = getattr(pm.hook, hook_name)
     # Call each implementation on its own so that every registration is attributed to its plugin.
-    for impl in reversed(hook.get_hookimpls()):
+    for impl in hook.get_hookimpls():  # registration order
         plugin_name = impl.plugin_name
 
         def register(obj: Any, _plugin: str = plugin_name) -> None:

@@ -1,0 +1,33 @@
+"""Put a GraphRegistry between a scheduler and a model: capture once, run every step through it."""
+
+import torch
+
+import cgregistry as cg
+
+hidden, max_tokens, max_seqs = 64, 128, 32
+weight = torch.randn(hidden, hidden)
+embed = torch.randn(1000, hidden)
+
+
+def step(batch: cg.BatchDescriptor, input_ids: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """The engine's forward; sees the padded key and static buffers sized for it."""
+    return torch.tanh(embed[input_ids] @ weight)
+
+
+inputs = {
+    "input_ids": cg.StaticInput((max_tokens,), torch.long),
+    "seq_lens": cg.StaticInput((max_seqs,), torch.int32, axis="reqs", fill=1),
+}
+reg = cg.GraphRegistry(step, inputs, backend="auto")
+reg.capture(cg.CapturePlan.build(max_num_seqs=max_seqs, max_num_tokens=max_tokens, mode="full"))
+
+for num_reqs in (3, 17, 32):  # the scheduler's decode batches
+    batch = cg.BatchDescriptor.decode(num_reqs)
+    ids = torch.randint(0, 1000, (num_reqs,), device=reg.device)
+    lens = torch.randint(1, 100, (num_reqs,), dtype=torch.int32, device=reg.device)
+    out = reg.run(batch, input_ids=ids, seq_lens=lens)
+    assert torch.allclose(out, step(batch, ids, lens), atol=1e-5)
+    print(batch, "->", reg.match(batch).key, tuple(out.shape))
+
+print(reg.explain(cg.BatchDescriptor.decode(17)))
+print(reg.stats())

@@ -1,0 +1,24 @@
+"""Every file in examples/ runs and exits cleanly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_runs(path: Path) -> None:
+    env = {**os.environ, "CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip(), "an example prints what it shows"
+
+
+def test_there_are_examples() -> None:
+    assert {p.name for p in EXAMPLES} >= {"quickstart.py", "trace_replay.py"}
