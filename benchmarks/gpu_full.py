@@ -128,11 +128,18 @@ def bench_one_kernel(rows: list[dict], iters: int) -> None:
 
     with torch.inference_mode():
         assert torch.equal(reg.run(batch, x=live), hand())
+
+    # No inputs at all: reg.run() against graph.replay() is the registry's own cost.
+    held = torch.randn(n, 256, device="cuda")
+    bare_reg = cg.GraphRegistry(lambda b: held * 2, {}, backend="cuda")
+    bare_reg.capture([(batch, "full")], progress=False)
+    assert torch.equal(bare_reg.run(batch), held * 2)
+    no_input_us = per_call_us(lambda: bare_reg.run(batch), iters)
     bare = per_call_us(graph.replay, iters)
     hand_us = per_call_us(hand, iters)
     reg_us = per_call_us(lambda: reg.run(batch, x=live), iters)
     copy_us = per_call_us(lambda: static[:n].copy_(live), iters)
-    rows.append({"case": "one kernel", "bare_replay_us": bare, "copy_us": copy_us, "hand_graph_us": hand_us, "reg_run_us": reg_us, "reg_minus_hand_us": reg_us - hand_us, "reg_minus_copy_and_replay_us": reg_us - bare - copy_us})
+    rows.append({"case": "one kernel", "bare_replay_us": bare, "reg_run_no_inputs_us": no_input_us, "reg_no_inputs_minus_replay_us": no_input_us - bare, "copy_us": copy_us, "hand_graph_us": hand_us, "reg_run_us": reg_us, "reg_minus_hand_us": reg_us - hand_us, "reg_minus_copy_and_replay_us": reg_us - bare - copy_us})
 
 
 def main() -> None:
@@ -157,6 +164,7 @@ def main() -> None:
     k = next(r for r in rows if r["case"] == "one kernel")
     print(f"one-kernel graph: bare replay {k['bare_replay_us']:.2f} us, copy {k['copy_us']:.2f} us, hand copy+replay+slice {k['hand_graph_us']:.2f} us, reg.run {k['reg_run_us']:.2f} us")
     print(f"registry overhead: {k['reg_minus_hand_us']:+.2f} us vs hand-written, {k['reg_minus_copy_and_replay_us']:+.2f} us vs bare copy + replay")
+    print(f"no inputs: reg.run {k['reg_run_no_inputs_us']:.2f} us vs bare replay {k['bare_replay_us']:.2f} us: overhead {k['reg_no_inputs_minus_replay_us']:+.2f} us")
     print(f"plan: {mem['graphs']} graphs captured in {mem['capture_s']:.1f} s; pool {mem['plan_pool_bytes'] / 2**20:.1f} MiB (device {mem['plan_device_bytes'] / 2**20:.1f} MiB)")
     print(f"largest graph alone {mem['largest_key']}: pool {mem['largest_pool_bytes'] / 2**20:.1f} MiB (device {mem['largest_device_bytes'] / 2**20:.1f} MiB); whole plan / largest = {mem['pool_ratio']:.3f}")
     if args.json:

@@ -4,9 +4,10 @@ import torch
 
 import cgregistry as cg
 
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # backend="auto" makes the same choice
 hidden, max_tokens, max_seqs = 64, 128, 32
-weight = torch.randn(hidden, hidden)
-embed = torch.randn(1000, hidden)
+weight = torch.randn(hidden, hidden, device=device)
+embed = torch.randn(1000, hidden, device=device)
 
 
 def step(batch: cg.BatchDescriptor, input_ids: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -19,6 +20,7 @@ inputs = {
     "seq_lens": cg.StaticInput((max_seqs,), torch.int32, axis="reqs", fill=1),
 }
 reg = cg.GraphRegistry(step, inputs, backend="auto")
+assert reg.device.type == device.type
 reg.capture(cg.CapturePlan.build(max_num_seqs=max_seqs, max_num_tokens=max_tokens, mode="full"))
 
 for num_reqs in (3, 17, 32):  # the scheduler's decode batches
@@ -26,7 +28,7 @@ for num_reqs in (3, 17, 32):  # the scheduler's decode batches
     ids = torch.randint(0, 1000, (num_reqs,), device=reg.device)
     lens = torch.randint(1, 100, (num_reqs,), dtype=torch.int32, device=reg.device)
     out = reg.run(batch, input_ids=ids, seq_lens=lens)
-    assert torch.allclose(out, step(batch, ids, lens), atol=1e-5)
+    assert torch.allclose(out, step(batch, ids, lens), atol=1e-4)
     print(batch, "->", reg.match(batch).key, tuple(out.shape))
 
 print(reg.explain(cg.BatchDescriptor.decode(17)))

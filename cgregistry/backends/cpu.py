@@ -74,7 +74,8 @@ def _user_frame() -> str:
         name = frame.f_code.co_filename
         if not name.startswith(torch_dir) and not frame.f_globals.get("_CG_INTERNAL"):
             summary = traceback.extract_stack(frame, limit=1)[-1]
-            return f"{summary.filename}:{summary.lineno}: {(summary.line or '').strip()}"
+            code = (summary.line or "").strip()
+            return f"{summary.filename}:{summary.lineno}" + (f": {code}" if code else "")
         frame = frame.f_back  # type: ignore[assignment]
     return "<unknown>"
 

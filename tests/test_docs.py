@@ -1,0 +1,25 @@
+"""Every python code block in README.md and docs/*.md runs (blocks of one file share a namespace)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_code_blocks_run(page: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    namespace: dict = {"__name__": f"docs_{page.stem}"}
+    for i, block in enumerate(BLOCK.findall(page.read_text())):
+        code = compile(block, f"{page.name}[block {i}]", "exec")
+        exec(code, namespace)  # noqa: S102 - the docs are ours
+
+
+def test_docs_exist() -> None:
+    names = {p.name for p in PAGES}
+    assert {"README.md", "concepts.md", "integration.md", "cpu-emulator.md", "performance.md"} <= names
