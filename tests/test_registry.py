@@ -269,3 +269,42 @@ def test_cuda_outputs_of_all_entries_stay_correct_after_many_captures() -> None:
     for i, batch in enumerate([B.decode(16), B.decode(1), B(32, 7), B.decode(2), B.decode(16)]):
         inputs = live(batch, dev, seed=10 + i)
         torch.testing.assert_close(reg.run(batch, **inputs), step(batch, **inputs))
+
+
+def test_failure_inside_capture_leaves_registry_usable(backend: str) -> None:
+    """The step survives warm-up but raises while being captured (second call for that key)."""
+    calls: dict[B, int] = {}
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        calls[batch] = calls.get(batch, 0) + 1
+        if batch == B(4) and calls[batch] == 2:
+            raise RuntimeError("failed mid-capture")
+        return x * 2
+
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend)
+    with pytest.raises(cg.CaptureError, match="failed mid-capture"):
+        reg.capture([(B(8), "full"), (B(4), "full")])
+    x = torch.arange(3.0, device=device_of(backend))
+    assert [e.key for e in reg.entries()] == [B(8)]
+    assert reg.run(B(3, 1), x=x).tolist() == [0.0, 2.0, 4.0]
+    reg.capture([(B(4), "full")])  # the retry's capture is the third call: it succeeds
+    assert reg.match(B(3, 1)).key == B(4)
+    assert reg.run(B(3, 1), x=x + 1).tolist() == [2.0, 4.0, 6.0]
+
+
+def test_host_sync_in_step_is_a_capture_error_and_registry_recovers(backend: str) -> None:
+    def bad(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return x * x.sum().item()
+
+    def good(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    use_bad = {"on": True}
+    reg = cg.GraphRegistry(lambda b, x: bad(b, x) if use_bad["on"] else good(b, x), {"x": cg.StaticInput((8,), torch.float32)}, backend=backend)
+    with pytest.raises(cg.CaptureError, match=r"capturing Batch\(tokens=8, reqs=any\) with strategy 'full' failed"):
+        reg.capture([(B(8), "full")])
+    assert len(reg) == 0
+    use_bad["on"] = False
+    reg.capture([(B(8), "full")])
+    x = torch.ones(5, device=device_of(backend))
+    assert reg.run(B(5, 2), x=x).tolist() == [2.0] * 5
