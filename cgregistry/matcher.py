@@ -12,6 +12,7 @@ lookup is a few list indexings whatever the number of keys.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -106,12 +107,7 @@ class _Class:
         tokens = self.tokens
         if t > tokens[-1]:
             return None
-        if self.first_at is not None:
-            i = self.first_at[t]
-        else:
-            from bisect import bisect_left
-
-            i = bisect_left(tokens, t)
+        i = self.first_at[t] if self.first_at is not None else bisect_left(tokens, t)
         if not self.exact_reqs:
             return self.keys[i]
         reqs = actual.num_reqs

@@ -185,8 +185,11 @@ class GraphRegistry:
         if progress is None:
             progress = len(todo) > 1 and _stderr_is_terminal()
         bar = _progress(todo, progress)
-        gc.collect()
-        gc.freeze()
+        # Freeze the heap so no collection (and no tensor finaliser) runs between captures.
+        freeze = gc.get_freeze_count() == 0  # leave a caller's own frozen heap alone
+        if freeze:
+            gc.collect()
+            gc.freeze()
         gc_was_enabled = gc.isenabled()
         gc.disable()
         captured: list[EntryInfo] = []
@@ -194,7 +197,8 @@ class GraphRegistry:
             for entry in bar:
                 captured.append(self._info(self._capture_one(entry.descriptor, entry.strategy)))
         finally:
-            gc.unfreeze()
+            if freeze:
+                gc.unfreeze()
             if gc_was_enabled:
                 gc.enable()
             self._rebuild()
@@ -235,10 +239,9 @@ class GraphRegistry:
         started = time.perf_counter()
         try:
             with torch.inference_mode():
-                warm = self.backend.warmup(body, self.warmup_runs)
-                _, spec = flatten(warm)
-                self._check_outputs(warm, key)
-                del warm
+                warm_leaves, spec = flatten(self.backend.warmup(body, self.warmup_runs))
+                self._check_outputs(warm_leaves, key)
+                del warm_leaves
                 graph, out = strategy.capture(body, self.backend, self._pool)
                 leaves, captured_spec = flatten(out)
                 del out
@@ -253,8 +256,7 @@ class GraphRegistry:
         self._entries[(key, strategy_name)] = entry
         return entry
 
-    def _check_outputs(self, out: Any, key: BatchDescriptor) -> None:
-        leaves, _ = flatten(out)
+    def _check_outputs(self, leaves: list[torch.Tensor], key: BatchDescriptor) -> None:
         if not leaves:
             raise OutputError("the step returned no tensor")
         rows = key.num_tokens if self.output_axis == "tokens" else key.num_reqs
