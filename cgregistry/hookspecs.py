@@ -36,7 +36,7 @@ def cgregistry_register_backends(register: Callable[[Any], None]) -> None:
 
     :param register: takes an object implementing :class:`cgregistry.backends.Backend`
         (``name``, ``is_available``, ``device``, ``new_pool``, ``warmup``,
-        ``capture``, ``share_outputs``, ``synchronize``).  Duplicate names are an
+        ``capture``, ``share_outputs``, ``recover_pool``, ``synchronize``).  Duplicate names are an
         error that names both plugins.
 
     Called once per plugin manager, each plugin in turn.  Since 0.1.

@@ -85,7 +85,7 @@ def _backend_problem(obj: Any) -> str | None:
     if not isinstance(getattr(obj, "name", None), str) or not obj.name:
         return "it needs a non-empty str attribute 'name'"
     if not isinstance(obj, Backend):
-        missing = [m for m in ("is_available", "device", "new_pool", "warmup", "capture", "share_outputs", "synchronize") if not callable(getattr(obj, m, None))]
+        missing = [m for m in ("is_available", "device", "new_pool", "warmup", "capture", "share_outputs", "recover_pool", "synchronize") if not callable(getattr(obj, m, None))]
         return f"it lacks {', '.join(missing)}"
     return None
 

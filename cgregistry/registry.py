@@ -250,6 +250,7 @@ class GraphRegistry:
                 self._check_outputs(leaves, key)
             self.backend.synchronize()
         except Exception as exc:
+            self._pool = self.backend.recover_pool(self._pool)
             raise CaptureError(key, strategy_name, exc) from exc
         seconds = time.perf_counter() - started
         entry = _Entry(key, strategy_name, graph, OutputSlicer(self.backend.share_outputs(leaves), spec), seconds)

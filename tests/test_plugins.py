@@ -103,7 +103,7 @@ def test_invalid_backend_lists_missing_methods() -> None:
     backend = types.SimpleNamespace(name="npu", is_available=lambda: True)
     pm = make_plugin_manager(autoload=False)
     pm.register(plugin_module("npu", cgregistry_register_backends=lambda register: register(backend)), name="npu")
-    with pytest.raises(cg.PluginError, match="lacks device, new_pool, warmup, capture, share_outputs, synchronize"):
+    with pytest.raises(cg.PluginError, match="lacks device, new_pool, warmup, capture, share_outputs, recover_pool, synchronize"):
         cg.Plugins(pm)
 
 

@@ -44,4 +44,7 @@ class Backend(Protocol):
     def share_outputs(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """Hold captured outputs so that graphs sharing the pool may reuse their memory."""
 
+    def recover_pool(self, pool: object) -> object:
+        """After a failed capture: the pool the next capture should use (``pool`` unless it is unusable)."""
+
     def synchronize(self) -> None: ...

@@ -247,6 +247,9 @@ class CpuBackend:
     def share_outputs(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         return leaves
 
+    def recover_pool(self, pool: object) -> object:
+        return pool
+
     def synchronize(self) -> None:
         return None
 

@@ -7,6 +7,7 @@ replay of any graph in the pool, which is the registry's contract anyway.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,7 @@ class CudaBackend:
 
     def __init__(self) -> None:
         self._stream: torch.cuda.Stream | None = None
+        self._poisoned: set[object] = set()
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()
@@ -96,15 +98,36 @@ class CudaBackend:
             try:
                 out = fn()
             except BaseException:
-                try:
-                    graph.capture_end()
-                except Exception:  # the capture is already invalid; the user's error is the news
-                    pass
+                self._abandon(graph, pool)
                 raise
-            graph.capture_end()
+            try:
+                graph.capture_end()
+            except BaseException:
+                self._poisoned.add(pool)
+                raise
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         return CudaGraph(graph, torch.cuda.memory_reserved() - before), out
+
+    def _abandon(self, graph: torch.cuda.CUDAGraph, pool: object) -> None:
+        """End a capture the step broke; remember the pool if the capture was invalidated."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "The CUDA Graph is empty": expected when the step failed early
+                graph.capture_end()
+        except Exception:  # invalidated by the step's own error, which is the news
+            self._poisoned.add(pool)
+
+    def recover_pool(self, pool: object) -> object:
+        # An invalidated capture (a host sync inside it, say) makes CUDAGraph.capture_end
+        # raise before the caching allocator is told the capture is over; every later
+        # capture into that pool then fails with "already recording to mempool_id"
+        # (seen on torch 2.11).  Graphs already captured keep the old pool; new ones get
+        # a fresh pool, at the cost of not sharing memory with the old one.
+        if pool in self._poisoned:
+            self._poisoned.discard(pool)
+            return self.new_pool()
+        return pool
 
     def share_outputs(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         return [non_owning_alias(t) for t in leaves]
