@@ -127,7 +127,8 @@ class GraphRegistry:
     tensors whose leading dimension is the padded token (or request) count.
 
     Outputs returned by ``run`` are views of graph memory: valid until the next
-    ``run`` on this registry.  Not thread-safe: call ``run`` from one thread.
+    ``run`` on this registry, and only while the registry lives (on CUDA they do
+    not own the pool).  Not thread-safe: call ``run`` from one thread.
     """
 
     def __init__(
