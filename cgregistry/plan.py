@@ -8,11 +8,14 @@ of parallel dicts of sizes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
 from cgregistry.descriptor import BatchDescriptor
+
+if TYPE_CHECKING:
+    from cgregistry.matcher import Matcher
 
 __all__ = ["MODES", "CapturePlan", "PlanEntry", "UncoveredRange", "default_ladder"]
 
@@ -201,7 +204,7 @@ class CapturePlan:
         """
         if self.max_num_seqs is None or self.max_num_tokens is None:
             raise ValueError("uncovered() needs a plan built with max_num_seqs and max_num_tokens")
-        from cgregistry.matcher import Matcher  # plan stays importable without the matcher
+        from cgregistry.matcher import Matcher  # noqa: F811 - imported here: matcher is not needed to build plans
 
         matcher = Matcher((e.descriptor, e.strategy) for e in self.entries)
         depths = sorted({e.descriptor.spec_depth for e in self.entries} | {0})
@@ -232,13 +235,13 @@ def _decode_request_counts(sizes: list[int], depth: int, max_num_seqs: int, max_
 
 
 def _runs(
-    kind: str, n_loras: int, depth: int | None, shapes: list[tuple[int, BatchDescriptor]], matcher: object
+    kind: str, n_loras: int, depth: int | None, shapes: list[tuple[int, BatchDescriptor]], matcher: Matcher
 ) -> list[UncoveredRange]:
     out: list[UncoveredRange] = []
     start: int | None = None
     last = 0
     for tokens, actual in shapes:
-        missing = matcher.match(actual) is None  # type: ignore[attr-defined]
+        missing = matcher.match(actual) is None
         if missing and start is None:
             start = tokens
         if not missing and start is not None:
