@@ -8,14 +8,12 @@ of parallel dicts of sizes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import attrs
 
 from cgregistry.descriptor import BatchDescriptor
-
-if TYPE_CHECKING:
-    from cgregistry.matcher import Matcher
+from cgregistry.matcher import Matcher
 
 __all__ = ["MODES", "CapturePlan", "PlanEntry", "UncoveredRange", "default_ladder"]
 
@@ -204,8 +202,6 @@ class CapturePlan:
         """
         if self.max_num_seqs is None or self.max_num_tokens is None:
             raise ValueError("uncovered() needs a plan built with max_num_seqs and max_num_tokens")
-        from cgregistry.matcher import Matcher  # noqa: F811 - imported here: matcher is not needed to build plans
-
         matcher = Matcher((e.descriptor, e.strategy) for e in self.entries)
         depths = sorted({e.descriptor.spec_depth for e in self.entries} | {0})
         max_loras = max((e.descriptor.num_active_loras for e in self.entries), default=0)
