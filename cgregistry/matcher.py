@@ -19,6 +19,7 @@ from typing import NamedTuple
 import attrs
 
 from cgregistry.descriptor import BatchDescriptor, Padding
+from cgregistry.text import text_table
 
 __all__ = ["DEFAULT_PREFERENCE", "Candidate", "Explanation", "Match", "Matcher"]
 
@@ -68,9 +69,7 @@ class Explanation:
         for c in self.candidates:
             pad = "-" if c.padding is None else str(tuple(c.padding))
             rows.append(("*" if c.chosen else "", str(c.key), c.strategy, pad, c.reason))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = [head] + ["  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows]
-        return "\n".join(line.rstrip() for line in lines)
+        return "\n".join([head, *text_table(rows)])
 
 
 class _Class:

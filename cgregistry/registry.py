@@ -22,6 +22,7 @@ from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher
 from cgregistry.outputs import OutputError, OutputSlicer, flatten
 from cgregistry.plan import CapturePlan, PlanEntry
 from cgregistry.plugins import Plugins
+from cgregistry.text import text_table
 
 _CG_INTERNAL = True
 
@@ -411,8 +412,7 @@ class GraphRegistry:
                 continue
             rows.append((str(e.key), e.strategy, str(e.replays), str(e.padded_tokens), f"{e.capture_seconds * 1e3:.1f}", _bytes(e.memory_bytes)))
         s = self.stats()
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines = text_table(rows)
         lines.append(
             f"{len(self._entries)} entries on {self.backend.name}, {_bytes(self.memory_bytes())}; "
             f"hits {s.hits}, misses {s.misses}, padding {s.padding_ratio:.1%} of graph tokens"
