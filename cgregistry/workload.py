@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import csv
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime
 from importlib import resources
 from pathlib import Path
@@ -70,15 +70,38 @@ def read_trace(path: str | Path | None = None, limit: int | None = None) -> list
     return requests
 
 
+def _schedule(value: Mapping[int, int] | None) -> tuple[tuple[int, int], ...] | None:
+    if value is None:
+        return None
+    pairs = tuple(sorted(dict(value).items()))
+    for bound, depth in pairs:
+        if type(bound) is not int or bound < 1 or type(depth) is not int or depth < 0:
+            raise ValueError(f"spec_schedule maps request counts >= 1 to depths >= 0, got {bound!r}: {depth!r}")
+    return pairs
+
+
 @attrs.frozen(slots=True)
 class SchedulerConfig:
-    """Scheduler settings and the step-time model used to advance the clock."""
+    """Scheduler settings and the step-time model used to advance the clock.
+
+    ``spec_schedule`` (dynamic speculative decoding) maps a largest number of
+    decoding requests to the depth used up to it, e.g. ``{8: 3, 64: 1, 256: 0}``;
+    beyond its last bound, and without one, every step uses ``spec_depth``.
+    """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     spec_depth: int = 0
+    spec_schedule: tuple[tuple[int, int], ...] | None = attrs.field(default=None, converter=_schedule)
     step_base_s: float = 0.010  # fixed cost of one model step
     step_per_token_s: float = 0.00002  # plus this per scheduled token
+
+    def depth_for(self, decoding: int) -> int:
+        """The speculative depth for a step with ``decoding`` requests in decode."""
+        for bound, depth in self.spec_schedule or ():
+            if decoding <= bound:
+                return depth
+        return self.spec_depth
 
 
 class _Running:
@@ -94,7 +117,6 @@ def schedule(requests: Iterable[Request], config: SchedulerConfig = SchedulerCon
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
     waiting: deque[_Running] = deque()
     running: list[_Running] = []
-    q = 1 + config.spec_depth
     now = 0.0
     steps = 0
     while pending or waiting or running:
@@ -105,6 +127,8 @@ def schedule(requests: Iterable[Request], config: SchedulerConfig = SchedulerCon
         while pending and pending[0].arrival_s <= now:
             waiting.append(_Running(pending.popleft()))
         budget = config.max_num_batched_tokens
+        depth = config.depth_for(sum(1 for r in running if r.prefill_left == 0))
+        q = 1 + depth
         decode: list[_Running] = []
         chunks: list[tuple[_Running, int]] = []
         for r in running:  # decode first
@@ -128,9 +152,9 @@ def schedule(requests: Iterable[Request], config: SchedulerConfig = SchedulerCon
             now = pending[0].arrival_s if pending else now
             continue
         if chunks:
-            yield BatchDescriptor(tokens, reqs, spec_depth=config.spec_depth)
+            yield BatchDescriptor(tokens, reqs, spec_depth=depth)
         else:
-            yield BatchDescriptor.decode(reqs, config.spec_depth)
+            yield BatchDescriptor.decode(reqs, depth)
         steps += 1
         for r in decode:
             r.decode_left = max(r.decode_left - q, 0)

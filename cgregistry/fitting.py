@@ -1,0 +1,225 @@
+"""Plans against workloads: how a plan serves a stream of steps, and the plan that serves it best.
+
+``evaluate`` replays actual batch shapes through a plan's matcher: hit rate,
+eager fallbacks, padded tokens overall and by token count.  ``fit`` chooses the
+sizes that minimise padded tokens for a workload under a graph budget, exactly:
+a dynamic programme per key family over the observed sizes, then an exact split
+of the budget between families.  The covering guarantees of ``build`` stay: the
+widest uniform batch of each spec depth and the max capture size remain keys.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+import attrs
+import torch
+
+from cgregistry.descriptor import BatchDescriptor
+from cgregistry.matcher import DEFAULT_PREFERENCE, Matcher
+from cgregistry.plan import CapturePlan, PlanSettings
+
+__all__ = ["PlanReport", "evaluate", "fit", "fit_sizes"]
+
+# Columns of the dynamic programme's cost matrix computed at once (bounds memory for large sizes).
+_BLOCK = 512
+
+
+@attrs.frozen(slots=True)
+class PlanReport:
+    """How one plan served one stream of steps."""
+
+    graphs: int
+    largest_key_tokens: int  # the shared pool is about the size of this graph (see docs/performance.md)
+    steps: int
+    graph_steps: int
+    eager_steps: int
+    real_tokens: int  # tokens of graph-served steps
+    padded_tokens: int
+    eager_tokens: int
+    by_tokens: Mapping[int, tuple[int, int]]  # actual token count -> (graph-served steps, padded tokens)
+    memory_bytes: int | None = None  # measured, when the report comes from a captured registry
+
+    @property
+    def hit_rate(self) -> float:
+        return self.graph_steps / self.steps if self.steps else 0.0
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padded tokens over all tokens computed by graphs."""
+        total = self.real_tokens + self.padded_tokens
+        return self.padded_tokens / total if total else 0.0
+
+
+def evaluate(
+    plan: CapturePlan,
+    steps: Iterable[BatchDescriptor],
+    preference: Sequence[str] = DEFAULT_PREFERENCE,
+    memory_bytes: int | None = None,
+) -> PlanReport:
+    """Replay ``steps`` through ``plan``'s matcher and count what graphs would serve."""
+    matcher = Matcher(((e.descriptor, e.strategy) for e in plan), preference)
+    shapes = Counter(steps)
+    graph_steps = eager_steps = real = padded = eager_tokens = 0
+    by_tokens: dict[int, list[int]] = {}
+    for actual, n in shapes.items():
+        match = matcher.match(actual)
+        if match is None:
+            eager_steps += n
+            eager_tokens += n * actual.num_tokens
+            continue
+        graph_steps += n
+        real += n * actual.num_tokens
+        padded += n * match.padding.tokens
+        slot = by_tokens.setdefault(actual.num_tokens, [0, 0])
+        slot[0] += n
+        slot[1] += n * match.padding.tokens
+    return PlanReport(
+        graphs=len(plan),
+        largest_key_tokens=max((e.descriptor.num_tokens for e in plan), default=0),
+        steps=graph_steps + eager_steps,
+        graph_steps=graph_steps,
+        eager_steps=eager_steps,
+        real_tokens=real,
+        padded_tokens=padded,
+        eager_tokens=eager_tokens,
+        by_tokens={t: (v[0], v[1]) for t, v in sorted(by_tokens.items())},
+        memory_bytes=memory_bytes,
+    )
+
+
+def fit_sizes(weights: Mapping[int, int], top: int, unit: int = 1, max_sizes: int | None = None) -> dict[int, tuple[int, list[int]]]:
+    """Optimal size sets for one family, for every budget.
+
+    ``weights`` maps an observed size (at most ``top``) to how many steps have it;
+    a step of size v served by size s >= v pads ``(s - v) * unit`` tokens.  Returns,
+    for k = 1 .. max_sizes, the least total padding with k sizes, all of them
+    including ``top``, and one set achieving it.  Exact: dynamic programming over
+    the observed sizes (an optimal set only ever uses observed sizes and ``top``).
+    """
+    bad = [v for v in weights if v < 1 or v > top]
+    if bad:
+        raise ValueError(f"sizes {sorted(bad)[:5]} lie outside 1..{top}")
+    candidates = sorted(set(weights) | {top})
+    m = len(candidates)
+    limit = m if max_sizes is None else min(max_sizes, m)
+    values = torch.tensor(candidates, dtype=torch.int64)
+    w = torch.tensor([weights.get(c, 0) for c in candidates], dtype=torch.int64)
+    zero = torch.zeros(1, dtype=torch.int64)
+    cum_w = torch.cat([zero, w.cumsum(0)])
+    cum_wv = torch.cat([zero, (w * values).cumsum(0)])
+    rows = torch.arange(m + 1)[:, None]  # row r: the previous size is candidate r - 1 (r = 0: none)
+    inf = torch.iinfo(torch.int64).max // 4
+
+    def segments(cols: torch.Tensor) -> torch.Tensor:
+        """Padding when the candidates after the previous size, up to ``cols``, are served by ``cols``."""
+        count = cum_w[cols + 1][None, :] - cum_w[rows]
+        weighted = cum_wv[cols + 1][None, :] - cum_wv[rows]
+        pad = (values[cols][None, :] * count - weighted) * unit
+        return torch.where(rows <= cols[None, :], pad, torch.full_like(pad, inf))
+
+    blocks = [torch.arange(start, min(start + _BLOCK, m)) for start in range(0, m, _BLOCK)]
+    # best[k][j]: least padding covering candidates 0..j with k + 1 sizes, the largest being j
+    best = [torch.cat([segments(cols)[0] for cols in blocks])]
+    choice: list[torch.Tensor] = [torch.full((m,), -1, dtype=torch.int64)]
+    for _ in range(1, limit):
+        prev = torch.cat([torch.full((1,), inf, dtype=torch.int64), best[-1]])[:, None]
+        values_k, args_k = [], []
+        for cols in blocks:
+            cand = torch.clamp(prev + segments(cols), max=inf)
+            v, a = cand.min(dim=0)
+            values_k.append(v)
+            args_k.append(a - 1)
+        best.append(torch.cat(values_k))
+        choice.append(torch.cat(args_k))
+    out: dict[int, tuple[int, list[int]]] = {}
+    for k in range(1, limit + 1):
+        cost = int(best[k - 1][m - 1])
+        if cost >= inf:
+            continue
+        sizes, col = [], m - 1
+        for level in range(k - 1, -1, -1):
+            sizes.append(candidates[col])
+            col = int(choice[level][col])
+        out[k] = (cost, sorted(sizes))
+    return out
+
+
+def fit(
+    steps: Iterable[BatchDescriptor],
+    max_graphs: int,
+    *,
+    max_num_seqs: int,
+    max_num_tokens: int,
+    mode: str = "full_and_piecewise",
+    max_capture_size: int | None = None,
+    spec_depths: Sequence[int] | Mapping[int, Sequence[int]] = (0,),
+    lora_counts: Sequence[int] | None = None,
+    max_loras: int | None = None,
+) -> CapturePlan:
+    """The plan with at most ``max_graphs`` graphs that pads ``steps`` least.
+
+    Key families: one per spec depth for uniform decode batches (sizes are request
+    counts), one for mixed batches (token counts).  Steps are assigned the way the
+    matcher serves them when the decode and mixed strategies differ (modes
+    ``full_and_*``): uniform batches of a planned depth to their depth's family,
+    everything else up to the max capture size to the mixed family.  In mode
+    ``full`` the matcher may serve a uniform batch from a mixed key when that pads
+    less, so the fitted padding is an upper bound there.  Sizes are shared by all
+    LoRA counts: each size costs one graph per LoRA count.
+    """
+    settings = PlanSettings.from_engine(
+        max_num_seqs, max_num_tokens, mode, None, max_capture_size, spec_depths, lora_counts, max_loras
+    )
+    if type(max_graphs) is not int or max_graphs < 1:
+        raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
+    per_size = len(settings.lora_counts)
+    decode_hist: dict[int, Counter[int]] = {d: Counter() for d in settings.widest} if settings.decode_strategy else {}
+    mixed_hist: Counter[int] = Counter()
+    for step in steps:
+        if step.uniform and step.spec_depth in decode_hist and step.num_reqs <= settings.widest[step.spec_depth]:  # type: ignore[operator]
+            decode_hist[step.spec_depth][step.num_reqs] += 1  # type: ignore[index]
+        elif settings.mixed_strategy is not None and step.num_tokens <= settings.max_capture_size:
+            mixed_hist[step.num_tokens] += 1
+    families: list[tuple[str, int, dict[int, tuple[int, list[int]]]]] = []
+    budget = max_graphs // per_size
+    for depth, hist in decode_hist.items():
+        families.append(("decode", depth, fit_sizes(hist, settings.widest[depth], unit=1 + depth, max_sizes=budget)))
+    if settings.mixed_strategy is not None:
+        families.append(("mixed", 0, fit_sizes(mixed_hist, settings.max_capture_size, max_sizes=budget)))
+    if len(families) > budget:
+        raise ValueError(
+            f"max_graphs={max_graphs} cannot hold one graph per key family ({len(families)} families "
+            f"x {per_size} LoRA counts = {len(families) * per_size})"
+        )
+    chosen = _split_budget([f[2] for f in families], budget)
+    decode: dict[int, list[int]] = {}
+    mixed: list[int] = []
+    for (kind, depth, curve), k in zip(families, chosen):
+        sizes = curve[k][1]
+        if kind == "decode":
+            decode[depth] = sizes
+        else:
+            mixed = sizes
+    return settings.plan(decode, mixed)
+
+
+def _split_budget(curves: list[dict[int, tuple[int, list[int]]]], budget: int) -> list[int]:
+    """Sizes per family minimising total padding with at most ``budget`` sizes in all (exact)."""
+    inf = float("inf")
+    # best[b] = (cost, choices) using the families seen so far and b sizes
+    best: dict[int, tuple[float, list[int]]] = {0: (0, [])}
+    for curve in curves:
+        nxt: dict[int, tuple[float, list[int]]] = {}
+        for used, (cost, picks) in best.items():
+            for k, (pad, _) in curve.items():
+                b = used + k
+                if b > budget:
+                    continue
+                total = cost + pad
+                if total < nxt.get(b, (inf, []))[0]:
+                    nxt[b] = (total, [*picks, k])
+        best = nxt
+    _, picks = min(best.values(), key=lambda item: (item[0], sum(item[1])))  # ties: fewer graphs
+    return picks
