@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+    except (ValueError, TypeError, KeyError, RuntimeError, OSError) as exc:
         print(f"cgregistry {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -50,3 +50,51 @@ def test_demo_prints_table_and_timing() -> None:
     assert "checked 20 steps against eager: 0 mismatches" in r.stdout
     assert "timing over the same 20 steps: eager" in r.stdout
     assert "key" in r.stdout and "strategy" in r.stdout
+
+
+def small_trace(tmp_path) -> str:  # noqa: ANN001
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for i in range(40):
+        rows.append(f"2023-11-16 18:00:{i:02d}.0,{20 + 7 * (i % 5)},{3 + i % 4}")
+    path = tmp_path / "trace.csv"
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
+def test_plan_on_trace_matches_in_process_evaluation(tmp_path) -> None:  # noqa: ANN001
+    from cgregistry import CapturePlan
+    from cgregistry.fitting import evaluate
+    from cgregistry.workload import SchedulerConfig, read_trace, schedule
+
+    trace = small_trace(tmp_path)
+    r = cli("plan", "--trace", trace, "--max-num-seqs", "8", "--max-num-tokens", "64", "--fit", "6", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert set(data["plans"]) == {"default", "fitted (6)"}
+    requests = read_trace(trace)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    second = list(schedule(requests[20:], config))
+    default = evaluate(CapturePlan.build(max_num_seqs=8, max_num_tokens=64), second)
+    assert data["plans"]["default"]["padded_tokens"] == default.padded_tokens
+    assert data["plans"]["default"]["steps"] == len(second)
+    fitted = data["plans"]["fitted (6)"]
+    assert fitted["graphs"] <= 6
+    assert fitted["graph_steps"] == default.graph_steps
+    assert "second half" in data["scope"]
+
+
+def test_plan_on_trace_prints_side_by_side_and_plots(tmp_path) -> None:  # noqa: ANN001
+    pytest = __import__("pytest")
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "waste.png"
+    r = cli("plan", "--trace", small_trace(tmp_path), "--max-num-seqs", "8", "--max-num-tokens", "64", "--fit", "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    assert "default" in r.stdout and "fitted (" in r.stdout
+    assert "padding (of graph tokens)" in r.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_on_missing_trace_says_which_file(tmp_path) -> None:  # noqa: ANN001
+    r = cli("plan", "--trace", str(tmp_path / "nope.csv"))
+    assert r.returncode == 2
+    assert "nope.csv" in r.stderr
