@@ -18,7 +18,7 @@ import torch
 
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.matcher import DEFAULT_PREFERENCE, Matcher
-from cgregistry.plan import CapturePlan, PlanSettings
+from cgregistry.plan import CapturePlan, PlanSettings, SpecDepths
 
 __all__ = ["PlanReport", "evaluate", "fit", "fit_sizes"]
 
@@ -154,7 +154,7 @@ def fit(
     max_num_tokens: int,
     mode: str = "full_and_piecewise",
     max_capture_size: int | None = None,
-    spec_depths: Sequence[int] | Mapping[int, Sequence[int]] = (0,),
+    spec_depths: SpecDepths = (0,),
     lora_counts: Sequence[int] | None = None,
     max_loras: int | None = None,
 ) -> CapturePlan:
