@@ -1,4 +1,4 @@
-"""The ``cgregistry`` command: ``demo`` (the main job) and ``plan`` (what a plan captures and leaves out)."""
+"""The ``cgregistry`` command: ``demo`` (the main job), ``plan`` (keys, gaps, trace fit) and ``plugins``."""
 
 from __future__ import annotations
 
@@ -124,6 +124,27 @@ def _plot(reports: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _plugins(args: argparse.Namespace) -> int:
+    from cgregistry.plugins import Plugins
+
+    plugins = Plugins()
+    infos = plugins.describe()
+    provides: dict[str, list[str]] = {}
+    for kind, origin in (("strategy", plugins.strategy_origin), ("backend", plugins.backend_origin)):
+        for item, plugin_name in origin.items():
+            provides.setdefault(plugin_name, []).append(f"{kind} {item}")
+    if args.json:
+        print(json.dumps([{**attrs.asdict(i), "provides": provides.get(i.name, [])} for i in infos], indent=2))
+        return 0
+    rows = [("plugin", "distribution", "version", "provides", "hooks")]
+    for i in infos:
+        dist = (i.distribution or "-") + (" (built-in)" if i.builtin else "")
+        rows.append((i.name, dist, i.version or "-", ", ".join(provides.get(i.name, [])) or "-", ", ".join(i.hooks)))
+    for line in text_table(rows):
+        print(line)
+    return 0
+
+
 def _ints(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -168,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", default=None, metavar="PNG", help="write padding waste by token count (needs matplotlib)")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)
+
+    plugins = sub.add_parser("plugins", help="list installed plugins: distribution, version, what they provide, hooks")
+    plugins.add_argument("--json", action="store_true")
+    plugins.set_defaults(func=_plugins)
     return parser
 
 

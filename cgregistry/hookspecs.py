@@ -1,15 +1,27 @@
 """Every hook a cgregistry plugin can implement, and nothing else.
 
 Hooks are prefixed ``cgregistry_``.  Registration hooks receive a ``register``
-callback so that cgregistry owns storage and duplicate rules.
+callback so that cgregistry owns storage and duplicate rules.  Observer hooks
+are called on events and their return values are ignored; they run outside the
+per-step hot path (``run`` calls ``cgregistry_miss`` only on a miss).  The one
+policy hook, ``cgregistry_choose_match``, is ``firstresult``.
+
+Ordering: pluggy calls the most recently registered implementation first;
+built-ins are registered after entry points, so a plugin's observer runs after
+the built-ins' (the built-ins implement none).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pluggy
+
+if TYPE_CHECKING:
+    from cgregistry.descriptor import BatchDescriptor
+    from cgregistry.matcher import Match
+    from cgregistry.registry import EntryInfo, GraphRegistry
 
 __all__ = ["PROJECT", "hookimpl", "hookspec"]
 
@@ -18,15 +30,22 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
+# --------------------------------------------------------------- registration
+
+
 @hookspec
 def cgregistry_register_strategies(register: Callable[[Any], None]) -> None:
     """Register capture strategies by calling ``register(strategy)`` once per strategy.
 
     :param register: takes an object with ``name: str``, ``relaxes_num_reqs: bool``
-        and ``capture(body, backend, pool) -> (graph, outputs)``.  A name already
-        registered by another plugin is an error that names both plugins.
+        and ``capture(body, backend, pool) -> (graph, outputs)``, where ``graph``
+        has ``replay()`` and ``memory_bytes`` (and optionally ``segments`` and
+        ``breaks``).  A name already registered by another plugin is a
+        ``PluginError`` naming both plugins; a missing attribute is a
+        ``PluginError`` naming the plugin.
+    :return: ignored.
 
-    Called once per plugin manager, each plugin in turn.  Since 0.1.
+    Called once per plugin manager, each plugin in registration order.  Since 0.1.
     """
 
 
@@ -36,8 +55,90 @@ def cgregistry_register_backends(register: Callable[[Any], None]) -> None:
 
     :param register: takes an object implementing :class:`cgregistry.backends.Backend`
         (``name``, ``is_available``, ``device``, ``new_pool``, ``warmup``,
-        ``capture``, ``share_outputs``, ``recover_pool``, ``synchronize``).  Duplicate names are an
-        error that names both plugins.
+        ``capture``, ``share_outputs``, ``recover_pool``, ``synchronize``).
+        Duplicate names are a ``PluginError`` naming both plugins.
+    :return: ignored.
 
-    Called once per plugin manager, each plugin in turn.  Since 0.1.
+    Called once per plugin manager, each plugin in registration order.  Since 0.1.
+    """
+
+
+# --------------------------------------------------------------- policy
+
+
+@hookspec(firstresult=True)
+def cgregistry_choose_match(registry: GraphRegistry, actual: BatchDescriptor, candidates: Sequence[Match]) -> Match | None:
+    """Choose which captured key serves ``actual``, overriding the matcher's ranking.
+
+    :param registry: the registry asking.
+    :param actual: the batch to serve.
+    :param candidates: every covering key as a ``Match``, best first by the
+        built-in rule (preferred strategy, then least padding); never empty.
+    :return: one of ``candidates``, or None to leave the choice to the next
+        implementation (and finally to the built-in rule).  Returning anything
+        else is an error naming the plugin.
+
+    ``firstresult``: the first non-None answer wins.  Called once per distinct
+    actual shape (the answer is cached until entries change), never per step.
+    Since 0.1.
+    """
+
+
+# --------------------------------------------------------------- observers
+
+
+@hookspec
+def cgregistry_registry_created(registry: GraphRegistry) -> None:
+    """A registry was constructed (telemetry plugins attach here).
+
+    :param registry: the new registry; hold it weakly.
+    :return: ignored.  Since 0.1.
+    """
+
+
+@hookspec
+def cgregistry_capture_started(registry: GraphRegistry, key: BatchDescriptor, strategy: str) -> None:
+    """Capture of one entry is about to start (after the plan was checked).
+
+    :param registry: the capturing registry.
+    :param key: the descriptor being captured.
+    :param strategy: the strategy's name.
+    :return: ignored.  An exception raised here aborts the capture like a step error.  Since 0.1.
+    """
+
+
+@hookspec
+def cgregistry_capture_finished(
+    registry: GraphRegistry, key: BatchDescriptor, strategy: str, entry: EntryInfo | None, error: BaseException | None
+) -> None:
+    """Capture of one entry ended, successfully (``entry``) or not (``error``).
+
+    :param registry: the capturing registry.
+    :param key: the descriptor captured.
+    :param strategy: the strategy's name.
+    :param entry: the new entry's record, or None on failure.
+    :param error: the ``CaptureError`` raised to the caller, or None on success.
+    :return: ignored.  Since 0.1.
+    """
+
+
+@hookspec
+def cgregistry_miss(registry: GraphRegistry, actual: BatchDescriptor) -> None:
+    """``run`` found no covering key and is about to run the step eagerly.
+
+    :param registry: the registry.
+    :param actual: the batch that missed.
+    :return: ignored.  Called on every miss, so keep it cheap.  Since 0.1.
+    """
+
+
+@hookspec
+def cgregistry_entry_failed(registry: GraphRegistry, key: BatchDescriptor, strategy: str, error: BaseException) -> None:
+    """An entry's replay raised: the entry was removed and the step ran eagerly instead.
+
+    :param registry: the registry.
+    :param key: the failed entry's descriptor.
+    :param strategy: its strategy.
+    :param error: what the replay raised.
+    :return: ignored.  Since 0.1.
     """

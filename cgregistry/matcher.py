@@ -203,6 +203,16 @@ class Matcher:
                 return Match(best, group[0].strategy, Padding(*best_order[:3]))  # type: ignore[index]
         return None
 
+    def candidates(self, actual: BatchDescriptor) -> list[Match]:
+        """Every covering key as a Match, best first by this matcher's rule (a scan: not for the hot path)."""
+        found = [
+            (self._rank[strategy], _order(key, actual), Match(key, strategy, key.padding(actual)))
+            for key, strategy in self._pairs
+            if key.covers(actual)
+        ]
+        found.sort(key=lambda item: (item[0], item[1]))
+        return [m for _, _, m in found]
+
     def explain(self, actual: BatchDescriptor) -> Explanation:
         """Every key with the reason it won or lost against ``actual``."""
         chosen = self.match(actual)

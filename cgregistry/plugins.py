@@ -12,14 +12,18 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import attrs
 import pluggy
 
 from cgregistry import hookspecs
 from cgregistry.backends import Backend
 
-__all__ = ["DEFAULT_PLUGINS", "DISABLE_AUTOLOAD_ENV", "PluginError", "Plugins", "make_plugin_manager"]
+__all__ = [
+    "BLOCK_ENV", "DEFAULT_PLUGINS", "DISABLE_AUTOLOAD_ENV", "PluginError", "PluginInfo", "Plugins", "make_plugin_manager",
+]
 
 DISABLE_AUTOLOAD_ENV = "CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD"
+BLOCK_ENV = "CGREGISTRY_BLOCK_PLUGINS"  # comma-separated plugin (entry point or module) names never to register
 DEFAULT_PLUGINS = (
     "cgregistry.backends.cuda",
     "cgregistry.backends.cpu",
@@ -31,10 +35,19 @@ class PluginError(ValueError):
     """A plugin registered something invalid (names the plugin)."""
 
 
-def make_plugin_manager(plugins: Iterable[object] = (), *, autoload: bool | None = None) -> pluggy.PluginManager:
-    """A fresh manager: entry points (unless disabled), then ``plugins``, then the built-ins."""
+def make_plugin_manager(
+    plugins: Iterable[object] = (), *, autoload: bool | None = None, block: Iterable[str] = ()
+) -> pluggy.PluginManager:
+    """A fresh manager: entry points (unless disabled), then ``plugins``, then the built-ins.
+
+    ``block`` (and ``CGREGISTRY_BLOCK_PLUGINS``) names plugins never to register:
+    an entry point's name, or a built-in module such as ``cgregistry.backends.cuda``.
+    """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
+    blocked = {*block, *(n.strip() for n in os.environ.get(BLOCK_ENV, "").split(",") if n.strip())}
+    for name in blocked:
+        pm.set_blocked(name)
     if autoload is None:
         autoload = not os.environ.get(DISABLE_AUTOLOAD_ENV)
     if autoload:
@@ -42,10 +55,21 @@ def make_plugin_manager(plugins: Iterable[object] = (), *, autoload: bool | None
     for plugin in plugins:
         pm.register(plugin)
     for name in DEFAULT_PLUGINS:
-        if pm.get_plugin(name) is None:
+        if pm.get_plugin(name) is None and not pm.is_blocked(name):
             pm.register(importlib.import_module(name), name=name)
     pm.check_pending()
     return pm
+
+
+@attrs.frozen(slots=True)
+class PluginInfo:
+    """One registered plugin: where it came from and which hooks it implements."""
+
+    name: str
+    distribution: str | None
+    version: str | None
+    hooks: tuple[str, ...]
+    builtin: bool
 
 
 def _collect(pm: pluggy.PluginManager, hook_name: str, kind: str, check: Callable[[Any], str | None]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -98,6 +122,26 @@ class Plugins:
         self.strategies, self.strategy_origin = _collect(self.pm, "cgregistry_register_strategies", "strategy", _strategy_problem)
         self.backends, self.backend_origin = _collect(self.pm, "cgregistry_register_backends", "backend", _backend_problem)
 
+    def describe(self) -> list[PluginInfo]:
+        """Every registered plugin with its distribution, version and hooks."""
+        dists = {id(plugin): dist for plugin, dist in self.pm.list_plugin_distinfo()}
+        out = []
+        for name, plugin in self.pm.list_name_plugin():
+            if plugin is None:  # blocked
+                continue
+            dist = dists.get(id(plugin))
+            hooks = tuple(sorted(caller.name for caller in self.pm.get_hookcallers(plugin) or ()))
+            out.append(
+                PluginInfo(
+                    name=name,
+                    distribution=dist.project_name if dist is not None else ("cgregistry" if name in DEFAULT_PLUGINS else None),
+                    version=dist.version if dist is not None else (_own_version() if name in DEFAULT_PLUGINS else None),
+                    hooks=hooks,
+                    builtin=name in DEFAULT_PLUGINS,
+                )
+            )
+        return out
+
     def strategy(self, name: str) -> Any:
         try:
             return self.strategies[name]
@@ -119,3 +163,9 @@ class Plugins:
         if not backend.is_available():
             raise RuntimeError(f"backend {name!r} is registered but not available on this machine")
         return backend
+
+
+def _own_version() -> str:
+    from cgregistry import __version__
+
+    return __version__

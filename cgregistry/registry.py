@@ -9,7 +9,9 @@ A batch no key covers runs ``step`` eagerly on the live inputs and is counted.
 from __future__ import annotations
 
 import gc
+import itertools
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -21,7 +23,7 @@ from cgregistry.descriptor import BatchDescriptor
 from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher
 from cgregistry.outputs import OutputError, OutputSlicer, flatten
 from cgregistry.plan import CapturePlan, PlanEntry
-from cgregistry.plugins import Plugins
+from cgregistry.plugins import PluginError, Plugins
 from cgregistry.text import text_table
 
 _CG_INTERNAL = True
@@ -30,6 +32,7 @@ __all__ = ["CaptureError", "EntryInfo", "GraphRegistry", "Stats"]
 
 # Distinct actual shapes remembered by the route cache before it starts over.
 _ROUTE_CACHE_LIMIT = 1 << 16
+_names = itertools.count(1)  # default registry names: registry-1, registry-2, ...
 
 
 class CaptureError(RuntimeError):
@@ -66,6 +69,7 @@ class Stats:
     padded_tokens: int  # padding tokens computed by graphs
     eager_tokens: int
     by_strategy: Mapping[str, int]  # replays per strategy
+    entry_failures: int = 0  # entries removed because their replay raised (see failures())
 
     @property
     def hit_rate(self) -> float:
@@ -142,6 +146,7 @@ class GraphRegistry:
         preference: Sequence[str] = DEFAULT_PREFERENCE,
         warmup_runs: int = 1,
         plugins: Plugins | None = None,
+        name: str | None = None,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable, got {step!r}")
@@ -149,17 +154,18 @@ class GraphRegistry:
             raise ValueError(f"output_axis must be 'tokens' or 'reqs', got {output_axis!r}")
         if type(warmup_runs) is not int or warmup_runs < 1:
             raise ValueError(f"warmup_runs must be an int >= 1, got {warmup_runs!r}")
-        for name, spec in inputs.items():
+        for input_name, spec in inputs.items():
             if not isinstance(spec, StaticInput):
-                raise TypeError(f"inputs[{name!r}] must be a cgregistry.StaticInput, got {spec!r}")
+                raise TypeError(f"inputs[{input_name!r}] must be a cgregistry.StaticInput, got {spec!r}")
         self._step = step
+        self.name = name if name is not None else f"registry-{next(_names)}"
         self.plugins = plugins if plugins is not None else Plugins()
         self.backend = self.plugins.backend(backend)
         self.device = self.backend.device()
         self.output_axis = output_axis
         self.preference = tuple(preference)
         self.warmup_runs = warmup_runs
-        self._buffers = {name: StaticBuffer(name, spec, self.device) for name, spec in inputs.items()}
+        self._buffers = {key: StaticBuffer(key, spec, self.device) for key, spec in inputs.items()}
         self._input_names = frozenset(self._buffers)
         self._pool = self.backend.new_pool()
         self._entries: dict[tuple[BatchDescriptor, str], _Entry] = {}
@@ -169,6 +175,13 @@ class GraphRegistry:
         self._misses = 0
         self._eager_fallbacks = 0
         self._eager_tokens = 0
+        self._failures: dict[tuple[BatchDescriptor, str], BaseException] = {}
+        hook = self.plugins.pm.hook
+        self._hook = hook
+        # Hooks with no implementation cost nothing: the hot path checks a None.
+        self._miss_hook = hook.cgregistry_miss if hook.cgregistry_miss.get_hookimpls() else None
+        self._choose_hook = hook.cgregistry_choose_match if hook.cgregistry_choose_match.get_hookimpls() else None
+        hook.cgregistry_registry_created(registry=self)
 
     # ------------------------------------------------------------------ capture
 
@@ -197,7 +210,7 @@ class GraphRegistry:
         captured: list[EntryInfo] = []
         try:
             for entry in bar:
-                captured.append(self._info(self._capture_one(entry.descriptor, entry.strategy)))
+                captured.append(self._capture_observed(entry.descriptor, entry.strategy))
         finally:
             if freeze:
                 gc.unfreeze()
@@ -207,6 +220,20 @@ class GraphRegistry:
             if hasattr(bar, "close"):
                 bar.close()
         return captured
+
+    def _capture_observed(self, key: BatchDescriptor, strategy: str) -> EntryInfo:
+        """Capture one entry between the capture_started and capture_finished hooks."""
+        try:
+            self._hook.cgregistry_capture_started(registry=self, key=key, strategy=strategy)
+            info = self._info(self._capture_one(key, strategy))
+        except Exception as exc:
+            error = exc if isinstance(exc, CaptureError) else CaptureError(key, strategy, exc)
+            self._hook.cgregistry_capture_finished(registry=self, key=key, strategy=strategy, entry=None, error=error)
+            if error is exc:
+                raise
+            raise error from exc
+        self._hook.cgregistry_capture_finished(registry=self, key=key, strategy=strategy, entry=info, error=None)
+        return info
 
     @staticmethod
     def _plan_entry(e: object) -> PlanEntry:
@@ -293,9 +320,9 @@ class GraphRegistry:
             if inputs.keys() != self._input_names:
                 raise self._bad_names(inputs)
             self._misses += 1
-            self._eager_fallbacks += 1
-            self._eager_tokens += actual.num_tokens
-            return self._step(actual, **inputs)
+            if self._miss_hook is not None:
+                self._miss_hook(registry=self, actual=actual)
+            return self._eager(actual, inputs)
         if len(inputs) != len(route.copies):
             raise self._bad_names(inputs)
         try:
@@ -303,7 +330,11 @@ class GraphRegistry:
                 buf.write(inputs[buf.name], rows)
         except KeyError:
             raise self._bad_names(inputs) from None
-        entry.replay()
+        try:
+            entry.replay()
+        except Exception as exc:  # a strategy's replay failed: contain it to its entry
+            self._remove_failed(entry, exc)
+            return self._eager(actual, inputs)
         entry.replays += 1
         entry.padded_tokens += route.pad_tokens
         entry.graph_tokens += route.real_tokens
@@ -313,6 +344,29 @@ class GraphRegistry:
         if out is not None:
             return out
         return entry.slicer.sliced(route.out_rows)
+
+    def _eager(self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor]) -> Any:
+        self._eager_fallbacks += 1
+        self._eager_tokens += actual.num_tokens
+        return self._step(actual, **inputs)
+
+    def _remove_failed(self, entry: _Entry, error: BaseException) -> None:
+        """Drop an entry whose replay raised, keep the error for failures(), tell observers."""
+        pair = (entry.key, entry.strategy)
+        self._entries.pop(pair, None)
+        self._failures[pair] = error
+        self._rebuild()
+        warnings.warn(
+            f"cgregistry: replay of {entry.key} [{entry.strategy}] raised {type(error).__name__}: {error}; "
+            "the entry was removed and the step ran eagerly",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self._hook.cgregistry_entry_failed(registry=self, key=entry.key, strategy=entry.strategy, error=error)
+
+    def failures(self) -> dict[tuple[BatchDescriptor, str], BaseException]:
+        """Entries removed because their replay raised, with the error (a new capture may replace them)."""
+        return dict(self._failures)
 
     def _bad_names(self, inputs: Mapping[str, Any]) -> InputError:
         missing = sorted(self._input_names - inputs.keys())
@@ -328,6 +382,8 @@ class GraphRegistry:
         if not isinstance(actual, BatchDescriptor):
             raise TypeError(f"run() needs a BatchDescriptor, got {actual!r}")
         match = self._matcher.match(actual)
+        if match is not None and self._choose_hook is not None:
+            match = self._chosen(actual, match)
         entry = self._entries[(match.key, match.strategy)] if match is not None else None
         copies = []
         for buf in self._buffers.values():
@@ -343,6 +399,19 @@ class GraphRegistry:
             self._routes.clear()
         self._routes[actual] = route
         return route
+
+    def _chosen(self, actual: BatchDescriptor, default: Match) -> Match:
+        candidates = self._matcher.candidates(actual)
+        choice = self._choose_hook(registry=self, actual=actual, candidates=candidates)  # type: ignore[misc]
+        if choice is None:
+            return default
+        if choice not in candidates:
+            impls = ", ".join(i.plugin_name for i in self._hook.cgregistry_choose_match.get_hookimpls())
+            raise PluginError(
+                f"cgregistry_choose_match (implemented by {impls}) returned {choice!r} for {actual}, "
+                "which is not one of the candidates it was given"
+            )
+        return choice
 
     # ------------------------------------------------------------------ inspection
 
@@ -396,6 +465,7 @@ class GraphRegistry:
             padded_tokens=sum(e.padded_tokens for e in entries),
             eager_tokens=self._eager_tokens,
             by_strategy=by_strategy,
+            entry_failures=len(self._failures),
         )
 
     def reset_stats(self) -> None:

@@ -9,6 +9,8 @@ import cgregistry as cg
 
 HAS_CUDA = torch.cuda.is_available()
 
+pytest_plugins = ["cgregistry.testing"]  # its fixtures, as a plugin author would use them
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if HAS_CUDA:

@@ -98,3 +98,18 @@ def test_plan_on_missing_trace_says_which_file(tmp_path) -> None:  # noqa: ANN00
     r = cli("plan", "--trace", str(tmp_path / "nope.csv"))
     assert r.returncode == 2
     assert "nope.csv" in r.stderr
+
+
+def test_plugins_lists_builtins_and_installed_distributions() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD"}
+    r = subprocess.run([sys.executable, "-m", "cgregistry.cli", "plugins", "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    infos = {p["name"]: p for p in json.loads(r.stdout)}
+    full = infos["cgregistry.strategies.full"]
+    assert full["builtin"] and full["distribution"] == "cgregistry"
+    assert full["hooks"] == ["cgregistry_register_strategies"] and full["provides"] == ["strategy full"]
+    assert infos["cgregistry.backends.cpu"]["provides"] == ["backend cpu"]
+    if "eager" in infos:  # the plugins/ packages, where installed (CI installs them)
+        assert infos["eager"]["distribution"] == "cgregistry-eager" and infos["eager"]["provides"] == ["strategy eager"]
+    table = subprocess.run([sys.executable, "-m", "cgregistry.cli", "plugins"], capture_output=True, text=True, env=env, timeout=300)
+    assert "cgregistry (built-in)" in table.stdout and "cgregistry_register_backends" in table.stdout

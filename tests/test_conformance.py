@@ -1,0 +1,42 @@
+"""cgregistry.testing's conformance suite run against the built-in strategies (and its fixtures used)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cgregistry as cg
+from cgregistry.testing import StrategyConformance
+
+
+
+class TestFullConformance(StrategyConformance):
+    strategy = "full"
+
+
+@pytest.mark.cuda
+class TestFullConformanceOnCuda(StrategyConformance):
+    strategy = "full"
+    backend = "cuda"
+
+
+def test_fixtures_give_a_fresh_cpu_registry(cg_registry: cg.GraphRegistry, cg_tiny_model: torch.nn.Module) -> None:
+    assert cg_registry.backend.name == "cpu" and len(cg_registry) == 0
+    assert set(cg_registry.plugins.strategies) == {"full"}, "no entry points: only what the test registers"
+
+
+def test_cg_plugins_registers_for_one_test(cg_plugins) -> None:  # noqa: ANN001
+    class Named:
+        name = "named"
+        relaxes_num_reqs = True
+
+        def capture(self, body, backend, pool):  # noqa: ANN001, ANN201
+            return backend.capture(body, pool)
+
+    class Plugin:
+        @cg.hookimpl
+        def cgregistry_register_strategies(self, register):  # noqa: ANN001, ANN201
+            register(Named())
+
+    assert "named" in cg_plugins(Plugin()).strategies
+    assert "named" not in cg_plugins().strategies
