@@ -4,6 +4,7 @@ from cgregistry.backends.cpu import GraphUnsafeOpError
 from cgregistry.buffers import InputError, StaticInput
 from cgregistry.descriptor import BatchDescriptor, Padding
 from cgregistry.hookspecs import hookimpl, hookspec
+from cgregistry.inspection import ClassStats, Snapshot, SnapshotError, load_snapshot
 from cgregistry.matcher import Candidate, Explanation, Match, Matcher
 from cgregistry.outputs import OutputError
 from cgregistry.plan import MODES, CapturePlan, PlanEntry, UncoveredRange
@@ -17,6 +18,7 @@ __all__ = [
     "BatchDescriptor",
     "Candidate",
     "CaptureError",
+    "ClassStats",
     "CapturePlan",
     "EntryInfo",
     "Explanation",
@@ -30,11 +32,14 @@ __all__ = [
     "PlanEntry",
     "PluginError",
     "Plugins",
+    "Snapshot",
+    "SnapshotError",
     "StaticInput",
     "Stats",
     "UncoveredRange",
     "__version__",
     "hookimpl",
     "hookspec",
+    "load_snapshot",
     "make_plugin_manager",
 ]

@@ -142,3 +142,16 @@ def cgregistry_entry_failed(registry: GraphRegistry, key: BatchDescriptor, strat
     :param error: what the replay raised.
     :return: ignored.  Since 0.1.
     """
+
+
+@hookspec
+def cgregistry_evicted(registry: GraphRegistry, key: BatchDescriptor, strategy: str, memory_bytes: int) -> None:
+    """An entry was evicted to keep the registry under its ``memory_budget``.
+
+    :param registry: the registry.
+    :param key: the evicted entry's descriptor (it is pending again: a later
+        batch that needs it captures it anew).
+    :param strategy: its strategy.
+    :param memory_bytes: the measured memory the entry accounted for.
+    :return: ignored.  Least recently replayed entries go first.  Since 0.1.
+    """

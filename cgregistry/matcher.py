@@ -59,6 +59,22 @@ class Explanation:
     match: Match | None
     candidates: tuple[Candidate, ...]
 
+    def to_dict(self) -> dict:
+        """The explanation as JSON-serialisable data."""
+
+        def key(d: BatchDescriptor) -> dict:
+            return attrs.asdict(d)
+
+        return {
+            "actual": key(self.actual),
+            "match": None if self.match is None else {"key": key(self.match.key), "strategy": self.match.strategy, "padding": list(self.match.padding)},
+            "candidates": [
+                {"key": key(c.key), "strategy": c.strategy, "covers": c.covers, "chosen": c.chosen, "reason": c.reason,
+                 "padding": None if c.padding is None else list(c.padding)}
+                for c in self.candidates
+            ],
+        }
+
     def __str__(self) -> str:
         head = f"actual {self.actual}: " + (
             f"matched {self.match.key} [{self.match.strategy}], padding {tuple(self.match.padding)}"

@@ -8,18 +8,22 @@ A batch no key covers runs ``step`` eagerly on the live inputs and is counted.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from datetime import datetime, timezone
 from typing import Any
 
-import attrs
 import torch
 
 from cgregistry.buffers import InputError, StaticBuffer, StaticInput
 from cgregistry.descriptor import BatchDescriptor
+from cgregistry.inspection import (
+    ClassStats, EntryInfo, Snapshot, Stats, entries_table, filter_entries, key_class, stats_line,
+)
 from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher
 from cgregistry.outputs import OutputError, OutputSlicer, flatten
 from cgregistry.plan import CapturePlan, PlanEntry
@@ -28,7 +32,7 @@ from cgregistry.text import text_table
 
 _CG_INTERNAL = True
 
-__all__ = ["CaptureError", "EntryInfo", "GraphRegistry", "Stats"]
+__all__ = ["CaptureError", "EntryInfo", "GraphRegistry", "Stats"]  # records re-exported from inspection
 
 # Distinct actual shapes remembered by the route cache before it starts over.
 _ROUTE_CACHE_LIMIT = 1 << 16
@@ -44,49 +48,10 @@ class CaptureError(RuntimeError):
         self.strategy = strategy
 
 
-@attrs.frozen(slots=True)
-class EntryInfo:
-    """A read-only view of one captured entry."""
-
-    key: BatchDescriptor
-    strategy: str
-    backend: str
-    capture_seconds: float
-    memory_bytes: int
-    replays: int
-    padded_tokens: int
-    last_step: int  # value of the registry's step counter at the last replay (0: never)
-
-
-@attrs.frozen(slots=True)
-class Stats:
-    """Counters since the last reset."""
-
-    hits: int
-    misses: int
-    eager_fallbacks: int
-    graph_tokens: int  # real tokens served by graphs
-    padded_tokens: int  # padding tokens computed by graphs
-    eager_tokens: int
-    by_strategy: Mapping[str, int]  # replays per strategy
-    entry_failures: int = 0  # entries removed because their replay raised (see failures())
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-    @property
-    def padding_ratio(self) -> float:
-        """Padded tokens over all tokens computed by graphs."""
-        total = self.graph_tokens + self.padded_tokens
-        return self.padded_tokens / total if total else 0.0
-
-
 class _Entry:
     __slots__ = (
         "key", "strategy", "graph", "replay", "slicer", "capture_seconds", "memory_bytes",
-        "replays", "padded_tokens", "graph_tokens", "last_step",
+        "replays", "padded_tokens", "graph_tokens", "last_step", "key_class",
     )
 
     def __init__(self, key: BatchDescriptor, strategy: str, graph: Any, slicer: OutputSlicer, seconds: float) -> None:
@@ -101,15 +66,17 @@ class _Entry:
         self.padded_tokens = 0
         self.graph_tokens = 0
         self.last_step = 0
+        self.key_class = key_class(key, strategy)
 
 
 class _Route:
     """Everything ``run`` needs for one actual shape, computed once."""
 
-    __slots__ = ("entry", "match", "copies", "out_rows", "single_output", "real_tokens", "pad_tokens")
+    __slots__ = ("entry", "pending", "match", "copies", "out_rows", "single_output", "real_tokens", "pad_tokens")
 
-    def __init__(self, entry: _Entry | None, match: Match | None, copies: tuple[tuple[StaticBuffer, int], ...], out_rows: int, real_tokens: int) -> None:
+    def __init__(self, entry: _Entry | None, match: Match | None, copies: tuple[tuple[StaticBuffer, int], ...], out_rows: int, real_tokens: int, pending: bool = False) -> None:
         self.entry = entry
+        self.pending = pending  # the best key is in a lazy plan and not captured yet
         self.match = match
         self.copies = copies
         self.out_rows = out_rows
@@ -147,6 +114,7 @@ class GraphRegistry:
         warmup_runs: int = 1,
         plugins: Plugins | None = None,
         name: str | None = None,
+        memory_budget: int | None = None,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable, got {step!r}")
@@ -154,6 +122,8 @@ class GraphRegistry:
             raise ValueError(f"output_axis must be 'tokens' or 'reqs', got {output_axis!r}")
         if type(warmup_runs) is not int or warmup_runs < 1:
             raise ValueError(f"warmup_runs must be an int >= 1, got {warmup_runs!r}")
+        if memory_budget is not None and (type(memory_budget) is not int or memory_budget < 0):
+            raise ValueError(f"memory_budget must be a byte count >= 0 or None, got {memory_budget!r}")
         for input_name, spec in inputs.items():
             if not isinstance(spec, StaticInput):
                 raise TypeError(f"inputs[{input_name!r}] must be a cgregistry.StaticInput, got {spec!r}")
@@ -176,6 +146,12 @@ class GraphRegistry:
         self._eager_fallbacks = 0
         self._eager_tokens = 0
         self._failures: dict[tuple[BatchDescriptor, str], BaseException] = {}
+        self.memory_budget = memory_budget
+        self._pending: dict[tuple[BatchDescriptor, str], None] = {}  # lazy keys, captured on first need
+        self._retired: dict[str, list[int]] = {}  # counters of removed entries, per key class
+        self._misses_by_kind = {"uniform": 0, "mixed": 0}
+        self._lazy_captures = 0
+        self._evictions = 0
         hook = self.plugins.pm.hook
         self._hook = hook
         # Hooks with no implementation cost nothing: the hot path checks a None.
@@ -185,37 +161,41 @@ class GraphRegistry:
 
     # ------------------------------------------------------------------ capture
 
-    def capture(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], *, progress: bool | None = None) -> list[EntryInfo]:
+    def capture(
+        self,
+        plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]],
+        *,
+        progress: bool | None = None,
+        lazy: bool = False,
+    ) -> list[EntryInfo]:
         """Capture every entry of ``plan`` not yet captured, in plan order (largest first).
 
         All entries are checked before any is captured.  If one fails, the
         entries captured before it stay, it is absent, and ``CaptureError``
-        names its descriptor and strategy.
+        names its descriptor and strategy.  With ``lazy=True`` nothing is
+        captured now: each key is captured by the first ``run`` it is the best
+        match for (counted in ``stats().lazy_captures``).
         """
         todo = [self._plan_entry(e) for e in plan]
         for entry in todo:
             self.plugins.strategy(entry.strategy)
             self._check_fits(entry.descriptor)
         todo = [e for e in dict.fromkeys(todo) if (e.descriptor, e.strategy) not in self._entries]
+        if lazy:
+            for e in todo:
+                self._pending[(e.descriptor, e.strategy)] = None
+            self._rebuild()
+            return []
         if progress is None:
             progress = len(todo) > 1 and _stderr_is_terminal()
         bar = _progress(todo, progress)
-        # Freeze the heap so no collection (and no tensor finaliser) runs between captures.
-        freeze = gc.get_freeze_count() == 0  # leave a caller's own frozen heap alone
-        if freeze:
-            gc.collect()
-            gc.freeze()
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
         captured: list[EntryInfo] = []
         try:
-            for entry in bar:
-                captured.append(self._capture_observed(entry.descriptor, entry.strategy))
+            with _frozen_gc():
+                for entry in bar:
+                    captured.append(self._capture_observed(entry.descriptor, entry.strategy))
+                    self._enforce_budget(keep=(entry.descriptor, entry.strategy))
         finally:
-            if freeze:
-                gc.unfreeze()
-            if gc_was_enabled:
-                gc.enable()
             self._rebuild()
             if hasattr(bar, "close"):
                 bar.close()
@@ -284,6 +264,7 @@ class GraphRegistry:
         seconds = time.perf_counter() - started
         entry = _Entry(key, strategy_name, graph, OutputSlicer(self.backend.share_outputs(leaves), spec), seconds)
         self._entries[(key, strategy_name)] = entry
+        self._pending.pop((key, strategy_name), None)
         return entry
 
     def _check_outputs(self, leaves: list[torch.Tensor], key: BatchDescriptor) -> None:
@@ -302,8 +283,52 @@ class GraphRegistry:
             raise OutputError(f"output_axis='reqs' needs keys with a request count; {key} has none")
 
     def _rebuild(self) -> None:
-        self._matcher = Matcher(self._entries, self.preference)
+        self._matcher = Matcher([*self._entries, *self._pending], self.preference)
         self._routes.clear()
+
+    # ------------------------------------------------------------------ lazy capture and the budget
+
+    def _capture_lazily(self, pair: tuple[BatchDescriptor, str], actual: BatchDescriptor) -> _Route:
+        """Capture a pending key on its first use; on failure drop it and fall back to eager."""
+        try:
+            with _frozen_gc():
+                self._capture_observed(*pair)
+        except CaptureError as exc:
+            self._pending.pop(pair, None)
+            self._failures[pair] = exc
+            self._rebuild()
+            warnings.warn(f"cgregistry: lazy {exc}; the key is dropped and the step runs eagerly", RuntimeWarning, stacklevel=3)
+        else:
+            self._lazy_captures += 1
+            self._rebuild()
+            self._enforce_budget(keep=pair)
+        return self._route(actual)
+
+    def _enforce_budget(self, keep: tuple[BatchDescriptor, str]) -> None:
+        """Evict least-recently-used entries (never ``keep``) while measured memory exceeds the budget."""
+        if self.memory_budget is None:
+            return
+        evicted = False
+        while self.memory_bytes() > self.memory_budget:
+            victims = [e for pair, e in self._entries.items() if pair != keep]
+            if not victims:
+                break
+            victim = min(victims, key=lambda e: (e.last_step, -e.memory_bytes))
+            self._drop(victim)
+            self._pending[(victim.key, victim.strategy)] = None  # a later need captures it again
+            self._evictions += 1
+            evicted = True
+            self._hook.cgregistry_evicted(registry=self, key=victim.key, strategy=victim.strategy, memory_bytes=victim.memory_bytes)
+        if evicted:
+            self._rebuild()
+
+    def _drop(self, entry: _Entry) -> None:
+        """Remove an entry, keeping its counters in the statistics."""
+        self._entries.pop((entry.key, entry.strategy), None)
+        retired = self._retired.setdefault(entry.key_class, [0, 0, 0])
+        retired[0] += entry.replays
+        retired[1] += entry.graph_tokens
+        retired[2] += entry.padded_tokens
 
     # ------------------------------------------------------------------ run
 
@@ -316,10 +341,16 @@ class GraphRegistry:
         if route is None:
             route = self._route(actual)
         entry = route.entry
+        if entry is None and route.pending:
+            if inputs.keys() != self._input_names:
+                raise self._bad_names(inputs)
+            route = self._capture_lazily((route.match.key, route.match.strategy), actual)  # type: ignore[union-attr]
+            entry = route.entry
         if entry is None:
             if inputs.keys() != self._input_names:
                 raise self._bad_names(inputs)
             self._misses += 1
+            self._misses_by_kind["uniform" if actual.uniform else "mixed"] += 1
             if self._miss_hook is not None:
                 self._miss_hook(registry=self, actual=actual)
             return self._eager(actual, inputs)
@@ -352,9 +383,8 @@ class GraphRegistry:
 
     def _remove_failed(self, entry: _Entry, error: BaseException) -> None:
         """Drop an entry whose replay raised, keep the error for failures(), tell observers."""
-        pair = (entry.key, entry.strategy)
-        self._entries.pop(pair, None)
-        self._failures[pair] = error
+        self._drop(entry)
+        self._failures[(entry.key, entry.strategy)] = error
         self._rebuild()
         warnings.warn(
             f"cgregistry: replay of {entry.key} [{entry.strategy}] raised {type(error).__name__}: {error}; "
@@ -384,7 +414,8 @@ class GraphRegistry:
         match = self._matcher.match(actual)
         if match is not None and self._choose_hook is not None:
             match = self._chosen(actual, match)
-        entry = self._entries[(match.key, match.strategy)] if match is not None else None
+        entry = self._entries.get((match.key, match.strategy)) if match is not None else None
+        pending = match is not None and entry is None
         copies = []
         for buf in self._buffers.values():
             rows = _rows(buf.spec.axis, actual)
@@ -394,7 +425,7 @@ class GraphRegistry:
         out_rows = actual.num_tokens if self.output_axis == "tokens" else actual.num_reqs
         if out_rows is None:
             raise InputError(f"output_axis='reqs' needs the batch's request count; {actual} gives none")
-        route = _Route(entry, match, tuple(copies), out_rows, actual.num_tokens)
+        route = _Route(entry, match, tuple(copies), out_rows, actual.num_tokens, pending)
         if len(self._routes) >= _ROUTE_CACHE_LIMIT:
             self._routes.clear()
         self._routes[actual] = route
@@ -426,76 +457,109 @@ class GraphRegistry:
         """Every captured key and why it won or lost for ``actual``; ``str()`` gives a table."""
         return self._matcher.explain(actual)
 
-    def entries(self, *, strategy: str | None = None, uniform: bool | None = None) -> list[EntryInfo]:
-        """Captured entries, largest first, optionally filtered."""
-        out = []
-        for entry in self._entries.values():
-            if strategy is not None and entry.strategy != strategy:
-                continue
-            if uniform is not None and entry.key.uniform != uniform:
-                continue
-            out.append(self._info(entry))
-        out.sort(key=lambda e: (-e.key.num_tokens, -(e.key.num_reqs or 0), -e.key.num_active_loras, e.strategy))
-        return out
+    def entries(self, **filters: Any) -> list[EntryInfo]:
+        """Captured entries as frozen records, largest first.
+
+        Filters (all optional): ``strategy``, ``uniform``, ``spec_depth``,
+        ``num_active_loras``, ``used`` (replayed at least once); ``sort`` is one of
+        key, replays, padding, memory, capture, recent.
+        """
+        return filter_entries((self._info(e) for e in self._entries.values()), **filters)
 
     def _info(self, entry: _Entry) -> EntryInfo:
+        graph = entry.graph
         return EntryInfo(
             entry.key, entry.strategy, self.backend.name, entry.capture_seconds, entry.memory_bytes,
             entry.replays, entry.padded_tokens, entry.last_step,
+            segments=getattr(graph, "segments", None), breaks=getattr(graph, "breaks", None),
         )
+
+    def pending(self) -> list[tuple[BatchDescriptor, str]]:
+        """Keys of lazy plans not captured yet (evicted entries return here)."""
+        return list(self._pending)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def memory_bytes(self) -> int:
-        """Measured memory of all captures (pool growth on cuda, held tensors on cpu)."""
+        """Measured memory of all live captures (pool growth on cuda, held tensors on cpu)."""
         return sum(e.memory_bytes for e in self._entries.values())
 
     def stats(self) -> Stats:
-        """Counters since construction or the last ``reset_stats``."""
+        """Counters since construction or the last ``reset_stats`` (entries removed since keep counting)."""
+        classes: dict[str, list[int]] = {label: [0, *counts] for label, counts in self._retired.items()}
         by_strategy: dict[str, int] = {}
         for entry in self._entries.values():
-            by_strategy[entry.strategy] = by_strategy.get(entry.strategy, 0) + entry.replays
-        entries = self._entries.values()
+            row = classes.setdefault(entry.key_class, [0, 0, 0, 0])
+            row[0] += 1
+            row[1] += entry.replays
+            row[2] += entry.graph_tokens
+            row[3] += entry.padded_tokens
+        for label, row in classes.items():
+            strategy = label.split("/", 1)[0]
+            by_strategy[strategy] = by_strategy.get(strategy, 0) + row[1]
         return Stats(
-            hits=sum(e.replays for e in entries),
+            hits=sum(row[1] for row in classes.values()),
             misses=self._misses,
             eager_fallbacks=self._eager_fallbacks,
-            graph_tokens=sum(e.graph_tokens for e in entries),
-            padded_tokens=sum(e.padded_tokens for e in entries),
+            graph_tokens=sum(row[2] for row in classes.values()),
+            padded_tokens=sum(row[3] for row in classes.values()),
             eager_tokens=self._eager_tokens,
             by_strategy=by_strategy,
             entry_failures=len(self._failures),
+            by_class={label: ClassStats(*row) for label, row in sorted(classes.items())},
+            misses_by_kind=dict(self._misses_by_kind),
+            lazy_captures=self._lazy_captures,
+            evictions=self._evictions,
         )
 
     def reset_stats(self) -> None:
         """Zero every counter (entries stay captured)."""
         for entry in self._entries.values():
             entry.replays = entry.padded_tokens = entry.graph_tokens = entry.last_step = 0
+        self._retired.clear()
+        self._misses_by_kind = {"uniform": 0, "mixed": 0}
         self._misses = self._eager_fallbacks = self._eager_tokens = self._clock = 0
+        self._lazy_captures = self._evictions = 0
 
-    def table(self, *, used_only: bool = False) -> str:
-        """Entries as a text table: key, strategy, replays, padding, capture time, memory."""
-        rows = [("key", "strategy", "replays", "padded tok", "capture ms", "memory")]
-        for e in self.entries():
-            if used_only and not e.replays:
-                continue
-            rows.append((str(e.key), e.strategy, str(e.replays), str(e.padded_tokens), f"{e.capture_seconds * 1e3:.1f}", _bytes(e.memory_bytes)))
-        s = self.stats()
-        lines = text_table(rows)
-        lines.append(
-            f"{len(self._entries)} entries on {self.backend.name}, {_bytes(self.memory_bytes())}; "
-            f"hits {s.hits}, misses {s.misses}, padding {s.padding_ratio:.1%} of graph tokens"
-        )
+    def snapshot(self) -> dict[str, Any]:
+        """Entries, counters and pending keys as a JSON-serialisable dict (``cgregistry.inspection``)."""
+        return Snapshot(
+            name=self.name,
+            backend=self.backend.name,
+            device=str(self.device),
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            preference=tuple(self._matcher.preference),
+            entries=tuple(self.entries()),
+            stats=self.stats(),
+            memory_bytes=self.memory_bytes(),
+            pending=tuple(self._pending),
+            failures={f"{k} [{s}]": f"{type(e).__name__}: {e}" for (k, s), e in self._failures.items()},
+        ).to_dict()
+
+    def table(self, *, used_only: bool = False, sort: str = "key") -> str:
+        """Entries as a text table with a summary line."""
+        lines = entries_table(self.entries(used=True if used_only else None, sort=sort))
+        lines.append(stats_line(self.stats(), len(self._entries), self.backend.name, self.memory_bytes()))
         return "\n".join(lines)
 
 
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
+@contextlib.contextmanager
+def _frozen_gc() -> Iterator[None]:
+    """No garbage collection (and no tensor finaliser) while graphs are being captured."""
+    freeze = gc.get_freeze_count() == 0  # leave a caller's own frozen heap alone
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
+        if enabled:
+            gc.enable()
 
 
 def _stderr_is_terminal() -> bool:

@@ -1,0 +1,281 @@
+"""Inspection records: entries, stats, snapshots, and the tables that print them.
+
+Everything here is plain data.  A registry hands out ``EntryInfo`` and ``Stats``;
+``Snapshot`` is the same information frozen to a JSON-serialisable dict with a
+schema version, loadable without a registry (or torch devices) for offline
+inspection, including ``explain`` against the snapshot's keys.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from cgregistry.descriptor import BatchDescriptor
+from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Matcher
+from cgregistry.text import text_table
+
+__all__ = [
+    "SNAPSHOT_SCHEMA", "ClassStats", "EntryInfo", "Snapshot", "SnapshotError", "Stats", "entries_table",
+    "key_class", "load_snapshot",
+]
+
+SNAPSHOT_SCHEMA = 1
+
+
+class SnapshotError(ValueError):
+    """A snapshot that cannot be read (names the field or the schema version)."""
+
+
+def key_class(key: BatchDescriptor, strategy: str) -> str:
+    """The class a key belongs to for statistics: strategy, uniform depth or mixed, LoRA count."""
+    shape = f"uniform-d{key.spec_depth}" if key.uniform else "mixed"
+    return f"{strategy}/{shape}/lora{key.num_active_loras}"
+
+
+@attrs.frozen(slots=True)
+class EntryInfo:
+    """A read-only view of one captured entry."""
+
+    key: BatchDescriptor
+    strategy: str
+    backend: str
+    capture_seconds: float
+    memory_bytes: int
+    replays: int
+    padded_tokens: int
+    last_step: int  # the registry's step counter at this entry's last replay (0: never replayed)
+    segments: int | None = None  # graph segments, where the strategy has them
+    breaks: int | None = None  # eager breaks between segments, where the strategy has them
+
+    @property
+    def key_class(self) -> str:
+        return key_class(self.key, self.strategy)
+
+
+@attrs.frozen(slots=True)
+class ClassStats:
+    """Counters of one key class (see ``key_class``)."""
+
+    entries: int
+    replays: int
+    graph_tokens: int
+    padded_tokens: int
+
+
+@attrs.frozen(slots=True)
+class Stats:
+    """Counters since construction or the last reset."""
+
+    hits: int
+    misses: int
+    eager_fallbacks: int
+    graph_tokens: int  # real tokens served by graphs
+    padded_tokens: int  # padding tokens computed by graphs
+    eager_tokens: int
+    by_strategy: Mapping[str, int]  # replays per strategy
+    entry_failures: int = 0  # entries removed because their replay raised
+    by_class: Mapping[str, ClassStats] = attrs.field(factory=dict)
+    misses_by_kind: Mapping[str, int] = attrs.field(factory=dict)  # "uniform" / "mixed"
+    lazy_captures: int = 0  # entries captured on a first miss
+    evictions: int = 0  # entries dropped to stay under the memory budget
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padded tokens over all tokens computed by graphs."""
+        total = self.graph_tokens + self.padded_tokens
+        return self.padded_tokens / total if total else 0.0
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+SORT_KEYS = {
+    "key": lambda e: (-e.key.num_tokens, -(e.key.num_reqs or 0), -e.key.num_active_loras, -e.key.spec_depth, e.strategy),
+    "replays": lambda e: (-e.replays, -e.key.num_tokens),
+    "padding": lambda e: (-e.padded_tokens, -e.key.num_tokens),
+    "memory": lambda e: (-e.memory_bytes, -e.key.num_tokens),
+    "capture": lambda e: (-e.capture_seconds, -e.key.num_tokens),
+    "recent": lambda e: (-e.last_step, -e.key.num_tokens),
+}
+
+
+def filter_entries(
+    entries: Iterable[EntryInfo],
+    *,
+    strategy: str | None = None,
+    uniform: bool | None = None,
+    spec_depth: int | None = None,
+    num_active_loras: int | None = None,
+    used: bool | None = None,
+    sort: str = "key",
+) -> list[EntryInfo]:
+    """Entries that match every given filter, sorted (``SORT_KEYS``: key, replays, padding, memory, capture, recent)."""
+    if sort not in SORT_KEYS:
+        raise ValueError(f"unknown sort {sort!r}; expected one of {', '.join(SORT_KEYS)}")
+    out = [
+        e
+        for e in entries
+        if (strategy is None or e.strategy == strategy)
+        and (uniform is None or e.key.uniform == uniform)
+        and (spec_depth is None or e.key.spec_depth == spec_depth)
+        and (num_active_loras is None or e.key.num_active_loras == num_active_loras)
+        and (used is None or (e.replays > 0) == used)
+    ]
+    out.sort(key=SORT_KEYS[sort])
+    return out
+
+
+def entries_table(entries: Iterable[EntryInfo]) -> list[str]:
+    """Entries as aligned text rows: key, strategy, replays, padding, capture time, memory, segments."""
+    rows = [("key", "strategy", "replays", "padded tok", "capture ms", "memory", "segments")]
+    for e in entries:
+        segments = "-" if e.segments is None else f"{e.segments} ({e.breaks or 0} breaks)"
+        rows.append((str(e.key), e.strategy, str(e.replays), str(e.padded_tokens), f"{e.capture_seconds * 1e3:.1f}", _size(e.memory_bytes), segments))
+    return text_table(rows)
+
+
+def stats_line(stats: Stats, entries: int, backend: str, memory_bytes: int) -> str:
+    """One summary line under an entries table."""
+    line = (
+        f"{entries} entries on {backend}, {_size(memory_bytes)}; hits {stats.hits}, misses {stats.misses}, "
+        f"padding {stats.padding_ratio:.1%} of graph tokens"
+    )
+    extras = [f"{name} {value}" for name, value in (("lazy captures", stats.lazy_captures), ("evictions", stats.evictions), ("failed entries", stats.entry_failures)) if value]
+    return line + ("; " + ", ".join(extras) if extras else "")
+
+
+# ---------------------------------------------------------------- snapshots
+
+
+def _descriptor_from(data: Mapping[str, Any], where: str) -> BatchDescriptor:
+    try:
+        return BatchDescriptor(**data)
+    except (TypeError, ValueError) as exc:
+        raise SnapshotError(f"{where}: not a BatchDescriptor: {exc}") from None
+
+
+def _entry_to_dict(e: EntryInfo) -> dict[str, Any]:
+    data = attrs.asdict(e, recurse=False)
+    data["key"] = attrs.asdict(e.key)
+    return data
+
+
+def _entry_from(data: Mapping[str, Any], where: str) -> EntryInfo:
+    try:
+        fields = dict(data)
+        fields["key"] = _descriptor_from(fields["key"], f"{where}.key")
+        return EntryInfo(**fields)
+    except (KeyError, TypeError) as exc:
+        raise SnapshotError(f"{where}: {exc}") from None
+
+
+def _stats_to_dict(s: Stats) -> dict[str, Any]:
+    data = attrs.asdict(s, recurse=False)
+    data["by_class"] = {k: attrs.asdict(v) for k, v in s.by_class.items()}
+    data["by_strategy"] = dict(s.by_strategy)
+    data["misses_by_kind"] = dict(s.misses_by_kind)
+    return data
+
+
+def _stats_from(data: Mapping[str, Any]) -> Stats:
+    try:
+        fields = dict(data)
+        fields["by_class"] = {k: ClassStats(**v) for k, v in fields.get("by_class", {}).items()}
+        return Stats(**fields)
+    except TypeError as exc:
+        raise SnapshotError(f"stats: {exc}") from None
+
+
+@attrs.frozen(slots=True)
+class Snapshot:
+    """A registry's entries and counters at one moment; JSON round-trips through ``to_dict``/``load_snapshot``."""
+
+    name: str
+    backend: str
+    device: str
+    created: str  # ISO 8601, UTC
+    preference: tuple[str, ...]
+    entries: tuple[EntryInfo, ...]
+    stats: Stats
+    memory_bytes: int
+    pending: tuple[tuple[BatchDescriptor, str], ...] = ()  # lazy keys not captured yet
+    failures: Mapping[str, str] = attrs.field(factory=dict)  # "key [strategy]" -> error
+    schema: int = SNAPSHOT_SCHEMA
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema,
+            "name": self.name,
+            "backend": self.backend,
+            "device": self.device,
+            "created": self.created,
+            "preference": list(self.preference),
+            "memory_bytes": self.memory_bytes,
+            "entries": [_entry_to_dict(e) for e in self.entries],
+            "stats": _stats_to_dict(self.stats),
+            "pending": [{"key": attrs.asdict(k), "strategy": s} for k, s in self.pending],
+            "failures": dict(self.failures),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Snapshot:
+        schema = data.get("schema")
+        if schema != SNAPSHOT_SCHEMA:
+            raise SnapshotError(f"snapshot schema {schema!r} is not supported; this cgregistry reads schema {SNAPSHOT_SCHEMA}")
+        try:
+            return cls(
+                name=data["name"],
+                backend=data["backend"],
+                device=data["device"],
+                created=data["created"],
+                preference=tuple(data["preference"]),
+                entries=tuple(_entry_from(e, f"entries[{i}]") for i, e in enumerate(data["entries"])),
+                stats=_stats_from(data["stats"]),
+                memory_bytes=data["memory_bytes"],
+                pending=tuple((_descriptor_from(p["key"], f"pending[{i}].key"), p["strategy"]) for i, p in enumerate(data.get("pending", []))),
+                failures=dict(data.get("failures", {})),
+            )
+        except KeyError as exc:
+            raise SnapshotError(f"snapshot lacks field {exc}") from None
+
+    def filtered(self, **filters: Any) -> list[EntryInfo]:
+        """Entries after ``filter_entries`` (strategy, uniform, spec_depth, num_active_loras, used, sort)."""
+        return filter_entries(self.entries, **filters)
+
+    def explain(self, actual: BatchDescriptor) -> Explanation:
+        """How the snapshot's keys would serve ``actual`` (pending keys not included)."""
+        return Matcher(((e.key, e.strategy) for e in self.entries), self.preference or DEFAULT_PREFERENCE).explain(actual)
+
+    def table(self, **filters: Any) -> str:
+        lines = entries_table(self.filtered(**filters))
+        lines.append(stats_line(self.stats, len(self.entries), self.backend, self.memory_bytes))
+        return "\n".join(lines)
+
+
+def load_snapshot(source: str | Path | Mapping[str, Any]) -> Snapshot:
+    """A snapshot from a JSON file or an already-parsed dict."""
+    if isinstance(source, Mapping):
+        return Snapshot.from_dict(source)
+    path = Path(source)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SnapshotError(f"{path}: not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise SnapshotError(f"{path}: a snapshot is a JSON object, got {type(data).__name__}")
+    return Snapshot.from_dict(data)
