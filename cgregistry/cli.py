@@ -1,4 +1,7 @@
-"""The ``cgregistry`` command: ``demo`` (the main job), ``plan`` (keys, gaps, trace fit) and ``plugins``."""
+"""The ``cgregistry`` command: ``demo``, ``plan``, ``inspect``, ``check`` and ``plugins``; ``--json`` on each.
+
+Exit codes: 0 success, 1 the job found a problem (demo mismatches, unsafe ops), 2 bad input (message on stderr).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from cgregistry.descriptor import BatchDescriptor
 from cgregistry.plan import MODES, CapturePlan
 from cgregistry.text import text_table
 
@@ -19,7 +23,7 @@ def _demo(args: argparse.Namespace) -> int:
     from cgregistry.demo import run_demo
 
     log = (lambda line: None) if args.json else print
-    result = run_demo(backend=args.backend, steps=args.steps, mode=args.mode, seed=args.seed, log=log, all_entries=args.all)
+    result = run_demo(backend=args.backend, steps=args.steps, mode=args.mode, seed=args.seed, log=log, all_entries=args.all, snapshot=args.snapshot)
     if args.json:
         data = attrs.asdict(result)
         data["speedup"] = result.speedup
@@ -145,6 +149,97 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from cgregistry.inspection import load_snapshot
+
+    snap = load_snapshot(args.snapshot)
+    uniform = {"uniform": True, "mixed": False, None: None}[args.kind]
+    filters = {
+        "strategy": args.strategy, "uniform": uniform, "spec_depth": args.spec_depth,
+        "num_active_loras": args.loras, "used": True if args.used else None, "sort": args.sort,
+    }
+    entries = snap.filtered(**filters)
+    explanation = snap.explain(_descriptor(args.explain)) if args.explain else None
+    if args.json:
+        data = {"name": snap.name, "backend": snap.backend, "created": snap.created,
+                "entries": [e for e in snap.to_dict()["entries"] if _picked(e, entries)],
+                "stats": snap.to_dict()["stats"], "pending": len(snap.pending)}
+        if explanation is not None:
+            data["explain"] = explanation.to_dict()
+        print(json.dumps(data, indent=2))
+        return 0
+    print(f"snapshot of {snap.name!r} ({snap.backend}, {snap.device}) taken {snap.created}")
+    print(snap.table(**filters))
+    s = snap.stats
+    if s.by_class:
+        rows = [("key class", "entries", "replays", "graph tokens", "padded tokens")]
+        rows += [(label, str(c.entries), str(c.replays), str(c.graph_tokens), str(c.padded_tokens)) for label, c in s.by_class.items()]
+        print()
+        for line in text_table(rows):
+            print(line)
+    print(f"misses: {dict(s.misses_by_kind)}; pending lazy keys: {len(snap.pending)}; failed entries: {len(snap.failures)}")
+    if explanation is not None:
+        print()
+        print(explanation)
+    return 0
+
+
+def _picked(entry: dict, chosen: list) -> bool:
+    return any(attrs.asdict(e.key) == entry["key"] and e.strategy == entry["strategy"] for e in chosen)
+
+
+def _descriptor(text: str) -> BatchDescriptor:
+    """'tokens,reqs[,loras[,depth[,uniform]]]' -> BatchDescriptor (reqs may be 'any')."""
+    parts = [p.strip() for p in text.split(",")]
+    if not 1 <= len(parts) <= 5:
+        raise ValueError(f"--explain takes tokens,reqs[,loras[,depth[,uniform]]], got {text!r}")
+    try:
+        tokens = int(parts[0])
+        reqs = None if len(parts) < 2 or parts[1] in ("", "any") else int(parts[1])
+        loras = int(parts[2]) if len(parts) > 2 else 0
+        depth = int(parts[3]) if len(parts) > 3 else 0
+    except ValueError:
+        raise ValueError(f"--explain takes integers: tokens,reqs[,loras[,depth[,uniform]]], got {text!r}") from None
+    uniform = len(parts) > 4 and parts[4].lower() in ("1", "true", "uniform", "yes")
+    return BatchDescriptor(tokens, reqs, loras, depth, uniform)
+
+
+def _check(args: argparse.Namespace) -> int:
+    import importlib
+    import inspect
+    import os
+
+    from cgregistry.backends.cpu import find_graph_unsafe_ops
+
+    module_name, _, func_name = args.target.partition(":")
+    if not module_name or not func_name:
+        raise ValueError(f"expected MODULE:FUNCTION, got {args.target!r}")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import module {module_name!r}: {exc}") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ValueError(f"module {module_name!r} has no function {func_name!r}")
+    required = [p.name for p in inspect.signature(func).parameters.values() if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if required:
+        raise ValueError(
+            f"{args.target} needs arguments {required}; check calls it with none: give it a function that "
+            "builds a batch and its inputs and calls your step once"
+        )
+    found = find_graph_unsafe_ops(func)
+    if args.json:
+        print(json.dumps([{"op": f.op, "why": f.why, "where": f.where} for f in found], indent=2))
+    elif found:
+        for f in found:
+            print(f"{f.where}\n    {f.op}: {f.why}")
+        print(f"{len(found)} graph-unsafe op(s): a CUDA graph capture of this step would fail")
+    else:
+        print(f"{args.target}: no graph-unsafe ops found (host syncs, data-dependent shapes, host copies)")
+    return 1 if found else 0
+
+
 def _ints(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -163,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--all", action="store_true", help="list every entry, not only those that served the run")
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
+    demo.add_argument("--snapshot", default=None, metavar="PATH", help="write the registry's snapshot (JSON) for `cgregistry inspect`")
     demo.set_defaults(func=_demo)
 
     plan = sub.add_parser(
@@ -189,6 +285,23 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", default=None, metavar="PNG", help="write padding waste by token count (needs matplotlib)")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)
+
+    inspect = sub.add_parser("inspect", help="tables of a registry snapshot (reg.snapshot() saved as JSON), filtered and sorted")
+    inspect.add_argument("snapshot", metavar="SNAPSHOT.json")
+    inspect.add_argument("--strategy", default=None)
+    inspect.add_argument("--kind", choices=["uniform", "mixed"], default=None, help="uniform decode keys or mixed-batch keys")
+    inspect.add_argument("--spec-depth", type=int, default=None)
+    inspect.add_argument("--loras", type=int, default=None, help="active-LoRA count of the keys")
+    inspect.add_argument("--used", action="store_true", help="only entries replayed at least once")
+    inspect.add_argument("--sort", default="key", choices=["key", "replays", "padding", "memory", "capture", "recent"])
+    inspect.add_argument("--explain", default=None, metavar="T,R[,L,D,U]", help="explain how a batch (tokens,reqs,loras,depth,uniform) would match")
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(func=_inspect)
+
+    check = sub.add_parser("check", help="run MODULE:FUNCTION under the cpu emulator and list every graph-unsafe op")
+    check.add_argument("target", metavar="MODULE:FUNCTION", help="a function taking no arguments that runs your step once")
+    check.add_argument("--json", action="store_true")
+    check.set_defaults(func=_check)
 
     plugins = sub.add_parser("plugins", help="list installed plugins: distribution, version, what they provide, hooks")
     plugins.add_argument("--json", action="store_true")

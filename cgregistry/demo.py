@@ -69,6 +69,7 @@ def run_demo(
     log: Callable[[str], None] = print,
     progress: bool | None = None,
     all_entries: bool = False,
+    snapshot: str | None = None,
 ) -> DemoResult:
     """Capture the demo model, run ``steps`` trace-derived batches, check and time them."""
     plugins = Plugins()
@@ -114,6 +115,12 @@ def run_demo(
         entries=len(reg), capture_seconds=capture_seconds, memory_bytes=reg.memory_bytes(),
         table=reg.table(used_only=not all_entries),
     )
+    if snapshot:
+        import json
+
+        with open(snapshot, "w") as fh:
+            json.dump(reg.snapshot(), fh, indent=1)
+        log(f"snapshot written to {snapshot} (read it with `cgregistry inspect {snapshot}`)")
     log("" if all_entries else "entries that served the timed pass (every entry: --all):")
     log(result.table)
     log(

@@ -113,3 +113,49 @@ def test_plugins_lists_builtins_and_installed_distributions() -> None:
         assert infos["eager"]["distribution"] == "cgregistry-eager" and infos["eager"]["provides"] == ["strategy eager"]
     table = subprocess.run([sys.executable, "-m", "cgregistry.cli", "plugins"], capture_output=True, text=True, env=env, timeout=300)
     assert "cgregistry (built-in)" in table.stdout and "cgregistry_register_backends" in table.stdout
+
+
+def test_demo_snapshot_then_inspect(tmp_path) -> None:  # noqa: ANN001
+    snap = tmp_path / "snap.json"
+    r = cli("demo", "--backend", "cpu", "--steps", "30", "--snapshot", str(snap), "--json")
+    assert r.returncode == 0, r.stderr
+    demo = json.loads(r.stdout)
+    r = cli("inspect", str(snap), "--json", "--used", "--sort", "replays", "--explain", "3,3,0,0,uniform")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    replays = [e["replays"] for e in data["entries"]]
+    assert replays == sorted(replays, reverse=True) and all(n > 0 for n in replays)
+    # the snapshot is taken after the timed pass, which replays the same steps as the checked pass
+    assert sum(replays) == data["stats"]["hits"] == demo["hits"]
+    assert data["stats"]["misses"] == demo["misses"]
+    assert data["explain"]["match"]["key"]["num_tokens"] == 4
+    text = cli("inspect", str(snap), "--kind", "uniform")
+    assert text.returncode == 0, text.stderr
+    table = text.stdout.split("entries on cpu")[0]
+    keys = [line for line in table.splitlines() if line.startswith("Batch(")]
+    assert keys and all("uniform" in line for line in keys)
+
+
+def test_inspect_errors_exit_2(tmp_path) -> None:  # noqa: ANN001
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": 7}')
+    r = cli("inspect", str(bad))
+    assert r.returncode == 2 and "snapshot schema 7 is not supported" in r.stderr
+    r = cli("inspect", str(tmp_path / "missing.json"))
+    assert r.returncode == 2 and "missing.json" in r.stderr
+
+
+def test_check_lists_unsafe_ops_with_lines() -> None:
+    env = {**ENV, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parent)}
+    r = subprocess.run([sys.executable, "-m", "cgregistry.cli", "check", "check_targets:unsafe", "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1, r.stderr
+    found = json.loads(r.stdout)
+    assert [f["op"].split(".")[1] for f in found] == ["item", "index"]
+    assert all("check_targets.py:" in f["where"] for f in found)
+    assert "n = int(x.sum().item())" in found[0]["where"]
+    ok = subprocess.run([sys.executable, "-m", "cgregistry.cli", "check", "check_targets:safe"], capture_output=True, text=True, env=env, timeout=300)
+    assert ok.returncode == 0 and "no graph-unsafe ops found" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "cgregistry.cli", "check", "check_targets:needs_args"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "needs arguments ['x']" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "cgregistry.cli", "check", "no_such_module:f"], capture_output=True, text=True, env=env, timeout=300)
+    assert missing.returncode == 2 and "cannot import module 'no_such_module'" in missing.stderr
