@@ -22,4 +22,13 @@ def test_code_blocks_run(page: Path, capsys: pytest.CaptureFixture[str]) -> None
 
 def test_docs_exist() -> None:
     names = {p.name for p in PAGES}
-    assert {"README.md", "concepts.md", "integration.md", "cpu-emulator.md", "performance.md"} <= names
+    assert {
+        "README.md", "concepts.md", "integration.md", "cpu-emulator.md", "performance.md", "strategies.md",
+        "inspection.md", "troubleshooting.md", "hooks.md", "writing-plugins.md", "plans-and-workloads.md",
+    } <= names
+
+
+def test_docs_links_resolve() -> None:
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#]+\.md)\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
