@@ -13,13 +13,13 @@ from cgregistry import BatchDescriptor as B
 from cgregistry.inspection import SNAPSHOT_SCHEMA
 
 
-def make(**kwargs: Any) -> cg.GraphRegistry:
+def make(backend: str = "cpu", **kwargs: Any) -> cg.GraphRegistry:
     plugins = kwargs.pop("plugins", None) or cg.Plugins(cg.make_plugin_manager(autoload=False))
-    return cg.GraphRegistry(lambda b, x: x * 2, {"x": cg.StaticInput((64, 4), torch.float32)}, backend="cpu", plugins=plugins, **kwargs)
+    return cg.GraphRegistry(lambda b, x: x * 2, {"x": cg.StaticInput((64, 4), torch.float32)}, backend=backend, plugins=plugins, **kwargs)
 
 
 def run(reg: cg.GraphRegistry, batch: B) -> torch.Tensor:
-    x = torch.randn(batch.num_tokens, 4)
+    x = torch.randn(batch.num_tokens, 4, device=reg.device)
     out = reg.run(batch, x=x)
     torch.testing.assert_close(out, x * 2)
     return out
@@ -121,9 +121,9 @@ class Events:
         self.started.append(key)
 
 
-def test_lazy_capture_on_first_need() -> None:
+def test_lazy_capture_on_first_need(backend: str) -> None:
     events = Events()
-    reg = make(plugins=cg.Plugins(cg.make_plugin_manager([events], autoload=False)))
+    reg = make(backend, plugins=cg.Plugins(cg.make_plugin_manager([events], autoload=False)))
     assert reg.capture(PLAN, lazy=True) == []
     assert len(reg) == 0 and len(reg.pending()) == len(PLAN)
     assert reg.match(B.decode(3)).key == B.decode(4), "match reports the key run would capture"
