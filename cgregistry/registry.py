@@ -28,7 +28,6 @@ from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher
 from cgregistry.outputs import OutputError, OutputSlicer, flatten
 from cgregistry.plan import CapturePlan, PlanEntry
 from cgregistry.plugins import PluginError, Plugins
-from cgregistry.text import text_table
 
 _CG_INTERNAL = True
 
