@@ -1,6 +1,7 @@
 """cgregistry: CUDA graphs for batched inference engines, keyed by BatchDescriptor."""
 
 from cgregistry.backends.cpu import GraphUnsafeOpError
+from cgregistry.breaks import BreakContext, current_batch, eager_break, graph_break
 from cgregistry.buffers import InputError, StaticInput
 from cgregistry.descriptor import BatchDescriptor, Padding
 from cgregistry.hookspecs import hookimpl, hookspec
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MODES",
     "BatchDescriptor",
+    "BreakContext",
     "Candidate",
     "CaptureError",
     "ClassStats",
@@ -38,6 +40,9 @@ __all__ = [
     "Stats",
     "UncoveredRange",
     "__version__",
+    "current_batch",
+    "eager_break",
+    "graph_break",
     "hookimpl",
     "hookspec",
     "load_snapshot",

@@ -39,8 +39,8 @@ def cgregistry_register_strategies(register: Callable[[Any], None]) -> None:
 
     :param register: takes an object with ``name: str``, ``relaxes_num_reqs: bool``
         and ``capture(body, backend, pool) -> (graph, outputs)``, where ``graph``
-        has ``replay()`` and ``memory_bytes`` (and optionally ``segments`` and
-        ``breaks``).  A name already registered by another plugin is a
+        has ``replay()`` and ``memory_bytes`` (and optionally ``num_segments``
+        and ``breaks``).  A name already registered by another plugin is a
         ``PluginError`` naming both plugins; a missing attribute is a
         ``PluginError`` naming the plugin.
     :return: ignored.

@@ -28,6 +28,7 @@ DEFAULT_PLUGINS = (
     "cgregistry.backends.cuda",
     "cgregistry.backends.cpu",
     "cgregistry.strategies.full",
+    "cgregistry.strategies.breakable",
 )
 
 

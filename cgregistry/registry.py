@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from cgregistry import breaks
+from cgregistry.breaks import BreakContext
 from cgregistry.buffers import InputError, StaticBuffer, StaticInput
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.inspection import (
@@ -50,7 +52,7 @@ class CaptureError(RuntimeError):
 class _Entry:
     __slots__ = (
         "key", "strategy", "graph", "replay", "slicer", "capture_seconds", "memory_bytes",
-        "replays", "padded_tokens", "graph_tokens", "last_step", "key_class",
+        "replays", "padded_tokens", "graph_tokens", "last_step", "key_class", "has_breaks",
     )
 
     def __init__(self, key: BatchDescriptor, strategy: str, graph: Any, slicer: OutputSlicer, seconds: float) -> None:
@@ -66,6 +68,7 @@ class _Entry:
         self.graph_tokens = 0
         self.last_step = 0
         self.key_class = key_class(key, strategy)
+        self.has_breaks = bool(getattr(graph, "breaks", 0))  # eager breaks read current_batch() at replay
 
 
 class _Route:
@@ -126,6 +129,8 @@ class GraphRegistry:
         for input_name, spec in inputs.items():
             if not isinstance(spec, StaticInput):
                 raise TypeError(f"inputs[{input_name!r}] must be a cgregistry.StaticInput, got {spec!r}")
+            if input_name == "context":
+                raise ValueError("'context' is reserved for run(..., context=payload); give the static input another name")
         self._step = step
         self.name = name if name is not None else f"registry-{next(_names)}"
         self.plugins = plugins if plugins is not None else Plugins()
@@ -151,6 +156,7 @@ class GraphRegistry:
         self._misses_by_kind = {"uniform": 0, "mixed": 0}
         self._lazy_captures = 0
         self._evictions = 0
+        self._capture_payload: Any = None
         hook = self.plugins.pm.hook
         self._hook = hook
         # Hooks with no implementation cost nothing: the hot path checks a None.
@@ -166,6 +172,7 @@ class GraphRegistry:
         *,
         progress: bool | None = None,
         lazy: bool = False,
+        context: Any = None,
     ) -> list[EntryInfo]:
         """Capture every entry of ``plan`` not yet captured, in plan order (largest first).
 
@@ -173,8 +180,10 @@ class GraphRegistry:
         entries captured before it stay, it is absent, and ``CaptureError``
         names its descriptor and strategy.  With ``lazy=True`` nothing is
         captured now: each key is captured by the first ``run`` it is the best
-        match for (counted in ``stats().lazy_captures``).
+        match for (counted in ``stats().lazy_captures``).  ``context`` is the payload
+        eager breaks see through ``current_batch()`` while capturing.
         """
+        self._capture_payload = context
         todo = [self._plan_entry(e) for e in plan]
         for entry in todo:
             self.plugins.strategy(entry.strategy)
@@ -245,6 +254,7 @@ class GraphRegistry:
             return step(key, **views)
 
         started = time.perf_counter()
+        batch_token = breaks._batch.set(BreakContext(key, key, self._capture_payload))
         try:
             with torch.inference_mode():
                 warm_leaves, spec = flatten(self.backend.warmup(body, self.warmup_runs))
@@ -260,6 +270,8 @@ class GraphRegistry:
         except Exception as exc:
             self._pool = self.backend.recover_pool(self._pool)
             raise CaptureError(key, strategy_name, exc) from exc
+        finally:
+            breaks._batch.reset(batch_token)
         seconds = time.perf_counter() - started
         entry = _Entry(key, strategy_name, graph, OutputSlicer(self.backend.share_outputs(leaves), spec), seconds)
         self._entries[(key, strategy_name)] = entry
@@ -331,10 +343,12 @@ class GraphRegistry:
 
     # ------------------------------------------------------------------ run
 
-    def run(self, actual: BatchDescriptor, /, **inputs: torch.Tensor) -> Any:
+    def run(self, actual: BatchDescriptor, /, *, context: Any = None, **inputs: torch.Tensor) -> Any:
         """Match, copy in, pad, replay, and return outputs sliced to ``actual``.
 
         With no covering key, ``step(actual, **inputs)`` runs eagerly (counted).
+        ``context`` is an engine payload that eager breaks (and an eager step)
+        read through ``cgregistry.current_batch()``.
         """
         route = self._routes.get(actual)
         if route is None:
@@ -352,7 +366,7 @@ class GraphRegistry:
             self._misses_by_kind["uniform" if actual.uniform else "mixed"] += 1
             if self._miss_hook is not None:
                 self._miss_hook(registry=self, actual=actual)
-            return self._eager(actual, inputs)
+            return self._eager(actual, inputs, context)
         if len(inputs) != len(route.copies):
             raise self._bad_names(inputs)
         try:
@@ -361,10 +375,17 @@ class GraphRegistry:
         except KeyError:
             raise self._bad_names(inputs) from None
         try:
-            entry.replay()
+            if entry.has_breaks:
+                token = breaks._batch.set(BreakContext(actual, entry.key, context))
+                try:
+                    entry.replay()
+                finally:
+                    breaks._batch.reset(token)
+            else:
+                entry.replay()
         except Exception as exc:  # a strategy's replay failed: contain it to its entry
             self._remove_failed(entry, exc)
-            return self._eager(actual, inputs)
+            return self._eager(actual, inputs, context)
         entry.replays += 1
         entry.padded_tokens += route.pad_tokens
         entry.graph_tokens += route.real_tokens
@@ -375,10 +396,14 @@ class GraphRegistry:
             return out
         return entry.slicer.sliced(route.out_rows)
 
-    def _eager(self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor]) -> Any:
+    def _eager(self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any = None) -> Any:
         self._eager_fallbacks += 1
         self._eager_tokens += actual.num_tokens
-        return self._step(actual, **inputs)
+        token = breaks._batch.set(BreakContext(actual, None, context))
+        try:
+            return self._step(actual, **inputs)
+        finally:
+            breaks._batch.reset(token)
 
     def _remove_failed(self, entry: _Entry, error: BaseException) -> None:
         """Drop an entry whose replay raised, keep the error for failures(), tell observers."""
@@ -470,7 +495,7 @@ class GraphRegistry:
         return EntryInfo(
             entry.key, entry.strategy, self.backend.name, entry.capture_seconds, entry.memory_bytes,
             entry.replays, entry.padded_tokens, entry.last_step,
-            segments=getattr(graph, "segments", None), breaks=getattr(graph, "breaks", None),
+            segments=getattr(graph, "num_segments", None), breaks=getattr(graph, "breaks", None),
         )
 
     def pending(self) -> list[tuple[BatchDescriptor, str]]:

@@ -15,6 +15,7 @@ only ops that produced fresh storage (or mutated an argument) are replayed.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import sys
 import traceback
@@ -28,7 +29,7 @@ from cgregistry.hookspecs import hookimpl
 
 _CG_INTERNAL = True
 
-__all__ = ["CpuBackend", "CpuGraph", "GraphUnsafeOpError", "find_graph_unsafe_ops"]
+__all__ = ["CpuBackend", "CpuGraph", "CpuSegment", "GraphUnsafeOpError", "find_graph_unsafe_ops"]
 
 aten = torch.ops.aten
 
@@ -212,6 +213,28 @@ def find_graph_unsafe_ops(fn: Callable[[], Any]) -> list[GraphUnsafeOpError]:
     return found
 
 
+class CpuSegment:
+    """One recording in progress: ops run between construction and ``end()`` are captured."""
+
+    def __init__(self) -> None:
+        if _capturing.get():
+            raise RuntimeError("nested capture: a cpu graph capture is already in progress on this thread")
+        self._token = _capturing.set(True)
+        self._recorder = _Recorder()
+        self._recorder.__enter__()
+
+    def _close(self) -> None:
+        self._recorder.__exit__(None, None, None)
+        _capturing.reset(self._token)
+
+    def end(self) -> CpuGraph:
+        self._close()
+        return CpuGraph(self._recorder.ops, self._recorder.fresh_bytes)
+
+    def abort(self) -> None:
+        self._close()
+
+
 class CpuBackend:
     """The emulator: runs anywhere, records and replays aten ops."""
 
@@ -232,17 +255,21 @@ class CpuBackend:
             out = fn()
         return out
 
+    def capture_context(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def begin_capture(self, pool: object) -> CpuSegment:
+        """Start recording aten ops; ``end()`` gives the graph."""
+        return CpuSegment()
+
     def capture(self, fn: Callable[[], Any], pool: object) -> tuple[CpuGraph, Any]:
-        if _capturing.get():
-            raise RuntimeError("nested capture: a cpu graph capture is already in progress on this thread")
-        token = _capturing.set(True)
-        recorder = _Recorder()
+        segment = self.begin_capture(pool)
         try:
-            with recorder:
-                out = fn()
-        finally:
-            _capturing.reset(token)
-        return CpuGraph(recorder.ops, recorder.fresh_bytes), out
+            out = fn()
+        except BaseException:
+            segment.abort()
+            raise
+        return segment.end(), out
 
     def share_outputs(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         return leaves

@@ -7,8 +7,9 @@ replay of any graph in the pool, which is the registry's contract anyway.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from cgregistry.hookspecs import hookimpl
 
 _CG_INTERNAL = True
 
-__all__ = ["CudaBackend", "CudaGraph", "non_owning_alias"]
+__all__ = ["CudaBackend", "CudaGraph", "CudaSegment", "non_owning_alias"]
 
 
 class _DeviceSpan:
@@ -51,6 +52,34 @@ class CudaGraph:
         self.graph = graph
         self.replay = graph.replay
         self.memory_bytes = memory_bytes
+
+
+class CudaSegment:
+    """One capture in progress: ``end()`` finishes it, ``abort()`` abandons it after an error."""
+
+    def __init__(self, backend: CudaBackend, pool: object) -> None:
+        self.backend = backend
+        self.pool = pool
+        self.before = torch.cuda.memory_reserved()
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.capture_begin(pool=pool)
+
+    def end(self) -> CudaGraph:
+        try:
+            self.graph.capture_end()
+        except BaseException:
+            self.backend._poisoned.add(self.pool)
+            raise
+        return CudaGraph(self.graph, torch.cuda.memory_reserved() - self.before)
+
+    def abort(self) -> None:
+        """End a capture the step broke; remember the pool if the capture was invalidated."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "The CUDA Graph is empty": expected when the step failed early
+                self.graph.capture_end()
+        except Exception:  # invalidated by the step's own error, which is the news
+            self.backend._poisoned.add(self.pool)
 
 
 class CudaBackend:
@@ -87,36 +116,33 @@ class CudaBackend:
         torch.cuda.synchronize()
         return out
 
-    def capture(self, fn: Callable[[], Any], pool: object) -> tuple[CudaGraph, Any]:
+    @contextlib.contextmanager
+    def capture_context(self) -> Iterator[None]:
+        """Run capture (and the eager work between segments) on the side stream, then join it back."""
         torch.cuda.synchronize()
-        before = torch.cuda.memory_reserved()
-        graph = torch.cuda.CUDAGraph()
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool)
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+
+    def begin_capture(self, pool: object) -> CudaSegment:
+        """Start capturing into ``pool`` on the current stream; ``end()`` gives the graph."""
+        return CudaSegment(self, pool)
+
+    def capture(self, fn: Callable[[], Any], pool: object) -> tuple[CudaGraph, Any]:
+        with self.capture_context():
+            segment = self.begin_capture(pool)
             try:
                 out = fn()
             except BaseException:
-                self._abandon(graph, pool)
+                segment.abort()
                 raise
-            try:
-                graph.capture_end()
-            except BaseException:
-                self._poisoned.add(pool)
-                raise
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        return CudaGraph(graph, torch.cuda.memory_reserved() - before), out
-
-    def _abandon(self, graph: torch.cuda.CUDAGraph, pool: object) -> None:
-        """End a capture the step broke; remember the pool if the capture was invalidated."""
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "The CUDA Graph is empty": expected when the step failed early
-                graph.capture_end()
-        except Exception:  # invalidated by the step's own error, which is the news
-            self._poisoned.add(pool)
+            graph = segment.end()
+        return graph, out
 
     def recover_pool(self, pool: object) -> object:
         # An invalidated capture (a host sync inside it, say) makes CUDAGraph.capture_end

@@ -26,7 +26,7 @@ class EagerGraph:
         self.body = body
         self.outputs = outputs  # strong references: the registry's views point here
         self.memory_bytes = sum(t.untyped_storage().nbytes() for t in outputs)
-        self.segments = 0  # no graph at all
+        self.num_segments = 0  # no graph at all
 
     def replay(self) -> None:
         with torch.inference_mode():

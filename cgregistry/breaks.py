@@ -1,0 +1,94 @@
+"""Eager breaks: functions that end a graph segment, run eagerly, and let capture resume.
+
+Mark a function with ``@eager_break`` (or call ``graph_break()`` for an empty
+split point).  Outside a ``breakable`` capture a marked function costs one
+context-variable read and runs as itself; inside a ``full`` capture it runs
+inline and is captured like any other code.  Inside a ``breakable`` capture the
+current segment ends, the function runs eagerly (or its ``capture_stub``
+does), and a new segment begins; at replay the function runs again between the
+segments with the same (captured) arguments, so it sees fresh data in them.
+
+An eager break may write into tensors it is given (in place) or return
+tensors: a returned tensor is kept from capture and every replay copies the
+fresh result into it, so code after the break reads a stable address.
+
+``current_batch()`` gives the live batch inside an eager break: the actual
+descriptor, the padded key and the payload passed to ``run(..., context=...)``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, overload
+
+import attrs
+
+from cgregistry.descriptor import BatchDescriptor
+
+__all__ = ["BreakContext", "current_batch", "eager_break", "graph_break"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@attrs.frozen(slots=True)
+class BreakContext:
+    """The batch an eager break is running for."""
+
+    actual: BatchDescriptor  # the batch the engine asked for
+    key: BatchDescriptor | None  # the padded key being replayed (None when the step runs eagerly)
+    payload: Any = None  # whatever the engine passed as run(..., context=...)
+
+
+class BreakSite(Protocol):
+    """What a breakable capture does when execution reaches an eager break."""
+
+    def on_break(self, fn: Callable[..., Any] | None, stub: Callable[..., Any] | None, name: str, args: tuple, kwargs: dict) -> Any: ...
+
+
+_site: contextvars.ContextVar[BreakSite | None] = contextvars.ContextVar("cgregistry_break_site", default=None)
+_batch: contextvars.ContextVar[BreakContext | None] = contextvars.ContextVar("cgregistry_batch", default=None)
+
+
+def current_batch() -> BreakContext | None:
+    """The live batch (actual, key, payload) while a step or an eager break runs under a registry."""
+    return _batch.get()
+
+
+@overload
+def eager_break(fn: F) -> F: ...
+
+
+@overload
+def eager_break(*, capture_stub: Callable[..., Any] | None = None, name: str | None = None) -> Callable[[F], F]: ...
+
+
+def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = None, name: str | None = None) -> Any:
+    """Mark ``fn`` as an eager break; usable bare or as ``@eager_break(capture_stub=..., name=...)``.
+
+    ``capture_stub`` runs instead of ``fn`` while segments are being captured
+    (same arguments; to skip a collective, say); replay always runs ``fn``.
+    """
+
+    def wrap(func: F) -> F:
+        label = name or getattr(func, "__qualname__", repr(func))
+
+        @functools.wraps(func)
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            site = _site.get()
+            if site is None:
+                return func(*args, **kwargs)
+            return site.on_break(func, capture_stub, label, args, kwargs)
+
+        marked.__cgregistry_break__ = label  # type: ignore[attr-defined]
+        return marked  # type: ignore[return-value]
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def graph_break() -> None:
+    """An empty split point: ends the current segment and starts the next (no-op elsewhere)."""
+    site = _site.get()
+    if site is not None:
+        site.on_break(None, None, "graph_break", (), {})

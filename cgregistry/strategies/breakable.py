@@ -1,0 +1,179 @@
+"""The ``breakable`` strategy: graph segments separated by eager breaks, without tracing.
+
+Capture runs the step once.  When execution reaches a function marked with
+``@eager_break`` (or ``graph_break()``), the current segment's capture ends,
+the break runs eagerly (its capture stub, if it has one), and a new segment
+starts in the same pool.  Replay walks the segments in order and calls each
+break again between them with its captured arguments.  Tensors a break returns
+are kept from capture; each replay copies the fresh result into them.
+
+Every segment of every entry shares the registry's pool, and intermediate
+tensors keep their addresses across segments (the step holds them while it
+runs), so memory stays proportional to the largest entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cgregistry import breaks
+from cgregistry.backends import Backend, Graph
+from cgregistry.hookspecs import hookimpl
+from cgregistry.outputs import OutputError, flatten
+
+_CG_INTERNAL = True
+
+__all__ = ["BreakableGraph", "BreakableStrategy", "BreakError"]
+
+
+class BreakError(RuntimeError):
+    """An eager break misbehaved (names the break): wrong return at replay, unjoined stream, nesting."""
+
+
+class _BreakCall:
+    """One eager break as captured: the function, its exact arguments, and the tensors it returned."""
+
+    __slots__ = ("fn", "name", "args", "kwargs", "kept", "shapes")
+
+    def __init__(self, fn: Callable[..., Any], name: str, args: tuple, kwargs: dict, result: Any) -> None:
+        self.fn = fn
+        self.name = name
+        self.args = args
+        self.kwargs = kwargs
+        try:
+            self.kept, _ = flatten(result, f"eager break {name!r} result")  # strong references, on purpose
+        except OutputError as exc:
+            raise BreakError(f"{exc}; an eager break returns tensors (kept, refreshed at every replay) or None") from None
+        self.shapes = [(t.shape, t.dtype) for t in self.kept]
+
+    def run(self) -> None:
+        result = self.fn(*self.args, **self.kwargs)
+        kept = self.kept
+        if not kept:
+            return
+        fresh, _ = flatten(result, f"eager break {self.name!r} result")
+        if len(fresh) != len(kept):
+            raise BreakError(f"eager break {self.name!r} returned {len(fresh)} tensors at replay, {len(kept)} at capture")
+        for i, (old, new) in enumerate(zip(kept, fresh)):
+            if new.shape != old.shape or new.dtype != old.dtype:
+                raise BreakError(
+                    f"eager break {self.name!r} returned a tensor of shape {tuple(new.shape)} ({new.dtype}) at replay "
+                    f"for result {i}; it returned {tuple(old.shape)} ({old.dtype}) at capture, and code after the "
+                    "break reads that buffer"
+                )
+            old.copy_(new)
+
+
+class _Site:
+    """The capture in progress: ends and starts segments when execution reaches a break."""
+
+    def __init__(self, backend: Backend, pool: object, barrier: Callable[[], None] | None) -> None:
+        self.backend = backend
+        self.pool = pool
+        self.barrier = barrier
+        self.segments: list[Graph] = []
+        self.calls: list[_BreakCall | None] = []
+        self.current = backend.begin_capture(pool)  # type: ignore[attr-defined]
+        self.open = True  # a segment is being captured
+
+    def _end_segment(self, where: str) -> None:
+        self.open = False
+        try:
+            self.segments.append(self.current.end())
+        except Exception as exc:
+            text = str(exc).lower()
+            if "join" in text or "unjoined" in text:
+                raise BreakError(
+                    f"a side stream was not joined back to the capture stream {where}: "
+                    "call current_stream().wait_stream(side) before it"
+                ) from exc
+            raise
+
+    def on_break(self, fn: Callable[..., Any] | None, stub: Callable[..., Any] | None, name: str, args: tuple, kwargs: dict) -> Any:
+        self._end_segment(f"before eager break {name!r}")
+        if self.barrier is not None:
+            self.barrier()
+        runner = stub if stub is not None else fn
+        token = breaks._site.set(None)  # a break's own body runs as plain eager code
+        try:
+            result = runner(*args, **kwargs) if runner is not None else None
+        finally:
+            breaks._site.reset(token)
+        self.calls.append(_BreakCall(fn, name, args, kwargs, result) if fn is not None else None)
+        self.current = self.backend.begin_capture(self.pool)  # type: ignore[attr-defined]
+        self.open = True
+        return result
+
+    def finish(self) -> None:
+        self._end_segment("at the end of capture")
+
+    def abort(self) -> None:
+        if self.open:
+            self.open = False
+            self.current.abort()
+
+
+class BreakableGraph:
+    """Segments and breaks, replayed in order."""
+
+    __slots__ = ("segments", "calls", "memory_bytes", "breaks", "_order")
+
+    def __init__(self, segments: list[Graph], calls: list[_BreakCall | None]) -> None:
+        self.segments = segments
+        self.calls = calls
+        kept = sum(t.untyped_storage().nbytes() for c in calls if c is not None for t in c.kept)
+        self.memory_bytes = sum(int(s.memory_bytes) for s in segments) + kept
+        self.breaks = sum(1 for c in calls if c is not None)
+        order: list[Callable[[], None]] = []
+        for segment, call in zip(segments, [*calls, None]):
+            order.append(segment.replay)
+            if call is not None:
+                order.append(call.run)
+        self._order = tuple(order)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segments)
+
+    def replay(self) -> None:
+        for step in self._order:
+            step()
+
+
+class BreakableStrategy:
+    """Graph segments between eager breaks; keys relax ``num_reqs`` (metadata is built eagerly).
+
+    ``barrier`` (optional) runs before each eager break during capture, to keep
+    distributed ranks in step between segment finalisation and rank-coupled work.
+    """
+
+    name = "breakable"
+    relaxes_num_reqs = True
+
+    def __init__(self, barrier: Callable[[], None] | None = None) -> None:
+        self.barrier = barrier
+
+    def capture(self, body: Callable[[], Any], backend: Backend, pool: object) -> tuple[BreakableGraph, Any]:
+        if not hasattr(backend, "begin_capture"):
+            raise TypeError(f"backend {backend.name!r} cannot end and resume captures (it has no begin_capture)")
+        if breaks._site.get() is not None:
+            raise BreakError("nested breakable capture: a breakable capture is already in progress on this thread")
+        with backend.capture_context():  # type: ignore[attr-defined]
+            site = _Site(backend, pool, self.barrier)
+            token = breaks._site.set(site)
+            try:
+                out = body()
+                site.finish()
+            except BaseException:
+                site.abort()
+                raise
+            finally:
+                breaks._site.reset(token)
+        graph = BreakableGraph(site.segments, site.calls)
+        return graph, out
+
+
+@hookimpl
+def cgregistry_register_strategies(register: Callable[[Any], None]) -> None:
+    register(BreakableStrategy())
