@@ -1,7 +1,7 @@
 """cgregistry: CUDA graphs for batched inference engines, keyed by BatchDescriptor."""
 
 from cgregistry.backends.cpu import GraphUnsafeOpError
-from cgregistry.breaks import BreakContext, current_batch, eager_break, graph_break
+from cgregistry.breaks import BreakContext, capture_barrier, current_batch, eager_break, graph_break
 from cgregistry.buffers import InputError, StaticInput
 from cgregistry.descriptor import BatchDescriptor, Padding
 from cgregistry.hookspecs import hookimpl, hookspec
@@ -40,6 +40,7 @@ __all__ = [
     "Stats",
     "UncoveredRange",
     "__version__",
+    "capture_barrier",
     "current_batch",
     "eager_break",
     "graph_break",

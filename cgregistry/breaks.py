@@ -18,16 +18,17 @@ descriptor, the padded key and the payload passed to ``run(..., context=...)``.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar, overload
 
 import attrs
 
 from cgregistry.descriptor import BatchDescriptor
 
-__all__ = ["BreakContext", "current_batch", "eager_break", "graph_break"]
+__all__ = ["BreakContext", "capture_barrier", "current_batch", "eager_break", "graph_break"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -49,6 +50,20 @@ class BreakSite(Protocol):
 
 _site: contextvars.ContextVar[BreakSite | None] = contextvars.ContextVar("cgregistry_break_site", default=None)
 _batch: contextvars.ContextVar[BreakContext | None] = contextvars.ContextVar("cgregistry_batch", default=None)
+_barrier: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("cgregistry_barrier", default=None)
+
+
+@contextlib.contextmanager
+def capture_barrier(fn: Callable[[], None]) -> Iterator[None]:
+    """Run ``fn`` (e.g. ``torch.distributed.barrier``) before each eager break while capturing inside this block.
+
+    It keeps ranks in step between the end of a segment and rank-coupled eager work.
+    """
+    token = _barrier.set(fn)
+    try:
+        yield
+    finally:
+        _barrier.reset(token)
 
 
 def current_batch() -> BreakContext | None:

@@ -38,7 +38,7 @@ def _flatten(obj: Any, path: str, leaves: list[torch.Tensor]) -> Spec:
         return (type(obj), keys, [_flatten(obj[k], f"{path}[{k!r}]", leaves) for k in keys])
     if isinstance(obj, (tuple, list)):
         return (type(obj), None, [_flatten(v, f"{path}[{i}]", leaves) for i, v in enumerate(obj)])
-    raise OutputError(f"{path} is a {type(obj).__name__}; a step must return tensors (in tuples, lists or dicts)")
+    raise OutputError(f"{path} is a {type(obj).__name__}; expected tensors (in tuples, lists or dicts) or None")
 
 
 def unflatten(leaves: list[torch.Tensor], spec: Spec) -> Any:

@@ -40,3 +40,13 @@ def test_cg_plugins_registers_for_one_test(cg_plugins) -> None:  # noqa: ANN001
 
     assert "named" in cg_plugins(Plugin()).strategies
     assert "named" not in cg_plugins().strategies
+
+
+class TestBreakableConformance(StrategyConformance):
+    strategy = "breakable"
+
+
+@pytest.mark.cuda
+class TestBreakableConformanceOnCuda(StrategyConformance):
+    strategy = "breakable"
+    backend = "cuda"

@@ -8,6 +8,7 @@ replay of any graph in the pool, which is the registry's contract anyway.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -54,6 +55,34 @@ class CudaGraph:
         self.memory_bytes = memory_bytes
 
 
+class _ForkTracker:
+    """Which side streams forked from the capture stream and have not been joined back (names them)."""
+
+    def __init__(self, capture_stream: torch.cuda.Stream) -> None:
+        self.capture = capture_stream
+        self.forked: dict[int, torch.cuda.Stream] = {}
+
+    def saw_wait(self, waiter: torch.cuda.Stream, waited: torch.cuda.Stream) -> None:
+        if waiter == self.capture or waiter.cuda_stream == self.capture.cuda_stream:
+            self.forked.pop(waited.cuda_stream, None)  # a join
+        elif waited.cuda_stream == self.capture.cuda_stream or waited.cuda_stream in self.forked:
+            self.forked[waiter.cuda_stream] = waiter  # a fork from the capture (or a forked) stream
+
+    def unjoined(self) -> list[str]:
+        return [repr(s) for s in self.forked.values()]
+
+
+_tracker: contextvars.ContextVar[_ForkTracker | None] = contextvars.ContextVar("cgregistry_cuda_forks", default=None)
+_original_wait_stream = torch.cuda.Stream.wait_stream
+
+
+def _tracked_wait_stream(self: torch.cuda.Stream, stream: torch.cuda.Stream) -> None:
+    tracker = _tracker.get()
+    if tracker is not None:
+        tracker.saw_wait(self, stream)
+    _original_wait_stream(self, stream)
+
+
 class CudaSegment:
     """One capture in progress: ``end()`` finishes it, ``abort()`` abandons it after an error."""
 
@@ -65,6 +94,15 @@ class CudaSegment:
         self.graph.capture_begin(pool=pool)
 
     def end(self) -> CudaGraph:
+        tracker = _tracker.get()
+        if tracker is not None and tracker.forked:
+            names = ", ".join(tracker.unjoined())
+            self.abort()
+            tracker.forked.clear()
+            raise RuntimeError(
+                f"side stream(s) {names} forked from the capture stream were not joined back; "
+                "call torch.cuda.current_stream().wait_stream(side) before this point"
+            )
         try:
             self.graph.capture_end()
         except BaseException:
@@ -122,10 +160,15 @@ class CudaBackend:
         torch.cuda.synchronize()
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream())
+        # Track forks and joins of side streams so an unjoined one can be named (capture is single-threaded).
+        token = _tracker.set(_ForkTracker(stream))
+        torch.cuda.Stream.wait_stream = _tracked_wait_stream  # type: ignore[method-assign]
         try:
             with torch.cuda.stream(stream):
                 yield
         finally:
+            torch.cuda.Stream.wait_stream = _original_wait_stream  # type: ignore[method-assign]
+            _tracker.reset(token)
             torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
 

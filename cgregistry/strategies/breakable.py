@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from cgregistry import breaks
 from cgregistry.backends import Backend, Graph
 from cgregistry.hookspecs import hookimpl
@@ -44,7 +46,8 @@ class _BreakCall:
         try:
             self.kept, _ = flatten(result, f"eager break {name!r} result")  # strong references, on purpose
         except OutputError as exc:
-            raise BreakError(f"{exc}; an eager break returns tensors (kept, refreshed at every replay) or None") from None
+            what = str(exc).split(";", 1)[0]  # "eager break 'f' result is a int"
+            raise BreakError(f"{what}; an eager break returns tensors (kept, refreshed at every replay) or None") from None
         self.shapes = [(t.shape, t.dtype) for t in self.kept]
 
     def run(self) -> None:
@@ -92,8 +95,9 @@ class _Site:
 
     def on_break(self, fn: Callable[..., Any] | None, stub: Callable[..., Any] | None, name: str, args: tuple, kwargs: dict) -> Any:
         self._end_segment(f"before eager break {name!r}")
-        if self.barrier is not None:
-            self.barrier()
+        barrier = self.barrier if self.barrier is not None else breaks._barrier.get()
+        if barrier is not None:
+            barrier()
         runner = stub if stub is not None else fn
         token = breaks._site.set(None)  # a break's own body runs as plain eager code
         try:
@@ -137,15 +141,18 @@ class BreakableGraph:
         return len(self.segments)
 
     def replay(self) -> None:
-        for step in self._order:
-            step()
+        # Breaks run as they ran at capture: under inference mode (their kept results are inference tensors).
+        with torch.inference_mode():
+            for step in self._order:
+                step()
 
 
 class BreakableStrategy:
     """Graph segments between eager breaks; keys relax ``num_reqs`` (metadata is built eagerly).
 
-    ``barrier`` (optional) runs before each eager break during capture, to keep
-    distributed ranks in step between segment finalisation and rank-coupled work.
+    ``barrier`` (optional; or ``cgregistry.capture_barrier(fn)`` around ``capture``)
+    runs before each eager break during capture, to keep distributed ranks in step
+    between segment finalisation and rank-coupled work.
     """
 
     name = "breakable"
