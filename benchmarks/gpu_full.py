@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import time
 from collections.abc import Callable
 
@@ -25,21 +24,10 @@ import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
 
-
-def per_call_us(fn: Callable[[], object], iters: int, repeats: int = 7) -> float:
-    """Median over repeats of wall time per call, GPU drained before and after each repeat."""
-    for _ in range(max(iters // 10, 3)):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(samples)
+try:
+    from benchmarks.timing import per_call_us
+except ImportError:  # run as a script from benchmarks/
+    from timing import per_call_us  # type: ignore[no-redef]
 
 
 def hand_written_graph(model: DemoDecoder, batch: B, inputs: dict[str, torch.Tensor]) -> Callable[[], torch.Tensor]:

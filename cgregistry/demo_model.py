@@ -11,6 +11,7 @@ against eager row for row.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -20,7 +21,7 @@ from torch import nn
 from cgregistry.buffers import StaticInput
 from cgregistry.descriptor import BatchDescriptor
 
-__all__ = ["DemoConfig", "DemoDecoder", "demo_inputs", "random_batch"]
+__all__ = ["DemoConfig", "DemoDecoder", "attention_core", "attention_core_into", "demo_inputs", "random_batch"]
 
 
 @attrs.frozen(slots=True)
@@ -55,6 +56,39 @@ class _RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
 
 
+def attention_core(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    req_idx: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor,
+) -> torch.Tensor:
+    """Decode attention of each token over its request's cached keys (masked by length) and itself."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    keys = k_cache[req_idx]  # [T, C, H, D]
+    values = v_cache[req_idx]
+    cached = torch.einsum("thd,tchd->thc", q, keys).float() * scale
+    cached = cached.masked_fill((positions[None, :] >= lens[:, None])[:, None, :], float("-inf"))
+    own = (q * k).sum(-1, keepdim=True).float() * scale  # [T, H, 1]
+    probs = torch.cat([cached, own], dim=-1).softmax(-1).to(q.dtype)
+    return torch.einsum("thc,tchd->thd", probs[..., :-1], values) + probs[..., -1:] * v
+
+
+def attention_core_into(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    req_idx: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
+) -> None:
+    """The same attention as ``attention_core``, written into ``out`` with few kernels.
+
+    The out-argument form is what an eager break of either library can take; few
+    kernels keep its eager launches cheap (one fused scaled_dot_product_attention).
+    """
+    keys = torch.cat([k_cache[req_idx], k[:, None]], dim=1)  # [T, C + 1, H, D]: cache, then the token itself
+    values = torch.cat([v_cache[req_idx], v[:, None]], dim=1)
+    valid = torch.cat([positions[None, :] < lens[:, None], torch.ones_like(lens[:, None], dtype=torch.bool)], dim=1)
+    attended = nn.functional.scaled_dot_product_attention(
+        q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :]
+    )
+    out.copy_(attended[:, :, 0])
+
+
 class _Layer(nn.Module):
     def __init__(self, cfg: DemoConfig) -> None:
         super().__init__()
@@ -69,18 +103,16 @@ class _Layer(nn.Module):
         shape = (cfg.max_num_seqs, cfg.context, cfg.heads, self.head_dim)
         self.register_buffer("k_cache", torch.randn(shape) * 0.5, persistent=False)
         self.register_buffer("v_cache", torch.randn(shape) * 0.5, persistent=False)
+        self.core: Callable[..., None] | None = None
 
     def attention(self, x: torch.Tensor, req_idx: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        keys = self.k_cache[req_idx]  # [T, C, H, D]
-        values = self.v_cache[req_idx]
-        cached = torch.einsum("thd,tchd->thc", q, keys).float() * scale
-        cached = cached.masked_fill((positions[None, :] >= lens[:, None])[:, None, :], float("-inf"))
-        own = (q * k).sum(-1, keepdim=True).float() * scale  # [T, H, 1]
-        probs = torch.cat([cached, own], dim=-1).softmax(-1).to(x.dtype)
-        out = torch.einsum("thc,tchd->thd", probs[..., :-1], values) + probs[..., -1:] * v
+        if self.core is None:
+            out = attention_core(q, k, v, self.k_cache, self.v_cache, req_idx, lens, positions)
+        else:  # an eager break (or any out-argument kernel) computes it between graph segments
+            out = torch.empty_like(q)
+            self.core(q, k, v, self.k_cache, self.v_cache, req_idx, lens, positions, out)
         return self.out(out.reshape(t, -1))
 
     def forward(self, x: torch.Tensor, req_idx: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -92,13 +124,19 @@ class _Layer(nn.Module):
 class DemoDecoder(nn.Module):
     """The demo model; call it as a registry step: ``model(batch, input_ids=..., req_idx=..., seq_lens=...)``."""
 
-    def __init__(self, cfg: DemoConfig, device: torch.device | str = "cpu", seed: int = 0) -> None:
+    def __init__(
+        self, cfg: DemoConfig, device: torch.device | str = "cpu", seed: int = 0, attention: Callable[..., None] | None = None
+    ) -> None:
+        """``attention``: an out-argument attention core (``attention_core_into`` marked as an eager
+        break, say) to call in every layer instead of computing attention inline."""
         super().__init__()
         self.cfg = cfg
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
             self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.layers))
+            for layer in self.layers:
+                layer.core = attention
             self.norm = _RMSNorm(cfg.hidden)
             self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
             for p in self.parameters():

@@ -247,6 +247,9 @@ class GraphRegistry:
 
     def _capture_one(self, key: BatchDescriptor, strategy_name: str) -> _Entry:
         strategy = self.plugins.strategy(strategy_name)
+        if not self._entries:
+            # No live graph holds the pool: on CUDA a pool whose graphs all died cannot take new captures.
+            self._pool = self.backend.new_pool()
         views = {name: buf.view(self._key_rows(buf, key)) for name, buf in self._buffers.items()}
         step = self._step
 

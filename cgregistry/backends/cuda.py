@@ -101,7 +101,7 @@ class CudaSegment:
             tracker.forked.clear()
             raise RuntimeError(
                 f"side stream(s) {names} forked from the capture stream were not joined back; "
-                "call torch.cuda.current_stream().wait_stream(side) before this point"
+                "call torch.cuda.current_stream().wait_stream(side) first"
             )
         try:
             self.graph.capture_end()

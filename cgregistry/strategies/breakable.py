@@ -14,6 +14,7 @@ runs), so memory stays proportional to the largest entry.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -85,12 +86,8 @@ class _Site:
         try:
             self.segments.append(self.current.end())
         except Exception as exc:
-            text = str(exc).lower()
-            if "join" in text or "unjoined" in text:
-                raise BreakError(
-                    f"a side stream was not joined back to the capture stream {where}: "
-                    "call current_stream().wait_stream(side) before it"
-                ) from exc
+            if "join" in str(exc).lower():
+                raise BreakError(f"{where}: {exc}") from exc
             raise
 
     def on_break(self, fn: Callable[..., Any] | None, stub: Callable[..., Any] | None, name: str, args: tuple, kwargs: dict) -> Any:
@@ -132,8 +129,8 @@ class BreakableGraph:
         order: list[Callable[[], None]] = []
         for segment, call in zip(segments, [*calls, None]):
             order.append(segment.replay)
-            if call is not None:
-                order.append(call.run)
+            if call is not None:  # a break that returns nothing is just a call with its captured arguments
+                order.append(call.run if call.kept else functools.partial(call.fn, *call.args, **call.kwargs))
         self._order = tuple(order)
 
     @property
