@@ -1,8 +1,9 @@
 """GPU benchmark of the `breakable` strategy against `full`, eager, and breakable-cuda-graphs 0.1.0.
 
-One process; the demo model (12 x 1024, bf16) with one eager break per layer (the
-attention core, in its out-argument form so both libraries can run the same
-function). At batch 1, 8 and 64 (uniform decode):
+One process; the demo model (12 x 1024, bf16) with one eager break per layer: the
+attention kernel (scaled_dot_product_attention over the gathered cache), in its
+out-argument form so both libraries run the same function; gathering and masking
+stay in the graph segments. At batch 1, 8 and 64 (uniform decode):
   eager       the model run eagerly (breaks are plain calls)
   full        reg.run() with a full graph (the breaks run inline and are captured)
   breakable   reg.run() with cgregistry's breakable strategy (13 segments, 12 eager breaks)
@@ -22,7 +23,7 @@ from breakable_cuda_graphs import BreakableCUDAGraph, breakable_graph, no_graph
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_core_into, demo_inputs, random_batch
+from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs, random_batch
 
 try:
     from benchmarks.timing import per_call_us
@@ -60,8 +61,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     cfg = DemoConfig.for_device("cuda")
-    ours = DemoDecoder(cfg, "cuda", seed=0, attention=cg.eager_break(attention_core_into))
-    theirs = DemoDecoder(cfg, "cuda", seed=0, attention=no_graph(attention_core_into))
+    ours = DemoDecoder(cfg, "cuda", seed=0, attention=cg.eager_break(attention_kernel_into))
+    theirs = DemoDecoder(cfg, "cuda", seed=0, attention=no_graph(attention_kernel_into))
     inputs_spec = demo_inputs(cfg)
     full = cg.GraphRegistry(ours, inputs_spec, backend="cuda")
     full.capture([(B.decode(n), "full") for n in sorted(SIZES, reverse=True)], progress=False)

@@ -21,7 +21,7 @@ from torch import nn
 from cgregistry.buffers import StaticInput
 from cgregistry.descriptor import BatchDescriptor
 
-__all__ = ["DemoConfig", "DemoDecoder", "attention_core", "attention_core_into", "demo_inputs", "random_batch"]
+__all__ = ["DemoConfig", "DemoDecoder", "attention_core", "attention_kernel_into", "demo_inputs", "random_batch"]
 
 
 @attrs.frozen(slots=True)
@@ -71,22 +71,15 @@ def attention_core(
     return torch.einsum("thc,tchd->thd", probs[..., :-1], values) + probs[..., -1:] * v
 
 
-def attention_core_into(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    req_idx: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor, out: torch.Tensor,
+def attention_kernel_into(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """The same attention as ``attention_core``, written into ``out`` with few kernels.
+    """The attention kernel alone, written into ``out``: the part an engine runs eagerly.
 
-    The out-argument form is what an eager break of either library can take; few
-    kernels keep its eager launches cheap (one fused scaled_dot_product_attention).
+    ``q`` is [T, H, 1, D], ``keys``/``values`` [T, H, C + 1, D], ``valid`` [T, 1, 1, C + 1].
+    The out-argument form is what an eager break of either library can take.
     """
-    keys = torch.cat([k_cache[req_idx], k[:, None]], dim=1)  # [T, C + 1, H, D]: cache, then the token itself
-    values = torch.cat([v_cache[req_idx], v[:, None]], dim=1)
-    valid = torch.cat([positions[None, :] < lens[:, None], torch.ones_like(lens[:, None], dtype=torch.bool)], dim=1)
-    attended = nn.functional.scaled_dot_product_attention(
-        q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :]
-    )
-    out.copy_(attended[:, :, 0])
+    out.copy_(nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=valid)[:, :, 0])
 
 
 class _Layer(nn.Module):
@@ -110,9 +103,13 @@ class _Layer(nn.Module):
         q, k, v = self.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)
         if self.core is None:
             out = attention_core(q, k, v, self.k_cache, self.v_cache, req_idx, lens, positions)
-        else:  # an eager break (or any out-argument kernel) computes it between graph segments
+        else:
+            # Gather and mask in the graph; only the attention kernel runs in ``core`` (an eager break, say).
+            keys = torch.cat([self.k_cache[req_idx], k[:, None]], dim=1).transpose(1, 2)  # [T, H, C + 1, D]
+            values = torch.cat([self.v_cache[req_idx], v[:, None]], dim=1).transpose(1, 2)
+            valid = torch.cat([positions[None, :] < lens[:, None], torch.ones_like(lens[:, None], dtype=torch.bool)], dim=1)
             out = torch.empty_like(q)
-            self.core(q, k, v, self.k_cache, self.v_cache, req_idx, lens, positions, out)
+            self.core(q[:, :, None], keys, values, valid[:, None, None, :], out)
         return self.out(out.reshape(t, -1))
 
     def forward(self, x: torch.Tensor, req_idx: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -127,8 +124,8 @@ class DemoDecoder(nn.Module):
     def __init__(
         self, cfg: DemoConfig, device: torch.device | str = "cpu", seed: int = 0, attention: Callable[..., None] | None = None
     ) -> None:
-        """``attention``: an out-argument attention core (``attention_core_into`` marked as an eager
-        break, say) to call in every layer instead of computing attention inline."""
+        """``attention``: an out-argument attention kernel (``attention_kernel_into`` marked as an
+        eager break, say) that every layer calls instead of computing attention inline."""
         super().__init__()
         self.cfg = cfg
         with torch.random.fork_rng(devices=[]):

@@ -239,12 +239,12 @@ def test_unjoined_side_stream_is_named() -> None:
 
 
 def test_demo_model_with_a_break_per_layer(backend: str) -> None:
-    from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_core_into, demo_inputs, random_batch
+    from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs, random_batch
 
     cfg = DemoConfig(layers=3, hidden=32, heads=2, ffn=48, vocab=64, max_num_seqs=8, max_num_tokens=32, context=8, dtype=torch.float32)
     device = device_of(backend)
     inline = DemoDecoder(cfg, device, seed=3)
-    broken = DemoDecoder(cfg, device, seed=3, attention=cg.eager_break(attention_core_into))
+    broken = DemoDecoder(cfg, device, seed=3, attention=cg.eager_break(attention_kernel_into))
     reg = cg.GraphRegistry(broken, demo_inputs(cfg), backend=backend, plugins=no_autoload())
     reg.capture(cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=32, mode="breakable"))
     assert {(e.segments, e.breaks) for e in reg.entries()} == {(cfg.layers + 1, cfg.layers)}
