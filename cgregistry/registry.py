@@ -74,17 +74,19 @@ class _Entry:
 class _Route:
     """Everything ``run`` needs for one actual shape, computed once."""
 
-    __slots__ = ("entry", "pending", "match", "copies", "out_rows", "single_output", "real_tokens", "pad_tokens")
+    __slots__ = ("entry", "pending", "match", "copies", "out_rows", "single_output", "real_tokens", "pad_tokens", "batch_context")
 
-    def __init__(self, entry: _Entry | None, match: Match | None, copies: tuple[tuple[StaticBuffer, int], ...], out_rows: int, real_tokens: int, pending: bool = False) -> None:
+    def __init__(self, actual: BatchDescriptor, entry: _Entry | None, match: Match | None, copies: tuple[tuple[StaticBuffer, int], ...], out_rows: int, pending: bool = False) -> None:
         self.entry = entry
         self.pending = pending  # the best key is in a lazy plan and not captured yet
         self.match = match
         self.copies = copies
         self.out_rows = out_rows
-        self.real_tokens = real_tokens
+        self.real_tokens = actual.num_tokens
         self.pad_tokens = match.padding.tokens if match is not None else 0
         self.single_output = entry.slicer.sliced(out_rows) if entry is not None and entry.slicer.spec is None else None
+        # what eager breaks see through current_batch() when run() gets no payload (built once, not per step)
+        self.batch_context = BreakContext(actual, entry.key, None) if entry is not None else None
 
 
 def _rows(axis: str, descriptor: BatchDescriptor) -> int | None:
@@ -379,7 +381,8 @@ class GraphRegistry:
             raise self._bad_names(inputs) from None
         try:
             if entry.has_breaks:
-                token = breaks._batch.set(BreakContext(actual, entry.key, context))
+                batch = route.batch_context if context is None else BreakContext(actual, entry.key, context)
+                token = breaks._batch.set(batch)
                 try:
                     entry.replay()
                 finally:
@@ -452,7 +455,7 @@ class GraphRegistry:
         out_rows = actual.num_tokens if self.output_axis == "tokens" else actual.num_reqs
         if out_rows is None:
             raise InputError(f"output_axis='reqs' needs the batch's request count; {actual} gives none")
-        route = _Route(entry, match, tuple(copies), out_rows, actual.num_tokens, pending)
+        route = _Route(actual, entry, match, tuple(copies), out_rows, pending)
         if len(self._routes) >= _ROUTE_CACHE_LIMIT:
             self._routes.clear()
         self._routes[actual] = route

@@ -253,3 +253,26 @@ def test_demo_model_with_a_break_per_layer(backend: str) -> None:
         for batch in (B.decode(1), B.decode(5), B(13, 4), B(32, 8)):
             inputs = random_batch(cfg, batch, device, g)
             torch.testing.assert_close(reg.run(batch, **inputs), inline(batch, **inputs), rtol=1e-4, atol=1e-4)
+
+
+def test_current_batch_inside_a_break_follows_the_live_batch(backend: str) -> None:
+    seen: list[tuple] = []
+
+    @cg.eager_break
+    def probe(x: torch.Tensor) -> None:
+        b = cg.current_batch()
+        seen.append((b.actual, b.key, b.payload))
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        probe(x)
+        return x + 1
+
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg.capture([(B(8), "breakable")], context="at-capture")
+    assert seen[-1] == (B(8), B(8), "at-capture")
+    dev = device_of(backend)
+    reg.run(B(3, 2), x=torch.zeros(3, device=dev))
+    reg.run(B(5, 1), x=torch.zeros(5, device=dev), context={"lens": [5]})
+    reg.run(B(20, 2), x=torch.zeros(20, device=dev), context="eager")  # a miss: the step runs eagerly
+    assert seen[-3:] == [(B(3, 2), B(8), None), (B(5, 1), B(8), {"lens": [5]}), (B(20, 2), None, "eager")]
+    assert cg.current_batch() is None

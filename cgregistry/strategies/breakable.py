@@ -139,6 +139,10 @@ class BreakableGraph:
 
     def replay(self) -> None:
         # Breaks run as they ran at capture: under inference mode (their kept results are inference tensors).
+        if torch.is_inference_mode_enabled():  # engines usually run there already: skip the context
+            for step in self._order:
+                step()
+            return
         with torch.inference_mode():
             for step in self._order:
                 step()
