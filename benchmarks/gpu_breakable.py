@@ -26,33 +26,16 @@ from cgregistry import BatchDescriptor as B
 from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs, random_batch
 
 try:
-    from benchmarks.timing import per_call_us
+    from benchmarks.timing import per_call_us, static_graph
 except ImportError:  # run as a script from benchmarks/
-    from timing import per_call_us  # type: ignore[no-redef]
+    from timing import per_call_us, static_graph  # type: ignore[no-redef]
 
 SIZES = (1, 8, 64)
 
 
 def peer_graph(model: DemoDecoder, batch: B, inputs: dict[str, torch.Tensor]):  # noqa: ANN201
     """breakable-cuda-graphs used as its README shows: static buffers, side-stream warm-up, capture, replay."""
-    static = {k: v.clone() for k, v in inputs.items()}
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.inference_mode():
-        for _ in range(2):
-            model(batch, **static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = BreakableCUDAGraph()
-    with torch.inference_mode(), breakable_graph(graph):
-        out = model(batch, **static)
-
-    def run() -> torch.Tensor:
-        for k, v in inputs.items():
-            static[k].copy_(v)
-        graph.replay()
-        return out
-
-    return run
+    return static_graph(model, batch, inputs, BreakableCUDAGraph(), breakable_graph)
 
 
 def main() -> None:

@@ -25,32 +25,14 @@ from cgregistry import BatchDescriptor as B
 from cgregistry.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
 
 try:
-    from benchmarks.timing import per_call_us
+    from benchmarks.timing import per_call_us, static_graph
 except ImportError:  # run as a script from benchmarks/
-    from timing import per_call_us  # type: ignore[no-redef]
+    from timing import per_call_us, static_graph  # type: ignore[no-redef]
 
 
 def hand_written_graph(model: DemoDecoder, batch: B, inputs: dict[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
     """What an engine writes by hand: static tensors for one size, capture, copy in + replay."""
-    static = {k: v.clone() for k, v in inputs.items()}
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.inference_mode():
-        for _ in range(2):
-            model(batch, **static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.inference_mode():
-        out = model(batch, **static)
-
-    def run() -> torch.Tensor:
-        for k, v in inputs.items():
-            static[k].copy_(v)
-        graph.replay()
-        return out
-
-    run.graph = graph  # type: ignore[attr-defined]
-    return run
+    return static_graph(model, batch, inputs, torch.cuda.CUDAGraph(), torch.cuda.graph)
 
 
 def bench_demo(rows: list[dict], iters: int) -> dict:
