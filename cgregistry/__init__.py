@@ -11,6 +11,7 @@ from cgregistry.outputs import OutputError
 from cgregistry.plan import MODES, CapturePlan, PlanEntry, UncoveredRange
 from cgregistry.plugins import PluginError, Plugins, make_plugin_manager
 from cgregistry.registry import CaptureError, EntryInfo, GraphRegistry, Stats
+from cgregistry.strategies.breakable import BreakError
 
 __version__ = "0.1.0"
 
@@ -18,6 +19,7 @@ __all__ = [
     "MODES",
     "BatchDescriptor",
     "BreakContext",
+    "BreakError",
     "Candidate",
     "CaptureError",
     "ClassStats",

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import pytest
 import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.strategies.breakable import BreakableStrategy, BreakError
+from cgregistry.strategies.breakable import BreakableStrategy
 
 from .conftest import device_of
 
@@ -180,8 +179,9 @@ def test_nested_breakable_capture_is_refused(backend: str) -> None:
         return x
 
     reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=no_autoload())
-    with pytest.raises(cg.CaptureError, match="nested breakable capture"):
+    with pytest.raises(cg.CaptureError, match="nested breakable capture") as info:
         reg.capture([(B(8), "breakable")])
+    assert isinstance(info.value.__cause__, cg.BreakError)
     x = torch.ones(2, device=device_of(backend))
     assert reg.run(B(2, 1), x=x).tolist() == [1.0, 1.0], "nothing captured; the step ran eagerly"
 
