@@ -286,7 +286,7 @@ class GraphRegistry:
     def _check_outputs(self, leaves: list[torch.Tensor], key: BatchDescriptor) -> None:
         if not leaves:
             raise OutputError("the step returned no tensor")
-        rows = key.num_tokens if self.output_axis == "tokens" else key.num_reqs
+        rows = _rows(self.output_axis, key)
         for i, leaf in enumerate(leaves):
             if leaf.dim() == 0 or (rows is not None and leaf.shape[0] != rows):
                 raise OutputError(
@@ -312,12 +312,11 @@ class GraphRegistry:
         except CaptureError as exc:
             self._pending.pop(pair, None)
             self._failures[pair] = exc
-            self._rebuild()
             warnings.warn(f"cgregistry: lazy {exc}; the key is dropped and the step runs eagerly", RuntimeWarning, stacklevel=3)
         else:
             self._lazy_captures += 1
-            self._rebuild()
             self._enforce_budget(keep=pair)
+        self._rebuild()
         return self._route(actual)
 
     def _enforce_budget(self, keep: tuple[BatchDescriptor, str]) -> None:
@@ -359,14 +358,13 @@ class GraphRegistry:
         if route is None:
             route = self._route(actual)
         entry = route.entry
-        if entry is None and route.pending:
-            if inputs.keys() != self._input_names:
-                raise self._bad_names(inputs)
-            route = self._capture_lazily((route.match.key, route.match.strategy), actual)  # type: ignore[union-attr]
-            entry = route.entry
         if entry is None:
             if inputs.keys() != self._input_names:
                 raise self._bad_names(inputs)
+            if route.pending:
+                route = self._capture_lazily((route.match.key, route.match.strategy), actual)  # type: ignore[union-attr]
+                entry = route.entry
+        if entry is None:
             self._misses += 1
             self._misses_by_kind["uniform" if actual.uniform else "mixed"] += 1
             if self._miss_hook is not None:
@@ -452,7 +450,7 @@ class GraphRegistry:
             if rows is None:
                 raise InputError(f"static input {buf.name!r} is indexed by requests, but {actual} gives num_reqs=None")
             copies.append((buf, rows))
-        out_rows = actual.num_tokens if self.output_axis == "tokens" else actual.num_reqs
+        out_rows = _rows(self.output_axis, actual)
         if out_rows is None:
             raise InputError(f"output_axis='reqs' needs the batch's request count; {actual} gives none")
         route = _Route(actual, entry, match, tuple(copies), out_rows, pending)

@@ -63,7 +63,7 @@ class _ForkTracker:
         self.forked: dict[int, torch.cuda.Stream] = {}
 
     def saw_wait(self, waiter: torch.cuda.Stream, waited: torch.cuda.Stream) -> None:
-        if waiter == self.capture or waiter.cuda_stream == self.capture.cuda_stream:
+        if waiter.cuda_stream == self.capture.cuda_stream:
             self.forked.pop(waited.cuda_stream, None)  # a join
         elif waited.cuda_stream == self.capture.cuda_stream or waited.cuda_stream in self.forked:
             self.forked[waiter.cuda_stream] = waiter  # a fork from the capture (or a forked) stream

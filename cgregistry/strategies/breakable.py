@@ -37,7 +37,7 @@ class BreakError(RuntimeError):
 class _BreakCall:
     """One eager break as captured: the function, its exact arguments, and the tensors it returned."""
 
-    __slots__ = ("fn", "name", "args", "kwargs", "kept", "shapes")
+    __slots__ = ("fn", "name", "args", "kwargs", "kept")
 
     def __init__(self, fn: Callable[..., Any], name: str, args: tuple, kwargs: dict, result: Any) -> None:
         self.fn = fn
@@ -49,7 +49,6 @@ class _BreakCall:
         except OutputError as exc:
             what = str(exc).split(";", 1)[0]  # "eager break 'f' result is a int"
             raise BreakError(f"{what}; an eager break returns tensors (kept, refreshed at every replay) or None") from None
-        self.shapes = [(t.shape, t.dtype) for t in self.kept]
 
     def run(self) -> None:
         result = self.fn(*self.args, **self.kwargs)
