@@ -8,6 +8,7 @@ from cgregistry.hookspecs import hookimpl, hookspec
 from cgregistry.inspection import ClassStats, Snapshot, SnapshotError, load_snapshot
 from cgregistry.matcher import Candidate, Explanation, Match, Matcher
 from cgregistry.outputs import OutputError
+from cgregistry.piecewise import PiecewiseCompiler, PiecewiseError, compile_piecewise
 from cgregistry.plan import MODES, CapturePlan, PlanEntry, UncoveredRange
 from cgregistry.plugins import PluginError, Plugins, make_plugin_manager
 from cgregistry.registry import CaptureError, EntryInfo, GraphRegistry, Stats
@@ -33,6 +34,8 @@ __all__ = [
     "Matcher",
     "OutputError",
     "Padding",
+    "PiecewiseCompiler",
+    "PiecewiseError",
     "PlanEntry",
     "PluginError",
     "Plugins",
@@ -43,6 +46,7 @@ __all__ = [
     "UncoveredRange",
     "__version__",
     "capture_barrier",
+    "compile_piecewise",
     "current_batch",
     "eager_break",
     "graph_break",

@@ -51,6 +51,10 @@ class BreakSite(Protocol):
 _site: contextvars.ContextVar[BreakSite | None] = contextvars.ContextVar("cgregistry_break_site", default=None)
 _batch: contextvars.ContextVar[BreakContext | None] = contextvars.ContextVar("cgregistry_batch", default=None)
 _barrier: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("cgregistry_barrier", default=None)
+# Every function marked so far, and callbacks told of each new one (the piecewise
+# compiler keeps them opaque to dynamo, so they become splitting ops).
+_marked: list[Callable[..., Any]] = []
+_on_mark: list[Callable[[Callable[..., Any]], None]] = []
 
 
 @contextlib.contextmanager
@@ -97,6 +101,9 @@ def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = Non
             return site.on_break(func, capture_stub, label, args, kwargs)
 
         marked.__cgregistry_break__ = label  # type: ignore[attr-defined]
+        _marked.append(marked)
+        for callback in _on_mark:
+            callback(marked)
         return marked  # type: ignore[return-value]
 
     return wrap(fn) if fn is not None else wrap

@@ -29,6 +29,7 @@ DEFAULT_PLUGINS = (
     "cgregistry.backends.cpu",
     "cgregistry.strategies.full",
     "cgregistry.strategies.breakable",
+    "cgregistry.strategies.piecewise",
 )
 
 

@@ -28,6 +28,7 @@ from cgregistry.inspection import (
 )
 from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher
 from cgregistry.outputs import OutputError, OutputSlicer, flatten
+from cgregistry.piecewise import PiecewiseCompiler, PiecewiseModel
 from cgregistry.plan import CapturePlan, PlanEntry
 from cgregistry.plugins import PluginError, Plugins
 
@@ -165,6 +166,27 @@ class GraphRegistry:
         self._miss_hook = hook.cgregistry_miss if hook.cgregistry_miss.get_hookimpls() else None
         self._choose_hook = hook.cgregistry_choose_match if hook.cgregistry_choose_match.get_hookimpls() else None
         hook.cgregistry_registry_created(registry=self)
+
+    # ------------------------------------------------------------------ piecewise
+
+    def compile_backend(
+        self, splitting_ops: Iterable[object] | None = None, *, inductor: bool = False, max_traces: int = 4,
+        include_marked: bool | None = None,
+    ) -> PiecewiseCompiler:
+        """A torch.compile backend for this registry's ``piecewise`` entries (see :mod:`cgregistry.piecewise`).
+
+        Use it as ``torch.compile(model, backend=reg.compile_backend(), dynamic=True, fullgraph=True)``,
+        or let :meth:`compile` do that and also keep views and Python floats from causing retraces.
+        """
+        return PiecewiseCompiler(splitting_ops, inductor=inductor, max_traces=max_traces, include_marked=include_marked)
+
+    def compile(
+        self, model: Callable[..., Any], splitting_ops: Iterable[object] | None = None, *, inductor: bool = False,
+        max_traces: int = 4, include_marked: bool | None = None,
+    ) -> PiecewiseModel:
+        """``model`` compiled for ``piecewise`` entries: one dynamic trace, split at ``splitting_ops``
+        (default: the ``@eager_break`` functions); call it from the step."""
+        return PiecewiseModel(model, self.compile_backend(splitting_ops, inductor=inductor, max_traces=max_traces, include_marked=include_marked))
 
     # ------------------------------------------------------------------ capture
 

@@ -22,7 +22,7 @@ class TestFullConformanceOnCuda(StrategyConformance):
 
 def test_fixtures_give_a_fresh_cpu_registry(cg_registry: cg.GraphRegistry, cg_tiny_model: torch.nn.Module) -> None:
     assert cg_registry.backend.name == "cpu" and len(cg_registry) == 0
-    assert set(cg_registry.plugins.strategies) == {"full", "breakable"}, "no entry points: only the built-ins"
+    assert set(cg_registry.plugins.strategies) == {"full", "breakable", "piecewise"}, "no entry points: only the built-ins"
 
 
 def test_cg_plugins_registers_for_one_test(cg_plugins) -> None:  # noqa: ANN001

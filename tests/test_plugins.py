@@ -48,7 +48,7 @@ def test_builtins_are_ordinary_plugins() -> None:
     names = {pm.get_name(p) for p in pm.get_plugins()}
     assert set(DEFAULT_PLUGINS) <= names
     plugins = cg.Plugins(pm)
-    assert set(plugins.strategies) == {"full", "breakable"}
+    assert set(plugins.strategies) == {"full", "breakable", "piecewise"}
     assert set(plugins.backends) == {"cuda", "cpu"}
     assert plugins.strategy_origin["full"] == "cgregistry.strategies.full"
 

@@ -54,6 +54,7 @@ _BOOL_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 _COPY_OPS = {"to", "_to_copy", "_copy_from", "_copy_from_and_resize"}
 _HOST_READ_OPS = {"resolve_conj", "resolve_neg"}  # what .tolist() dispatches before reading memory
 
+see_compiled: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_cpu_see_compiled", default=False)
 _capturing: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_cpu_capturing", default=False)
 
 
@@ -145,6 +146,13 @@ class _Op:
 
 
 class _Recorder(TorchDispatchMode):
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Under a piecewise capture, the split graph runs as compiled (its aten ops reach the
+        # recorder); elsewhere torch.compile'd code falls back to eager under the recorder, since
+        # Inductor kernels bypass the dispatcher and would be recorded as nothing.
+        return see_compiled.get()
+
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[_Op] = []

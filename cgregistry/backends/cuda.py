@@ -201,6 +201,21 @@ class CudaBackend:
     def share_outputs(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         return [non_owning_alias(t) for t in leaves]
 
+    def hold_intermediates(self, tensors: list[torch.Tensor], pool: object) -> list[torch.Tensor]:
+        """Non-owning aliases for the tensors in ``pool`` (its graphs own them); the rest as they are."""
+        pool_id = tuple(pool)  # type: ignore[call-overload]
+        spans = [
+            (seg["address"], seg["address"] + seg["total_size"])
+            for seg in torch.cuda.memory_snapshot()
+            if tuple(seg.get("segment_pool_id", ())) == pool_id
+        ]
+
+        def in_pool(t: torch.Tensor) -> bool:
+            ptr = t.untyped_storage().data_ptr()
+            return t.is_cuda and any(start <= ptr < end for start, end in spans)
+
+        return [non_owning_alias(t) if in_pool(t) else t for t in tensors]
+
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 

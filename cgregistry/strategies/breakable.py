@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from cgregistry import breaks
 from cgregistry.backends import Backend, Graph
@@ -68,6 +69,10 @@ class _BreakCall:
             old.copy_(new)
 
 
+def _tensors_of(tree: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
+
+
 class _Site:
     """The capture in progress: ends and starts segments when execution reaches a break."""
 
@@ -79,6 +84,7 @@ class _Site:
         self.calls: list[_BreakCall | None] = []
         self.current = backend.begin_capture(pool)  # type: ignore[attr-defined]
         self.open = True  # a segment is being captured
+        self.compiled_runs = 0  # split graphs of the piecewise compiler that ran under this capture
 
     def _end_segment(self, where: str) -> None:
         self.open = False
@@ -107,6 +113,22 @@ class _Site:
 
     def finish(self) -> None:
         self._end_segment("at the end of capture")
+
+    def release_intermediates(self) -> None:
+        """Hold the breaks' arguments that live in the pool without owning them.
+
+        The graphs own that memory; owning it here too would keep every entry's
+        intermediates apart, so memory would grow with the sum of the entries
+        instead of the largest one.  Anything outside the pool stays owned.
+        """
+        hold = getattr(self.backend, "hold_intermediates", None)
+        calls = [c for c in self.calls if c is not None]
+        if hold is None or not calls:
+            return
+        tensors = [t for c in calls for t in _tensors_of((c.args, c.kwargs))]
+        held = {id(t): h for t, h in zip(tensors, hold(tensors, self.pool))}
+        for call in calls:
+            call.args, call.kwargs = tree_map_only(torch.Tensor, lambda t: held[id(t)], (call.args, call.kwargs))
 
     def abort(self) -> None:
         if self.open:
@@ -172,6 +194,8 @@ class BreakableStrategy:
             try:
                 out = body()
                 site.finish()
+                self.check_capture(site)
+                site.release_intermediates()
             except BaseException:
                 site.abort()
                 raise
@@ -179,6 +203,9 @@ class BreakableStrategy:
                 breaks._site.reset(token)
         graph = BreakableGraph(site.segments, site.calls)
         return graph, out
+
+    def check_capture(self, site: _Site) -> None:
+        """After the step ran under capture: a subclass's chance to refuse what it saw."""
 
 
 @hookimpl

@@ -1,0 +1,383 @@
+"""The piecewise compiler: a torch.compile backend that splits the traced model at splitting ops.
+
+Dynamo traces the model once with a dynamic token dimension.  This backend cuts
+the FX graph at every splitting op into *pieces* (captured, per descriptor, by
+the ``piecewise`` strategy) and *splits* (run eagerly between the pieces, at
+capture and at every replay).  A split goes through the same break mechanism
+as ``@eager_break``, so one annotation serves both the ``breakable`` and the
+``piecewise`` strategy.
+
+Splitting ops may be torch custom ops (``torch.library``; the op or its
+``"namespace::name"``), Python functions (kept opaque to dynamo), or module
+types (the ops traced from such a module run eagerly: fine for kernels that
+cannot be captured, but host-side decisions inside the module are frozen by
+the trace; put those in a marked function or a custom op).  By default, every
+function marked with ``@eager_break`` is a splitting op.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import fx, nn
+
+from cgregistry import breaks
+from cgregistry.backends import cpu
+
+__all__ = ["PiecewiseCompiler", "PiecewiseError", "PiecewiseModel", "SplittingOps", "compile_piecewise"]
+
+_DEFAULT_MAX_TRACES = 4  # the general trace, plus dynamo's own for sizes 0 and 1, plus slack
+
+
+class PiecewiseError(RuntimeError):
+    """The model could not be traced or split as asked; the message says where and what to do."""
+
+
+def _op_name(target: object) -> str | None:
+    """``"namespace::name"`` for a torch op overload or packet, else None."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return None
+
+
+def _label(op: object) -> str:
+    name = _op_name(op)
+    if name is not None:
+        return name
+    return getattr(op, "__qualname__", None) or repr(op)
+
+
+@attrs.frozen(slots=True)
+class SplittingOps:
+    """Where to cut the traced graph: custom op names, opaque functions, module types, marked functions."""
+
+    op_names: frozenset[str] = frozenset()
+    functions: tuple[Callable[..., Any], ...] = ()
+    module_types: tuple[type[nn.Module], ...] = ()
+    marked: bool = True  # every @eager_break function splits
+
+    @classmethod
+    def of(cls, ops: Iterable[object] | None, *, marked: bool | None = None) -> SplittingOps:
+        """Sort ``ops`` by kind.  ``None`` means the marked functions only; naming ops leaves them out
+        unless ``marked=True``."""
+        if ops is None:
+            return cls(marked=True if marked is None else marked)
+        if isinstance(ops, (str, bytes)) or not isinstance(ops, Iterable):
+            raise TypeError(f"splitting_ops must be a sequence of ops, functions or module types, got {ops!r}")
+        names: set[str] = set()
+        functions: list[Callable[..., Any]] = []
+        modules: list[type[nn.Module]] = []
+        for op in ops:
+            if isinstance(op, str):
+                if "::" not in op:
+                    raise ValueError(f"splitting op {op!r} is not a custom op name; expected 'namespace::name'")
+                names.add(op.split(".", 1)[0] if op.count("::") == 1 else op)
+            elif _op_name(op) is not None:
+                names.add(_op_name(op))  # type: ignore[arg-type]
+            elif isinstance(op, type) and issubclass(op, nn.Module):
+                modules.append(op)
+            elif callable(op) and not isinstance(op, type):
+                functions.append(op)
+            else:
+                raise TypeError(
+                    f"splitting op {op!r} is not a torch custom op, an op name 'namespace::name', "
+                    "a function or an nn.Module subclass"
+                )
+        return cls(frozenset(names), tuple(functions), tuple(modules), bool(marked))
+
+    def keep_opaque(self) -> None:
+        """Tell dynamo to record the functions (and marked ones) as single calls instead of tracing into them."""
+        for fn in self.functions:
+            torch.compiler.allow_in_graph(fn)
+        if self.marked:
+            for fn in breaks._marked:
+                torch.compiler.allow_in_graph(fn)
+            if _allow_marked not in breaks._on_mark:
+                breaks._on_mark.append(_allow_marked)
+
+    def region(self, node: fx.Node) -> str | None:
+        """The splitting region ``node`` belongs to (a label), or None when it belongs to a piece."""
+        if node.op != "call_function":
+            return None
+        target = node.target
+        name = _op_name(target)
+        if name is not None and name in self.op_names:
+            return f"{name}#{node.name}"
+        if any(target is fn for fn in self.functions):
+            return f"{_label(target)}#{node.name}"
+        if self.marked and hasattr(target, "__cgregistry_break__"):
+            return f"{target.__cgregistry_break__}#{node.name}"  # type: ignore[union-attr]
+        if self.module_types:
+            for path, kind in (node.meta.get("nn_module_stack") or {}).values():
+                if isinstance(kind, type) and issubclass(kind, self.module_types):
+                    return f"{kind.__qualname__}@{path}"  # one region per module instance and call
+        return None
+
+    def reached(self, regions: Iterable[str]) -> set[str]:
+        """Which named ops (by label) the graph's splitting regions came from."""
+        seen = set()
+        for label in regions:
+            seen.add(label.split("#", 1)[0].split("@", 1)[0])
+        return seen
+
+    def named(self) -> set[str]:
+        """Labels of the explicitly named ops, each of which the trace must reach."""
+        return set(self.op_names) | {_label(f) for f in self.functions} | {t.__qualname__ for t in self.module_types}
+
+
+def _allow_marked(fn: Callable[..., Any]) -> None:
+    torch.compiler.allow_in_graph(fn)
+
+
+class _Split(nn.Module):
+    """A splitting region of the split graph: runs eagerly, and as an eager break under a piecewise capture."""
+
+    def __init__(self, region: fx.GraphModule, label: str) -> None:
+        super().__init__()
+        self.region = region
+        self.label = label
+
+    def forward(self, *args: Any) -> Any:
+        site = breaks._site.get()
+        if site is None:
+            return self.region(*args)
+        return site.on_break(self.region.forward, None, self.label, args, {})
+
+
+@attrs.define(slots=True)
+class SplitReport:
+    """What one trace became: how many pieces and splits, and the split labels in order."""
+
+    pieces: int
+    splits: list[str]
+
+
+def split_graph(gm: fx.GraphModule, ops: SplittingOps) -> tuple[fx.GraphModule, SplitReport, list[str]]:
+    """Cut ``gm`` at its splitting regions; return the split module, a report and the piece submodule names."""
+    partition_of: dict[fx.Node, int] = {}
+    region_labels: dict[int, str] = {}
+    part = 0
+    current: str | None = None  # the region of the previous compute node (None: a piece)
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        region = ops.region(node)
+        if region != current:
+            part += 1
+            current = region
+        partition_of[node] = part
+        if region is not None:
+            region_labels[part] = region.split("#", 1)[0]
+    if not region_labels:
+        raise PiecewiseError(
+            "no splitting op was reached in the traced graph: the pieces would be one full graph. "
+            + _which_ops(ops)
+        )
+    missing = ops.named() - ops.reached(region_labels.values())
+    if missing:
+        raise PiecewiseError(
+            f"splitting op(s) {sorted(missing)} never reached in the traced graph; check the names "
+            "(custom ops as 'namespace::name', functions as the very objects the model calls)"
+        )
+    split = fx.passes.split_module.split_module(gm, None, lambda node: partition_of[node], keep_original_order=True)
+    pieces: list[str] = []
+    labels: list[str] = []
+    for node in split.graph.nodes:
+        if node.op != "call_module":
+            continue
+        index = int(str(node.target).rsplit("_", 1)[1])
+        label = region_labels.get(index)
+        if label is None:
+            pieces.append(str(node.target))
+            continue
+        labels.append(label)
+        region = getattr(split, str(node.target))
+        # A region holding just a marked function already breaks by itself (with its capture stub).
+        calls = [n for n in region.graph.nodes if n.op == "call_function"]
+        if not (len(calls) == 1 and hasattr(calls[0].target, "__cgregistry_break__")):
+            setattr(split, str(node.target), _Split(region, label))
+    return split, SplitReport(len(pieces), labels), pieces
+
+
+def _which_ops(ops: SplittingOps) -> str:
+    if ops.named():
+        return f"Named splitting ops: {sorted(ops.named())}."
+    return "No op was named: mark the attention (or any uncapturable) function with @cgregistry.eager_break, or name ops."
+
+
+def _compile_pieces_with_inductor(split: fx.GraphModule, pieces: Sequence[str], gm: fx.GraphModule) -> None:
+    """Replace each piece by its Inductor compilation, once, for the symbolic shapes of the trace."""
+    from torch._inductor.compile_fx import compile_fx
+
+    fake_args = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = next((a.fake_mode for a in fake_args if isinstance(a, torch._subclasses.FakeTensor)), None)
+    names = set(pieces)
+
+    class _Propagate(fx.Interpreter):
+        def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+            module = self.fetch_attr(target)
+            out = module(*args, **kwargs)
+            if target in names:
+                compiled = compile_fx(module, list(args))
+                setattr(split, target, _Compiled(compiled))
+            return out
+
+    ctx = fake_mode if fake_mode is not None else torch.no_grad()
+    with ctx:
+        _Propagate(split).run(*fake_args)
+
+
+class _Compiled(nn.Module):
+    """An Inductor-compiled piece."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any) -> Any:
+        if cpu._capturing.get():
+            raise PiecewiseError(
+                "an Inductor-compiled piece ran under the cpu emulator's capture, which cannot record Inductor "
+                "kernels (they bypass the dispatcher); capture on the cuda backend, or compile with inductor=False"
+            )
+        return self.fn(*args)
+
+
+class PiecewiseCompiler:
+    """The torch.compile backend: ``torch.compile(model, backend=PiecewiseCompiler(...), dynamic=True)``.
+
+    ``splitting_ops``: custom ops, op names, functions, module types (default: ``@eager_break``
+    functions).  ``inductor``: compile each piece with Inductor (off by default, for start-up time).
+    ``max_traces``: how many times dynamo may trace before it is an error (one dynamic trace should
+    serve every size; dynamo adds one for sizes 0 and 1).
+    """
+
+    def __init__(
+        self,
+        splitting_ops: Iterable[object] | None = None,
+        *,
+        inductor: bool = False,
+        max_traces: int = _DEFAULT_MAX_TRACES,
+        include_marked: bool | None = None,
+    ) -> None:
+        if type(max_traces) is not int or max_traces < 1:
+            raise ValueError(f"max_traces must be an int >= 1, got {max_traces!r}")
+        self.ops = SplittingOps.of(splitting_ops, marked=include_marked)
+        self.ops.keep_opaque()
+        self.inductor = bool(inductor)
+        self.max_traces = max_traces
+        self.traces: list[SplitReport] = []
+        self.trace_seconds = 0.0
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        if len(self.traces) >= self.max_traces:
+            raise PiecewiseError(
+                f"the model was traced {len(self.traces) + 1} times, over the bound of max_traces={self.max_traces}: "
+                "a guard fails for each new batch. Make the token dimension dynamic (torch.compile(..., dynamic=True) "
+                "or torch._dynamo.mark_dynamic), keep Python values that change per batch out of the model, and see "
+                "TORCH_LOGS=recompiles for the failing guard"
+            )
+        split, report, pieces = split_graph(gm, self.ops)
+        if self.inductor:
+            _compile_pieces_with_inductor(split, pieces, gm)
+        self.traces.append(report)
+        return _Runner(split)
+
+    @property
+    def pieces(self) -> int:
+        """Pieces of the latest trace (0 before the first)."""
+        return self.traces[-1].pieces if self.traces else 0
+
+
+class _Runner:
+    """What dynamo calls for a trace: the split graph, noting to a piecewise capture that it ran."""
+
+    __slots__ = ("split",)
+
+    def __init__(self, split: fx.GraphModule) -> None:
+        self.split = split
+
+    def __call__(self, *args: Any) -> Any:
+        site = breaks._site.get()
+        if site is not None:
+            site.compiled_runs = getattr(site, "compiled_runs", 0) + 1  # type: ignore[attr-defined]
+        return self.split(*args)
+
+
+class PiecewiseModel:
+    """``model`` compiled with the piecewise backend; tracing errors say where and suggest ``breakable``."""
+
+    def __init__(self, model: Callable[..., Any], compiler: PiecewiseCompiler) -> None:
+        self.model = model
+        self.compiler = compiler
+        self._compiled = torch.compile(model, backend=compiler, dynamic=True, fullgraph=True)
+        functools.update_wrapper(self, model, updated=())  # type: ignore[arg-type]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if cpu._capturing.get() and not cpu.see_compiled.get():
+            # A full capture on the cpu emulator: dynamo will not run compiled code under a recording
+            # mode, so run the model itself, whose aten ops the emulator records (the splits inline).
+            return self.model(*args, **kwargs)
+        args = tuple(_unviewed(a) for a in args)
+        kwargs = {k: _unviewed(v) for k, v in kwargs.items()}
+        try:
+            # Python floats of the model (eps, say) stay constants instead of becoming 0-d tensor
+            # inputs read with .item(): one trace still serves every size.
+            with torch._dynamo.config.patch(specialize_float=True):
+                return self._compiled(*args, **kwargs)
+        except PiecewiseError:
+            raise
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            inner = getattr(exc, "inner_exception", None)
+            if isinstance(inner, PiecewiseError):
+                raise PiecewiseError(str(inner)) from None
+            raise
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
+            raise PiecewiseError(
+                f"dynamo cannot trace {_label(self.model)}: {_first_line(exc)}{_where(exc)}. Mark that code with "
+                "@cgregistry.eager_break (it becomes a splitting op), or use the 'breakable' strategy, which "
+                "captures without tracing"
+            ) from exc
+
+
+def _unviewed(value: Any) -> Any:
+    """A view (of a registry's static buffer, say) as a plain tensor over the same memory.
+
+    Dynamo guards on how a view relates to its base, which would retrace for every row count.
+    """
+    if not isinstance(value, torch.Tensor) or value._base is None:
+        return value
+    alias = torch.empty(0, dtype=value.dtype, device=value.device)
+    return alias.set_(value.untyped_storage(), value.storage_offset(), value.shape, value.stride())
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost user-code location dynamo reports, as ' at FILE:LINE'."""
+    text = str(exc)
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith('File "')]
+    if not lines:
+        return ""
+    return " (" + lines[-1] + ")"
+
+
+def compile_piecewise(
+    model: Callable[..., Any],
+    splitting_ops: Iterable[object] | None = None,
+    *,
+    inductor: bool = False,
+    max_traces: int = _DEFAULT_MAX_TRACES,
+    include_marked: bool | None = None,
+) -> PiecewiseModel:
+    """Compile ``model`` for the ``piecewise`` strategy (dynamic shapes, full graph, split at splitting ops)."""
+    compiler = PiecewiseCompiler(splitting_ops, inductor=inductor, max_traces=max_traces, include_marked=include_marked)
+    return PiecewiseModel(model, compiler)

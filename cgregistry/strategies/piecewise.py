@@ -1,0 +1,51 @@
+"""The ``piecewise`` strategy: the pieces of a piecewise-compiled model, graphed per descriptor.
+
+The model is traced once by ``torch.compile`` with the piecewise compiler
+(:mod:`cgregistry.piecewise`), which cuts it at splitting ops.  Capturing an
+entry runs the step once: each piece is captured as a graph segment in the
+registry's pool, and each splitting op runs eagerly between them, exactly as an
+eager break of the ``breakable`` strategy does (same replay, same pool rules).
+What differs is how the split points are found: from the traced graph, by op,
+function or module type, and the pieces may be Inductor kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cgregistry.backends import Backend, cpu
+from cgregistry.hookspecs import hookimpl
+from cgregistry.piecewise import PiecewiseError
+from cgregistry.strategies.breakable import BreakableGraph, BreakableStrategy, _Site
+
+_CG_INTERNAL = True
+
+__all__ = ["PiecewiseStrategy"]
+
+
+class PiecewiseStrategy(BreakableStrategy):
+    """Segments from a model compiled with ``cgregistry.compile_piecewise`` (or ``reg.compile_backend()``)."""
+
+    name = "piecewise"
+    relaxes_num_reqs = True
+
+    def capture(self, body: Callable[[], Any], backend: Backend, pool: object) -> tuple[BreakableGraph, Any]:
+        token = cpu.see_compiled.set(True)  # the cpu emulator records the split graph's ops as compiled
+        try:
+            return super().capture(body, backend, pool)
+        finally:
+            cpu.see_compiled.reset(token)
+
+    def check_capture(self, site: _Site) -> None:
+        if site.compiled_runs == 0:
+            raise PiecewiseError(
+                "the step ran no model compiled with the piecewise backend, so there are no pieces: compile it with "
+                "cgregistry.compile_piecewise(model) or torch.compile(model, backend=reg.compile_backend(), "
+                "dynamic=True), or capture this key with the 'breakable' strategy, which needs no compile"
+            )
+
+
+@hookimpl
+def cgregistry_register_strategies(register: Callable[[Any], None]) -> None:
+    register(PiecewiseStrategy())

@@ -1,0 +1,236 @@
+"""The piecewise strategy: one dynamic trace split at splitting ops, each piece graphed per descriptor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import cgregistry as cg
+from cgregistry import BatchDescriptor as B
+from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs, random_batch
+
+from .conftest import device_of
+
+CFG = DemoConfig(layers=3, hidden=32, heads=2, ffn=48, vocab=64, max_num_seqs=8, max_num_tokens=32, context=8, dtype=torch.float32)
+D, CTX, MAX_TOKENS = 8, 12, 16
+
+
+def no_autoload() -> cg.Plugins:
+    return cg.Plugins(cg.make_plugin_manager(autoload=False))
+
+
+def demo_registry(backend: str, **compile_options: object) -> tuple[cg.GraphRegistry, DemoDecoder, DemoDecoder, cg.PiecewiseModel]:
+    """A registry over a piecewise-compiled demo decoder (attention an eager break), and the same model inline."""
+    device = device_of(backend)
+    inline = DemoDecoder(CFG, device, seed=3)
+    broken = DemoDecoder(CFG, device, seed=3, attention=cg.eager_break(attention_kernel_into))
+    reg = cg.GraphRegistry(lambda batch, **inputs: compiled(**inputs), demo_inputs(CFG), backend=backend, plugins=no_autoload())
+    compiled = reg.compile(lambda input_ids, req_idx, seq_lens: broken(None, input_ids, req_idx, seq_lens), **compile_options)
+    return reg, inline, broken, compiled
+
+
+def test_piecewise_matches_eager_across_the_plan_with_full_entries_beside(backend: str) -> None:
+    reg, inline, _, compiled = demo_registry(backend)
+    plan = cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=32, mode="full_and_piecewise")
+    reg.capture(plan)
+    strategies = {e.strategy for e in reg.entries()}
+    assert strategies == {"full", "piecewise"}
+    pieces = [e for e in reg.entries() if e.strategy == "piecewise"]
+    assert {(e.segments, e.breaks) for e in pieces} == {(CFG.layers + 1, CFG.layers)}
+    assert all(e.key.num_reqs is None for e in pieces), "piecewise keys are relaxed"
+    # One dynamic trace for every size, plus dynamo's own (0/1 specialisation) for one token and,
+    # for the full decode key of one request, for a one-row seq_lens.
+    assert len(compiled.compiler.traces) <= 3
+    assert compiled.compiler.pieces == CFG.layers + 1
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for batch in (B.decode(1), B.decode(5), B(13, 4), B(16, 8), B(3, 3), B(1, 1, uniform=False)):
+            inputs = random_batch(CFG, batch, device_of(backend), g)
+            got = reg.run(batch, **inputs)
+            want_strategy = "full" if batch.uniform else "piecewise"
+            assert reg.match(batch).strategy == want_strategy, batch
+            torch.testing.assert_close(got, inline(batch, **inputs), rtol=1e-4, atol=1e-4)
+    assert reg.stats().misses == 0
+
+
+@torch.library.custom_op("cgregistry_test::host_len_attention", mutates_args=("out",))
+def host_len_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    """Attention of row r over the first L[r] cached positions, L a host list from the engine's payload."""
+    batch = cg.current_batch()
+    lens = batch.payload["lens"] if batch is not None and batch.payload else [CTX] * q.shape[0]
+    for r in range(q.shape[0]):
+        length = lens[r] if r < len(lens) else CTX
+        scores = (k[r, :length] @ q[r]).softmax(0)
+        out[r].copy_(scores @ v[r, :length])
+
+
+@host_len_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    return None
+
+
+class CustomOpModel(nn.Module):
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w_in = nn.Parameter(torch.randn(D, D, generator=g))
+        self.w_out = nn.Parameter(torch.randn(D, D, generator=g))
+        self.register_buffer("k", torch.randn(MAX_TOKENS, CTX, D, generator=g))
+        self.register_buffer("v", torch.randn(MAX_TOKENS, CTX, D, generator=g))
+        self.to(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = torch.tanh(x @ self.w_in)
+        out = torch.empty_like(q)
+        torch.ops.cgregistry_test.host_len_attention(q, self.k[: q.shape[0]], self.v[: q.shape[0]], out)
+        return (out + q) @ self.w_out
+
+
+@pytest.mark.parametrize("name", [False, True], ids=["op", "op-name"])
+def test_custom_op_split_reads_the_live_host_lengths(backend: str, name: bool) -> None:
+    device = device_of(backend)
+    model = CustomOpModel(device)
+    op = "cgregistry_test::host_len_attention" if name else torch.ops.cgregistry_test.host_len_attention
+    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    compiled = reg.compile(model, splitting_ops=[op])
+    reg.capture([(B(n), "piecewise") for n in (16, 8, 4, 2)])
+    assert {(e.segments, e.breaks) for e in reg.entries()} == {(2, 1)}
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for reqs in (1, 3, 7, 16):
+            lens = torch.randint(1, CTX + 1, (reqs,), generator=g).tolist()
+            x = torch.randn(reqs, D, generator=g).to(device)
+            got = reg.run(B(reqs, reqs, uniform=False), x=x, context={"lens": lens})
+            token = cg.breaks._batch.set(cg.BreakContext(B(reqs), None, {"lens": lens}))
+            try:
+                want = model(x)
+            finally:
+                cg.breaks._batch.reset(token)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def plain_scale(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+class Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x) * x
+
+
+class TwoSplits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = plain_scale(x + 1)
+        return self.gate(y * 2) - 1
+
+
+@pytest.mark.parametrize("ops", [[plain_scale], [Gate], [plain_scale, Gate]], ids=["function", "module-type", "both"])
+def test_functions_and_module_types_split(backend: str, ops: list[object]) -> None:
+    device = device_of(backend)
+    model = TwoSplits()
+    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    compiled = reg.compile(model, splitting_ops=ops)
+    reg.capture([(B(n), "piecewise") for n in (16, 4)])
+    assert {e.breaks for e in reg.entries()} == {len(ops)}
+    x = torch.randn(3, D, device=device)
+    with torch.inference_mode():
+        torch.testing.assert_close(reg.run(B(3, 2), x=x), model(x))
+
+
+def test_a_named_op_never_reached_is_an_error(backend: str) -> None:
+    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    compiled = reg.compile(TwoSplits(), splitting_ops=[plain_scale, "cgregistry_test::host_len_attention"])
+    with pytest.raises(cg.CaptureError, match=r"host_len_attention'\] never reached"):
+        reg.capture([(B(8), "piecewise")])
+    assert reg.entries() == []
+
+
+def test_no_splitting_op_at_all_is_an_error(backend: str) -> None:
+    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    compiled = reg.compile(lambda x: x * 2 + 1)
+    with pytest.raises(cg.CaptureError, match="no splitting op was reached.*eager_break"):
+        reg.capture([(B(8), "piecewise")])
+
+
+def test_an_untraceable_model_names_the_place_and_suggests_breakable(backend: str) -> None:
+    def untraceable(x: torch.Tensor) -> torch.Tensor:
+        rows = x.sum(-1).tolist()  # host values drive Python: dynamo cannot keep one graph
+        return x * (1.0 if rows[0] > 0 else 2.0)
+
+    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    compiled = reg.compile(untraceable)
+    with pytest.raises(cg.CaptureError) as info:
+        reg.capture([(B(8), "piecewise")])
+    text = str(info.value)
+    assert "dynamo cannot trace" in text and "'breakable'" in text and "test_piecewise.py" in text
+
+
+def test_retracing_beyond_the_bound_is_an_error(backend: str) -> None:
+    shift = {"mode": "a"}
+
+    @cg.eager_break
+    def ident(x: torch.Tensor) -> torch.Tensor:
+        return x + 0
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        return ident(x) + len(shift["mode"])  # a Python string dynamo guards on
+
+    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    compiled = reg.compile(model, max_traces=2)
+    reg.capture([(B(8), "piecewise")])
+    shift["mode"] = "bb"
+    reg.capture([(B(4), "piecewise")])
+    shift["mode"] = "ccc"
+    with pytest.raises(cg.CaptureError, match=r"traced 3 times, over the bound of max_traces=2"):
+        reg.capture([(B(2), "piecewise")])
+    assert len(reg.entries()) == 2
+
+
+def test_piecewise_without_a_compiled_model_is_an_error(backend: str) -> None:
+    @cg.eager_break
+    def brk(x: torch.Tensor) -> None:
+        return None
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        brk(x)
+        return x + 1
+
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=no_autoload())
+    with pytest.raises(cg.CaptureError, match="compile_piecewise"):
+        reg.capture([(B(8), "piecewise")])
+    reg.capture([(B(8), "breakable")])  # the same step is fine without a trace
+    assert reg.entries()[0].strategy == "breakable"
+
+
+@pytest.mark.parametrize(
+    "ops, error",
+    [("attention", "not a custom op name"), ([42], "is not a torch custom op"), ("x::y", "must be a sequence")],
+)
+def test_bad_splitting_ops_are_named(ops: object, error: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=error):
+        cg.PiecewiseCompiler([ops] if ops == "attention" else ops)
+
+
+def test_inductor_pieces_refuse_the_cpu_emulator() -> None:
+    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu", plugins=no_autoload())
+    compiled = reg.compile(TwoSplits(), splitting_ops=[plain_scale], inductor=True)
+    with pytest.raises(cg.CaptureError, match="cannot record Inductor kernels"):
+        reg.capture([(B(8), "piecewise")])
+    assert reg.entries() == []
+
+
+@pytest.mark.cuda
+def test_inductor_pieces_on_cuda_match_eager() -> None:
+    reg, inline, _, compiled = demo_registry("cuda", inductor=True)
+    reg.capture([(B(n), "piecewise") for n in (32, 16, 8, 1)])
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for batch in (B(13, 4), B.decode(1), B(32, 8)):
+            inputs = random_batch(CFG, batch, "cuda", g)
+            torch.testing.assert_close(reg.run(batch, **inputs), inline(batch, **inputs), rtol=1e-3, atol=1e-3)
+    assert len(compiled.compiler.traces) <= 2
