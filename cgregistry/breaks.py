@@ -70,6 +70,53 @@ def capture_barrier(fn: Callable[[], None]) -> Iterator[None]:
         _barrier.reset(token)
 
 
+def fake_mode_of(args: tuple, kwargs: dict) -> Any:
+    """The FakeTensorMode of the first fake tensor argument (dynamo is tracing the call), else None."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, FakeTensor):
+            return value.fake_mode
+    return None
+
+
+def run_for_trace(fn: Callable[..., Any] | None, fake_mode: Any, args: tuple, kwargs: dict) -> Any:
+    """Run a break on dynamo's fake tensors, for its output shapes only, adding no guards.
+
+    The break stays opaque in the trace and runs on real tensors later, so the size checks
+    inside it (an attention kernel choosing a path for one query row, say) must not make
+    dynamo trace the model again for those sizes.
+    """
+    if fn is None:
+        return None
+    shape_env = getattr(fake_mode, "shape_env", None)
+    token = _site.set(None)
+    try:
+        if shape_env is None:
+            return fn(*args, **kwargs)
+        with shape_env.suppress_guards():
+            return fn(*args, **kwargs)
+    finally:
+        _site.reset(token)
+
+
+class TracingSite:
+    """The site while a piecewise model may be traced outside a capture: fake calls add no guards."""
+
+    def on_break(self, fn: Callable[..., Any] | None, stub: Callable[..., Any] | None, name: str, args: tuple, kwargs: dict) -> Any:
+        fake_mode = fake_mode_of(args, kwargs)
+        if fake_mode is not None:
+            return run_for_trace(fn, fake_mode, args, kwargs)
+        token = _site.set(None)
+        try:
+            return fn(*args, **kwargs) if fn is not None else None
+        finally:
+            _site.reset(token)
+
+
+TRACING_SITE = TracingSite()
+
+
 def current_batch() -> BreakContext | None:
     """The live batch (actual, key, payload) while a step or an eager break runs under a registry."""
     return _batch.get()

@@ -30,7 +30,7 @@ from cgregistry.backends import cpu
 
 __all__ = ["PiecewiseCompiler", "PiecewiseError", "PiecewiseModel", "SplittingOps", "compile_piecewise"]
 
-_DEFAULT_MAX_TRACES = 4  # the general trace, plus dynamo's own for sizes 0 and 1, plus slack
+_DEFAULT_MAX_TRACES = 4  # one dynamic trace serves every size; slack for specialize_size_one and retries
 
 
 class PiecewiseError(RuntimeError):
@@ -305,17 +305,21 @@ class _Runner:
 
     def __call__(self, *args: Any) -> Any:
         site = breaks._site.get()
-        if site is not None:
-            site.compiled_runs = getattr(site, "compiled_runs", 0) + 1  # type: ignore[attr-defined]
+        if site is not None and hasattr(site, "compiled_runs"):  # a piecewise capture is watching
+            site.compiled_runs += 1  # type: ignore[attr-defined]
         return self.split(*args)
 
 
 class PiecewiseModel:
     """``model`` compiled with the piecewise backend; tracing errors say where and suggest ``breakable``."""
 
-    def __init__(self, model: Callable[..., Any], compiler: PiecewiseCompiler) -> None:
+    def __init__(self, model: Callable[..., Any], compiler: PiecewiseCompiler, *, specialize_size_one: bool = False) -> None:
         self.model = model
         self.compiler = compiler
+        # Sizes that merely coincide (tokens == request slots) must not become equal in the trace,
+        # and, unless asked, size 1 is not specialised either: one trace then serves every size.
+        # The pieces run real torch ops, so only Python control flow on "size == 1" is assumed false.
+        self._shape_config = {"use_duck_shape": False, "backed_size_oblivious": not specialize_size_one}
         self._compiled = torch.compile(model, backend=compiler, dynamic=True, fullgraph=True)
         functools.update_wrapper(self, model, updated=())  # type: ignore[arg-type]
 
@@ -326,10 +330,12 @@ class PiecewiseModel:
             return self.model(*args, **kwargs)
         args = tuple(_unviewed(a) for a in args)
         kwargs = {k: _unviewed(v) for k, v in kwargs.items()}
+        # Outside a capture, breaks run plainly, except on dynamo's fake tensors (no guards from them).
+        token = breaks._site.set(breaks.TRACING_SITE) if breaks._site.get() is None else None
         try:
             # Python floats of the model (eps, say) stay constants instead of becoming 0-d tensor
             # inputs read with .item(): one trace still serves every size.
-            with torch._dynamo.config.patch(specialize_float=True):
+            with torch._dynamo.config.patch(specialize_float=True), fx.experimental._config.patch(**self._shape_config):
                 return self._compiled(*args, **kwargs)
         except PiecewiseError:
             raise
@@ -344,6 +350,9 @@ class PiecewiseModel:
                 "@cgregistry.eager_break (it becomes a splitting op), or use the 'breakable' strategy, which "
                 "captures without tracing"
             ) from exc
+        finally:
+            if token is not None:
+                breaks._site.reset(token)
 
 
 def _unviewed(value: Any) -> Any:
@@ -377,7 +386,12 @@ def compile_piecewise(
     inductor: bool = False,
     max_traces: int = _DEFAULT_MAX_TRACES,
     include_marked: bool | None = None,
+    specialize_size_one: bool = False,
 ) -> PiecewiseModel:
-    """Compile ``model`` for the ``piecewise`` strategy (dynamic shapes, full graph, split at splitting ops)."""
+    """Compile ``model`` for the ``piecewise`` strategy (dynamic shapes, full graph, split at splitting ops).
+
+    ``specialize_size_one=True`` keeps dynamo's default of a separate trace for size 1 (needed only
+    when the model branches in Python on a size being 1).
+    """
     compiler = PiecewiseCompiler(splitting_ops, inductor=inductor, max_traces=max_traces, include_marked=include_marked)
-    return PiecewiseModel(model, compiler)
+    return PiecewiseModel(model, compiler, specialize_size_one=specialize_size_one)

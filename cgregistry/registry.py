@@ -182,11 +182,13 @@ class GraphRegistry:
 
     def compile(
         self, model: Callable[..., Any], splitting_ops: Iterable[object] | None = None, *, inductor: bool = False,
-        max_traces: int = 4, include_marked: bool | None = None,
+        max_traces: int = 4, include_marked: bool | None = None, specialize_size_one: bool = False,
     ) -> PiecewiseModel:
         """``model`` compiled for ``piecewise`` entries: one dynamic trace, split at ``splitting_ops``
-        (default: the ``@eager_break`` functions); call it from the step."""
-        return PiecewiseModel(model, self.compile_backend(splitting_ops, inductor=inductor, max_traces=max_traces, include_marked=include_marked))
+        (default: the ``@eager_break`` functions); call it from the step.  See
+        :func:`cgregistry.compile_piecewise` for the options."""
+        backend = self.compile_backend(splitting_ops, inductor=inductor, max_traces=max_traces, include_marked=include_marked)
+        return PiecewiseModel(model, backend, specialize_size_one=specialize_size_one)
 
     # ------------------------------------------------------------------ capture
 

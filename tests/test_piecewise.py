@@ -8,7 +8,13 @@ from torch import nn
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs, random_batch
+from cgregistry.demo_model import (
+    DemoConfig,
+    DemoDecoder,
+    attention_kernel_into,
+    demo_inputs,
+    random_batch,
+)
 
 from .conftest import device_of
 
@@ -39,9 +45,9 @@ def test_piecewise_matches_eager_across_the_plan_with_full_entries_beside(backen
     pieces = [e for e in reg.entries() if e.strategy == "piecewise"]
     assert {(e.segments, e.breaks) for e in pieces} == {(CFG.layers + 1, CFG.layers)}
     assert all(e.key.num_reqs is None for e in pieces), "piecewise keys are relaxed"
-    # One dynamic trace for every size, plus dynamo's own (0/1 specialisation) for one token and,
-    # for the full decode key of one request, for a one-row seq_lens.
-    assert len(compiled.compiler.traces) <= 3
+    # One dynamic trace serves every size, the full entries' too: size 1 is not specialised, and the
+    # size checks inside a split (SDPA's, for one query row) add no guards.
+    assert len(compiled.compiler.traces) == 1
     assert compiled.compiler.pieces == CFG.layers + 1
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -142,6 +148,17 @@ def test_functions_and_module_types_split(backend: str, ops: list[object]) -> No
         torch.testing.assert_close(reg.run(B(3, 2), x=x), model(x))
 
 
+def test_specialising_size_one_traces_again_and_stays_correct(backend: str) -> None:
+    reg, inline, _, compiled = demo_registry(backend, specialize_size_one=True)
+    reg.capture([(B(n), "piecewise") for n in (8, 4, 1)])
+    assert len(compiled.compiler.traces) == 2, "dynamo's default: sizes 0 and 1 get a trace of their own"
+    g = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        for batch in (B.decode(1), B(7, 3)):
+            inputs = random_batch(CFG, batch, device_of(backend), g)
+            torch.testing.assert_close(reg.run(batch, **inputs), inline(batch, **inputs), rtol=1e-4, atol=1e-4)
+
+
 def test_a_named_op_never_reached_is_an_error(backend: str) -> None:
     reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
     compiled = reg.compile(TwoSplits(), splitting_ops=[plain_scale, "cgregistry_test::host_len_attention"])
@@ -233,4 +250,4 @@ def test_inductor_pieces_on_cuda_match_eager() -> None:
         for batch in (B(13, 4), B.decode(1), B(32, 8)):
             inputs = random_batch(CFG, batch, "cuda", g)
             torch.testing.assert_close(reg.run(batch, **inputs), inline(batch, **inputs), rtol=1e-3, atol=1e-3)
-    assert len(compiled.compiler.traces) <= 2
+    assert len(compiled.compiler.traces) == 1

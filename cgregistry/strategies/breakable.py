@@ -96,6 +96,9 @@ class _Site:
             raise
 
     def on_break(self, fn: Callable[..., Any] | None, stub: Callable[..., Any] | None, name: str, args: tuple, kwargs: dict) -> Any:
+        fake_mode = breaks.fake_mode_of(args, kwargs)
+        if fake_mode is not None:  # dynamo (re)tracing a piecewise model inside this capture: not a break
+            return breaks.run_for_trace(fn, fake_mode, args, kwargs)
         self._end_segment(f"before eager break {name!r}")
         barrier = self.barrier if self.barrier is not None else breaks._barrier.get()
         if barrier is not None:
