@@ -11,7 +11,8 @@ from cgregistry.outputs import OutputError
 from cgregistry.piecewise import PiecewiseCompiler, PiecewiseError, compile_piecewise
 from cgregistry.plan import MODES, CapturePlan, PlanEntry, UncoveredRange
 from cgregistry.plugins import PluginError, Plugins, make_plugin_manager
-from cgregistry.registry import CaptureError, EntryInfo, GraphRegistry, Stats
+from cgregistry.debug import DebugError, StaleOutputError
+from cgregistry.registry import CaptureError, ConcurrentRunError, EntryInfo, GraphRegistry, Stats
 from cgregistry.strategies.breakable import BreakError
 
 __version__ = "0.1.0"
@@ -24,6 +25,8 @@ __all__ = [
     "Candidate",
     "CaptureError",
     "ClassStats",
+    "ConcurrentRunError",
+    "DebugError",
     "CapturePlan",
     "EntryInfo",
     "Explanation",
@@ -42,6 +45,7 @@ __all__ = [
     "Snapshot",
     "SnapshotError",
     "StaticInput",
+    "StaleOutputError",
     "Stats",
     "UncoveredRange",
     "__version__",

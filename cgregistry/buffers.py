@@ -59,7 +59,7 @@ class StaticInput:
 class StaticBuffer:
     """One allocated static input and the views of it that graphs and copies use."""
 
-    __slots__ = ("name", "spec", "tensor", "dirty", "_views", "_shapes", "_device_index", "dtype")
+    __slots__ = ("name", "spec", "tensor", "dirty", "_views", "_shapes", "_device", "dtype")
 
     def __init__(self, name: str, spec: StaticInput, device: torch.device) -> None:
         self.name = name
@@ -70,7 +70,7 @@ class StaticBuffer:
         self.dirty = 0  # rows [0, dirty) may hold live data rather than the fill value
         self._views: dict[int, torch.Tensor] = {}
         self._shapes: dict[int, torch.Size] = {}
-        self._device_index = self.tensor.get_device()
+        self._device = self.tensor.device
 
     @property
     def capacity(self) -> int:
@@ -88,22 +88,24 @@ class StaticBuffer:
             self._shapes[rows] = v.shape
         return v
 
-    def write(self, live: torch.Tensor, rows: int) -> None:
-        """Copy ``live`` (exactly ``rows`` rows) in and restore the fill value below it."""
-        view = self._views.get(rows)
-        if view is None:
-            view = self.view(rows)
+    def check(self, live: torch.Tensor, rows: int) -> None:
+        """Raise InputError unless ``live`` is exactly ``rows`` rows of this input's dtype and device."""
+        if rows not in self._shapes:
+            self.view(rows)
         try:
             ok = (
                 live.shape == self._shapes[rows]
                 and live.dtype is self.dtype
-                and live.get_device() == self._device_index
+                and live.device == self._device  # the type too: a meta tensor has the cpu's index
             )
         except AttributeError:
             ok = False
         if not ok:
             raise self._mismatch(live, rows)
-        view.copy_(live)
+
+    def write(self, live: torch.Tensor, rows: int) -> None:
+        """Copy ``live`` (already checked: exactly ``rows`` rows) in and restore the fill value below it."""
+        self._views[rows].copy_(live)
         if self.dirty > rows and self.spec.fill is not None:
             self.tensor[rows : self.dirty].fill_(self.spec.fill)
         self.dirty = rows

@@ -8,6 +8,7 @@ A batch no key covers runs ``step`` eagerly on the live inputs and is counted.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import gc
 import itertools
@@ -22,6 +23,7 @@ import torch
 from cgregistry import breaks
 from cgregistry.breaks import BreakContext
 from cgregistry.buffers import InputError, StaticBuffer, StaticInput
+from cgregistry.debug import AddressWatch, checked
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.inspection import (
     ClassStats, EntryInfo, Snapshot, Stats, entries_table, filter_entries, key_class, stats_line,
@@ -34,11 +36,15 @@ from cgregistry.plugins import PluginError, Plugins
 
 _CG_INTERNAL = True
 
-__all__ = ["CaptureError", "EntryInfo", "GraphRegistry", "Stats"]  # records re-exported from inspection
+__all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "Stats"]  # records re-exported from inspection
 
 # Distinct actual shapes remembered by the route cache before it starts over.
 _ROUTE_CACHE_LIMIT = 1 << 16
 _names = itertools.count(1)  # default registry names: registry-1, registry-2, ...
+
+
+class ConcurrentRunError(RuntimeError):
+    """``run()`` was called while another ``run()`` on the same registry was in progress."""
 
 
 class CaptureError(RuntimeError):
@@ -120,6 +126,7 @@ class GraphRegistry:
         plugins: Plugins | None = None,
         name: str | None = None,
         memory_budget: int | None = None,
+        debug: bool = False,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable, got {step!r}")
@@ -160,6 +167,11 @@ class GraphRegistry:
         self._lazy_captures = 0
         self._evictions = 0
         self._capture_payload: Any = None
+        self.debug = bool(debug)
+        self._addresses = AddressWatch()
+        self._addresses.watch((f"static input {name!r}", buf.tensor) for name, buf in self._buffers.items())
+        self._run_clock = [0]  # run() count, for debug mode's stale-output check
+        self._running = _thread.allocate_lock()
         hook = self.plugins.pm.hook
         self._hook = hook
         # Hooks with no implementation cost nothing: the hot path checks a None.
@@ -376,8 +388,30 @@ class GraphRegistry:
 
         With no covering key, ``step(actual, **inputs)`` runs eagerly (counted).
         ``context`` is an engine payload that eager breaks (and an eager step)
-        read through ``cgregistry.current_batch()``.
+        read through ``cgregistry.current_batch()``.  Inputs are all checked
+        before any is copied.  A ``run`` while another is in progress on another
+        thread is refused with ``ConcurrentRunError`` (the static buffers and the
+        outputs are shared); calls from several threads in turn are fine.
         """
+        if not self._running.acquire(False):
+            raise ConcurrentRunError(
+                f"run() on registry {self.name!r} while another run() is in progress: a registry's static buffers "
+                "and graph outputs serve one step at a time; give each thread its own registry or serialise the calls"
+            )
+        try:
+            if self.debug:
+                return self._run_debug(actual, context, inputs)
+            return self._run(actual, context, inputs)
+        finally:
+            self._running.release()
+
+    def _run_debug(self, actual: BatchDescriptor, context: Any, inputs: dict[str, torch.Tensor]) -> Any:
+        """``_run`` with debug checks: moved tensors before replay, stale outputs after."""
+        self._addresses.check()
+        self._run_clock[0] += 1
+        return checked(self._run(actual, context, inputs), self._run_clock[0], self._run_clock)
+
+    def _run(self, actual: BatchDescriptor, context: Any, inputs: dict[str, torch.Tensor]) -> Any:
         route = self._routes.get(actual)
         if route is None:
             route = self._route(actual)
@@ -397,10 +431,12 @@ class GraphRegistry:
         if len(inputs) != len(route.copies):
             raise self._bad_names(inputs)
         try:
-            for buf, rows in route.copies:
-                buf.write(inputs[buf.name], rows)
+            for buf, rows in route.copies:  # every input is checked before any is copied
+                buf.check(inputs[buf.name], rows)
         except KeyError:
             raise self._bad_names(inputs) from None
+        for buf, rows in route.copies:
+            buf.write(inputs[buf.name], rows)
         try:
             if entry.has_breaks:
                 batch = route.batch_context if context is None else BreakContext(actual, entry.key, context)
@@ -445,6 +481,50 @@ class GraphRegistry:
             stacklevel=3,
         )
         self._hook.cgregistry_entry_failed(registry=self, key=entry.key, strategy=entry.strategy, error=error)
+
+    # ------------------------------------------------------------------ release
+
+    def release(self, key: BatchDescriptor, strategy: str | None = None) -> int:
+        """Remove the entries captured for ``key`` (under ``strategy``, or any); return how many.
+
+        The graph objects go at once.  Their pool memory stays with the pool while
+        other entries share it, and goes back to the allocator when the last entry
+        is released (``clear()``); a later capture of the key works as before.
+        """
+        if not isinstance(key, BatchDescriptor):
+            raise TypeError(f"release() needs a BatchDescriptor, got {key!r}")
+        pairs = [p for p in [*self._entries, *self._pending] if p[0] == key and (strategy is None or p[1] == strategy)]
+        if not pairs:
+            held = sorted({f"{k} [{s}]" for k, s in self._entries})
+            raise KeyError(f"no entry for {key}{'' if strategy is None else f' [{strategy}]'}; captured: {held}")
+        for pair in pairs:
+            entry = self._entries.get(pair)
+            if entry is not None:
+                self._drop(entry)
+            self._pending.pop(pair, None)
+        self._after_release()
+        return len(pairs)
+
+    def clear(self) -> int:
+        """Remove every entry and pending key; return how many.  The pool goes back to the
+        allocator (and to the driver on ``torch.cuda.empty_cache()``); counters are kept."""
+        count = len(self._entries) + len(self._pending)
+        for entry in list(self._entries.values()):
+            self._drop(entry)
+        self._pending.clear()
+        self._after_release()
+        return count
+
+    def _after_release(self) -> None:
+        self._rebuild()
+        if not self._entries:
+            self._pool = self.backend.new_pool()  # drop the handle too: nothing holds the old pool now
+        gc.collect()  # a graph in a reference cycle would keep the pool alive
+
+    def watch(self, named: Iterable[tuple[str, torch.Tensor]], prefix: str = "") -> None:
+        """Tensors captured graphs read (``model.named_parameters()``, say) whose address debug mode
+        checks before each replay; static inputs are always checked."""
+        self._addresses.watch((f"{prefix}{name}", t) for name, t in named)
 
     def failures(self) -> dict[tuple[BatchDescriptor, str], BaseException]:
         """Entries removed because their replay raised, with the error (a new capture may replace them)."""
