@@ -25,6 +25,7 @@ from cgregistry.breaks import BreakContext
 from cgregistry.buffers import InputError, StaticBuffer, StaticInput
 from cgregistry.debug import AddressWatch, checked
 from cgregistry.descriptor import BatchDescriptor
+from cgregistry.distributed import agree
 from cgregistry.inspection import (
     ClassStats, EntryInfo, Snapshot, Stats, entries_table, filter_entries, key_class, stats_line,
 )
@@ -41,6 +42,7 @@ __all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "
 # Distinct actual shapes remembered by the route cache before it starts over.
 _ROUTE_CACHE_LIMIT = 1 << 16
 _names = itertools.count(1)  # default registry names: registry-1, registry-2, ...
+_NO_MATCH = object()  # a group agreed on a descriptor no key covers: every rank runs eagerly
 
 
 class ConcurrentRunError(RuntimeError):
@@ -155,6 +157,7 @@ class GraphRegistry:
         self._entries: dict[tuple[BatchDescriptor, str], _Entry] = {}
         self._matcher = Matcher((), self.preference)
         self._routes: dict[BatchDescriptor, _Route] = {}
+        self._group_routes: dict[tuple[BatchDescriptor, BatchDescriptor], _Route] = {}
         self._clock = 0
         self._misses = 0
         self._eager_fallbacks = 0
@@ -337,6 +340,7 @@ class GraphRegistry:
     def _rebuild(self) -> None:
         self._matcher = Matcher([*self._entries, *self._pending], self.preference)
         self._routes.clear()
+        self._group_routes.clear()
 
     # ------------------------------------------------------------------ lazy capture and the budget
 
@@ -383,7 +387,7 @@ class GraphRegistry:
 
     # ------------------------------------------------------------------ run
 
-    def run(self, actual: BatchDescriptor, /, *, context: Any = None, **inputs: torch.Tensor) -> Any:
+    def run(self, actual: BatchDescriptor, /, *, context: Any = None, group: Any = None, **inputs: torch.Tensor) -> Any:
         """Match, copy in, pad, replay, and return outputs sliced to ``actual``.
 
         With no covering key, ``step(actual, **inputs)`` runs eagerly (counted).
@@ -392,6 +396,9 @@ class GraphRegistry:
         before any is copied.  A ``run`` while another is in progress on another
         thread is refused with ``ConcurrentRunError`` (the static buffers and the
         outputs are shared); calls from several threads in turn are fine.
+        With ``group`` (a torch.distributed process group), every rank of the
+        group replays the same key: the one for the descriptor all their
+        batches fit in (:func:`cgregistry.distributed.agree`, one collective).
         """
         if not self._running.acquire(False):
             raise ConcurrentRunError(
@@ -399,11 +406,28 @@ class GraphRegistry:
                 "and graph outputs serve one step at a time; give each thread its own registry or serialise the calls"
             )
         try:
+            if group is not None:
+                return self._run_agreed(actual, context, inputs, group)
             if self.debug:
                 return self._run_debug(actual, context, inputs)
             return self._run(actual, context, inputs)
         finally:
             self._running.release()
+
+    def _run_agreed(self, actual: BatchDescriptor, context: Any, inputs: dict[str, torch.Tensor], group: Any) -> Any:
+        """``_run`` on the key the whole group agreed on, each rank with its own rows."""
+        agreed = agree(actual, group)
+        route = self._group_routes.get((actual, agreed))
+        if route is None:
+            route = self._agreed_route(actual, agreed)
+            if route.pending:  # a lazy key: capture it here, then route again on what the group agreed
+                self._capture_lazily((route.match.key, route.match.strategy), actual)  # type: ignore[union-attr]
+                route = self._agreed_route(actual, agreed)
+        if self.debug:
+            self._addresses.check()
+            self._run_clock[0] += 1
+            return checked(self._run(actual, context, inputs, route), self._run_clock[0], self._run_clock)
+        return self._run(actual, context, inputs, route)
 
     def _run_debug(self, actual: BatchDescriptor, context: Any, inputs: dict[str, torch.Tensor]) -> Any:
         """``_run`` with debug checks: moved tensors before replay, stale outputs after."""
@@ -411,10 +435,17 @@ class GraphRegistry:
         self._run_clock[0] += 1
         return checked(self._run(actual, context, inputs), self._run_clock[0], self._run_clock)
 
-    def _run(self, actual: BatchDescriptor, context: Any, inputs: dict[str, torch.Tensor]) -> Any:
-        route = self._routes.get(actual)
+    def _agreed_route(self, actual: BatchDescriptor, agreed: BatchDescriptor) -> _Route:
+        match = self.match(agreed)
+        route = self._route(actual, match if match is not None else _NO_MATCH)
+        self._group_routes[(actual, agreed)] = route
+        return route
+
+    def _run(self, actual: BatchDescriptor, context: Any, inputs: dict[str, torch.Tensor], route: _Route | None = None) -> Any:
         if route is None:
-            route = self._route(actual)
+            route = self._routes.get(actual)
+            if route is None:
+                route = self._route(actual)
         entry = route.entry
         if entry is None:
             if inputs.keys() != self._input_names:
@@ -540,12 +571,16 @@ class GraphRegistry:
             parts.append(f"unexpected {extra}")
         return InputError(f"run() inputs do not match the static inputs: {'; '.join(parts)}; expected {sorted(self._input_names)}")
 
-    def _route(self, actual: BatchDescriptor) -> _Route:
+    def _route(self, actual: BatchDescriptor, forced: Match | object | None = None) -> _Route:
+        """How ``run`` serves ``actual``: by the matcher, or on ``forced`` (a group's agreed match)."""
         if not isinstance(actual, BatchDescriptor):
             raise TypeError(f"run() needs a BatchDescriptor, got {actual!r}")
-        match = self._matcher.match(actual)
-        if match is not None and self._choose_hook is not None:
-            match = self._chosen(actual, match)
+        if forced is None:
+            match = self._matcher.match(actual)
+            if match is not None and self._choose_hook is not None:
+                match = self._chosen(actual, match)
+        else:
+            match = None if forced is _NO_MATCH else forced  # type: ignore[assignment]
         entry = self._entries.get((match.key, match.strategy)) if match is not None else None
         pending = match is not None and entry is None
         copies = []
@@ -558,6 +593,8 @@ class GraphRegistry:
         if out_rows is None:
             raise InputError(f"output_axis='reqs' needs the batch's request count; {actual} gives none")
         route = _Route(actual, entry, match, tuple(copies), out_rows, pending)
+        if forced is not None:
+            return route  # the caller keeps it, by (actual, agreed)
         if len(self._routes) >= _ROUTE_CACHE_LIMIT:
             self._routes.clear()
         self._routes[actual] = route
@@ -578,8 +615,14 @@ class GraphRegistry:
 
     # ------------------------------------------------------------------ inspection
 
-    def match(self, actual: BatchDescriptor) -> Match | None:
-        """The key, strategy and padding ``run`` would use for ``actual`` (None: eager)."""
+    def match(self, actual: BatchDescriptor, *, group: Any = None) -> Match | None:
+        """The key, strategy and padding ``run`` would use for ``actual`` (None: eager).
+
+        With ``group``, the match for the descriptor every rank's batch fits in (a
+        collective: every rank must call it); its padding is relative to that descriptor.
+        """
+        if group is not None:
+            actual = agree(actual, group)
         route = self._routes.get(actual)
         if route is None:
             route = self._route(actual)

@@ -19,7 +19,7 @@ import contextlib
 import contextvars
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -90,6 +90,13 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def _works(obj: Any) -> list[Any]:
+    """The c10d work handles in an op's result (collectives return them)."""
+    if isinstance(obj, (list, tuple)):
+        return [w for item in obj for w in _works(item)]
+    return [obj] if isinstance(obj, torch.ScriptObject) and hasattr(obj, "wait") else []
+
+
 def _unsafe_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
     reason = _HOST_SYNC.get(func)
     if reason is not None:
@@ -136,13 +143,14 @@ def _storage_key(t: torch.Tensor) -> int:
 class _Op:
     """One recorded call: the op, its exact arguments, and the fresh outputs to refresh."""
 
-    __slots__ = ("func", "args", "kwargs", "targets")
+    __slots__ = ("func", "args", "kwargs", "targets", "waits")
 
-    def __init__(self, func: Any, args: tuple, kwargs: dict, targets: list[tuple[int, torch.Tensor]]) -> None:
+    def __init__(self, func: Any, args: tuple, kwargs: dict, targets: list[tuple[int, torch.Tensor]], waits: bool = False) -> None:
         self.func = func
         self.args = args
         self.kwargs = kwargs
         self.targets = targets  # (position in the flattened result, tensor captured there)
+        self.waits = waits  # a collective: its result holds work to wait for, as the eager call did
 
 
 class _Recorder(TorchDispatchMode):
@@ -156,6 +164,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[_Op] = []
+        self.collectives = 0  # torch.distributed collectives recorded at the Python level
         self.fresh_bytes = 0
         self._fresh_storages: set[int] = set()
 
@@ -177,7 +186,7 @@ class _Recorder(TorchDispatchMode):
                 self._fresh_storages.add(key)
                 self.fresh_bytes += t.untyped_storage().nbytes()
         if targets or func._schema.is_mutable:
-            self.ops.append(_Op(func, args, kwargs, targets))
+            self.ops.append(_Op(func, args, kwargs, targets, waits=bool(_works(result))))
         return result
 
 
@@ -194,6 +203,9 @@ class CpuGraph:
         with torch.inference_mode():
             for op in self.ops:
                 result = op.func(*op.args, **op.kwargs)
+                if op.waits:  # a c10d collective replays synchronously, as it ran at capture
+                    for work in _works(result):
+                        work.wait()
                 if op.targets:
                     fresh = _tensors(result if isinstance(result, (list, tuple)) else [result])
                     for i, target in op.targets:
@@ -221,6 +233,58 @@ def find_graph_unsafe_ops(fn: Callable[[], Any]) -> list[GraphUnsafeOpError]:
     return found
 
 
+# torch.distributed's in-place collectives do not reach a dispatch mode (c10d calls the
+# process group directly), so the emulator records them at the Python level.
+_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single")
+_recording: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("cgregistry_cpu_recording", default=None)
+
+
+def _recorded_collective(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        recorder = _recording.get()
+        result = original(*args, **kwargs)
+        if recorder is not None:
+            if kwargs.get("async_op"):
+                raise GraphUnsafeOpError(f"torch.distributed.{name}", "async_op=True: the emulator replays collectives synchronously", _user_frame())
+            recorder.ops.append(_Op(original, args, kwargs, []))
+            recorder.collectives += 1
+        return result
+
+    collective.__wrapped__ = original  # type: ignore[attr-defined]
+    return collective
+
+
+def _default_group_sequence() -> int | None:
+    """How many collectives the default process group has run (None without torch.distributed)."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    except (RuntimeError, AttributeError):  # a process group without sequence numbers
+        return None
+
+
+@contextlib.contextmanager
+def _collectives_recorded(recorder: _Recorder) -> Iterator[None]:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        yield
+        return
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+    token = _recording.set(recorder)
+    for name, original in originals.items():
+        setattr(dist, name, _recorded_collective(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+        _recording.reset(token)
+
+
 class CpuSegment:
     """One recording in progress: ops run between construction and ``end()`` are captured."""
 
@@ -229,14 +293,29 @@ class CpuSegment:
             raise RuntimeError("nested capture: a cpu graph capture is already in progress on this thread")
         self._token = _capturing.set(True)
         self._recorder = _Recorder()
+        self._sequence = _default_group_sequence()
+        self._collectives = _collectives_recorded(self._recorder)
+        self._collectives.__enter__()
         self._recorder.__enter__()
 
     def _close(self) -> None:
         self._recorder.__exit__(None, None, None)
+        self._collectives.__exit__(None, None, None)
         _capturing.reset(self._token)
 
     def end(self) -> CpuGraph:
         self._close()
+        if self._sequence is not None:
+            ran = (_default_group_sequence() or 0) - self._sequence
+            if ran > self._recorder.collectives:
+                raise GraphUnsafeOpError(
+                    "a torch.distributed collective",
+                    f"{ran} collective(s) ran on the default process group during capture but the emulator recorded "
+                    f"{self._recorder.collectives}: call them as torch.distributed.<name>(...) (all_reduce, "
+                    "all_gather_into_tensor, reduce_scatter_tensor, broadcast, all_to_all_single), not through an "
+                    "alias imported earlier or a functional collective; replay would skip the rest",
+                    "the end of a captured segment",
+                )
         return CpuGraph(self._recorder.ops, self._recorder.fresh_bytes)
 
     def abort(self) -> None:

@@ -1,0 +1,64 @@
+"""Data-parallel agreement: every rank of a group replays the same key, with one small collective.
+
+Ranks of a data-parallel group run different batches, but collectives inside
+the step (an expert-parallel all-to-all, a tensor-parallel all-reduce within
+each replica) need every rank to run the same graph.  ``agree`` all-reduces
+six integers (MAX) and returns the smallest descriptor every rank's batch fits
+in: the most tokens, requests and LoRA slots any rank has, and uniform only if
+every rank's batch is uniform with the same speculative depth.  Matching that
+descriptor gives every rank the same key, padded to the largest need, of the
+weakest kind any rank can use (a mixed batch anywhere means a mixed key
+everywhere) -- provided every rank captured the same plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cgregistry.descriptor import BatchDescriptor
+
+__all__ = ["agree"]
+
+
+def _encode(actual: BatchDescriptor) -> list[int]:
+    reqs = actual.num_reqs
+    return [
+        actual.num_tokens,
+        0 if reqs is None else reqs,
+        1 if reqs is None else 0,  # any rank without a request count makes the agreed one unknown
+        actual.num_active_loras,
+        actual.spec_depth if actual.uniform else -1,  # max over ranks ...
+        -actual.spec_depth if actual.uniform else -(1 << 30),  # ... and min, through -max(-x)
+        0 if actual.uniform else 1,
+    ]
+
+
+def _decode(values: list[int]) -> BatchDescriptor:
+    tokens, reqs, no_reqs, loras, max_depth, neg_min_depth, mixed = values
+    num_reqs = None if no_reqs else reqs
+    uniform = not mixed and num_reqs is not None and max_depth == -neg_min_depth
+    if uniform and tokens != num_reqs * (1 + max_depth):  # cannot happen for valid uniform batches; be safe
+        uniform = False
+    return BatchDescriptor(tokens, num_reqs, loras, max(max_depth, 0) if uniform else 0, uniform)
+
+
+def agree(actual: BatchDescriptor, group: Any = None) -> BatchDescriptor:
+    """The descriptor covering every rank's ``actual`` in ``group`` (one all_reduce of 7 int64s).
+
+    The tensor lives on the current CUDA device for NCCL groups and on the CPU
+    otherwise (gloo).  Every rank must call it, in the same order as its other
+    collectives.
+    """
+    import torch.distributed as dist
+
+    if not isinstance(actual, BatchDescriptor):
+        raise TypeError(f"agree() needs a BatchDescriptor, got {actual!r}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("agree(group=...) needs torch.distributed to be initialised (init_process_group)")
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    values = torch.tensor(_encode(actual), dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return _decode(values.tolist())
