@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -14,10 +16,15 @@ BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
 def test_code_blocks_run(page: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    namespace: dict = {"__name__": f"docs_{page.stem}"}
-    for i, block in enumerate(BLOCK.findall(page.read_text())):
-        code = compile(block, f"{page.name}[block {i}]", "exec")
-        exec(code, namespace)  # noqa: S102 - the docs are ours
+    # A real module, as a script would have: torch.compile looks the blocks' globals up by module name.
+    module = types.ModuleType(f"docs_{page.stem.replace('-', '_')}")
+    sys.modules[module.__name__] = module
+    try:
+        for i, block in enumerate(BLOCK.findall(page.read_text())):
+            code = compile(block, f"{page.name}[block {i}]", "exec")
+            exec(code, module.__dict__)  # noqa: S102 - the docs are ours
+    finally:
+        del sys.modules[module.__name__]
 
 
 def test_docs_exist() -> None:
