@@ -92,7 +92,8 @@ class _Route:
         self.copies = copies
         self.out_rows = out_rows
         self.real_tokens = actual.num_tokens
-        self.pad_tokens = match.padding.tokens if match is not None else 0
+        # from the key, not match.padding: a group's agreed match pads relative to the agreed descriptor
+        self.pad_tokens = match.key.num_tokens - actual.num_tokens if match is not None else 0
         self.single_output = entry.slicer.sliced(out_rows) if entry is not None and entry.slicer.spec is None else None
         # what eager breaks see through current_batch() when run() gets no payload (built once, not per step)
         self.batch_context = BreakContext(actual, entry.key, None) if entry is not None else None
@@ -424,20 +425,20 @@ class GraphRegistry:
                 self._capture_lazily((route.match.key, route.match.strategy), actual)  # type: ignore[union-attr]
                 route = self._agreed_route(actual, agreed)
         if self.debug:
-            self._addresses.check()
-            self._run_clock[0] += 1
-            return checked(self._run(actual, context, inputs, route), self._run_clock[0], self._run_clock)
+            return self._run_debug(actual, context, inputs, route)
         return self._run(actual, context, inputs, route)
 
-    def _run_debug(self, actual: BatchDescriptor, context: Any, inputs: dict[str, torch.Tensor]) -> Any:
+    def _run_debug(self, actual: BatchDescriptor, context: Any, inputs: dict[str, torch.Tensor], route: _Route | None = None) -> Any:
         """``_run`` with debug checks: moved tensors before replay, stale outputs after."""
         self._addresses.check()
         self._run_clock[0] += 1
-        return checked(self._run(actual, context, inputs), self._run_clock[0], self._run_clock)
+        return checked(self._run(actual, context, inputs, route), self._run_clock[0], self._run_clock)
 
     def _agreed_route(self, actual: BatchDescriptor, agreed: BatchDescriptor) -> _Route:
         match = self.match(agreed)
         route = self._route(actual, match if match is not None else _NO_MATCH)
+        if len(self._group_routes) >= _ROUTE_CACHE_LIMIT:
+            self._group_routes.clear()
         self._group_routes[(actual, agreed)] = route
         return route
 

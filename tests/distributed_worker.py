@@ -43,6 +43,7 @@ def data_parallel(rank: int, world: int, device: torch.device, backend: str) -> 
         [B.decode(3), B(7, 4), B.decode(1)],  # one mixed batch: a mixed key for everyone
         [B.decode(2, spec_depth=1), B.decode(2), B.decode(1)],  # different depths: mixed
     ]
+    padding = 0
     for case in cases:
         mine = case[rank % len(case)]
         x = torch.randn(mine.num_tokens, D, generator=g).to(device)
@@ -56,9 +57,11 @@ def data_parallel(rank: int, world: int, device: torch.device, backend: str) -> 
             assert not match.key.uniform, "a mixed batch on any rank means a mixed key on every rank"
         out = reg.run(mine, x=x, group=dist.group.WORLD)
         torch.testing.assert_close(out, step(mine, x))
+        padding += match.key.num_tokens - mine.num_tokens  # this rank's own padding, not the agreed one's
         assert reg.match(mine) is not None
     stats = reg.stats()
     assert stats.hits == len(cases) and stats.misses == 0, stats
+    assert sum(e.padded_tokens for e in reg.entries()) == padding
 
 
 def tensor_parallel(rank: int, world: int, device: torch.device, backend: str) -> None:
