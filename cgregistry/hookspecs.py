@@ -155,3 +155,17 @@ def cgregistry_evicted(registry: GraphRegistry, key: BatchDescriptor, strategy: 
     :param memory_bytes: the measured memory the entry accounted for.
     :return: ignored.  Least recently replayed entries go first.  Since 0.1.
     """
+
+
+@hookspec
+def cgregistry_released(registry: GraphRegistry, key: BatchDescriptor, strategy: str, memory_bytes: int) -> None:
+    """An entry was removed on request, by ``release(key)`` or ``clear()``.
+
+    :param registry: the registry.
+    :param key: the released entry's descriptor (not pending: only a new
+        ``capture`` brings it back).
+    :param strategy: its strategy.
+    :param memory_bytes: the measured memory the entry accounted for.
+    :return: ignored.  With ``evicted`` and ``entry_failed``, every way an entry
+        goes is observed.  Since 0.1.
+    """

@@ -532,7 +532,7 @@ class GraphRegistry:
         for pair in pairs:
             entry = self._entries.get(pair)
             if entry is not None:
-                self._drop(entry)
+                self._release_entry(entry)
             self._pending.pop(pair, None)
         self._after_release()
         return len(pairs)
@@ -542,10 +542,14 @@ class GraphRegistry:
         allocator (and to the driver on ``torch.cuda.empty_cache()``); counters are kept."""
         count = len(self._entries) + len(self._pending)
         for entry in list(self._entries.values()):
-            self._drop(entry)
+            self._release_entry(entry)
         self._pending.clear()
         self._after_release()
         return count
+
+    def _release_entry(self, entry: _Entry) -> None:
+        self._drop(entry)
+        self._hook.cgregistry_released(registry=self, key=entry.key, strategy=entry.strategy, memory_bytes=entry.memory_bytes)
 
     def _after_release(self) -> None:
         self._rebuild()

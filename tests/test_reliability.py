@@ -147,8 +147,21 @@ def test_a_real_out_of_memory_inside_capture_leaves_the_registry_usable() -> Non
 # ---------------------------------------------------------------- release and clear
 
 
+class ReleaseObserver:
+    def __init__(self) -> None:
+        self.released: list[tuple[B, str]] = []
+
+    @cg.hookimpl
+    def cgregistry_released(self, registry: cg.GraphRegistry, key: B, strategy: str, memory_bytes: int) -> None:
+        assert isinstance(memory_bytes, int)
+        self.released.append((key, strategy))
+
+
 def test_release_and_clear_remove_what_they_say(backend: str) -> None:
-    reg, model = affine_registry(backend)
+    observer = ReleaseObserver()
+    model = Affine(device_of(backend))
+    inputs_spec = {"x": cg.StaticInput((16, D), torch.float32), "scale": cg.StaticInput((16,), torch.float32, fill=1)}
+    reg = cg.GraphRegistry(model, inputs_spec, backend=backend, plugins=cg.Plugins(cg.make_plugin_manager([observer], autoload=False)))
     reg.capture([(B(k, k, uniform=False), "full") for k in (16, 8, 4)] + [(B(8), "breakable")])
     batch = B(6, 6, uniform=False)
     inputs = live(batch, reg.device)
@@ -161,6 +174,8 @@ def test_release_and_clear_remove_what_they_say(backend: str) -> None:
         reg.release(B(8, 8, uniform=False))
     assert reg.release(B(8), "breakable") == 1
     assert reg.clear() == 2 and len(reg) == 0
+    assert observer.released == [(B(8, 8, uniform=False), "full"), (B(8), "breakable"), (B(16, 16, uniform=False), "full"),
+                                 (B(4, 4, uniform=False), "full")], "every removal is observed, in order"
     misses = reg.stats().misses
     torch.testing.assert_close(reg.run(batch, **inputs), model(batch, **inputs))
     assert reg.stats().misses == misses + 1, "with nothing captured the step runs eagerly"
