@@ -27,7 +27,14 @@ from cgregistry.debug import AddressWatch, checked
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.distributed import agree
 from cgregistry.inspection import (
-    ClassStats, EntryInfo, Snapshot, Stats, entries_table, filter_entries, key_class, stats_line,
+    ClassStats,
+    EntryInfo,
+    Snapshot,
+    Stats,
+    entries_table,
+    filter_entries,
+    key_class,
+    stats_line,
 )
 from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher
 from cgregistry.outputs import OutputError, OutputSlicer, flatten

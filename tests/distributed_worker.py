@@ -11,7 +11,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed import all_reduce as all_reduce_alias  # bound before any capture: the emulator cannot see it
+from torch.distributed import (
+    all_reduce as all_reduce_alias,  # bound before any capture: the emulator cannot see it
+)
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B

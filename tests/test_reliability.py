@@ -9,7 +9,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
@@ -227,7 +233,7 @@ def test_debug_mode_names_a_moved_tensor(backend: str) -> None:
 
 
 def test_debug_mode_refuses_a_stale_output_and_names_it(backend: str) -> None:
-    reg, model = affine_registry(backend, debug=True)
+    reg, _ = affine_registry(backend, debug=True)
     reg.capture([(B(8, 8, uniform=False), "full")])
     first_batch, second_batch = B(5, 5, uniform=False), B(3, 3, uniform=False)
     first = reg.run(first_batch, **live(first_batch, reg.device))
