@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar, overload
 
@@ -51,9 +52,9 @@ class BreakSite(Protocol):
 _site: contextvars.ContextVar[BreakSite | None] = contextvars.ContextVar("cgregistry_break_site", default=None)
 _batch: contextvars.ContextVar[BreakContext | None] = contextvars.ContextVar("cgregistry_batch", default=None)
 _barrier: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("cgregistry_barrier", default=None)
-# Every function marked so far, and callbacks told of each new one (the piecewise
-# compiler keeps them opaque to dynamo, so they become splitting ops).
-_marked: list[Callable[..., Any]] = []
+# Every marked function still alive (weakly: marking must not keep a model alive), and
+# callbacks told of each new one (the piecewise compiler keeps them opaque to dynamo).
+_marked: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 _on_mark: list[Callable[[Callable[..., Any]], None]] = []
 
 
@@ -148,7 +149,7 @@ def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = Non
             return site.on_break(func, capture_stub, label, args, kwargs)
 
         marked.__cgregistry_break__ = label  # type: ignore[attr-defined]
-        _marked.append(marked)
+        _marked.add(marked)
         for callback in _on_mark:
             callback(marked)
         return marked  # type: ignore[return-value]
