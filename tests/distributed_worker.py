@@ -17,12 +17,9 @@ from torch.distributed import (
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
+from cgregistry.testing import make_plugins
 
 D = 12  # divisible by 2 and 3 ranks
-
-
-def no_autoload() -> cg.Plugins:
-    return cg.Plugins(cg.make_plugin_manager(autoload=False))
 
 
 def weights(device: torch.device, seed: int) -> torch.Tensor:
@@ -37,7 +34,7 @@ def data_parallel(rank: int, world: int, device: torch.device, backend: str) -> 
     def step(batch: B, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x @ w)
 
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((32, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((32, D), torch.float32)}, backend=backend, plugins=make_plugins())
     reg.capture(cg.CapturePlan.build(max_num_seqs=16, max_num_tokens=32, mode="full_and_breakable"))
     g = torch.Generator().manual_seed(100 + rank)
     cases = [
@@ -77,7 +74,7 @@ def tensor_parallel(rank: int, world: int, device: torch.device, backend: str) -
         dist.all_reduce(partial)  # captured into the graph on every rank
         return torch.relu(partial)
 
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((16, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((16, D), torch.float32)}, backend=backend, plugins=make_plugins())
     # Capture order rule: every rank captures the same plan in the same order.
     reg.capture([(B(n), "full") for n in (16, 8, 4)])
     for n, seed in ((3, 1), (8, 2), (13, 3)):
@@ -93,10 +90,10 @@ def pipeline_parallel(rank: int, world: int, device: torch.device, backend: str)
     w0, w1 = weights(device, 2), weights(device, 3)
     if rank == 0:
         reg = cg.GraphRegistry(lambda b, x: torch.tanh(x @ w0), {"x": cg.StaticInput((16, D), torch.float32)},
-                               backend=backend, plugins=no_autoload())
+                               backend=backend, plugins=make_plugins())
     else:
         reg = cg.GraphRegistry(lambda b, hidden: hidden @ w1, {"hidden": cg.StaticInput((16, D), torch.float32)},
-                               backend=backend, plugins=no_autoload())
+                               backend=backend, plugins=make_plugins())
     reg.capture([(B(n), "full") for n in (16, 8)])
     for n, seed in ((5, 4), (16, 5), (2, 6)):
         x = torch.randn(n, D, generator=torch.Generator().manual_seed(seed)).to(device)
@@ -120,7 +117,7 @@ def emulator_refuses_an_unrecorded_collective(rank: int, world: int, device: tor
         all_reduce_alias(y)
         return y
 
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=make_plugins())
     with pytest.raises(cg.CaptureError, match=r"1 collective\(s\) ran on the default process group during capture but the emulator recorded 0"):
         reg.capture([(B(8), "full")])
     assert len(reg) == 0

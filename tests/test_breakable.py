@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry.strategies.breakable import BreakableStrategy
+from cgregistry.testing import make_plugins
 
 from .conftest import device_of
 
 D, CTX, MAX_TOKENS = 8, 12, 16
-
-
-def no_autoload() -> cg.Plugins:
-    return cg.Plugins(cg.make_plugin_manager(autoload=False))
 
 
 class HostLengthAttention:
@@ -79,7 +75,7 @@ def eager_reference(model: HostLengthAttention, batch: B, x: torch.Tensor, lens:
 def test_breakable_matches_eager_with_host_side_lengths(backend: str, returning: bool) -> None:
     device = device_of(backend)
     model = HostLengthAttention(device, returning)
-    reg = cg.GraphRegistry(model, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(model, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=make_plugins())
     reg.capture(cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=MAX_TOKENS, mode="breakable"), context={"lens": [CTX] * MAX_TOKENS})
     g = torch.Generator().manual_seed(1)
     for reqs in (1, 3, 3, 8, 5):
@@ -98,7 +94,7 @@ def test_a_full_graph_freezes_the_host_lengths(backend: str) -> None:
     """The same model as one full graph runs the break inline, at capture: later lengths are ignored."""
     device = device_of(backend)
     model = HostLengthAttention(device, returning=False)
-    reg = cg.GraphRegistry(model, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(model, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=make_plugins())
     reg.capture([(B.decode(4), "full")], context={"lens": [CTX] * MAX_TOKENS})
     calls = model.calls
     x = torch.randn(4, D, device=device)
@@ -127,7 +123,7 @@ def test_stub_runs_only_at_capture_and_barrier_before_each_break(backend: str) -
         cg.graph_break()
         return out + 1
 
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS,), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS,), torch.float32)}, backend=backend, plugins=make_plugins())
     with cg.capture_barrier(lambda: seen.append("barrier")):
         reg.capture([(B(8), "breakable")])
     assert seen == ["real", "barrier", "stub", "barrier"], "warm-up runs the real break; capture runs barrier + stub at each split"
@@ -149,7 +145,7 @@ def test_break_returning_another_shape_at_replay_is_named(backend: str) -> None:
     def step(batch: B, x: torch.Tensor) -> torch.Tensor:
         return x + shaped(x).sum()
 
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=make_plugins())
     reg.capture([(B(8), "breakable")])
     x = torch.zeros(3, device=device_of(backend))
     assert reg.run(B(3, 1), x=x).tolist() == [4.0, 4.0, 4.0]
@@ -165,20 +161,20 @@ def test_break_returning_a_non_tensor_is_a_capture_error(backend: str) -> None:
     def count(x: torch.Tensor) -> int:
         return 3
 
-    reg = cg.GraphRegistry(lambda b, x: x * count(x), {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(lambda b, x: x * count(x), {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=make_plugins())
     with pytest.raises(cg.CaptureError, match=r"eager break '.*count' result is a int; an eager break returns tensors"):
         reg.capture([(B(8), "breakable")])
     assert len(reg) == 0
 
 
 def test_nested_breakable_capture_is_refused(backend: str) -> None:
-    inner = cg.GraphRegistry(lambda b, x: x + 1, {"x": cg.StaticInput((4,), torch.float32)}, backend=backend, plugins=no_autoload())
+    inner = cg.GraphRegistry(lambda b, x: x + 1, {"x": cg.StaticInput((4,), torch.float32)}, backend=backend, plugins=make_plugins())
 
     def step(batch: B, x: torch.Tensor) -> torch.Tensor:
         BreakableStrategy().capture(lambda: x * 2, inner.backend, inner.backend.new_pool())
         return x
 
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=make_plugins())
     with pytest.raises(cg.CaptureError, match="nested breakable capture") as info:
         reg.capture([(B(8), "breakable")])
     assert isinstance(info.value.__cause__, cg.BreakError)
@@ -199,7 +195,7 @@ def test_marked_function_outside_capture_is_a_plain_call() -> None:
 def test_full_and_breakable_entries_coexist(backend: str) -> None:
     device = device_of(backend)
     model = HostLengthAttention(device, returning=True)
-    reg = cg.GraphRegistry(model, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(model, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=make_plugins())
     plan = cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=MAX_TOKENS, mode="full_and_breakable")
     reg.capture(plan, context={"lens": [CTX] * MAX_TOKENS})
     assert {e.strategy for e in reg.entries()} == {"full", "breakable"}
@@ -227,25 +223,31 @@ def test_unjoined_side_stream_is_named() -> None:
         brk(z)  # not joined back first
         return z
 
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend="cuda", plugins=no_autoload())
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend="cuda", plugins=make_plugins())
     with pytest.raises(cg.CaptureError) as info:
         reg.capture([(B(8), "breakable")])
     text = str(info.value)
     assert "before eager break" in text and "not joined back" in text
     assert repr(side) in text, "the unjoined stream is named"
-    ok = cg.GraphRegistry(lambda b, x: x + 1, {"x": cg.StaticInput((8,), torch.float32)}, backend="cuda", plugins=no_autoload())
+    ok = cg.GraphRegistry(lambda b, x: x + 1, {"x": cg.StaticInput((8,), torch.float32)}, backend="cuda", plugins=make_plugins())
     ok.capture([(B(8), "breakable")])
     assert ok.run(B(3, 1), x=torch.zeros(3, device="cuda")).tolist() == [1.0] * 3
 
 
 def test_demo_model_with_a_break_per_layer(backend: str) -> None:
-    from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs, random_batch
+    from cgregistry.demo_model import (
+        DemoConfig,
+        DemoDecoder,
+        attention_kernel_into,
+        demo_inputs,
+        random_batch,
+    )
 
     cfg = DemoConfig(layers=3, hidden=32, heads=2, ffn=48, vocab=64, max_num_seqs=8, max_num_tokens=32, context=8, dtype=torch.float32)
     device = device_of(backend)
     inline = DemoDecoder(cfg, device, seed=3)
     broken = DemoDecoder(cfg, device, seed=3, attention=cg.eager_break(attention_kernel_into))
-    reg = cg.GraphRegistry(broken, demo_inputs(cfg), backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(broken, demo_inputs(cfg), backend=backend, plugins=make_plugins())
     reg.capture(cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=32, mode="breakable"))
     assert {(e.segments, e.breaks) for e in reg.entries()} == {(cfg.layers + 1, cfg.layers)}
     g = torch.Generator().manual_seed(0)
@@ -267,7 +269,7 @@ def test_current_batch_inside_a_break_follows_the_live_batch(backend: str) -> No
         probe(x)
         return x + 1
 
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=make_plugins())
     reg.capture([(B(8), "breakable")], context="at-capture")
     assert seen[-1] == (B(8), B(8), "at-capture")
     dev = device_of(backend)

@@ -15,6 +15,7 @@ from cgregistry.demo_model import (
     demo_inputs,
     random_batch,
 )
+from cgregistry.testing import make_plugins
 
 from .conftest import device_of
 
@@ -22,16 +23,12 @@ CFG = DemoConfig(layers=3, hidden=32, heads=2, ffn=48, vocab=64, max_num_seqs=8,
 D, CTX, MAX_TOKENS = 8, 12, 16
 
 
-def no_autoload() -> cg.Plugins:
-    return cg.Plugins(cg.make_plugin_manager(autoload=False))
-
-
 def demo_registry(backend: str, **compile_options: object) -> tuple[cg.GraphRegistry, DemoDecoder, DemoDecoder, cg.PiecewiseModel]:
     """A registry over a piecewise-compiled demo decoder (attention an eager break), and the same model inline."""
     device = device_of(backend)
     inline = DemoDecoder(CFG, device, seed=3)
     broken = DemoDecoder(CFG, device, seed=3, attention=cg.eager_break(attention_kernel_into))
-    reg = cg.GraphRegistry(lambda batch, **inputs: compiled(**inputs), demo_inputs(CFG), backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(lambda batch, **inputs: compiled(**inputs), demo_inputs(CFG), backend=backend, plugins=make_plugins())
     compiled = reg.compile(lambda input_ids, req_idx, seq_lens: broken(None, input_ids, req_idx, seq_lens), **compile_options)
     return reg, inline, broken, compiled
 
@@ -98,7 +95,7 @@ def test_custom_op_split_reads_the_live_host_lengths(backend: str, name: bool) -
     device = device_of(backend)
     model = CustomOpModel(device)
     op = "cgregistry_test::host_len_attention" if name else torch.ops.cgregistry_test.host_len_attention
-    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=make_plugins())
     compiled = reg.compile(model, splitting_ops=[op])
     reg.capture([(B(n), "piecewise") for n in (16, 8, 4, 2)])
     assert {(e.segments, e.breaks) for e in reg.entries()} == {(2, 1)}
@@ -139,7 +136,7 @@ class TwoSplits(nn.Module):
 def test_functions_and_module_types_split(backend: str, ops: list[object]) -> None:
     device = device_of(backend)
     model = TwoSplits()
-    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=make_plugins())
     compiled = reg.compile(model, splitting_ops=ops)
     reg.capture([(B(n), "piecewise") for n in (16, 4)])
     assert {e.breaks for e in reg.entries()} == {len(ops)}
@@ -160,7 +157,7 @@ def test_specialising_size_one_traces_again_and_stays_correct(backend: str) -> N
 
 
 def test_a_named_op_never_reached_is_an_error(backend: str) -> None:
-    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=make_plugins())
     compiled = reg.compile(TwoSplits(), splitting_ops=[plain_scale, "cgregistry_test::host_len_attention"])
     with pytest.raises(cg.CaptureError, match=r"host_len_attention'\] never reached"):
         reg.capture([(B(8), "piecewise")])
@@ -168,7 +165,7 @@ def test_a_named_op_never_reached_is_an_error(backend: str) -> None:
 
 
 def test_no_splitting_op_at_all_is_an_error(backend: str) -> None:
-    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=make_plugins())
     compiled = reg.compile(lambda x: x * 2 + 1)
     with pytest.raises(cg.CaptureError, match="no splitting op was reached.*eager_break"):
         reg.capture([(B(8), "piecewise")])
@@ -179,7 +176,7 @@ def test_an_untraceable_model_names_the_place_and_suggests_breakable(backend: st
         rows = x.sum(-1).tolist()  # host values drive Python: dynamo cannot keep one graph
         return x * (1.0 if rows[0] > 0 else 2.0)
 
-    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=make_plugins())
     compiled = reg.compile(untraceable)
     with pytest.raises(cg.CaptureError) as info:
         reg.capture([(B(8), "piecewise")])
@@ -197,7 +194,7 @@ def test_retracing_beyond_the_bound_is_an_error(backend: str) -> None:
     def model(x: torch.Tensor) -> torch.Tensor:
         return ident(x) + len(shift["mode"])  # a Python string dynamo guards on
 
-    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend=backend, plugins=make_plugins())
     compiled = reg.compile(model, max_traces=2)
     reg.capture([(B(8), "piecewise")])
     shift["mode"] = "bb"
@@ -217,7 +214,7 @@ def test_piecewise_without_a_compiled_model_is_an_error(backend: str) -> None:
         brk(x)
         return x + 1
 
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=make_plugins())
     with pytest.raises(cg.CaptureError, match="compile_piecewise"):
         reg.capture([(B(8), "piecewise")])
     reg.capture([(B(8), "breakable")])  # the same step is fine without a trace
@@ -234,7 +231,7 @@ def test_bad_splitting_ops_are_named(ops: object, error: str) -> None:
 
 
 def test_inductor_pieces_refuse_the_cpu_emulator() -> None:
-    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu", plugins=no_autoload())
+    reg = cg.GraphRegistry(lambda b, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu", plugins=make_plugins())
     compiled = reg.compile(TwoSplits(), splitting_ops=[plain_scale], inductor=True)
     with pytest.raises(cg.CaptureError, match="cannot record Inductor kernels"):
         reg.capture([(B(8), "piecewise")])

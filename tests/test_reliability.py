@@ -19,14 +19,11 @@ from hypothesis.stateful import (
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
+from cgregistry.testing import make_plugins
 
 from .conftest import device_of
 
 D = 4
-
-
-def no_autoload() -> cg.Plugins:
-    return cg.Plugins(cg.make_plugin_manager(autoload=False))
 
 
 class Affine:
@@ -48,7 +45,7 @@ class Affine:
 def affine_registry(backend: str, **options: object) -> tuple[cg.GraphRegistry, Affine]:
     model = Affine(device_of(backend))
     inputs = {"x": cg.StaticInput((16, D), torch.float32), "scale": cg.StaticInput((16,), torch.float32, fill=1)}
-    return cg.GraphRegistry(model, inputs, backend=backend, plugins=no_autoload(), **options), model
+    return cg.GraphRegistry(model, inputs, backend=backend, plugins=make_plugins(), **options), model
 
 
 def live(batch: B, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -140,7 +137,7 @@ def test_a_real_out_of_memory_inside_capture_leaves_the_registry_usable() -> Non
             torch.empty(huge, dtype=torch.uint8, device="cuda")
         return x * 2
 
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((16,), torch.float32)}, backend="cuda", plugins=no_autoload())
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((16,), torch.float32)}, backend="cuda", plugins=make_plugins())
     with pytest.raises(cg.CaptureError, match="OutOfMemory|out of memory"):
         reg.capture([(B(16), "full"), (B(8), "full")])
     assert [e.key for e in reg.entries()] == [B(16)]
@@ -167,7 +164,7 @@ def test_release_and_clear_remove_what_they_say(backend: str) -> None:
     observer = ReleaseObserver()
     model = Affine(device_of(backend))
     inputs_spec = {"x": cg.StaticInput((16, D), torch.float32), "scale": cg.StaticInput((16,), torch.float32, fill=1)}
-    reg = cg.GraphRegistry(model, inputs_spec, backend=backend, plugins=cg.Plugins(cg.make_plugin_manager([observer], autoload=False)))
+    reg = cg.GraphRegistry(model, inputs_spec, backend=backend, plugins=make_plugins(observer))
     reg.capture([(B(k, k, uniform=False), "full") for k in (16, 8, 4)] + [(B(8), "breakable")])
     batch = B(6, 6, uniform=False)
     inputs = live(batch, reg.device)
@@ -200,7 +197,7 @@ def test_clear_gives_the_pool_back_and_release_frees_the_last_entry() -> None:
         torch.cuda.empty_cache()
         return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(pool)) >> 20
 
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((128,), torch.float32)}, backend="cuda", plugins=no_autoload())
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((128,), torch.float32)}, backend="cuda", plugins=make_plugins())
     reg.capture([(B(n), "full") for n in (128, 64, 32)])
     pool = reg._pool
     assert pool_mib(pool) >= 32
@@ -272,7 +269,7 @@ def test_a_concurrent_run_is_refused_and_the_running_one_is_unharmed(backend: st
         return y * 2
 
     device = device_of(backend)
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=no_autoload())
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=make_plugins())
     reg.capture([(B(8), "breakable")])
     results: dict[str, torch.Tensor] = {}
     x = torch.arange(4.0, device=device)
