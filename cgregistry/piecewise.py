@@ -28,9 +28,9 @@ from torch import fx, nn
 from cgregistry import breaks
 from cgregistry.backends import cpu
 
-__all__ = ["PiecewiseCompiler", "PiecewiseError", "PiecewiseModel", "SplittingOps", "compile_piecewise"]
+__all__ = ["DEFAULT_MAX_TRACES", "PiecewiseCompiler", "PiecewiseError", "PiecewiseModel", "SplittingOps", "compile_piecewise"]
 
-_DEFAULT_MAX_TRACES = 4  # one dynamic trace serves every size; slack for specialize_size_one and retries
+DEFAULT_MAX_TRACES = 4  # one dynamic trace serves every size; slack for specialize_size_one and retries
 
 
 class PiecewiseError(RuntimeError):
@@ -263,7 +263,7 @@ class PiecewiseCompiler:
         splitting_ops: Iterable[object] | None = None,
         *,
         inductor: bool = False,
-        max_traces: int = _DEFAULT_MAX_TRACES,
+        max_traces: int = DEFAULT_MAX_TRACES,
         include_marked: bool | None = None,
     ) -> None:
         if type(max_traces) is not int or max_traces < 1:
@@ -384,7 +384,7 @@ def compile_piecewise(
     splitting_ops: Iterable[object] | None = None,
     *,
     inductor: bool = False,
-    max_traces: int = _DEFAULT_MAX_TRACES,
+    max_traces: int = DEFAULT_MAX_TRACES,
     include_marked: bool | None = None,
     specialize_size_one: bool = False,
 ) -> PiecewiseModel:

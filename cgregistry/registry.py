@@ -38,7 +38,7 @@ from cgregistry.inspection import (
 )
 from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher
 from cgregistry.outputs import OutputError, OutputSlicer, flatten
-from cgregistry.piecewise import PiecewiseCompiler, PiecewiseModel
+from cgregistry.piecewise import DEFAULT_MAX_TRACES, PiecewiseCompiler, PiecewiseModel, compile_piecewise
 from cgregistry.plan import CapturePlan, PlanEntry
 from cgregistry.plugins import PluginError, Plugins
 
@@ -193,8 +193,8 @@ class GraphRegistry:
     # ------------------------------------------------------------------ piecewise
 
     def compile_backend(
-        self, splitting_ops: Iterable[object] | None = None, *, inductor: bool = False, max_traces: int = 4,
-        include_marked: bool | None = None,
+        self, splitting_ops: Iterable[object] | None = None, *, inductor: bool = False,
+        max_traces: int = DEFAULT_MAX_TRACES, include_marked: bool | None = None,
     ) -> PiecewiseCompiler:
         """A torch.compile backend for this registry's ``piecewise`` entries (see :mod:`cgregistry.piecewise`).
 
@@ -205,13 +205,15 @@ class GraphRegistry:
 
     def compile(
         self, model: Callable[..., Any], splitting_ops: Iterable[object] | None = None, *, inductor: bool = False,
-        max_traces: int = 4, include_marked: bool | None = None, specialize_size_one: bool = False,
+        max_traces: int = DEFAULT_MAX_TRACES, include_marked: bool | None = None, specialize_size_one: bool = False,
     ) -> PiecewiseModel:
         """``model`` compiled for ``piecewise`` entries: one dynamic trace, split at ``splitting_ops``
         (default: the ``@eager_break`` functions); call it from the step.  See
         :func:`cgregistry.compile_piecewise` for the options."""
-        backend = self.compile_backend(splitting_ops, inductor=inductor, max_traces=max_traces, include_marked=include_marked)
-        return PiecewiseModel(model, backend, specialize_size_one=specialize_size_one)
+        return compile_piecewise(
+            model, splitting_ops, inductor=inductor, max_traces=max_traces, include_marked=include_marked,
+            specialize_size_one=specialize_size_one,
+        )
 
     # ------------------------------------------------------------------ capture
 
