@@ -3,18 +3,26 @@
 Each input is indexed along the token axis or the request axis.  ``write`` copies
 the live rows in and re-fills only the rows that an earlier, larger batch left
 dirty, so a steady batch size costs one copy per input and nothing more.
+
+``fill`` is what every padded row holds, and what *every* row holds while graphs
+are warmed up and captured (capture runs the step, which may write engine state
+such as a KV cache at the indices it reads).  An index input therefore fills with
+a scratch slot that belongs to no request; integer inputs must say their fill.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Literal
 
 import attrs
 import torch
 
-__all__ = ["AXES", "InputError", "StaticBuffer", "StaticInput"]
+__all__ = ["AXES", "UNSET", "InputError", "StaticBuffer", "StaticInput"]
 
 AXES = ("tokens", "reqs")
+_STRIDED = torch.strided
 
 
 class InputError(ValueError):
@@ -38,22 +46,90 @@ def _dtype(instance: StaticInput, attribute: attrs.Attribute, value: object) -> 
         raise TypeError(f"StaticInput.dtype must be a torch.dtype, got {value!r}")
 
 
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+UNSET = _Unset()  # fill not given: 0 for floating and bool inputs, an error for integer ones
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype is torch.bool)
+
+
+def _fill_problem(fill: object, dtype: torch.dtype) -> str | None:
+    """Why ``fill`` cannot be stored exactly in ``dtype`` (None: it can)."""
+    if dtype is torch.bool:
+        return None if type(fill) is bool else "a bool"
+    if isinstance(fill, bool) or not isinstance(fill, numbers.Number):
+        return "a number" if not _is_integer(dtype) else "an int"
+    if _is_integer(dtype):
+        if not isinstance(fill, numbers.Integral):
+            return "an int (it would be truncated)"
+        info = torch.iinfo(dtype)
+        if not info.min <= int(fill) <= info.max:
+            return f"an int in [{info.min}, {info.max}]"
+        return None
+    if dtype.is_floating_point:
+        if isinstance(fill, numbers.Complex) and not isinstance(fill, numbers.Real):
+            return "a real number"
+        value = float(fill)  # type: ignore[arg-type]
+        if math.isfinite(value) and not math.isfinite(torch.tensor(value, dtype=dtype).item()):
+            return f"a number within {dtype}'s range (it would overflow to inf)"
+    return None
+
+
 @attrs.frozen(slots=True)
 class StaticInput:
     """Declares one static input: capacity shape, dtype, indexing axis and padding fill.
 
-    ``shape[0]`` is the capacity along ``axis`` (max tokens or max requests);
-    ``fill`` is written into padded rows (None: leave whatever is there).
+    ``shape[0]`` is the capacity along ``axis`` (max tokens or max requests).
+    ``fill`` is written into padded rows, and into every row before a graph is
+    warmed up and captured; None leaves padded rows as they are (capture then
+    sees zeros).  Integer inputs must give it: an index input (slot mapping,
+    block table) fills with a scratch slot no request owns, so padded rows and
+    capture write only there; token ids or positions may fill with 0.
     """
 
     shape: tuple[int, ...] = attrs.field(converter=_shape)
     dtype: torch.dtype = attrs.field(validator=_dtype)
     axis: Literal["tokens", "reqs"] = attrs.field(default="tokens", validator=_axis)
-    fill: int | float | bool | None = 0
+    fill: int | float | bool | None = attrs.field(default=UNSET)
+
+    def __attrs_post_init__(self) -> None:
+        fill = self.fill
+        if fill is UNSET:
+            if _is_integer(self.dtype):
+                raise ValueError(
+                    f"StaticInput(shape={self.shape}, dtype={self.dtype}) needs an explicit fill: padded rows, and every "
+                    "row while graphs are captured, hold it. For an index input (slot mapping, block table) give a "
+                    "scratch slot that no request owns; for token ids or positions, fill=0"
+                )
+            object.__setattr__(self, "fill", False if self.dtype is torch.bool else 0)
+            return
+        if fill is None:
+            if _is_integer(self.dtype):
+                raise ValueError(
+                    f"StaticInput(shape={self.shape}, dtype={self.dtype}, fill=None): an integer input needs a fill; "
+                    "rows left as they are would index the slots of an earlier batch"
+                )
+            return
+        problem = _fill_problem(fill, self.dtype)
+        if problem is not None:
+            raise ValueError(
+                f"StaticInput(shape={self.shape}, dtype={self.dtype}) fill={fill!r} cannot be stored exactly; "
+                f"expected {problem}"
+            )
 
     @property
     def capacity(self) -> int:
         return self.shape[0]
+
+    @property
+    def capture_fill(self) -> int | float | bool:
+        """What every row holds while graphs are warmed up and captured."""
+        return 0 if self.fill is None else self.fill  # type: ignore[return-value]
 
 
 class StaticBuffer:
@@ -65,8 +141,7 @@ class StaticBuffer:
         self.name = name
         self.spec = spec
         self.dtype = spec.dtype
-        fill = 0 if spec.fill is None else spec.fill
-        self.tensor = torch.full(spec.shape, fill, dtype=spec.dtype, device=device)
+        self.tensor = torch.full(spec.shape, spec.capture_fill, dtype=spec.dtype, device=device)
         self.dirty = 0  # rows [0, dirty) may hold live data rather than the fill value
         self._views: dict[int, torch.Tensor] = {}
         self._shapes: dict[int, torch.Size] = {}
@@ -88,23 +163,37 @@ class StaticBuffer:
             self._shapes[rows] = v.shape
         return v
 
+    def reset(self) -> None:
+        """Every row back to the capture fill: what warm-up and capture run on, never an earlier batch."""
+        self.tensor.fill_(self.spec.capture_fill)
+        self.dirty = 0
+
     def check(self, live: torch.Tensor, rows: int) -> None:
-        """Raise InputError unless ``live`` is exactly ``rows`` rows of this input's dtype and device."""
-        if rows not in self._shapes:
-            self.view(rows)
+        """Raise InputError unless ``live`` is exactly ``rows`` dense rows of this input's dtype and device.
+
+        ``rows`` may exceed the capacity (a batch that runs eagerly); the graph path never asks for that.
+        """
+        shape = self._shapes.get(rows)
+        if shape is None:
+            shape = self._shapes[rows] = torch.Size((rows, *self.spec.shape[1:]))
+            if rows <= self.capacity:
+                self.view(rows)
         try:
             ok = (
-                live.shape == self._shapes[rows]
+                live.layout is _STRIDED  # sparse and other layouts would be densified or refused by copy_
+                and live.shape == shape
                 and live.dtype is self.dtype
                 and live.device == self._device  # the type too: a meta tensor has the cpu's index
             )
-        except AttributeError:
+        except (AttributeError, RuntimeError):  # not a tensor; a nested tensor has no shape
             ok = False
         if not ok:
             raise self._mismatch(live, rows)
 
     def write(self, live: torch.Tensor, rows: int) -> None:
         """Copy ``live`` (already checked: exactly ``rows`` rows) in and restore the fill value below it."""
+        if live.requires_grad:  # outside inference mode copy_ would chain the caller's autograd graph onto the buffer
+            live = live.detach()
         self._views[rows].copy_(live)
         if self.dirty > rows and self.spec.fill is not None:
             self.tensor[rows : self.dirty].fill_(self.spec.fill)
@@ -113,6 +202,9 @@ class StaticBuffer:
     def _mismatch(self, live: object, rows: int) -> InputError:
         if not isinstance(live, torch.Tensor):
             return InputError(f"input {self.name!r} must be a torch.Tensor, got {type(live).__name__}")
+        if live.layout is not _STRIDED or live.is_nested:
+            kind = "nested" if live.is_nested else str(live.layout).removeprefix("torch.")
+            return InputError(f"input {self.name!r} is a {kind} tensor; expected a dense (strided) tensor")
         expected = (rows, *self.spec.shape[1:])
         if tuple(live.shape) != expected:
             return InputError(

@@ -1,15 +1,19 @@
 """Debug mode: catch the two silent failures of graph replay, each named.
 
-1. A tensor a graph reads moved (a weight reassigned by ``load_state_dict`` with
-   ``assign=True``, say): the graph still reads the old address.  Debug mode
-   records the address of every static input and every watched tensor at
-   capture and compares them before each replay.
+1. A tensor a graph reads moved: ``param.data = ...``, or a module whose
+   parameter was replaced (``load_state_dict(sd, assign=True)``,
+   ``module.weight = nn.Parameter(...)``): the graph still reads the old
+   address.  Debug mode records the address of every static input and every
+   watched tensor or module slot, and compares them before each replay.  A
+   watched module is looked up by name each time, so a replaced parameter is
+   seen, not just a moved one.
 2. An output of an earlier ``run()`` read after a later ``run()`` overwrote it.
    Debug mode returns outputs as :class:`CheckedOutput` tensors, which raise
-   :class:`StaleOutputError` when any torch operation touches them after the
-   next ``run()``.  (Poisoning the old outputs' memory instead was rejected: an
-   output may alias a static input or a weight, which poison would corrupt, and
-   a NaN read is found late and unnamed.)
+   :class:`StaleOutputError` when any torch operation reads them, or a view
+   derived from them (``out[:2]``, ``out.detach()``), after the next ``run()``.
+   Reading metadata (``.shape``, ``.dtype``) is always fine.  (Poisoning the old
+   outputs' memory instead was rejected: an output may alias a static input or a
+   weight, which poison would corrupt, and a NaN read is found late and unnamed.)
 
 Both checks cost a few microseconds per ``run()``; leave debug mode off in serving.
 """
@@ -20,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 __all__ = ["AddressWatch", "CheckedOutput", "DebugError", "StaleOutputError"]
@@ -33,29 +38,76 @@ class StaleOutputError(RuntimeError):
     """An output of an earlier ``run()`` was read after a later one overwrote it (names it)."""
 
 
+class _ModuleSlot:
+    """A parameter or buffer of a module, looked up by name each time (it may be replaced)."""
+
+    __slots__ = ("module", "table", "name")
+
+    def __init__(self, module: nn.Module, table: str, name: str) -> None:
+        self.module = module
+        self.table = table  # "_parameters" or "_buffers"
+        self.name = name
+
+    def data_ptr(self) -> int | None:
+        tensor = getattr(self.module, self.table).get(self.name)
+        return None if tensor is None else tensor.data_ptr()
+
+
+def _module_slots(module: nn.Module, prefix: str) -> list[tuple[str, _ModuleSlot]]:
+    slots = []
+    for path, sub in module.named_modules():
+        for table in ("_parameters", "_buffers"):
+            for name, tensor in getattr(sub, table).items():
+                if tensor is not None:
+                    slots.append((f"{prefix}{path + '.' if path else ''}{name}", _ModuleSlot(sub, table, name)))
+    return slots
+
+
 class AddressWatch:
-    """Addresses of tensors graphs read, recorded once and compared before each replay."""
+    """Addresses of tensors graphs read, recorded once (or again by ``rebase``) and compared before each replay."""
 
     def __init__(self) -> None:
-        self._watched: dict[str, tuple[torch.Tensor, int]] = {}
+        self._watched: dict[str, tuple[torch.Tensor | _ModuleSlot, int | None]] = {}
 
-    def watch(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def watch(self, named: Iterable[tuple[str, torch.Tensor]] | nn.Module, prefix: str = "") -> None:
+        """Watch ``(name, tensor)`` pairs, or every parameter and buffer of a module (by name, so replacing one is seen)."""
+        if isinstance(named, nn.Module):
+            for name, slot in _module_slots(named, prefix):
+                self._watched[name] = (slot, slot.data_ptr())
+            return
         for name, tensor in named:
             if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"watch() takes (name, tensor) pairs, got {name!r}: {type(tensor).__name__}")
-            self._watched[name] = (tensor, tensor.data_ptr())
+                raise TypeError(f"watch() takes (name, tensor) pairs or an nn.Module, got {name!r}: {type(tensor).__name__}")
+            self._watched[f"{prefix}{name}"] = (tensor, tensor.data_ptr())
+
+    def rebase(self) -> None:
+        """Record the current addresses (no graph reads the old ones)."""
+        self._watched = {name: (source, source.data_ptr()) for name, (source, _) in self._watched.items()}
 
     def check(self) -> None:
-        for name, (tensor, ptr) in self._watched.items():
-            now = tensor.data_ptr()
+        for name, (source, ptr) in self._watched.items():
+            now = source.data_ptr()
             if now != ptr:
+                where = "was removed" if now is None else f"moved from {ptr:#x} to {now:#x}"
                 raise DebugError(
-                    f"{name} moved from {ptr:#x} to {now:#x} since capture; captured graphs still read the old "
-                    "address. Update it in place (tensor.copy_(new)) instead of replacing it, or capture again"
+                    f"{name} {where} since capture; captured graphs still read the old address. Update it in place "
+                    "(tensor.copy_(new), load_state_dict without assign=True) instead of replacing it, or capture again"
                 )
 
     def __len__(self) -> int:
         return len(self._watched)
+
+
+def _metadata_readers() -> frozenset[Any]:
+    """Tensor attributes and methods that read metadata only: allowed on a stale output."""
+    base = torch._C.TensorBase
+    getters = ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_sparse", "is_quantized", "is_meta")
+    methods = ("size", "dim", "numel", "stride", "is_contiguous", "element_size", "data_ptr", "storage_offset",
+               "is_floating_point", "is_complex", "is_inference", "get_device")
+    return frozenset([*(getattr(base, g).__get__ for g in getters), *(getattr(base, m) for m in methods), torch.Tensor.__len__])
+
+
+_METADATA = _metadata_readers()
 
 
 class CheckedOutput(torch.Tensor):
@@ -68,15 +120,48 @@ class CheckedOutput(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        for leaf in tree_flatten((args, kwargs))[0]:
-            if isinstance(leaf, CheckedOutput) and leaf._cg_clock[0] != leaf._cg_run:
-                raise StaleOutputError(
-                    f"{leaf._cg_label} of run {leaf._cg_run} was read (by {getattr(func, '__name__', func)}) after run "
-                    f"{leaf._cg_clock[0]} overwrote it; clone() what you keep past the next run()"
-                )
         with torch._C.DisableTorchFunctionSubclass():
+            if func in _METADATA:
+                return func(*args, **kwargs)
+            sources = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, CheckedOutput)]
+            for leaf in sources:
+                _check_fresh(leaf, getattr(func, "__name__", func))
             result = func(*args, **kwargs)
-        return tree_map_only(CheckedOutput, lambda t: t.as_subclass(torch.Tensor), result)
+            storages = {leaf.untyped_storage().data_ptr(): leaf for leaf in sources}
+
+            def derived(t: torch.Tensor) -> torch.Tensor:
+                """A result over an output's memory (a view, detach, in-place) stays checked; anything else is the caller's."""
+                if isinstance(t, CheckedOutput):
+                    return t
+                source = storages.get(t.untyped_storage().data_ptr()) if t.untyped_storage().nbytes() else None
+                return t if source is None else _mark(t, source._cg_label, source._cg_run, source._cg_clock)
+
+            return tree_map_only(torch.Tensor, derived, result)
+
+
+def _check_fresh(leaf: CheckedOutput, reader: object) -> None:
+    if leaf._cg_clock[0] != leaf._cg_run:
+        raise StaleOutputError(
+            f"{leaf._cg_label} of run {leaf._cg_run} was read (by {reader}) after run {leaf._cg_clock[0]} "
+            "overwrote it; clone() what you keep past the next run()"
+        )
+
+
+def _mark(tensor: torch.Tensor, label: str, run: int, clock: list[int]) -> CheckedOutput:
+    out = tensor.as_subclass(CheckedOutput)
+    out._cg_label = label
+    out._cg_run = run
+    out._cg_clock = clock
+    return out
+
+
+def plain(value: Any) -> Any:
+    """A CheckedOutput as a plain tensor (checked once, now); anything else as it is."""
+    if not isinstance(value, CheckedOutput):
+        return value
+    _check_fresh(value, "run() as an input")
+    with torch._C.DisableTorchFunctionSubclass():
+        return value.as_subclass(torch.Tensor)
 
 
 def checked(outputs: Any, run: int, clock: list[int]) -> Any:
@@ -85,10 +170,6 @@ def checked(outputs: Any, run: int, clock: list[int]) -> Any:
     wrapped = []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            out = leaf.as_subclass(CheckedOutput)
-            out._cg_label = "output" if len(leaves) == 1 else f"output leaf {i}"
-            out._cg_run = run
-            out._cg_clock = clock
-            leaf = out
+            leaf = _mark(leaf, "output" if len(leaves) == 1 else f"output leaf {i}", run, clock)
         wrapped.append(leaf)
     return spec.unflatten(wrapped)

@@ -154,8 +154,8 @@ class DemoDecoder(nn.Module):
 def demo_inputs(cfg: DemoConfig) -> dict[str, StaticInput]:
     """Static input declarations that fit ``cfg``."""
     return {
-        "input_ids": StaticInput((cfg.max_num_tokens,), torch.long),
-        "req_idx": StaticInput((cfg.max_num_tokens,), torch.long),
+        "input_ids": StaticInput((cfg.max_num_tokens,), torch.long, fill=0),
+        "req_idx": StaticInput((cfg.max_num_tokens,), torch.long, fill=0),  # padded tokens read request 0 (reads only)
         "seq_lens": StaticInput((cfg.max_num_seqs,), torch.long, axis="reqs", fill=1),
     }
 

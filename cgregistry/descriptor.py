@@ -75,6 +75,9 @@ class BatchDescriptor:
     @classmethod
     def decode(cls, num_reqs: int, spec_depth: int = 0, num_active_loras: int = 0) -> BatchDescriptor:
         """A uniform batch of ``num_reqs`` requests, each with ``1 + spec_depth`` tokens."""
+        _check_count("num_reqs", num_reqs, 1)  # before the arithmetic, so the error names what was passed
+        _check_count("spec_depth", spec_depth, 0)
+        _check_count("num_active_loras", num_active_loras, 0)
         return cls(num_reqs * (1 + spec_depth), num_reqs, num_active_loras, spec_depth, True)
 
     @property

@@ -177,7 +177,9 @@ def fit(
     per_size = len(settings.lora_counts)
     decode_hist: dict[int, Counter[int]] = {d: Counter() for d in settings.widest} if settings.decode_strategy else {}
     mixed_hist: Counter[int] = Counter()
-    for step in steps:
+    for i, step in enumerate(steps):
+        if not isinstance(step, BatchDescriptor):
+            raise TypeError(f"fit() takes BatchDescriptors; steps[{i}] is {step!r} ({type(step).__name__})")
         if step.uniform and step.spec_depth in decode_hist and step.num_reqs <= settings.widest[step.spec_depth]:  # type: ignore[operator]
             decode_hist[step.spec_depth][step.num_reqs] += 1  # type: ignore[index]
         elif settings.mixed_strategy is not None and step.num_tokens <= settings.max_capture_size:

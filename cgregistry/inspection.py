@@ -81,6 +81,7 @@ class Stats:
     entry_failures: int = 0  # entries removed because their replay raised
     by_class: Mapping[str, ClassStats] = attrs.field(factory=dict)
     misses_by_kind: Mapping[str, int] = attrs.field(factory=dict)  # "uniform" / "mixed"
+    bad_batches: int = 0  # runs whose step raised on the batch itself, eagerly too (the entry stayed)
     lazy_captures: int = 0  # entries captured on a first miss
     evictions: int = 0  # entries dropped to stay under the memory budget
 
@@ -162,26 +163,19 @@ def stats_line(stats: Stats, entries: int, backend: str, memory_bytes: int) -> s
 # ---------------------------------------------------------------- snapshots
 
 
-def _descriptor_from(data: Mapping[str, Any], where: str) -> BatchDescriptor:
+def _descriptor_from(data: object, where: str) -> BatchDescriptor:
+    if not isinstance(data, Mapping):
+        raise SnapshotError(f"snapshot field {where}: expected an object, got {data!r}")
     try:
         return BatchDescriptor(**data)
     except (TypeError, ValueError) as exc:
-        raise SnapshotError(f"{where}: not a BatchDescriptor: {exc}") from None
+        raise SnapshotError(f"snapshot field {where}: not a BatchDescriptor: {exc}") from None
 
 
 def _entry_to_dict(e: EntryInfo) -> dict[str, Any]:
     data = attrs.asdict(e, recurse=False)
     data["key"] = attrs.asdict(e.key)
     return data
-
-
-def _entry_from(data: Mapping[str, Any], where: str) -> EntryInfo:
-    try:
-        fields = dict(data)
-        fields["key"] = _descriptor_from(fields["key"], f"{where}.key")
-        return EntryInfo(**fields)
-    except (KeyError, TypeError) as exc:
-        raise SnapshotError(f"{where}: {exc}") from None
 
 
 def _stats_to_dict(s: Stats) -> dict[str, Any]:
@@ -192,13 +186,80 @@ def _stats_to_dict(s: Stats) -> dict[str, Any]:
     return data
 
 
-def _stats_from(data: Mapping[str, Any]) -> Stats:
-    try:
-        fields = dict(data)
-        fields["by_class"] = {k: ClassStats(**v) for k, v in fields.get("by_class", {}).items()}
-        return Stats(**fields)
-    except TypeError as exc:
-        raise SnapshotError(f"stats: {exc}") from None
+def _bad(where: str, expected: str, value: object) -> SnapshotError:
+    return SnapshotError(f"snapshot field {where}: expected {expected}, got {value!r}")
+
+
+def _count(value: object, where: str) -> int:
+    if type(value) is not int or value < 0:
+        raise _bad(where, "an int >= 0", value)
+    return value
+
+
+def _text(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise _bad(where, "a string", value)
+    return value
+
+
+def _items(value: object, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _bad(where, "a list", value)
+    return value
+
+
+def _table(value: object, where: str) -> Mapping[Any, Any]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise _bad(where, "an object", value)
+    return value
+
+
+def _seconds(value: object, where: str) -> float:
+    if type(value) not in (int, float) or not 0 <= value < float("inf"):  # type: ignore[operator]
+        raise _bad(where, "a number of seconds >= 0", value)
+    return float(value)  # type: ignore[arg-type]
+
+
+def _pending_from(value: object, where: str) -> tuple[BatchDescriptor, str]:
+    item = _table(value, where)
+    if item.keys() != {"key", "strategy"}:
+        raise _bad(where, "an object with fields key and strategy", value)
+    return _descriptor_from(item["key"], f"{where}.key"), _text(item["strategy"], f"{where}.strategy")
+
+
+# How each field type of the snapshot records is read back: (value, where) -> value.
+_READERS: dict[str, Any] = {
+    "int": _count,
+    "int | None": lambda v, w: None if v is None else _count(v, w),
+    "float": _seconds,
+    "str": _text,
+    "BatchDescriptor": _descriptor_from,
+    "tuple[str, ...]": lambda v, w: tuple(_text(x, f"{w}[{i}]") for i, x in enumerate(_items(v, w))),
+    "Mapping[str, int]": lambda v, w: {k: _count(x, f"{w}[{k!r}]") for k, x in _table(v, w).items()},
+    "Mapping[str, str]": lambda v, w: {k: _text(x, f"{w}[{k!r}]") for k, x in _table(v, w).items()},
+    "Mapping[str, ClassStats]": lambda v, w: {k: _record(ClassStats, x, f"{w}[{k!r}]") for k, x in _table(v, w).items()},
+    "Stats": lambda v, w: _record(Stats, v, w),
+    "tuple[EntryInfo, ...]": lambda v, w: tuple(_record(EntryInfo, x, f"{w}[{i}]") for i, x in enumerate(_items(v, w))),
+    "tuple[tuple[BatchDescriptor, str], ...]": lambda v, w: tuple(_pending_from(x, f"{w}[{i}]") for i, x in enumerate(_items(v, w))),
+}
+
+
+def _record(cls: type, data: object, where: str) -> Any:
+    """An attrs record from its JSON form: every field checked against its declared type, named on error."""
+    fields = attrs.fields(cls)
+    table = _table(data, where or "snapshot")
+    unknown = sorted(table.keys() - {f.name for f in fields})
+    if unknown:
+        raise SnapshotError(f"snapshot field {where or 'snapshot'}: unknown field(s) {unknown}")
+    values = {}
+    for f in fields:
+        path = f"{where}.{f.name}" if where else f.name
+        if f.name not in table:
+            if f.default is attrs.NOTHING:
+                raise SnapshotError(f"snapshot lacks field {path!r}")
+            continue
+        values[f.name] = _READERS[f.type](table[f.name], path)
+    return cls(**values)
 
 
 @attrs.frozen(slots=True)
@@ -234,24 +295,11 @@ class Snapshot:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Snapshot:
-        schema = data.get("schema")
-        if schema != SNAPSHOT_SCHEMA:
+        """A snapshot from its JSON form; a missing or mistyped field is a ``SnapshotError`` naming it."""
+        schema = data.get("schema") if isinstance(data, Mapping) else None
+        if type(schema) is not int or schema != SNAPSHOT_SCHEMA:
             raise SnapshotError(f"snapshot schema {schema!r} is not supported; this cgregistry reads schema {SNAPSHOT_SCHEMA}")
-        try:
-            return cls(
-                name=data["name"],
-                backend=data["backend"],
-                device=data["device"],
-                created=data["created"],
-                preference=tuple(data["preference"]),
-                entries=tuple(_entry_from(e, f"entries[{i}]") for i, e in enumerate(data["entries"])),
-                stats=_stats_from(data["stats"]),
-                memory_bytes=data["memory_bytes"],
-                pending=tuple((_descriptor_from(p["key"], f"pending[{i}].key"), p["strategy"]) for i, p in enumerate(data.get("pending", []))),
-                failures=dict(data.get("failures", {})),
-            )
-        except KeyError as exc:
-            raise SnapshotError(f"snapshot lacks field {exc}") from None
+        return _record(cls, data, "")
 
     def filtered(self, **filters: Any) -> list[EntryInfo]:
         """Entries after ``filter_entries`` (strategy, uniform, spec_depth, num_active_loras, used, sort)."""
@@ -273,7 +321,9 @@ def load_snapshot(source: str | Path | Mapping[str, Any]) -> Snapshot:
         return Snapshot.from_dict(source)
     path = Path(source)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise SnapshotError(f"{path}: not a snapshot: the file is not UTF-8 text (a binary file?)") from None
     except json.JSONDecodeError as exc:
         raise SnapshotError(f"{path}: not JSON: {exc}") from None
     if not isinstance(data, dict):

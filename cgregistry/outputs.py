@@ -61,41 +61,23 @@ def _unflatten(it: Any, spec: Spec) -> Any:
     return kind(*values)  # named tuple
 
 
-def _immutable(spec: Spec) -> bool:
-    if spec is None:
-        return True
-    kind, _, children = spec
-    if kind == "const":
-        return True
-    return issubclass(kind, tuple) and all(_immutable(c) for c in children)
-
-
 class OutputSlicer:
     """Full-size output tensors of one entry, sliced (and cached) per actual row count."""
 
-    __slots__ = ("leaves", "spec", "_cache", "_immutable", "_single")
+    __slots__ = ("leaves", "spec", "_cache", "_single")
 
     def __init__(self, leaves: list[torch.Tensor], spec: Spec) -> None:
         self.leaves = leaves
         self.spec = spec
         self._single = spec is None
-        self._immutable = _immutable(spec)
-        self._cache: dict[int, Any] = {}
+        self._cache: dict[int, list[torch.Tensor]] = {}
 
     def sliced(self, rows: int) -> Any:
-        """Outputs cut to ``rows``; tensors and tuples are cached, mutable containers rebuilt."""
-        hit = self._cache.get(rows)
-        if hit is not None:
-            if self._immutable:
-                return hit
-            return unflatten(hit, self.spec)
-        views = [leaf[:rows] for leaf in self.leaves]
+        """Outputs cut to ``rows``: fresh views each call over cached slices, so a caller's in-place
+        metadata change (``unsqueeze_``, ``t_``) never reaches a later run's outputs."""
+        views = self._cache.get(rows)
+        if views is None:
+            views = self._cache[rows] = [leaf[:rows] for leaf in self.leaves]
         if self._single:
-            self._cache[rows] = views[0]
-            return views[0]
-        if self._immutable:
-            built = unflatten(views, self.spec)
-            self._cache[rows] = built
-            return built
-        self._cache[rows] = views
-        return unflatten(views, self.spec)
+            return views[0].detach()
+        return unflatten([v.detach() for v in views], self.spec)

@@ -324,6 +324,11 @@ class PiecewiseModel:
         functools.update_wrapper(self, model, updated=())  # type: ignore[arg-type]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        batch = breaks._batch.get()
+        if batch is not None and batch.key is None:
+            # A registry runs this batch eagerly (no key covers it): the model itself, never a new
+            # trace for whatever layout the live inputs have.
+            return self.model(*args, **kwargs)
         if cpu._capturing.get() and not cpu.see_compiled.get():
             # A full capture on the cpu emulator: dynamo will not run compiled code under a recording
             # mode, so run the model itself, whose aten ops the emulator records (the splits inline).

@@ -96,6 +96,8 @@ def _entry_order(entry: PlanEntry) -> tuple[int, int, int, int, int, str]:
 
 
 def _positive_ints(name: str, values: Iterable[int], minimum: int) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ValueError(f"{name} must be a sequence of ints, got {values!r}")
     out = []
     for v in values:
         if type(v) is not int or v < minimum:
@@ -156,6 +158,8 @@ class PlanSettings:
                     f"a batch with {max_loras} active adapters would have no graph"
                 )
         query_len = 1 + max(widest)
+        if capture_sizes is not None:
+            capture_sizes = _positive_ints("capture_sizes", capture_sizes, 1)
 
         if max_capture_size is None:
             if capture_sizes:

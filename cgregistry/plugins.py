@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -19,7 +20,7 @@ from cgregistry import hookspecs
 from cgregistry.backends import Backend
 
 __all__ = [
-    "BLOCK_ENV", "DEFAULT_PLUGINS", "DISABLE_AUTOLOAD_ENV", "PluginError", "PluginInfo", "Plugins", "make_plugin_manager",
+    "BLOCK_ENV", "DEFAULT_PLUGINS", "DISABLE_AUTOLOAD_ENV", "PluginError", "PluginInfo", "Plugins", "make_plugin_manager", "notify",
 ]
 
 DISABLE_AUTOLOAD_ENV = "CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD"
@@ -61,6 +62,35 @@ def make_plugin_manager(
             pm.register(importlib.import_module(name), name=name)
     pm.check_pending()
     return pm
+
+
+def notify(hook: pluggy.HookCaller, **kwargs: Any) -> None:
+    """Call an observer hook, one implementation at a time: an observer that raises is reported as a
+    ``RuntimeWarning`` naming its plugin, and the others still run.  Observers watch; they cannot stop
+    a capture or a step."""
+    impls = hook.get_hookimpls()
+    if not impls:
+        return
+    if any(impl.hookwrapper or impl.wrapper for impl in impls):  # wrappers need pluggy's own call
+        try:
+            hook(**kwargs)
+        except Exception as exc:
+            _observer_failed(hook.name, ", ".join(i.plugin_name for i in impls), exc)
+        return
+    for impl in reversed(impls):  # pluggy's order: the last registered first
+        try:
+            impl.function(*[kwargs[name] for name in impl.argnames])
+        except Exception as exc:
+            _observer_failed(hook.name, impl.plugin_name, exc)
+
+
+def _observer_failed(hook_name: str, plugin: str, exc: Exception) -> None:
+    warnings.warn(
+        f"cgregistry: {hook_name} of plugin {plugin!r} raised {type(exc).__name__}: {exc}; ignored (an observer "
+        "hook cannot change what the registry does)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 @attrs.frozen(slots=True)

@@ -12,6 +12,7 @@ import _thread
 import contextlib
 import gc
 import itertools
+import numbers
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -23,7 +24,7 @@ import torch
 from cgregistry import breaks
 from cgregistry.breaks import BreakContext
 from cgregistry.buffers import InputError, StaticBuffer, StaticInput
-from cgregistry.debug import AddressWatch, checked
+from cgregistry.debug import AddressWatch, checked, plain
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.distributed import agree
 from cgregistry.inspection import (
@@ -40,7 +41,7 @@ from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher
 from cgregistry.outputs import OutputError, OutputSlicer, flatten
 from cgregistry.piecewise import DEFAULT_MAX_TRACES, PiecewiseCompiler, PiecewiseModel, compile_piecewise
 from cgregistry.plan import CapturePlan, PlanEntry
-from cgregistry.plugins import PluginError, Plugins
+from cgregistry.plugins import PluginError, Plugins, notify
 
 _CG_INTERNAL = True
 
@@ -50,6 +51,7 @@ __all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "
 _ROUTE_CACHE_LIMIT = 1 << 16
 _names = itertools.count(1)  # default registry names: registry-1, registry-2, ...
 _NO_MATCH = object()  # a group agreed on a descriptor no key covers: every rank runs eagerly
+_RESERVED_INPUT_NAMES = ("context", "group")  # keyword arguments of run() itself
 
 
 class ConcurrentRunError(RuntimeError):
@@ -149,8 +151,10 @@ class GraphRegistry:
         for input_name, spec in inputs.items():
             if not isinstance(spec, StaticInput):
                 raise TypeError(f"inputs[{input_name!r}] must be a cgregistry.StaticInput, got {spec!r}")
-            if input_name == "context":
-                raise ValueError("'context' is reserved for run(..., context=payload); give the static input another name")
+            if input_name in _RESERVED_INPUT_NAMES:
+                raise ValueError(
+                    f"static input name {input_name!r} is reserved for run(..., {input_name}=...); give the input another name"
+                )
         self._step = step
         self.name = name if name is not None else f"registry-{next(_names)}"
         self.plugins = plugins if plugins is not None else Plugins()
@@ -175,12 +179,16 @@ class GraphRegistry:
         self._pending: dict[tuple[BatchDescriptor, str], None] = {}  # lazy keys, captured on first need
         self._retired: dict[str, list[int]] = {}  # counters of removed entries, per key class
         self._misses_by_kind = {"uniform": 0, "mixed": 0}
+        self._bad_batches = 0
         self._lazy_captures = 0
         self._evictions = 0
         self._capture_payload: Any = None
         self.debug = bool(debug)
         self._addresses = AddressWatch()
         self._addresses.watch((f"static input {name!r}", buf.tensor) for name, buf in self._buffers.items())
+        owner = step if isinstance(step, torch.nn.Module) else getattr(step, "__self__", None)
+        if self.debug and isinstance(owner, torch.nn.Module):
+            self._addresses.watch(owner, prefix="step.")  # a model as the step: its weights are what graphs read
         self._run_clock = [0]  # run() count, for debug mode's stale-output check
         self._running = _thread.allocate_lock()
         hook = self.plugins.pm.hook
@@ -188,7 +196,7 @@ class GraphRegistry:
         # Hooks with no implementation cost nothing: the hot path checks a None.
         self._miss_hook = hook.cgregistry_miss if hook.cgregistry_miss.get_hookimpls() else None
         self._choose_hook = hook.cgregistry_choose_match if hook.cgregistry_choose_match.get_hookimpls() else None
-        hook.cgregistry_registry_created(registry=self)
+        notify(hook.cgregistry_registry_created, registry=self)
 
     # ------------------------------------------------------------------ piecewise
 
@@ -262,16 +270,16 @@ class GraphRegistry:
 
     def _capture_observed(self, key: BatchDescriptor, strategy: str) -> EntryInfo:
         """Capture one entry between the capture_started and capture_finished hooks."""
+        notify(self._hook.cgregistry_capture_started, registry=self, key=key, strategy=strategy)
         try:
-            self._hook.cgregistry_capture_started(registry=self, key=key, strategy=strategy)
             info = self._info(self._capture_one(key, strategy))
         except Exception as exc:
             error = exc if isinstance(exc, CaptureError) else CaptureError(key, strategy, exc)
-            self._hook.cgregistry_capture_finished(registry=self, key=key, strategy=strategy, entry=None, error=error)
+            notify(self._hook.cgregistry_capture_finished, registry=self, key=key, strategy=strategy, entry=None, error=error)
             if error is exc:
                 raise
             raise error from exc
-        self._hook.cgregistry_capture_finished(registry=self, key=key, strategy=strategy, entry=info, error=None)
+        notify(self._hook.cgregistry_capture_finished, registry=self, key=key, strategy=strategy, entry=info, error=None)
         return info
 
     @staticmethod
@@ -301,6 +309,12 @@ class GraphRegistry:
         if not self._entries:
             # No live graph holds the pool: on CUDA a pool whose graphs all died cannot take new captures.
             self._pool = self.backend.new_pool()
+            if self.debug:
+                self._addresses.rebase()  # no graph reads the old addresses
+        # Capture runs the step, which may write engine state (a KV cache at the slots it reads):
+        # it runs on the fills (scratch slots), never on the rows of a batch already served.
+        for buf in self._buffers.values():
+            buf.reset()
         views = {name: buf.view(self._key_rows(buf, key)) for name, buf in self._buffers.items()}
         step = self._step
 
@@ -320,6 +334,7 @@ class GraphRegistry:
                 if captured_spec != spec:
                     raise OutputError("the step returned a different output structure at capture than at warm-up")
                 self._check_outputs(leaves, key)
+                _check_memory_bytes(graph, strategy_name)
             self.backend.synchronize()
         except Exception as exc:
             self._pool = self.backend.recover_pool(self._pool)
@@ -383,7 +398,7 @@ class GraphRegistry:
             self._pending[(victim.key, victim.strategy)] = None  # a later need captures it again
             self._evictions += 1
             evicted = True
-            self._hook.cgregistry_evicted(registry=self, key=victim.key, strategy=victim.strategy, memory_bytes=victim.memory_bytes)
+            notify(self._hook.cgregistry_evicted, registry=self, key=victim.key, strategy=victim.strategy, memory_bytes=victim.memory_bytes)
         if evicted:
             self._rebuild()
 
@@ -431,6 +446,7 @@ class GraphRegistry:
         if route is None:
             route = self._agreed_route(actual, agreed)
             if route.pending:  # a lazy key: capture it here, then route again on what the group agreed
+                self._check_inputs(route, inputs)
                 self._capture_lazily((route.match.key, route.match.strategy), actual)  # type: ignore[union-attr]
                 route = self._agreed_route(actual, agreed)
         if self.debug:
@@ -438,10 +454,24 @@ class GraphRegistry:
         return self._run(actual, context, inputs, route)
 
     def _run_debug(self, actual: BatchDescriptor, context: Any, inputs: dict[str, torch.Tensor], route: _Route | None = None) -> Any:
-        """``_run`` with debug checks: moved tensors before replay, stale outputs after."""
+        """``_run`` with debug checks: moved tensors before replay, stale outputs after.
+
+        An output passed back as the next input is read before this run overwrites it; a run
+        refused for its inputs overwrites nothing; eager outputs are the caller's own tensors.
+        """
         self._addresses.check()
-        self._run_clock[0] += 1
-        return checked(self._run(actual, context, inputs, route), self._run_clock[0], self._run_clock)
+        inputs = {name: plain(value) for name, value in inputs.items()}
+        clock = self._run_clock
+        clock[0] += 1
+        eager_before = self._eager_fallbacks
+        try:
+            out = self._run(actual, context, inputs, route)
+        except InputError:
+            clock[0] -= 1
+            raise
+        if self._eager_fallbacks != eager_before:
+            return out
+        return checked(out, clock[0], clock)
 
     def _agreed_route(self, actual: BatchDescriptor, agreed: BatchDescriptor) -> _Route:
         match = self.match(agreed)
@@ -453,29 +483,24 @@ class GraphRegistry:
 
     def _run(self, actual: BatchDescriptor, context: Any, inputs: dict[str, torch.Tensor], route: _Route | None = None) -> Any:
         if route is None:
-            route = self._routes.get(actual)
+            try:
+                route = self._routes.get(actual)
+            except TypeError:  # unhashable: not a descriptor
+                raise _not_a_descriptor(actual) from None
             if route is None:
                 route = self._route(actual)
+        self._check_inputs(route, inputs)  # before anything is touched, on the graph and the eager path alike
         entry = route.entry
         if entry is None:
-            if inputs.keys() != self._input_names:
-                raise self._bad_names(inputs)
             if route.pending:
                 route = self._capture_lazily((route.match.key, route.match.strategy), actual)  # type: ignore[union-attr]
                 entry = route.entry
-        if entry is None:
-            self._misses += 1
-            self._misses_by_kind["uniform" if actual.uniform else "mixed"] += 1
-            if self._miss_hook is not None:
-                self._miss_hook(registry=self, actual=actual)
-            return self._eager(actual, inputs, context)
-        if len(inputs) != len(route.copies):
-            raise self._bad_names(inputs)
-        try:
-            for buf, rows in route.copies:  # every input is checked before any is copied
-                buf.check(inputs[buf.name], rows)
-        except KeyError:
-            raise self._bad_names(inputs) from None
+            if entry is None:
+                self._misses += 1
+                self._misses_by_kind["uniform" if actual.uniform else "mixed"] += 1
+                if self._miss_hook is not None:
+                    notify(self._miss_hook, registry=self, actual=actual)
+                return self._eager(actual, inputs, context)
         for buf, rows in route.copies:
             buf.write(inputs[buf.name], rows)
         try:
@@ -488,9 +513,8 @@ class GraphRegistry:
                     breaks._batch.reset(token)
             else:
                 entry.replay()
-        except Exception as exc:  # a strategy's replay failed: contain it to its entry
-            self._remove_failed(entry, exc)
-            return self._eager(actual, inputs, context)
+        except Exception as exc:
+            return self._replay_failed(entry, exc, actual, inputs, context)
         entry.replays += 1
         entry.padded_tokens += route.pad_tokens
         entry.graph_tokens += route.real_tokens
@@ -498,8 +522,18 @@ class GraphRegistry:
         entry.last_step = self._clock
         out = route.single_output
         if out is not None:
-            return out
+            return out.detach()  # a fresh view per run: a caller's unsqueeze_() or t_() stays with the caller
         return entry.slicer.sliced(route.out_rows)
+
+    def _check_inputs(self, route: _Route, inputs: Mapping[str, torch.Tensor]) -> None:
+        """Every input named, shaped, typed and placed for ``route``, or an InputError naming the first that is not."""
+        if len(inputs) != len(route.copies):
+            raise self._bad_names(inputs)
+        try:
+            for buf, rows in route.copies:
+                buf.check(inputs[buf.name], rows)
+        except KeyError:
+            raise self._bad_names(inputs) from None
 
     def _eager(self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any = None) -> Any:
         self._eager_fallbacks += 1
@@ -510,18 +544,33 @@ class GraphRegistry:
         finally:
             breaks._batch.reset(token)
 
+    def _replay_failed(self, entry: _Entry, error: Exception, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any) -> Any:
+        """A replay raised: eager, the oracle, tells a bad batch from a broken entry.
+
+        If the step raises on this batch eagerly too, the batch is at fault (an out-of-range
+        token id, say): its error goes to the caller and the entry stays.  If eager succeeds,
+        the entry is broken: it is removed, and the eager result is returned.
+        """
+        try:
+            out = self._eager(actual, inputs, context)
+        except Exception:
+            self._bad_batches += 1
+            raise
+        self._remove_failed(entry, error)
+        return out
+
     def _remove_failed(self, entry: _Entry, error: BaseException) -> None:
-        """Drop an entry whose replay raised, keep the error for failures(), tell observers."""
+        """Drop an entry whose replay raised where eager did not, keep the error for failures(), tell observers."""
         self._drop(entry)
         self._failures[(entry.key, entry.strategy)] = error
         self._rebuild()
         warnings.warn(
-            f"cgregistry: replay of {entry.key} [{entry.strategy}] raised {type(error).__name__}: {error}; "
-            "the entry was removed and the step ran eagerly",
+            f"cgregistry: replay of {entry.key} [{entry.strategy}] raised {type(error).__name__}: {error}, while the "
+            "same batch ran eagerly; the entry was removed and the step's eager result returned",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-        self._hook.cgregistry_entry_failed(registry=self, key=entry.key, strategy=entry.strategy, error=error)
+        notify(self._hook.cgregistry_entry_failed, registry=self, key=entry.key, strategy=entry.strategy, error=error)
 
     # ------------------------------------------------------------------ release
 
@@ -558,7 +607,7 @@ class GraphRegistry:
 
     def _release_entry(self, entry: _Entry) -> None:
         self._drop(entry)
-        self._hook.cgregistry_released(registry=self, key=entry.key, strategy=entry.strategy, memory_bytes=entry.memory_bytes)
+        notify(self._hook.cgregistry_released, registry=self, key=entry.key, strategy=entry.strategy, memory_bytes=entry.memory_bytes)
 
     def _after_release(self) -> None:
         self._rebuild()
@@ -566,10 +615,11 @@ class GraphRegistry:
             self._pool = self.backend.new_pool()  # drop the handle too: nothing holds the old pool now
         gc.collect()  # a graph in a reference cycle would keep the pool alive
 
-    def watch(self, named: Iterable[tuple[str, torch.Tensor]], prefix: str = "") -> None:
-        """Tensors captured graphs read (``model.named_parameters()``, say) whose address debug mode
-        checks before each replay; static inputs are always checked."""
-        self._addresses.watch((f"{prefix}{name}", t) for name, t in named)
+    def watch(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module, prefix: str = "") -> None:
+        """Tensors captured graphs read whose address debug mode checks before each replay: ``(name, tensor)``
+        pairs, or a module (every parameter and buffer, looked up by name, so a replaced one is caught too).
+        Static inputs are always checked, and so is the step itself when it is a module or a module's method."""
+        self._addresses.watch(named, prefix)
 
     def failures(self) -> dict[tuple[BatchDescriptor, str], BaseException]:
         """Entries removed because their replay raised, with the error (a new capture may replace them)."""
@@ -588,7 +638,7 @@ class GraphRegistry:
     def _route(self, actual: BatchDescriptor, forced: Match | object | None = None) -> _Route:
         """How ``run`` serves ``actual``: by the matcher, or on ``forced`` (a group's agreed match)."""
         if not isinstance(actual, BatchDescriptor):
-            raise TypeError(f"run() needs a BatchDescriptor, got {actual!r}")
+            raise _not_a_descriptor(actual)
         if forced is None:
             match = self._matcher.match(actual)
             if match is not None and self._choose_hook is not None:
@@ -619,11 +669,11 @@ class GraphRegistry:
         choice = self._choose_hook(registry=self, actual=actual, candidates=candidates)  # type: ignore[misc]
         if choice is None:
             return default
-        if choice not in candidates:
+        if not isinstance(choice, Match) or choice not in candidates:
             impls = ", ".join(i.plugin_name for i in self._hook.cgregistry_choose_match.get_hookimpls())
             raise PluginError(
                 f"cgregistry_choose_match (implemented by {impls}) returned {choice!r} for {actual}, "
-                "which is not one of the candidates it was given"
+                "which is not one of the candidates it was given (each a Match)"
             )
         return choice
 
@@ -637,13 +687,18 @@ class GraphRegistry:
         """
         if group is not None:
             actual = agree(actual, group)
-        route = self._routes.get(actual)
+        try:
+            route = self._routes.get(actual)
+        except TypeError:  # unhashable: not a descriptor
+            raise _not_a_descriptor(actual) from None
         if route is None:
             route = self._route(actual)
         return route.match
 
     def explain(self, actual: BatchDescriptor) -> Explanation:
         """Every captured key and why it won or lost for ``actual``; ``str()`` gives a table."""
+        if not isinstance(actual, BatchDescriptor):
+            raise _not_a_descriptor(actual)
         return self._matcher.explain(actual)
 
     def entries(self, **filters: Any) -> list[EntryInfo]:
@@ -698,6 +753,7 @@ class GraphRegistry:
             entry_failures=len(self._failures),
             by_class={label: ClassStats(*row) for label, row in sorted(classes.items())},
             misses_by_kind=dict(self._misses_by_kind),
+            bad_batches=self._bad_batches,
             lazy_captures=self._lazy_captures,
             evictions=self._evictions,
         )
@@ -708,7 +764,7 @@ class GraphRegistry:
             entry.replays = entry.padded_tokens = entry.graph_tokens = entry.last_step = 0
         self._retired.clear()
         self._misses_by_kind = {"uniform": 0, "mixed": 0}
-        self._misses = self._eager_fallbacks = self._eager_tokens = self._clock = 0
+        self._misses = self._eager_fallbacks = self._eager_tokens = self._clock = self._bad_batches = 0
         self._lazy_captures = self._evictions = 0
 
     def snapshot(self) -> dict[str, Any]:
@@ -731,6 +787,17 @@ class GraphRegistry:
         lines = entries_table(self.entries(used=True if used_only else None, sort=sort))
         lines.append(stats_line(self.stats(), len(self._entries), self.backend.name, self.memory_bytes()))
         return "\n".join(lines)
+
+
+def _not_a_descriptor(value: object) -> TypeError:
+    return TypeError(f"a batch must be a cgregistry.BatchDescriptor, got {value!r} ({type(value).__name__})")
+
+
+def _check_memory_bytes(graph: Any, strategy: str) -> None:
+    """A strategy's measured memory feeds the budget: it must be a byte count."""
+    memory = getattr(graph, "memory_bytes", None)
+    if isinstance(memory, bool) or not isinstance(memory, numbers.Integral) or memory < 0:
+        raise PluginError(f"strategy {strategy!r} reported memory_bytes={memory!r} for its graph; expected a byte count >= 0")
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ def step(batch: cg.BatchDescriptor, input_ids: torch.Tensor, seq_lens: torch.Ten
 
 
 inputs = {
-    "input_ids": cg.StaticInput((max_tokens,), torch.long),
+    "input_ids": cg.StaticInput((max_tokens,), torch.long, fill=0),  # integer inputs say their padding value
     "seq_lens": cg.StaticInput((max_seqs,), torch.int32, axis="reqs", fill=1),
 }
 reg = cg.GraphRegistry(step, inputs, backend="auto")

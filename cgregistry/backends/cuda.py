@@ -113,7 +113,8 @@ class CudaSegment:
         except BaseException:
             self.backend._poisoned.add(self.pool)
             raise
-        return CudaGraph(self.graph, _reserved_bytes() - self.before)
+        # The allocator may give cached blocks back to the driver mid-capture (retrying an allocation): never below 0.
+        return CudaGraph(self.graph, max(0, _reserved_bytes() - self.before))
 
     def abort(self) -> None:
         """End a capture the step broke; remember the pool if the capture was invalidated."""
