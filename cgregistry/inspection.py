@@ -81,7 +81,7 @@ class Stats:
     entry_failures: int = 0  # entries removed because their replay raised
     by_class: Mapping[str, ClassStats] = attrs.field(factory=dict)
     misses_by_kind: Mapping[str, int] = attrs.field(factory=dict)  # "uniform" / "mixed"
-    bad_batches: int = 0  # runs whose step raised on the batch itself, eagerly too (the entry stayed)
+    bad_batches: int = 0  # runs whose step raised on the batch itself when run eagerly (no entry was removed)
     lazy_captures: int = 0  # entries captured on a first miss
     evictions: int = 0  # entries dropped to stay under the memory budget
 

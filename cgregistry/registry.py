@@ -541,6 +541,9 @@ class GraphRegistry:
         token = breaks._batch.set(BreakContext(actual, None, context))
         try:
             return self._step(actual, **inputs)
+        except Exception:
+            self._bad_batches += 1  # the step itself refused this batch
+            raise
         finally:
             breaks._batch.reset(token)
 
@@ -551,11 +554,7 @@ class GraphRegistry:
         token id, say): its error goes to the caller and the entry stays.  If eager succeeds,
         the entry is broken: it is removed, and the eager result is returned.
         """
-        try:
-            out = self._eager(actual, inputs, context)
-        except Exception:
-            self._bad_batches += 1
-            raise
+        out = self._eager(actual, inputs, context)  # raises (and counts) when the batch is at fault
         self._remove_failed(entry, error)
         return out
 

@@ -10,6 +10,9 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from torch import nn
 
 import cgregistry as cg
@@ -599,3 +602,166 @@ def test_load_snapshot_refuses_a_boolean_schema_and_a_binary_file(tmp_path: obje
         cg.load_snapshot(path)
     path.write_text(json.dumps(good_snapshot()))
     assert cg.load_snapshot(path).entries[0].key == B(8)
+
+
+# ---------------------------------------------------------------- 8. an engine's life, stateful
+
+KV_SLOTS = 16
+KV_SCRATCH = KV_SLOTS - 1
+DECODE_KEYS = [B.decode(n) for n in (1, 2, 4, 8, 16)]
+RELAXED_KEYS = [B(n) for n in (4, 8, 16)]
+
+
+@cg.eager_break
+def refuse_bad_request(slot: torch.Tensor) -> None:
+    """The engine's own check of a request, run eagerly (at replay of breakable entries, and when eager)."""
+    batch = cg.current_batch()
+    if batch is not None and batch.payload == "bad":
+        raise ValueError("request refused: malformed")
+
+
+class KVStep:
+    """Writes its KV cache at the slots it is given and reads them back, like attention over a paged cache."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cache = torch.zeros(KV_SLOTS, device=device)
+        self.fail_for: set[B] = set()  # keys whose capture raises (injected faults)
+
+    def __call__(self, batch: B, slot: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+        running = cg.current_batch()
+        if batch in self.fail_for and running is not None and running.key is not None:
+            raise RuntimeError(f"injected fault capturing {batch}")
+        refuse_bad_request(slot)
+        self.cache.index_put_((slot,), val)
+        return self.cache[slot] * 2 + val
+
+
+class EngineLife(RuleBasedStateMachine):
+    """Lazy and eager capture, eviction under a budget, release, clear, bad batches and capture faults,
+    interleaved with runs.  After every step every cache cell but the scratch slot holds exactly what an
+    eager engine would have written, and every output equals eager."""
+
+    backend = "cpu"
+
+    @initialize()
+    def make(self) -> None:
+        self.device = device_of(self.backend)
+        self.model = KVStep(self.device)
+        inputs = {"slot": cg.StaticInput((KV_SLOTS,), torch.long, fill=KV_SCRATCH), "val": cg.StaticInput((KV_SLOTS,), torch.float32)}
+        self.reg = cg.GraphRegistry(self.model, inputs, backend=self.backend, plugins=make_plugins())
+        self.expected = torch.zeros(KV_SLOTS)  # what eager serving would leave in the cache
+        self.gen = torch.Generator().manual_seed(0)
+
+    def _plan(self, keys: list[B], strategy: str) -> list[tuple[B, str]]:
+        return [(k, strategy) for k in keys if (k.num_reqs is None) == (strategy == "breakable")]
+
+    @rule(keys=st.lists(st.sampled_from(DECODE_KEYS + RELAXED_KEYS), min_size=1, max_size=3, unique=True),
+          strategy=st.sampled_from(["full", "breakable"]), lazy=st.booleans(), fail=st.booleans())
+    def capture(self, keys: list[B], strategy: str, lazy: bool, fail: bool) -> None:
+        plan = self._plan(keys, strategy)
+        if not plan:
+            return
+        if fail and not lazy:
+            self.model.fail_for.add(plan[-1][0])
+        try:
+            self.reg.capture(plan, lazy=lazy)
+        except cg.CaptureError as exc:
+            assert fail and "injected fault" in str(exc)
+        finally:
+            self.model.fail_for.clear()
+
+    @rule(tokens=st.integers(1, KV_SLOTS - 1), data=st.data())
+    def run(self, tokens: int, data: st.DataObject) -> None:
+        batch = self._batch(tokens, data)
+        slots = torch.randperm(KV_SCRATCH, generator=self.gen)[:tokens]
+        vals = torch.rand(tokens, generator=self.gen) + 1
+        out = self.reg.run(batch, slot=slots.to(self.device), val=vals.to(self.device))
+        self.expected[slots] = vals
+        torch.testing.assert_close(out.cpu(), vals * 3)
+
+    @rule(tokens=st.integers(1, KV_SLOTS - 1), data=st.data(), kind=st.sampled_from(["refused", "out of range"]))
+    def bad_batch(self, tokens: int, data: st.DataObject, kind: str) -> None:
+        batch = self._batch(tokens, data)
+        match = self.reg.match(batch)
+        slots = torch.randperm(KV_SCRATCH, generator=self.gen)[:tokens]
+        vals = torch.rand(tokens, generator=self.gen) + 1
+        entries = {(e.key, e.strategy) for e in self.reg.entries()}
+        failures = set(self.reg.failures())
+        if kind == "out of range":
+            if self.backend == "cuda":
+                return  # an out-of-range index in a CUDA kernel is a device assert, not an exception
+            slots[-1] = KV_SLOTS + 3
+            with pytest.raises(IndexError):
+                self.reg.run(batch, slot=slots.to(self.device), val=vals.to(self.device))
+            assert self.reg.stats().bad_batches >= 1
+            own, now = slots[:-1], self.model.cache.cpu()[slots[:-1]]
+            assert bool(((now == self.expected[own]) | (now == vals[:-1])).all()), "the batch's own slots: old or new values"
+            self.expected[own] = now  # a refused batch may have written its own slots, nothing else
+        elif match is not None and match.strategy == "full":
+            return  # a full graph (captured now or lazily) runs no eager code: it cannot refuse a request
+        else:
+            with pytest.raises(ValueError, match="request refused"):
+                self.reg.run(batch, slot=slots.to(self.device), val=vals.to(self.device), context="bad")
+        lost = entries - {(e.key, e.strategy) for e in self.reg.entries()}
+        assert lost <= set(self.reg.pending()), f"a bad batch demoted {lost} (only eviction may, back to pending)"
+        assert set(self.reg.failures()) == failures, "a bad batch was taken for a broken entry"
+
+    @rule(data=st.data())
+    def lazy_capture_fault(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(DECODE_KEYS))
+        if (key, "full") in {(e.key, e.strategy) for e in self.reg.entries()}:
+            return
+        self.reg.capture([(key, "full")], lazy=True)
+        self.model.fail_for.add(key)
+        batch = B.decode(key.num_reqs)
+        slots = torch.randperm(KV_SCRATCH, generator=self.gen)[: min(key.num_reqs, KV_SCRATCH)]
+        if len(slots) != key.num_reqs:
+            self.model.fail_for.clear()
+            return
+        vals = torch.rand(len(slots), generator=self.gen) + 1
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                out = self.reg.run(batch, slot=slots.to(self.device), val=vals.to(self.device))
+        finally:
+            self.model.fail_for.clear()
+        self.expected[slots] = vals
+        torch.testing.assert_close(out.cpu(), vals * 3)
+
+    @rule(data=st.data())
+    def set_budget(self, data: st.DataObject) -> None:
+        sizes = sorted({e.memory_bytes for e in self.reg.entries()})
+        self.reg.memory_budget = data.draw(st.sampled_from([None, *sizes]))
+
+    @precondition(lambda self: len(self.reg) > 0)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        entry = data.draw(st.sampled_from(self.reg.entries()))
+        self.reg.release(entry.key, entry.strategy)
+
+    @rule()
+    def clear(self) -> None:
+        self.reg.clear()
+
+    def _batch(self, tokens: int, data: st.DataObject) -> B:
+        if data.draw(st.booleans(), label="decode"):
+            return B.decode(tokens)
+        return B(tokens, data.draw(st.integers(1, tokens), label="reqs"))
+
+    @invariant()
+    def only_the_scratch_slot_differs_from_eager(self) -> None:
+        keep = torch.arange(KV_SCRATCH)
+        assert torch.equal(self.model.cache.cpu()[keep], self.expected[keep]), (
+            f"cache {self.model.cache.cpu().tolist()} != eager {self.expected.tolist()}"
+        )
+
+
+class EngineLifeCuda(EngineLife):
+    backend = "cuda"
+
+
+_life = settings(max_examples=30, stateful_step_count=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EngineLife.TestCase.settings = _life
+EngineLifeCuda.TestCase.settings = _life
+test_engine_life_cpu = EngineLife.TestCase
+test_engine_life_cuda = pytest.mark.cuda(EngineLifeCuda.TestCase)
