@@ -3,7 +3,9 @@
 Hooks are prefixed ``cgregistry_``.  Registration hooks receive a ``register``
 callback so that cgregistry owns storage and duplicate rules.  Observer hooks
 are called on events and their return values are ignored; they run outside the
-per-step hot path (``run`` calls ``cgregistry_miss`` only on a miss).  The one
+per-step hot path (``run`` calls ``cgregistry_miss`` only on a miss), one
+implementation at a time, and one that raises is reported as a warning while the
+others still run (``cgregistry.plugins.notify``).  The one
 policy hook, ``cgregistry_choose_match``, is ``firstresult``.
 
 Ordering: pluggy calls the most recently registered implementation first;
