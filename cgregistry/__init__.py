@@ -1,8 +1,15 @@
 """cgregistry: CUDA graphs for batched inference engines, keyed by BatchDescriptor."""
 
 from cgregistry.backends.cpu import GraphUnsafeOpError
-from cgregistry.breaks import BreakContext, capture_barrier, current_batch, eager_break, graph_break
+from cgregistry.breaks import (
+    BreakContext,
+    capture_barrier,
+    current_batch,
+    eager_break,
+    graph_break,
+)
 from cgregistry.buffers import InputError, StaticInput
+from cgregistry.debug import DebugError, StaleOutputError
 from cgregistry.descriptor import BatchDescriptor, Padding
 from cgregistry.hookspecs import hookimpl, hookspec
 from cgregistry.inspection import ClassStats, Snapshot, SnapshotError, load_snapshot
@@ -11,11 +18,16 @@ from cgregistry.outputs import OutputError
 from cgregistry.piecewise import PiecewiseCompiler, PiecewiseError, compile_piecewise
 from cgregistry.plan import MODES, CapturePlan, PlanEntry, UncoveredRange
 from cgregistry.plugins import PluginError, Plugins, make_plugin_manager
-from cgregistry.debug import DebugError, StaleOutputError
-from cgregistry.registry import CaptureError, ConcurrentRunError, EntryInfo, GraphRegistry, Stats
+from cgregistry.registry import (
+    CaptureError,
+    ConcurrentRunError,
+    EntryInfo,
+    GraphRegistry,
+    Stats,
+)
+from cgregistry.runtime import eager_batch
 from cgregistry.strategies.breakable import BreakError
-
-__version__ = "0.1.0"
+from cgregistry.version import __version__
 
 __all__ = [
     "MODES",
@@ -52,6 +64,7 @@ __all__ = [
     "capture_barrier",
     "compile_piecewise",
     "current_batch",
+    "eager_batch",
     "eager_break",
     "graph_break",
     "hookimpl",

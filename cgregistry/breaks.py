@@ -19,43 +19,16 @@ descriptor, the padded key and the payload passed to ``run(..., context=...)``.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
-import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeVar, overload
+from typing import Any, TypeVar, overload
 
-import attrs
-
-from cgregistry.descriptor import BatchDescriptor
+from cgregistry import runtime
+from cgregistry.runtime import BreakContext, current_batch
 
 __all__ = ["BreakContext", "capture_barrier", "current_batch", "eager_break", "graph_break"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-@attrs.frozen(slots=True)
-class BreakContext:
-    """The batch an eager break is running for."""
-
-    actual: BatchDescriptor  # the batch the engine asked for
-    key: BatchDescriptor | None  # the padded key being replayed (None when the step runs eagerly)
-    payload: Any = None  # whatever the engine passed as run(..., context=...)
-
-
-class BreakSite(Protocol):
-    """What a breakable capture does when execution reaches an eager break."""
-
-    def on_break(self, fn: Callable[..., Any] | None, stub: Callable[..., Any] | None, name: str, args: tuple, kwargs: dict) -> Any: ...
-
-
-_site: contextvars.ContextVar[BreakSite | None] = contextvars.ContextVar("cgregistry_break_site", default=None)
-_batch: contextvars.ContextVar[BreakContext | None] = contextvars.ContextVar("cgregistry_batch", default=None)
-_barrier: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("cgregistry_barrier", default=None)
-# Every marked function still alive (weakly: marking must not keep a model alive), and
-# callbacks told of each new one (the piecewise compiler keeps them opaque to dynamo).
-_marked: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
-_on_mark: list[Callable[[Callable[..., Any]], None]] = []
 
 
 @contextlib.contextmanager
@@ -64,11 +37,11 @@ def capture_barrier(fn: Callable[[], None]) -> Iterator[None]:
 
     It keeps ranks in step between the end of a segment and rank-coupled eager work.
     """
-    token = _barrier.set(fn)
+    token = runtime.barrier.set(fn)
     try:
         yield
     finally:
-        _barrier.reset(token)
+        runtime.barrier.reset(token)
 
 
 def fake_mode_of(args: tuple, kwargs: dict) -> Any:
@@ -91,14 +64,14 @@ def run_for_trace(fn: Callable[..., Any] | None, fake_mode: Any, args: tuple, kw
     if fn is None:
         return None
     shape_env = getattr(fake_mode, "shape_env", None)
-    token = _site.set(None)
+    token = runtime.site.set(None)
     try:
         if shape_env is None:
             return fn(*args, **kwargs)
         with shape_env.suppress_guards():
             return fn(*args, **kwargs)
     finally:
-        _site.reset(token)
+        runtime.site.reset(token)
 
 
 class TracingSite:
@@ -112,11 +85,6 @@ class TracingSite:
 
 
 TRACING_SITE = TracingSite()
-
-
-def current_batch() -> BreakContext | None:
-    """The live batch (actual, key, payload) while a step or an eager break runs under a registry."""
-    return _batch.get()
 
 
 @overload
@@ -139,14 +107,14 @@ def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = Non
 
         @functools.wraps(func)
         def marked(*args: Any, **kwargs: Any) -> Any:
-            site = _site.get()
+            site = runtime.site.get()
             if site is None:
                 return func(*args, **kwargs)
             return site.on_break(func, capture_stub, label, args, kwargs)
 
         marked.__cgregistry_break__ = label  # type: ignore[attr-defined]
-        _marked.add(marked)
-        for callback in _on_mark:
+        runtime.marked.add(marked)
+        for callback in runtime.on_mark:
             callback(marked)
         return marked  # type: ignore[return-value]
 
@@ -155,6 +123,6 @@ def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = Non
 
 def graph_break() -> None:
     """An empty split point: ends the current segment and starts the next (no-op elsewhere)."""
-    site = _site.get()
+    site = runtime.site.get()
     if site is not None:
         site.on_break(None, None, "graph_break", (), {})

@@ -19,13 +19,15 @@ from typing import Literal
 import attrs
 import torch
 
+from cgregistry.errors import CgregistryError
+
 __all__ = ["AXES", "UNSET", "InputError", "StaticBuffer", "StaticInput"]
 
 AXES = ("tokens", "reqs")
 _STRIDED = torch.strided
 
 
-class InputError(ValueError):
+class InputError(CgregistryError, ValueError):
     """A live input does not fit its static buffer (name, shape, dtype or device)."""
 
 

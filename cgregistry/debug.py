@@ -27,14 +27,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from cgregistry.errors import CgregistryError
+
 __all__ = ["AddressWatch", "CheckedOutput", "DebugError", "StaleOutputError"]
 
 
-class DebugError(RuntimeError):
+class DebugError(CgregistryError, RuntimeError):
     """A tensor a graph reads is no longer where it was at capture (names it)."""
 
 
-class StaleOutputError(RuntimeError):
+class StaleOutputError(CgregistryError, RuntimeError):
     """An output of an earlier ``run()`` was read after a later one overwrote it (names it)."""
 
 

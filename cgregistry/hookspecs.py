@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import pluggy
+from cgregistry.markers import PROJECT, hookimpl, hookspec
 
 if TYPE_CHECKING:
     from cgregistry.descriptor import BatchDescriptor
@@ -26,10 +26,6 @@ if TYPE_CHECKING:
     from cgregistry.registry import EntryInfo, GraphRegistry
 
 __all__ = ["PROJECT", "hookimpl", "hookspec"]
-
-PROJECT = "cgregistry"
-hookspec = pluggy.HookspecMarker(PROJECT)
-hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 # --------------------------------------------------------------- registration
@@ -105,7 +101,7 @@ def cgregistry_capture_started(registry: GraphRegistry, key: BatchDescriptor, st
     :param registry: the capturing registry.
     :param key: the descriptor being captured.
     :param strategy: the strategy's name.
-    :return: ignored.  An exception raised here aborts the capture like a step error.  Since 0.1.
+    :return: ignored.  An exception raised here is reported as a warning; the capture goes on.  Since 0.1.
     """
 
 
@@ -136,7 +132,10 @@ def cgregistry_miss(registry: GraphRegistry, actual: BatchDescriptor) -> None:
 
 @hookspec
 def cgregistry_entry_failed(registry: GraphRegistry, key: BatchDescriptor, strategy: str, error: BaseException) -> None:
-    """An entry's replay raised: the entry was removed and the step ran eagerly instead.
+    """An entry's replay raised where the same batch ran eagerly: the entry was removed, the eager result returned.
+
+    A replay that raises where eager raises too is a bad batch, not a broken entry: nothing is
+    removed and this hook is not called.
 
     :param registry: the registry.
     :param key: the failed entry's descriptor.

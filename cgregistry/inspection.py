@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from cgregistry.descriptor import BatchDescriptor
+from cgregistry.errors import CgregistryError
 from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Matcher
 from cgregistry.text import text_table
 
@@ -27,7 +28,7 @@ __all__ = [
 SNAPSHOT_SCHEMA = 1
 
 
-class SnapshotError(ValueError):
+class SnapshotError(CgregistryError, ValueError):
     """A snapshot that cannot be read (names the field or the schema version)."""
 
 

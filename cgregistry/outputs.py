@@ -11,12 +11,14 @@ from typing import Any
 
 import torch
 
+from cgregistry.errors import CgregistryError
+
 __all__ = ["OutputError", "OutputSlicer", "flatten", "unflatten"]
 
 Spec = Any  # None for a tensor leaf, ("const", None, None) for a None leaf, or (container type, keys, child specs)
 
 
-class OutputError(TypeError):
+class OutputError(CgregistryError, TypeError):
     """A step returned something the registry cannot slice (names the leaf)."""
 
 

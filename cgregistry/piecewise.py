@@ -25,15 +25,15 @@ import attrs
 import torch
 from torch import fx, nn
 
-from cgregistry import breaks
-from cgregistry.backends import cpu
+from cgregistry import breaks, runtime
+from cgregistry.errors import CgregistryError
 
 __all__ = ["DEFAULT_MAX_TRACES", "PiecewiseCompiler", "PiecewiseError", "PiecewiseModel", "SplittingOps", "compile_piecewise"]
 
 DEFAULT_MAX_TRACES = 4  # one dynamic trace serves every size; slack for specialize_size_one and retries
 
 
-class PiecewiseError(RuntimeError):
+class PiecewiseError(CgregistryError, RuntimeError):
     """The model could not be traced or split as asked; the message says where and what to do."""
 
 
@@ -96,10 +96,10 @@ class SplittingOps:
         for fn in self.functions:
             torch.compiler.allow_in_graph(fn)
         if self.marked:
-            for fn in breaks._marked:
+            for fn in runtime.marked:
                 torch.compiler.allow_in_graph(fn)
-            if _allow_marked not in breaks._on_mark:
-                breaks._on_mark.append(_allow_marked)
+            if _allow_marked not in runtime.on_mark:
+                runtime.on_mark.append(_allow_marked)
 
     def region(self, node: fx.Node) -> str | None:
         """The splitting region ``node`` belongs to (a label), or None when it belongs to a piece."""
@@ -144,7 +144,7 @@ class _Split(nn.Module):
         self.label = label
 
     def forward(self, *args: Any) -> Any:
-        site = breaks._site.get()
+        site = runtime.site.get()
         if site is None:
             return self.region(*args)
         return site.on_break(self.region.forward, None, self.label, args, {})
@@ -241,7 +241,7 @@ class _Compiled(nn.Module):
         self.fn = fn
 
     def forward(self, *args: Any) -> Any:
-        if cpu._capturing.get():
+        if runtime.cpu_capturing.get():
             raise PiecewiseError(
                 "an Inductor-compiled piece ran under the cpu emulator's capture, which cannot record Inductor "
                 "kernels (they bypass the dispatcher); capture on the cuda backend, or compile with inductor=False"
@@ -304,7 +304,7 @@ class _Runner:
         self.split = split
 
     def __call__(self, *args: Any) -> Any:
-        site = breaks._site.get()
+        site = runtime.site.get()
         if site is not None and hasattr(site, "compiled_runs"):  # a piecewise capture is watching
             site.compiled_runs += 1  # type: ignore[attr-defined]
         return self.split(*args)
@@ -324,19 +324,19 @@ class PiecewiseModel:
         functools.update_wrapper(self, model, updated=())  # type: ignore[arg-type]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        batch = breaks._batch.get()
+        batch = runtime.batch.get()
         if batch is not None and batch.key is None:
             # A registry runs this batch eagerly (no key covers it): the model itself, never a new
             # trace for whatever layout the live inputs have.
             return self.model(*args, **kwargs)
-        if cpu._capturing.get() and not cpu.see_compiled.get():
+        if runtime.cpu_capturing.get() and not runtime.see_compiled.get():
             # A full capture on the cpu emulator: dynamo will not run compiled code under a recording
             # mode, so run the model itself, whose aten ops the emulator records (the splits inline).
             return self.model(*args, **kwargs)
         args = tuple(_unviewed(a) for a in args)
         kwargs = {k: _unviewed(v) for k, v in kwargs.items()}
         # Outside a capture, breaks run plainly, except on dynamo's fake tensors (no guards from them).
-        token = breaks._site.set(breaks.TRACING_SITE) if breaks._site.get() is None else None
+        token = runtime.site.set(breaks.TRACING_SITE) if runtime.site.get() is None else None
         try:
             # Python floats of the model (eps, say) stay constants instead of becoming 0-d tensor
             # inputs read with .item(): one trace still serves every size.
@@ -357,7 +357,7 @@ class PiecewiseModel:
             ) from exc
         finally:
             if token is not None:
-                breaks._site.reset(token)
+                runtime.site.reset(token)
 
 
 def _unviewed(value: Any) -> Any:

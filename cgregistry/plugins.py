@@ -18,6 +18,7 @@ import pluggy
 
 from cgregistry import hookspecs
 from cgregistry.backends import Backend
+from cgregistry.errors import CgregistryError
 
 __all__ = [
     "BLOCK_ENV", "DEFAULT_PLUGINS", "DISABLE_AUTOLOAD_ENV", "PluginError", "PluginInfo", "Plugins", "make_plugin_manager", "notify",
@@ -34,7 +35,7 @@ DEFAULT_PLUGINS = (
 )
 
 
-class PluginError(ValueError):
+class PluginError(CgregistryError, ValueError):
     """A plugin registered something invalid (names the plugin)."""
 
 
@@ -198,6 +199,6 @@ class Plugins:
 
 
 def _own_version() -> str:
-    from cgregistry import __version__
+    from cgregistry.version import __version__
 
     return __version__

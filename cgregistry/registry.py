@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from cgregistry import breaks
-from cgregistry.breaks import BreakContext
+from cgregistry import runtime
 from cgregistry.buffers import InputError, StaticBuffer, StaticInput
 from cgregistry.debug import AddressWatch, checked, plain
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.distributed import agree
+from cgregistry.errors import CgregistryError
 from cgregistry.inspection import (
     ClassStats,
     EntryInfo,
@@ -39,9 +39,15 @@ from cgregistry.inspection import (
 )
 from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher
 from cgregistry.outputs import OutputError, OutputSlicer, flatten
-from cgregistry.piecewise import DEFAULT_MAX_TRACES, PiecewiseCompiler, PiecewiseModel, compile_piecewise
+from cgregistry.piecewise import (
+    DEFAULT_MAX_TRACES,
+    PiecewiseCompiler,
+    PiecewiseModel,
+    compile_piecewise,
+)
 from cgregistry.plan import CapturePlan, PlanEntry
 from cgregistry.plugins import PluginError, Plugins, notify
+from cgregistry.runtime import BreakContext
 
 _CG_INTERNAL = True
 
@@ -54,11 +60,11 @@ _NO_MATCH = object()  # a group agreed on a descriptor no key covers: every rank
 _RESERVED_INPUT_NAMES = ("context", "group")  # keyword arguments of run() itself
 
 
-class ConcurrentRunError(RuntimeError):
+class ConcurrentRunError(CgregistryError, RuntimeError):
     """``run()`` was called while another ``run()`` on the same registry was in progress."""
 
 
-class CaptureError(RuntimeError):
+class CaptureError(CgregistryError, RuntimeError):
     """Capturing one entry failed; the registry is as it was before that entry."""
 
     def __init__(self, descriptor: BatchDescriptor, strategy: str, cause: BaseException) -> None:
@@ -322,7 +328,7 @@ class GraphRegistry:
             return step(key, **views)
 
         started = time.perf_counter()
-        batch_token = breaks._batch.set(BreakContext(key, key, self._capture_payload))
+        batch_token = runtime.batch.set(BreakContext(key, key, self._capture_payload))
         try:
             with torch.inference_mode():
                 warm_leaves, spec = flatten(self.backend.warmup(body, self.warmup_runs))
@@ -340,7 +346,7 @@ class GraphRegistry:
             self._pool = self.backend.recover_pool(self._pool)
             raise CaptureError(key, strategy_name, exc) from exc
         finally:
-            breaks._batch.reset(batch_token)
+            runtime.batch.reset(batch_token)
         seconds = time.perf_counter() - started
         entry = _Entry(key, strategy_name, graph, OutputSlicer(self.backend.share_outputs(leaves), spec), seconds)
         self._entries[(key, strategy_name)] = entry
@@ -506,11 +512,11 @@ class GraphRegistry:
         try:
             if entry.has_breaks:
                 batch = route.batch_context if context is None else BreakContext(actual, entry.key, context)
-                token = breaks._batch.set(batch)
+                token = runtime.batch.set(batch)
                 try:
                     entry.replay()
                 finally:
-                    breaks._batch.reset(token)
+                    runtime.batch.reset(token)
             else:
                 entry.replay()
         except Exception as exc:
@@ -538,14 +544,14 @@ class GraphRegistry:
     def _eager(self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any = None) -> Any:
         self._eager_fallbacks += 1
         self._eager_tokens += actual.num_tokens
-        token = breaks._batch.set(BreakContext(actual, None, context))
+        token = runtime.batch.set(BreakContext(actual, None, context))
         try:
             return self._step(actual, **inputs)
         except Exception:
             self._bad_batches += 1  # the step itself refused this batch
             raise
         finally:
-            breaks._batch.reset(token)
+            runtime.batch.reset(token)
 
     def _replay_failed(self, entry: _Entry, error: Exception, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any) -> Any:
         """A replay raised: eager, the oracle, tells a bad batch from a broken entry.

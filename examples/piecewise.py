@@ -60,11 +60,8 @@ with torch.inference_mode():
         x = torch.randn(tokens, hidden, generator=g).to(device)
         lens = torch.randint(1, ctx + 1, (tokens,), generator=g).tolist()
         out = reg.run(batch, x=x, context={"lens": lens})
-        token = cg.breaks._batch.set(cg.BreakContext(batch, None, {"lens": lens}))
-        try:
+        with cg.eager_batch(batch, {"lens": lens}):
             want = model(x)
-        finally:
-            cg.breaks._batch.reset(token)
         match = reg.match(batch)
         assert match.strategy == "piecewise" and torch.allclose(out, want, atol=1e-4), "piecewise reads the live lengths"
         print(f"{batch} -> {match.key} [{match.strategy}], matches eager")

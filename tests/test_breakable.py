@@ -64,11 +64,8 @@ class HostLengthAttention:
 
 
 def eager_reference(model: HostLengthAttention, batch: B, x: torch.Tensor, lens: list[int]) -> torch.Tensor:
-    token = cg.breaks._batch.set(cg.BreakContext(batch, None, {"lens": lens}))
-    try:
+    with cg.eager_batch(batch, {"lens": lens}):
         return model(batch, x)
-    finally:
-        cg.breaks._batch.reset(token)
 
 
 @pytest.mark.parametrize("returning", [False, True], ids=["in-place", "returning"])

@@ -105,11 +105,8 @@ def test_custom_op_split_reads_the_live_host_lengths(backend: str, name: bool) -
             lens = torch.randint(1, CTX + 1, (reqs,), generator=g).tolist()
             x = torch.randn(reqs, D, generator=g).to(device)
             got = reg.run(B(reqs, reqs, uniform=False), x=x, context={"lens": lens})
-            token = cg.breaks._batch.set(cg.BreakContext(B(reqs), None, {"lens": lens}))
-            try:
+            with cg.eager_batch(B(reqs), {"lens": lens}):
                 want = model(x)
-            finally:
-                cg.breaks._batch.reset(token)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cgregistry.hookspecs import hookimpl
+from cgregistry import runtime
+from cgregistry.errors import CgregistryError
+from cgregistry.markers import hookimpl
 
 _CG_INTERNAL = True
 
@@ -54,11 +56,9 @@ _BOOL_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 _COPY_OPS = {"to", "_to_copy", "_copy_from", "_copy_from_and_resize"}
 _HOST_READ_OPS = {"resolve_conj", "resolve_neg"}  # what .tolist() dispatches before reading memory
 
-see_compiled: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_cpu_see_compiled", default=False)
-_capturing: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_cpu_capturing", default=False)
 
 
-class GraphUnsafeOpError(RuntimeError):
+class GraphUnsafeOpError(CgregistryError, RuntimeError):
     """An op that a CUDA graph capture cannot contain; names the op and where it was called."""
 
     def __init__(self, op: str, why: str, where: str) -> None:
@@ -159,7 +159,7 @@ class _Recorder(TorchDispatchMode):
         # Under a piecewise capture, the split graph runs as compiled (its aten ops reach the
         # recorder); elsewhere torch.compile'd code falls back to eager under the recorder, since
         # Inductor kernels bypass the dispatcher and would be recorded as nothing.
-        return see_compiled.get()
+        return runtime.see_compiled.get()
 
     def __init__(self) -> None:
         super().__init__()
@@ -289,9 +289,9 @@ class CpuSegment:
     """One recording in progress: ops run between construction and ``end()`` are captured."""
 
     def __init__(self) -> None:
-        if _capturing.get():
+        if runtime.cpu_capturing.get():
             raise RuntimeError("nested capture: a cpu graph capture is already in progress on this thread")
-        self._token = _capturing.set(True)
+        self._token = runtime.cpu_capturing.set(True)
         self._recorder = _Recorder()
         self._sequence = _default_group_sequence()
         self._collectives = _collectives_recorded(self._recorder)
@@ -301,7 +301,7 @@ class CpuSegment:
     def _close(self) -> None:
         self._recorder.__exit__(None, None, None)
         self._collectives.__exit__(None, None, None)
-        _capturing.reset(self._token)
+        runtime.cpu_capturing.reset(self._token)
 
     def end(self) -> CpuGraph:
         self._close()

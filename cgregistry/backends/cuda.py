@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from cgregistry.hookspecs import hookimpl
+from cgregistry.markers import hookimpl
 
 _CG_INTERNAL = True
 

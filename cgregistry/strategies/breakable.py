@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from cgregistry import breaks
+from cgregistry import breaks, runtime
 from cgregistry.backends import Backend, Graph
-from cgregistry.hookspecs import hookimpl
+from cgregistry.errors import CgregistryError
+from cgregistry.markers import hookimpl
 from cgregistry.outputs import OutputError, flatten
 
 _CG_INTERNAL = True
@@ -31,7 +32,7 @@ _CG_INTERNAL = True
 __all__ = ["BreakableGraph", "BreakableStrategy", "BreakError"]
 
 
-class BreakError(RuntimeError):
+class BreakError(CgregistryError, RuntimeError):
     """An eager break misbehaved (names the break): wrong return at replay, unjoined stream, nesting."""
 
 
@@ -100,15 +101,15 @@ class _Site:
         if fake_mode is not None:  # dynamo (re)tracing a piecewise model inside this capture: not a break
             return breaks.run_for_trace(fn, fake_mode, args, kwargs)
         self._end_segment(f"before eager break {name!r}")
-        barrier = self.barrier if self.barrier is not None else breaks._barrier.get()
+        barrier = self.barrier if self.barrier is not None else runtime.barrier.get()
         if barrier is not None:
             barrier()
         runner = stub if stub is not None else fn
-        token = breaks._site.set(None)  # a break's own body runs as plain eager code
+        token = runtime.site.set(None)  # a break's own body runs as plain eager code
         try:
             result = runner(*args, **kwargs) if runner is not None else None
         finally:
-            breaks._site.reset(token)
+            runtime.site.reset(token)
         self.calls.append(_BreakCall(fn, name, args, kwargs, result) if fn is not None else None)
         self.current = self.backend.begin_capture(self.pool)  # type: ignore[attr-defined]
         self.open = True
@@ -189,11 +190,11 @@ class BreakableStrategy:
     def capture(self, body: Callable[[], Any], backend: Backend, pool: object) -> tuple[BreakableGraph, Any]:
         if not hasattr(backend, "begin_capture"):
             raise TypeError(f"backend {backend.name!r} cannot end and resume captures (it has no begin_capture)")
-        if breaks._site.get() is not None:
+        if runtime.site.get() is not None:
             raise BreakError("nested breakable capture: a breakable capture is already in progress on this thread")
         with backend.capture_context():  # type: ignore[attr-defined]
             site = _Site(backend, pool, self.barrier)
-            token = breaks._site.set(site)
+            token = runtime.site.set(site)
             try:
                 out = body()
                 site.finish()
@@ -203,7 +204,7 @@ class BreakableStrategy:
                 site.abort()
                 raise
             finally:
-                breaks._site.reset(token)
+                runtime.site.reset(token)
         graph = BreakableGraph(site.segments, site.calls)
         return graph, out
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cgregistry.backends import Backend, Graph
-from cgregistry.hookspecs import hookimpl
+from cgregistry.markers import hookimpl
 
 _CG_INTERNAL = True
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from cgregistry.backends import Backend, cpu
-from cgregistry.hookspecs import hookimpl
+from cgregistry import runtime
+from cgregistry.backends import Backend
+from cgregistry.markers import hookimpl
 from cgregistry.piecewise import PiecewiseError
 from cgregistry.strategies.breakable import BreakableGraph, BreakableStrategy, _Site
 
@@ -31,11 +32,11 @@ class PiecewiseStrategy(BreakableStrategy):
     relaxes_num_reqs = True
 
     def capture(self, body: Callable[[], Any], backend: Backend, pool: object) -> tuple[BreakableGraph, Any]:
-        token = cpu.see_compiled.set(True)  # the cpu emulator records the split graph's ops as compiled
+        token = runtime.see_compiled.set(True)  # the cpu emulator records the split graph's ops as compiled
         try:
             return super().capture(body, backend, pool)
         finally:
-            cpu.see_compiled.reset(token)
+            runtime.see_compiled.reset(token)
 
     def check_capture(self, site: _Site) -> None:
         if site.compiled_runs == 0:

@@ -1,0 +1,7 @@
+"""``python -m cgregistry``: the same command line as the ``cgregistry`` script."""
+
+import sys
+
+from cgregistry.cli import main
+
+sys.exit(main())

@@ -1,0 +1,79 @@
+"""The runtime context: what is running now, shared by the registry, the strategies, the piecewise
+compiler and the cpu emulator.
+
+Every name here is public to the package, so no module reaches into another's private
+state.  Users read it through :func:`current_batch` and run a model eagerly as the
+registry would with :func:`eager_batch`.  Imports nothing of the package but the descriptor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import attrs
+
+from cgregistry.descriptor import BatchDescriptor
+
+__all__ = [
+    "BreakContext", "BreakSite", "barrier", "batch", "cpu_capturing", "current_batch", "eager_batch", "marked",
+    "on_mark", "see_compiled", "site",
+]
+
+
+@attrs.frozen(slots=True)
+class BreakContext:
+    """The batch a step or an eager break is running for."""
+
+    actual: BatchDescriptor  # the batch the engine asked for
+    key: BatchDescriptor | None  # the padded key being captured or replayed (None when the step runs eagerly)
+    payload: Any = None  # whatever the engine passed as run(..., context=...)
+
+
+class BreakSite(Protocol):
+    """What a breakable capture (or a trace) does when execution reaches an eager break."""
+
+    def on_break(self, fn: Callable[..., Any] | None, stub: Callable[..., Any] | None, name: str, args: tuple, kwargs: dict) -> Any: ...
+
+
+# The batch being served, captured or run eagerly (None outside a registry).
+batch: contextvars.ContextVar[BreakContext | None] = contextvars.ContextVar("cgregistry_batch", default=None)
+# The breakable capture (or tracing site) eager breaks report to; None: breaks run as plain calls.
+site: contextvars.ContextVar[BreakSite | None] = contextvars.ContextVar("cgregistry_break_site", default=None)
+# What runs before each eager break while capturing (capture_barrier).
+barrier: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("cgregistry_barrier", default=None)
+# The cpu emulator is recording a capture on this thread.
+cpu_capturing: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_cpu_capturing", default=False)
+# The cpu emulator records compiled code's ops (a piecewise capture) instead of running models uncompiled.
+see_compiled: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_cpu_see_compiled", default=False)
+
+# Every marked function still alive (weakly: marking must not keep a model alive), and
+# callbacks told of each new one (the piecewise compiler keeps them opaque to dynamo).
+marked: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+on_mark: list[Callable[[Callable[..., Any]], None]] = []
+
+
+def current_batch() -> BreakContext | None:
+    """The live batch (actual, key, payload) while a step or an eager break runs under a registry."""
+    return batch.get()
+
+
+@contextlib.contextmanager
+def eager_batch(actual: BatchDescriptor, payload: Any = None) -> Iterator[BreakContext]:
+    """Run a model eagerly inside this block exactly as ``run()`` does on a miss.
+
+    ``current_batch()`` gives ``(actual, None, payload)`` to eager breaks, and a model
+    compiled with ``reg.compile`` runs as itself (no trace).  Use it for a reference
+    forward outside the registry.
+    """
+    if not isinstance(actual, BatchDescriptor):
+        raise TypeError(f"eager_batch() needs a BatchDescriptor, got {actual!r}")
+    context = BreakContext(actual, None, payload)
+    token = batch.set(context)
+    try:
+        yield context
+    finally:
+        batch.reset(token)
