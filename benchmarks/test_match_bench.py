@@ -67,8 +67,7 @@ def test_registry_match_cached_route(benchmark, n_keys: int) -> None:  # noqa: A
     """reg.match(): what run() pays per step once a shape has been seen."""
     keys = uniform_keys(n_keys) if n_keys > 10 else [(B.decode(r), "full") for r in (1, 2, 4, 8, 16, 24, 32, 40, 48, 64)]
     reg = cg.GraphRegistry(lambda b: None, {}, backend="cpu")
-    reg._entries = {k: None for k in keys}  # matching only: no graphs needed
-    reg._rebuild()
+    reg.capture(keys, lazy=True)  # matching only: pending keys route like captured ones, no graphs needed
     batches = actual_batches(keys)
     benchmark(cycle_call(reg.match, batches))
 

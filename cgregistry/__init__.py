@@ -9,13 +9,13 @@ from cgregistry.breaks import (
     graph_break,
 )
 from cgregistry.buffers import InputError, StaticInput
+from cgregistry.compiler import PiecewiseCompiler, PiecewiseError, compile_piecewise
 from cgregistry.debug import DebugError, StaleOutputError
 from cgregistry.descriptor import BatchDescriptor, Padding
 from cgregistry.hookspecs import hookimpl, hookspec
 from cgregistry.inspection import ClassStats, Snapshot, SnapshotError, load_snapshot
 from cgregistry.matcher import Candidate, Explanation, Match, Matcher
 from cgregistry.outputs import OutputError
-from cgregistry.piecewise import PiecewiseCompiler, PiecewiseError, compile_piecewise
 from cgregistry.plan import MODES, CapturePlan, PlanEntry, UncoveredRange
 from cgregistry.plugins import PluginError, Plugins, make_plugin_manager
 from cgregistry.registry import (

@@ -19,12 +19,20 @@ from typing import Literal
 import attrs
 import torch
 
+from cgregistry.descriptor import BatchDescriptor
 from cgregistry.errors import CgregistryError
 
-__all__ = ["AXES", "UNSET", "InputError", "StaticBuffer", "StaticInput"]
+__all__ = ["AXES", "UNSET", "InputError", "StaticBuffer", "StaticInput", "rows_for"]
 
 AXES = ("tokens", "reqs")
 _STRIDED = torch.strided
+
+
+def rows_for(axis: str, descriptor: BatchDescriptor) -> int | None:
+    """How many rows of an input (or output) on ``axis`` a batch has; None for a relaxed key's requests."""
+    if axis == "tokens":
+        return descriptor.num_tokens
+    return descriptor.num_reqs
 
 
 class InputError(CgregistryError, ValueError):
@@ -46,6 +54,8 @@ def _axis(instance: StaticInput, attribute: attrs.Attribute, value: str) -> None
 def _dtype(instance: StaticInput, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, torch.dtype):
         raise TypeError(f"StaticInput.dtype must be a torch.dtype, got {value!r}")
+    if value in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
+        raise TypeError(f"StaticInput.dtype {value} is quantized; a static input holds plain numbers")
 
 
 class _Unset:
@@ -77,8 +87,18 @@ def _fill_problem(fill: object, dtype: torch.dtype) -> str | None:
         if isinstance(fill, numbers.Complex) and not isinstance(fill, numbers.Real):
             return "a real number"
         value = float(fill)  # type: ignore[arg-type]
-        if math.isfinite(value) and not math.isfinite(torch.tensor(value, dtype=dtype).item()):
-            return f"a number within {dtype}'s range (it would overflow to inf)"
+        try:
+            stored = torch.tensor(value, dtype=dtype).item()
+        except (RuntimeError, OverflowError):  # float8 types refuse values out of range
+            return f"a number within {dtype}'s range"
+        if math.isfinite(value) and not math.isfinite(stored):
+            return f"a number within {dtype}'s range (it would overflow to {stored})"
+        if value != 0 and stored == 0:
+            return f"a number {dtype} can tell from 0 (it would underflow)"
+        if isinstance(fill, numbers.Integral) and stored != value:
+            return f"an integer {dtype} holds exactly (it would become {stored:g})"
+        if math.isfinite(value) and abs(stored - value) > abs(value) * torch.finfo(dtype).eps:
+            return f"a number within {dtype}'s range and precision (it would become {stored:g})"
     return None
 
 

@@ -41,17 +41,23 @@ class StaleOutputError(CgregistryError, RuntimeError):
 
 
 class _ModuleSlot:
-    """A parameter or buffer of a module, looked up by name each time (it may be replaced)."""
+    """A parameter or buffer of a module, looked up by its path from the root each time: a replaced
+    parameter, buffer or submodule is seen."""
 
-    __slots__ = ("module", "table", "name")
+    __slots__ = ("root", "path", "table", "name")
 
-    def __init__(self, module: nn.Module, table: str, name: str) -> None:
-        self.module = module
+    def __init__(self, root: nn.Module, path: str, table: str, name: str) -> None:
+        self.root = root
+        self.path = path  # of the submodule holding it ("" for the root)
         self.table = table  # "_parameters" or "_buffers"
         self.name = name
 
     def data_ptr(self) -> int | None:
-        tensor = getattr(self.module, self.table).get(self.name)
+        try:
+            module = self.root.get_submodule(self.path)
+        except AttributeError:  # the submodule was removed
+            return None
+        tensor = getattr(module, self.table).get(self.name)
         return None if tensor is None else tensor.data_ptr()
 
 
@@ -61,7 +67,7 @@ def _module_slots(module: nn.Module, prefix: str) -> list[tuple[str, _ModuleSlot
         for table in ("_parameters", "_buffers"):
             for name, tensor in getattr(sub, table).items():
                 if tensor is not None:
-                    slots.append((f"{prefix}{path + '.' if path else ''}{name}", _ModuleSlot(sub, table, name)))
+                    slots.append((f"{prefix}{path + '.' if path else ''}{name}", _ModuleSlot(module, path, table, name)))
     return slots
 
 
@@ -103,7 +109,8 @@ class AddressWatch:
 def _metadata_readers() -> frozenset[Any]:
     """Tensor attributes and methods that read metadata only: allowed on a stale output."""
     base = torch._C.TensorBase
-    getters = ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_sparse", "is_quantized", "is_meta")
+    getters = ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_sparse", "is_quantized", "is_meta",
+               "nbytes", "itemsize", "is_leaf", "is_nested", "grad")
     methods = ("size", "dim", "numel", "stride", "is_contiguous", "element_size", "data_ptr", "storage_offset",
                "is_floating_point", "is_complex", "is_inference", "get_device")
     return frozenset([*(getattr(base, g).__get__ for g in getters), *(getattr(base, m) for m in methods), torch.Tensor.__len__])
@@ -126,9 +133,16 @@ class CheckedOutput(torch.Tensor):
             if func in _METADATA:
                 return func(*args, **kwargs)
             sources = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, CheckedOutput)]
+            name = getattr(func, "__name__", "")
             for leaf in sources:
-                _check_fresh(leaf, getattr(func, "__name__", func))
-            result = func(*args, **kwargs)
+                _check_fresh(leaf, name or func)
+            if name.endswith("_") and not name.startswith("_") and any(leaf.is_inference() for leaf in sources):
+                # In place on a graph output: allowed on the plain view run() hands out, which this
+                # subclass is not (as_subclass drops view-ness), so do it as inference mode allows.
+                with torch.inference_mode():
+                    result = func(*args, **kwargs)
+            else:
+                result = func(*args, **kwargs)
             storages = {leaf.untyped_storage().data_ptr(): leaf for leaf in sources}
 
             def derived(t: torch.Tensor) -> torch.Tensor:

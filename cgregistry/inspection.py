@@ -327,6 +327,8 @@ def load_snapshot(source: str | Path | Mapping[str, Any]) -> Snapshot:
         raise SnapshotError(f"{path}: not a snapshot: the file is not UTF-8 text (a binary file?)") from None
     except json.JSONDecodeError as exc:
         raise SnapshotError(f"{path}: not JSON: {exc}") from None
+    except RecursionError:
+        raise SnapshotError(f"{path}: not a snapshot: JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise SnapshotError(f"{path}: a snapshot is a JSON object, got {type(data).__name__}")
     return Snapshot.from_dict(data)

@@ -7,6 +7,7 @@ padded token count (or request count, with ``output_axis="reqs"``).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -35,12 +36,22 @@ def _flatten(obj: Any, path: str, leaves: list[torch.Tensor]) -> Spec:
         return None
     if obj is None:
         return ("const", None, None)
+    kind = type(obj)
     if isinstance(obj, dict):
+        if kind not in (dict, OrderedDict):
+            raise OutputError(f"{path} is a {kind.__name__}; return a dict (or OrderedDict) of tensors")
         keys = list(obj)
-        return (type(obj), keys, [_flatten(obj[k], f"{path}[{k!r}]", leaves) for k in keys])
+        return (kind, keys, [_flatten(obj[k], f"{path}[{k!r}]", leaves) for k in keys])
     if isinstance(obj, (tuple, list)):
-        return (type(obj), None, [_flatten(v, f"{path}[{i}]", leaves) for i, v in enumerate(obj)])
-    raise OutputError(f"{path} is a {type(obj).__name__}; expected tensors (in tuples, lists or dicts) or None")
+        if kind not in (tuple, list) and not _rebuildable_tuple(kind):
+            raise OutputError(f"{path} is a {kind.__name__}; return a tuple, list or named tuple of tensors")
+        return (kind, None, [_flatten(v, f"{path}[{i}]", leaves) for i, v in enumerate(obj)])
+    raise OutputError(f"{path} is a {kind.__name__}; expected tensors (in tuples, lists or dicts) or None")
+
+
+def _rebuildable_tuple(kind: type) -> bool:
+    """A named tuple, or a torch.return_types structseq (``topk``'s values and indices, say)."""
+    return issubclass(kind, tuple) and (hasattr(kind, "_make") or hasattr(kind, "n_fields"))
 
 
 def unflatten(leaves: list[torch.Tensor], spec: Spec) -> Any:
@@ -60,7 +71,9 @@ def _unflatten(it: Any, spec: Spec) -> Any:
         return kind(zip(keys, values))
     if kind is tuple or kind is list:
         return kind(values)
-    return kind(*values)  # named tuple
+    if hasattr(kind, "_make"):
+        return kind._make(values)  # named tuple
+    return kind(values)  # torch.return_types structseq
 
 
 class OutputSlicer:

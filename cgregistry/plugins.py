@@ -19,9 +19,10 @@ import pluggy
 from cgregistry import hookspecs
 from cgregistry.backends import Backend
 from cgregistry.errors import CgregistryError
+from cgregistry.version import __version__
 
 __all__ = [
-    "BLOCK_ENV", "DEFAULT_PLUGINS", "DISABLE_AUTOLOAD_ENV", "PluginError", "PluginInfo", "Plugins", "make_plugin_manager", "notify",
+    "BLOCK_ENV", "DEFAULT_PLUGINS", "DISABLE_AUTOLOAD_ENV", "PluginError", "PluginInfo", "Plugins", "make_plugin_manager",
 ]
 
 DISABLE_AUTOLOAD_ENV = "CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD"
@@ -63,35 +64,6 @@ def make_plugin_manager(
             pm.register(importlib.import_module(name), name=name)
     pm.check_pending()
     return pm
-
-
-def notify(hook: pluggy.HookCaller, **kwargs: Any) -> None:
-    """Call an observer hook, one implementation at a time: an observer that raises is reported as a
-    ``RuntimeWarning`` naming its plugin, and the others still run.  Observers watch; they cannot stop
-    a capture or a step."""
-    impls = hook.get_hookimpls()
-    if not impls:
-        return
-    if any(impl.hookwrapper or impl.wrapper for impl in impls):  # wrappers need pluggy's own call
-        try:
-            hook(**kwargs)
-        except Exception as exc:
-            _observer_failed(hook.name, ", ".join(i.plugin_name for i in impls), exc)
-        return
-    for impl in reversed(impls):  # pluggy's order: the last registered first
-        try:
-            impl.function(*[kwargs[name] for name in impl.argnames])
-        except Exception as exc:
-            _observer_failed(hook.name, impl.plugin_name, exc)
-
-
-def _observer_failed(hook_name: str, plugin: str, exc: Exception) -> None:
-    warnings.warn(
-        f"cgregistry: {hook_name} of plugin {plugin!r} raised {type(exc).__name__}: {exc}; ignored (an observer "
-        "hook cannot change what the registry does)",
-        RuntimeWarning,
-        stacklevel=4,
-    )
 
 
 @attrs.frozen(slots=True)
@@ -175,6 +147,30 @@ class Plugins:
             )
         return out
 
+    def observed(self, hook_name: str) -> bool:
+        """Whether any plugin implements the hook (an unobserved event costs nothing)."""
+        return bool(getattr(self.pm.hook, hook_name).get_hookimpls())
+
+    def notify(self, hook_name: str, **kwargs: Any) -> None:
+        """Call an observer hook one implementation at a time: one that raises is reported as a
+        ``RuntimeWarning`` naming its plugin, and the others still run.  Observers watch; they
+        cannot stop a capture or a step."""
+        hook = getattr(self.pm.hook, hook_name)
+        for impl in reversed(hook.get_hookimpls()):  # pluggy's order: the last registered first
+            try:
+                if impl.hookwrapper or impl.wrapper:  # a wrapper needs pluggy's own call, on its plugin alone
+                    others = [p for p in self.pm.get_plugins() if p is not impl.plugin]
+                    self.pm.subset_hook_caller(hook_name, remove_plugins=others)(**kwargs)
+                else:
+                    impl.function(*[kwargs[name] for name in impl.argnames])
+            except Exception as exc:
+                warnings.warn(
+                    f"cgregistry: {hook_name} of plugin {impl.plugin_name!r} raised {type(exc).__name__}: {exc}; "
+                    "ignored (an observer hook cannot change what the registry does)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
     def strategy(self, name: str) -> Any:
         try:
             return self.strategies[name]
@@ -199,6 +195,4 @@ class Plugins:
 
 
 def _own_version() -> str:
-    from cgregistry.version import __version__
-
     return __version__

@@ -200,7 +200,7 @@ def test_clear_gives_the_pool_back_and_release_frees_the_last_entry() -> None:
 
     reg = cg.GraphRegistry(step, {"x": cg.StaticInput((128,), torch.float32)}, backend="cuda", plugins=make_plugins())
     reg.capture([(B(n), "full") for n in (128, 64, 32)])
-    pool = reg._pool
+    pool = reg._capturer.pool
     assert pool_mib(pool) >= 32
     reg.release(B(32))
     reg.release(B(64))
@@ -210,7 +210,7 @@ def test_clear_gives_the_pool_back_and_release_frees_the_last_entry() -> None:
     reg.capture([(B(64), "full")])
     x = torch.rand(64, device="cuda")
     torch.testing.assert_close(reg.run(B(64), x=x), step(B(64), x))
-    assert reg._pool != pool
+    assert reg._capturer.pool != pool
 
 
 # ---------------------------------------------------------------- debug mode

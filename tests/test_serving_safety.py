@@ -12,7 +12,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 from torch import nn
 
 import cgregistry as cg
@@ -113,6 +119,9 @@ def test_integer_inputs_must_say_their_fill() -> None:
         (torch.float16, 1e6, r"a number within torch.float16.s range \(it would overflow to inf\)"),
         (torch.float32, "a", "a number"),
         (torch.long, True, "an int"),
+        (torch.float32, 2**24 + 1, r"an integer torch.float32 holds exactly"),
+        (torch.float16, 1e-8, r"a number torch.float16 can tell from 0 \(it would underflow\)"),
+        (torch.float8_e4m3fn, 1000.0, r"a number within torch.float8_e4m3fn.s range and precision \(it would become 448\)"),
     ],
 )
 def test_a_fill_that_the_dtype_cannot_hold_is_refused(dtype: torch.dtype, fill: object, expected: str) -> None:
@@ -765,3 +774,122 @@ EngineLife.TestCase.settings = _life
 EngineLifeCuda.TestCase.settings = _life
 test_engine_life_cpu = EngineLife.TestCase
 test_engine_life_cuda = pytest.mark.cuda(EngineLifeCuda.TestCase)
+
+
+# ---------------------------------------------------------------- found by attacking the above
+
+
+def test_a_live_input_aliasing_a_static_buffer_survives_a_lazy_capture(backend: str) -> None:
+    reg = cg.GraphRegistry(lambda b, h: (h * 2, h), {"h": cg.StaticInput((8,), torch.float32)}, backend=backend,
+                           plugins=make_plugins())
+    reg.capture([(B(8), "full"), (B.decode(4), "full")], lazy=True)
+    out = reg.run(B(4, 2), h=torch.tensor([1.0, 2.0, 3.0, 4.0], device=reg.device))
+    again = reg.run(B.decode(4), h=out[1])  # a view of the static buffer, as the next input; captures lazily first
+    torch.testing.assert_close(again[0], torch.tensor([2.0, 4.0, 6.0, 8.0], device=reg.device))
+
+
+def test_a_refused_group_run_does_not_leave_the_agreed_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cgregistry.registry as registry_module
+
+    monkeypatch.setattr(registry_module, "agree", lambda actual, group: B(12, 6) if actual.num_tokens <= 12 else actual)
+    reg = cg.GraphRegistry(lambda b, x: x * 2, {"x": cg.StaticInput((16,), torch.float32)}, backend="cpu", plugins=make_plugins())
+    reg.capture([(B(16), "full"), (B(8), "full")], lazy=True)
+    with pytest.raises(cg.InputError):
+        reg.run(B(4, 2), x=torch.ones(5), group=object())
+    torch.testing.assert_close(reg.run(B(4, 2), x=torch.ones(4), group=object()), torch.full((4,), 2.0))
+    assert reg.stats().misses == 0 and [e.key for e in reg.entries(used=True)] == [B(16)], "every rank replays the agreed key"
+
+
+def test_more_requests_than_a_static_input_holds_run_eagerly() -> None:
+    reg = cg.GraphRegistry(lambda b, ids, seq_lens: ids.float() * 2,
+                           {"ids": cg.StaticInput((32,), torch.long, fill=0), "seq_lens": cg.StaticInput((8,), torch.int32, axis="reqs", fill=1)},
+                           backend="cpu", plugins=make_plugins())
+    reg.capture([(B(32), "breakable")])
+    batch = B(20, 12)  # the relaxed key covers any request count, but seq_lens holds 8
+    assert reg.match(batch) is None
+    torch.testing.assert_close(reg.run(batch, ids=torch.arange(20), seq_lens=torch.ones(12, dtype=torch.int32)), torch.arange(20.0) * 2)
+    assert reg.stats().misses == 1
+
+
+def test_debug_mode_no_alarm_while_no_graph_reads_the_weights() -> None:
+    model = Tiny()
+    reg = cg.GraphRegistry(model, {"x": cg.StaticInput((8, 3), torch.float32)}, backend="cpu", plugins=make_plugins(), debug=True)
+    reg.capture([(B(8), "full")], lazy=True)
+    model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()}, assign=True)  # before any graph exists
+    x = torch.randn(5, 3)
+    with torch.inference_mode():
+        torch.testing.assert_close(reg.run(B(5), x=x).clone(), model(B(5), x))  # captured lazily, on the new weights
+        reg.clear()
+        model.proj.weight = nn.Parameter(torch.zeros(3, 3))
+        torch.testing.assert_close(reg.run(B(5), x=x), model(B(5), x))  # eager: nothing to warn about
+
+
+def test_debug_mode_sees_a_replaced_submodule() -> None:
+    reg, model = debug_model_registry("cpu")
+    model.proj = nn.Linear(3, 3)
+    with pytest.raises(cg.DebugError, match=r"step\.proj\.weight moved"):
+        with torch.inference_mode():
+            reg.run(B(5), x=torch.randn(5, 3))
+
+
+def test_debug_outputs_behave_like_plain_ones() -> None:
+    reg = matrix_registry("cpu", debug=True)
+    out = reg.run(B(5), x=torch.ones(5, 3))
+    out.unsqueeze_(0)  # allowed on the plain view run() hands out, so allowed here
+    assert out.shape == (1, 5, 3)
+    with pytest.raises(TypeError):
+        reg.run(None, x=torch.ones(5, 3))  # type: ignore[arg-type]
+    assert float(out.sum()) == 30.0, "a refused batch overwrote nothing"
+    reg.run(B(5), x=torch.zeros(5, 3))
+    assert out.nbytes == 60 and out.itemsize == 4 and out.is_leaf and out.grad is None and not out.is_nested
+
+
+def test_structseq_outputs_round_trip_and_odd_containers_are_refused() -> None:
+    reg = cg.GraphRegistry(lambda b, x: torch.topk(x, 2, dim=-1), {"x": cg.StaticInput((16, 4), torch.float32)}, backend="cpu",
+                           plugins=make_plugins())
+    reg.capture([(B(8), "full")])
+    x = torch.randn(5, 4)
+    got, want = reg.run(B(5), x=x), torch.topk(x, 2, dim=-1)
+    assert type(got) is type(want)
+    torch.testing.assert_close(got.values, want.values)
+    import collections
+
+    reg = cg.GraphRegistry(lambda b, x: collections.defaultdict(list, a=x), {"x": cg.StaticInput((16,), torch.float32)},
+                           backend="cpu", plugins=make_plugins())
+    with pytest.raises(cg.CaptureError, match="output is a defaultdict; return a dict"):
+        reg.capture([(B(8), "full")])
+
+
+def test_observers_are_contained_beside_a_wrapper() -> None:
+    seen: list[str] = []
+
+    class Good:
+        @cg.hookimpl
+        def cgregistry_miss(self, registry, actual):  # type: ignore[no-untyped-def]
+            seen.append("good")
+
+    class Bad:
+        @cg.hookimpl
+        def cgregistry_miss(self, registry, actual):  # type: ignore[no-untyped-def]
+            raise RuntimeError("bad observer")
+
+    class Wrapping:
+        @cg.hookimpl(wrapper=True)
+        def cgregistry_miss(self, registry, actual):  # type: ignore[no-untyped-def]
+            seen.append("wrapper")
+            return (yield)
+
+    pm = cg.make_plugin_manager(autoload=False)
+    for plugin, name in ((Good(), "good"), (Bad(), "bad"), (Wrapping(), "wrapping")):
+        pm.register(plugin, name=name)
+    reg = cg.GraphRegistry(lambda b, x: x, {"x": cg.StaticInput((4,), torch.float32)}, backend="cpu", plugins=cg.Plugins(pm))
+    with pytest.warns(RuntimeWarning, match="cgregistry_miss of plugin 'bad' raised RuntimeError: bad observer"):
+        reg.run(B(2), x=torch.ones(2))
+    assert sorted(seen) == ["good", "wrapper"]
+
+
+def test_a_deeply_nested_snapshot_file_is_a_snapshot_error(tmp_path: object) -> None:
+    path = tmp_path / "deep.json"  # type: ignore[operator]
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(cg.SnapshotError, match="nested too deeply"):
+        cg.load_snapshot(path)

@@ -1,7 +1,7 @@
 """The ``piecewise`` strategy: the pieces of a piecewise-compiled model, graphed per descriptor.
 
 The model is traced once by ``torch.compile`` with the piecewise compiler
-(:mod:`cgregistry.piecewise`), which cuts it at splitting ops.  Capturing an
+(:mod:`cgregistry.compiler`), which cuts it at splitting ops.  Capturing an
 entry runs the step once: each piece is captured as a graph segment in the
 registry's pool, and each splitting op runs eagerly between them, exactly as an
 eager break of the ``breakable`` strategy does (same replay, same pool rules).
@@ -16,8 +16,8 @@ from typing import Any
 
 from cgregistry import runtime
 from cgregistry.backends import Backend
+from cgregistry.compiler import PiecewiseError
 from cgregistry.markers import hookimpl
-from cgregistry.piecewise import PiecewiseError
 from cgregistry.strategies.breakable import BreakableGraph, BreakableStrategy, _Site
 
 _CG_INTERNAL = True

@@ -1,0 +1,149 @@
+"""Capture of one entry: static buffers reset to their fills, views sized for the key, warm-up, the
+strategy's capture into the shared pool, output checks.
+
+Capture runs the engine's step (warm-up always; eager breaks and the cpu emulator
+run it for real), and a step writes engine state such as a KV cache at the slots
+it reads.  So every capture, whenever it happens, runs on buffers reset to their
+fills (a scratch slot for index inputs), never on the rows of a batch already
+served.  Knows nothing of the registry; a failure is a ``CaptureError`` and
+changes nothing but the pool handle (``recover_pool``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import numbers
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from cgregistry import runtime
+from cgregistry.backends import Backend
+from cgregistry.buffers import StaticBuffer, rows_for
+from cgregistry.descriptor import BatchDescriptor
+from cgregistry.entries import Entry
+from cgregistry.errors import CgregistryError
+from cgregistry.outputs import OutputError, OutputSlicer, flatten
+from cgregistry.plugins import PluginError
+from cgregistry.runtime import BreakContext
+
+__all__ = ["CaptureError", "EntryCapture", "frozen_gc"]
+
+
+class CaptureError(CgregistryError, RuntimeError):
+    """Capturing one entry failed; the registry is as it was before that entry."""
+
+    def __init__(self, descriptor: BatchDescriptor, strategy: str, cause: BaseException) -> None:
+        super().__init__(f"capturing {descriptor} with strategy {strategy!r} failed: {type(cause).__name__}: {cause}")
+        self.descriptor = descriptor
+        self.strategy = strategy
+
+
+class EntryCapture:
+    """Captures entries of one step into one pool (shared by every entry of a registry)."""
+
+    def __init__(
+        self, step: Callable[..., Any], buffers: Mapping[str, StaticBuffer], backend: Backend, output_axis: str, warmup_runs: int,
+    ) -> None:
+        self._step = step
+        self._buffers = buffers
+        self.backend = backend
+        self.device = backend.device()
+        self._output_axis = output_axis
+        self._warmup_runs = warmup_runs
+        self.pool = backend.new_pool()
+
+    def new_pool(self) -> None:
+        """Start a fresh pool: on CUDA a pool whose graphs all died cannot take new captures."""
+        self.pool = self.backend.new_pool()
+
+    def check_fits(self, key: BatchDescriptor) -> None:
+        """Refuse a key larger than a static input, before anything is captured."""
+        for buf in self._buffers.values():
+            rows = self._key_rows(buf, key)
+            if rows > buf.capacity:
+                raise ValueError(
+                    f"key {key} needs {rows} {buf.spec.axis} in static input {buf.name!r}, "
+                    f"which holds {buf.capacity}; enlarge its StaticInput shape"
+                )
+
+    @staticmethod
+    def _key_rows(buf: StaticBuffer, key: BatchDescriptor) -> int:
+        rows = rows_for(buf.spec.axis, key)
+        return buf.capacity if rows is None else rows  # relaxed keys see every request slot
+
+    def capture(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any) -> Entry:
+        """Warm up and capture ``step(key, **views)`` with ``strategy``; ``payload`` is what eager breaks see."""
+        for buf in self._buffers.values():
+            buf.reset()  # never an earlier batch's rows: the step may write engine state at them
+        views = {name: buf.view(self._key_rows(buf, key)) for name, buf in self._buffers.items()}
+        step = self._step
+
+        def body() -> Any:
+            return step(key, **views)
+
+        started = time.perf_counter()
+        token = runtime.batch.set(BreakContext(key, key, payload))
+        try:
+            with torch.inference_mode():
+                warm_leaves, spec = flatten(self.backend.warmup(body, self._warmup_runs))
+                self._check_outputs(warm_leaves, key)
+                del warm_leaves
+                graph, out = strategy.capture(body, self.backend, self.pool)
+                leaves, captured_spec = flatten(out)
+                del out
+                if captured_spec != spec:
+                    raise OutputError("the step returned a different output structure at capture than at warm-up")
+                self._check_outputs(leaves, key)
+                _check_memory_bytes(graph, strategy_name)
+            self.backend.synchronize()
+        except Exception as exc:
+            self.pool = self.backend.recover_pool(self.pool)
+            raise CaptureError(key, strategy_name, exc) from exc
+        finally:
+            runtime.batch.reset(token)
+        seconds = time.perf_counter() - started
+        return Entry(key, strategy_name, graph, OutputSlicer(self.backend.share_outputs(leaves), spec), seconds)
+
+    def _check_outputs(self, leaves: list[torch.Tensor], key: BatchDescriptor) -> None:
+        if not leaves:
+            raise OutputError("the step returned no tensor")
+        rows = rows_for(self._output_axis, key)
+        for i, leaf in enumerate(leaves):
+            if leaf.dim() == 0 or (rows is not None and leaf.shape[0] != rows):
+                raise OutputError(
+                    f"output leaf {i} has shape {tuple(leaf.shape)}; expected a leading dimension of "
+                    f"{rows} ({self._output_axis} of {key})"
+                )
+            if leaf.device != self.device:
+                raise OutputError(f"output leaf {i} is on {leaf.device}, expected {self.device}")
+        if rows is None:
+            raise OutputError(f"output_axis='reqs' needs keys with a request count; {key} has none")
+
+
+def _check_memory_bytes(graph: Any, strategy: str) -> None:
+    """A strategy's measured memory feeds the budget: it must be a byte count."""
+    memory = getattr(graph, "memory_bytes", None)
+    if isinstance(memory, bool) or not isinstance(memory, numbers.Integral) or memory < 0:
+        raise PluginError(f"strategy {strategy!r} reported memory_bytes={memory!r} for its graph; expected a byte count >= 0")
+
+
+@contextlib.contextmanager
+def frozen_gc() -> Iterator[None]:
+    """No garbage collection (and no tensor finaliser) while graphs are being captured."""
+    freeze = gc.get_freeze_count() == 0  # leave a caller's own frozen heap alone
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
+        if enabled:
+            gc.enable()

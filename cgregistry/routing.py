@@ -1,0 +1,116 @@
+"""The route table: how ``run()`` serves each actual batch shape, decided once and cached.
+
+A *route* holds everything the hot path needs for one shape: the entry to replay
+(or the lazy key to capture first, or nothing: eager), the rows to copy per
+input, and the sliced outputs.  Routes come from the matcher (or a
+``cgregistry_choose_match`` plugin) and are cached until the entries change.
+A group's routes are keyed by (own batch, agreed batch): the key comes from the
+agreed batch, the rows from the rank's own.  Knows nothing of the registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from cgregistry.buffers import InputError, StaticBuffer, rows_for
+from cgregistry.descriptor import BatchDescriptor
+from cgregistry.entries import Entry, Pair
+from cgregistry.matcher import Match, Matcher
+from cgregistry.plugins import PluginError
+from cgregistry.runtime import BreakContext
+
+__all__ = ["ROUTE_CACHE_LIMIT", "Route", "RouteTable", "not_a_descriptor"]
+
+# Distinct actual shapes remembered per cache before it starts over.
+ROUTE_CACHE_LIMIT = 1 << 16
+
+Chooser = Callable[[BatchDescriptor, list[Match]], object]  # a policy plugin's answer (checked here)
+
+
+def not_a_descriptor(value: object) -> TypeError:
+    return TypeError(f"a batch must be a cgregistry.BatchDescriptor, got {value!r} ({type(value).__name__})")
+
+
+class Route:
+    """Everything ``run`` needs for one actual shape, computed once."""
+
+    __slots__ = ("entry", "pending", "match", "copies", "out_rows", "single_output", "real_tokens", "pad_tokens", "batch_context")
+
+    def __init__(self, actual: BatchDescriptor, entry: Entry | None, match: Match | None, copies: tuple[tuple[StaticBuffer, int], ...], out_rows: int) -> None:
+        self.entry = entry
+        # the best key is in a lazy plan and not captured yet: run() captures it first
+        self.pending: Pair | None = (match.key, match.strategy) if match is not None and entry is None else None
+        self.match = match
+        self.copies = copies
+        self.out_rows = out_rows
+        self.real_tokens = actual.num_tokens
+        # from the key, not match.padding: a group's agreed match pads relative to the agreed descriptor
+        self.pad_tokens = match.key.num_tokens - actual.num_tokens if match is not None else 0
+        self.single_output = entry.slicer.sliced(out_rows) if entry is not None and entry.slicer.spec is None else None
+        # what eager breaks see through current_batch() when run() gets no payload (built once, not per step)
+        self.batch_context = BreakContext(actual, entry.key, None) if entry is not None else None
+
+
+class RouteTable:
+    """The matcher over the store's keys, and the routes built from it."""
+
+    def __init__(
+        self, buffers: Mapping[str, StaticBuffer], entries: Mapping[Pair, Entry], output_axis: str,
+        preference: Sequence[str], chooser: Chooser | None = None, chooser_names: str = "",
+    ) -> None:
+        self._buffers = tuple(buffers.values())
+        self._entries = entries  # the store's live dict
+        self._output_axis = output_axis
+        self._chooser = chooser
+        self._chooser_names = chooser_names
+        self.preference = tuple(preference)
+        self.matcher = Matcher((), self.preference)
+        self.cache: dict[BatchDescriptor, Route] = {}  # by actual batch
+        self.group_cache: dict[tuple[BatchDescriptor, BatchDescriptor], Route] = {}  # by (actual, agreed)
+
+    def rebuild(self, pairs: Sequence[Pair]) -> None:
+        """A new matcher over ``pairs``; every cached route is dropped (the caches are cleared in place)."""
+        self.matcher = Matcher(pairs, self.preference)
+        self.cache.clear()
+        self.group_cache.clear()
+
+    def route(self, actual: BatchDescriptor, agreed: BatchDescriptor | None = None) -> Route:
+        """Build and cache the route for ``actual`` (keyed by the ``agreed`` batch of a group, if given)."""
+        if not isinstance(actual, BatchDescriptor):
+            raise not_a_descriptor(actual)
+        copies = []
+        fits = True
+        for buf in self._buffers:
+            rows = rows_for(buf.spec.axis, actual)
+            if rows is None:
+                raise InputError(f"static input {buf.name!r} is indexed by requests, but {actual} gives num_reqs=None")
+            fits = fits and rows <= buf.capacity
+            copies.append((buf, rows))
+        out_rows = rows_for(self._output_axis, actual)
+        if out_rows is None:
+            raise InputError(f"output_axis='reqs' needs the batch's request count; {actual} gives none")
+        # A batch larger than a static input (more requests than a relaxed key's buffers hold) runs eagerly.
+        match = self.choose(actual if agreed is None else agreed) if fits else None
+        entry = self._entries.get((match.key, match.strategy)) if match is not None else None
+        route = Route(actual, entry, match, tuple(copies), out_rows)
+        cache, cache_key = (self.cache, actual) if agreed is None else (self.group_cache, (actual, agreed))
+        if len(cache) >= ROUTE_CACHE_LIMIT:
+            cache.clear()
+        cache[cache_key] = route  # type: ignore[index]
+        return route
+
+    def choose(self, actual: BatchDescriptor) -> Match | None:
+        """The matcher's best covering key, unless a policy plugin picks another candidate."""
+        match = self.matcher.match(actual)
+        if match is None or self._chooser is None:
+            return match
+        candidates = self.matcher.candidates(actual)
+        choice = self._chooser(actual, candidates)
+        if choice is None:
+            return match
+        if not isinstance(choice, Match) or choice not in candidates:
+            raise PluginError(
+                f"cgregistry_choose_match (implemented by {self._chooser_names}) returned {choice!r} for {actual}, "
+                "which is not one of the candidates it was given (each a Match)"
+            )
+        return choice
