@@ -48,6 +48,11 @@ class Entry:
 class EntryStore:
     """Entries by (key, strategy), pending lazy keys, failures, and every counter ``stats()`` reports."""
 
+    __slots__ = (
+        "entries", "pending", "failures", "memory_budget", "_retired", "clock", "misses", "eager_fallbacks",
+        "eager_tokens", "bad_batches", "misses_by_kind", "lazy_captures", "evictions",
+    )
+
     def __init__(self, memory_budget: int | None) -> None:
         self.entries: dict[Pair, Entry] = {}
         self.pending: dict[Pair, None] = {}  # lazy keys, captured on first need (evicted ones return here)

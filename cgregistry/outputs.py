@@ -8,6 +8,7 @@ padded token count (or request count, with ``output_axis="reqs"``).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,15 +77,35 @@ def _unflatten(it: Any, spec: Spec) -> Any:
     return kind(values)  # torch.return_types structseq
 
 
+def _builder(spec: Spec, leaf_index: list[int]) -> Callable[[list[torch.Tensor]], Any]:
+    """A function from fresh leaves to the structure ``spec`` records, with the walk over ``spec`` done once."""
+    if spec is None:
+        i = leaf_index[0]
+        leaf_index[0] += 1
+        return lambda leaves: leaves[i]
+    kind, keys, children = spec
+    if kind == "const":
+        return lambda leaves: None
+    parts = [_builder(c, leaf_index) for c in children]
+    if keys is not None:
+        return lambda leaves: kind(zip(keys, [part(leaves) for part in parts]))
+    if kind is tuple or kind is list:
+        return lambda leaves: kind([part(leaves) for part in parts])
+    if hasattr(kind, "_make"):
+        return lambda leaves: kind._make([part(leaves) for part in parts])  # named tuple
+    return lambda leaves: kind([part(leaves) for part in parts])  # torch.return_types structseq
+
+
 class OutputSlicer:
     """Full-size output tensors of one entry, sliced (and cached) per actual row count."""
 
-    __slots__ = ("leaves", "spec", "_cache", "_single")
+    __slots__ = ("leaves", "spec", "_cache", "_single", "_build")
 
     def __init__(self, leaves: list[torch.Tensor], spec: Spec) -> None:
         self.leaves = leaves
         self.spec = spec
         self._single = spec is None
+        self._build = _builder(spec, [0])
         self._cache: dict[int, list[torch.Tensor]] = {}
 
     def sliced(self, rows: int) -> Any:
@@ -95,4 +116,4 @@ class OutputSlicer:
             views = self._cache[rows] = [leaf[:rows] for leaf in self.leaves]
         if self._single:
             return views[0].detach()
-        return unflatten([v.detach() for v in views], self.spec)
+        return self._build([v.detach() for v in views])

@@ -118,6 +118,7 @@ class GraphRegistry:
             chooser = lambda actual, candidates: hook(registry=self, actual=actual, candidates=candidates)  # noqa: E731
             names = ", ".join(i.plugin_name for i in hook.get_hookimpls())
         self._routes = RouteTable(self._buffers, self._store.entries, output_axis, self.preference, chooser, names if chooser else "")
+        self._route_cache = self._routes.cache  # the hot path's first lookup (cleared in place, never replaced)
         self._capture_payload: Any = None
         self.debug = bool(debug)
         self._addresses = AddressWatch()
@@ -273,13 +274,12 @@ class GraphRegistry:
 
     def _run(self, actual: BatchDescriptor, context: Any, inputs: dict[str, torch.Tensor], agreed: BatchDescriptor | None = None) -> Any:
         """The hot path, top to bottom: route, check, (capture lazily,) copy in, replay, count, hand out."""
-        routes = self._routes
         try:
-            route = routes.cache.get(actual) if agreed is None else routes.group_cache.get((actual, agreed))
+            route = self._route_cache.get(actual) if agreed is None else self._routes.group_cache.get((actual, agreed))
         except TypeError:  # unhashable: not a descriptor
             raise not_a_descriptor(actual) from None
         if route is None:
-            route = routes.route(actual, agreed)
+            route = self._routes.route(actual, agreed)
         # Every input is checked before anything is touched, on the graph and the eager path alike.
         if len(inputs) != len(route.copies):
             raise self._bad_names(inputs)
@@ -294,7 +294,7 @@ class GraphRegistry:
                 # Capture resets the static buffers (and may reuse pool memory) an input can alias: keep copies.
                 inputs = {name: value.clone() for name, value in inputs.items()}
                 self._capture_lazily(route.pending)
-                route = routes.route(actual, agreed)
+                route = self._routes.route(actual, agreed)
                 entry = route.entry
             if entry is None:
                 return self._miss(actual, inputs, context)

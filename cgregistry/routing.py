@@ -54,6 +54,8 @@ class Route:
 class RouteTable:
     """The matcher over the store's keys, and the routes built from it."""
 
+    __slots__ = ("_buffers", "_entries", "_output_axis", "_chooser", "_chooser_names", "preference", "matcher", "cache", "group_cache")
+
     def __init__(
         self, buffers: Mapping[str, StaticBuffer], entries: Mapping[Pair, Entry], output_axis: str,
         preference: Sequence[str], chooser: Chooser | None = None, chooser_names: str = "",
