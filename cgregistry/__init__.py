@@ -1,74 +1,62 @@
-"""cgregistry: CUDA graphs for batched inference engines, keyed by BatchDescriptor."""
+"""cgregistry: CUDA graphs for batched inference engines, keyed by BatchDescriptor.
 
-from cgregistry.backends.cpu import GraphUnsafeOpError
-from cgregistry.breaks import (
-    BreakContext,
-    capture_barrier,
-    current_batch,
-    eager_break,
-    graph_break,
-)
-from cgregistry.buffers import InputError, StaticInput
-from cgregistry.compiler import PiecewiseCompiler, PiecewiseError, compile_piecewise
-from cgregistry.debug import DebugError, StaleOutputError
+The names an engine writer needs, grouped by task and sorted within each group;
+plugin authors find theirs in :mod:`cgregistry.plugin` (``cg.plugin.hookimpl``,
+the contracts, the registrars).
+"""
+
+# ruff: noqa: I001  (grouped by task on purpose)
+
+# Describe batches and plan what to capture
 from cgregistry.descriptor import BatchDescriptor, Padding
-from cgregistry.hookspecs import hookimpl, hookspec
-from cgregistry.inspection import ClassStats, Snapshot, SnapshotError, load_snapshot
+from cgregistry.plan import MODES, CapturePlan, PlanEntry, PlanSettings, UncoveredRange
+
+# The registry and its static inputs
+from cgregistry.buffers import StaticInput
+from cgregistry.registry import GraphRegistry
+
+# Models with eager parts: attention as an eager break, piecewise compilation
+from cgregistry.breaks import capture_barrier, eager_break, graph_break
+from cgregistry.compiler import PiecewiseCompiler, compile_piecewise
+from cgregistry.runtime import BreakContext, current_batch, eager_batch
+
+# Inspection: entries, statistics, explanations, snapshots
+from cgregistry.inspection import ClassStats, EntryInfo, Snapshot, Stats, load_snapshot
 from cgregistry.matcher import Candidate, Explanation, Match, Matcher
+
+# The plugin set a registry uses (GraphRegistry(plugins=...)); plugin authors: cgregistry.plugin
+from cgregistry import plugin
+from cgregistry.plugins import Plugins, make_plugin_manager
+
+# Errors: each is a CgregistryError and keeps its builtin base (ValueError, RuntimeError, ...)
+from cgregistry.backends.cpu import GraphUnsafeOpError
+from cgregistry.buffers import InputError
+from cgregistry.capture import CaptureError
+from cgregistry.compiler import PiecewiseError
+from cgregistry.debug import DebugError, StaleOutputError
+from cgregistry.errors import CgregistryError
+from cgregistry.inspection import SnapshotError
 from cgregistry.outputs import OutputError
-from cgregistry.plan import MODES, CapturePlan, PlanEntry, UncoveredRange
-from cgregistry.plugins import PluginError, Plugins, make_plugin_manager
-from cgregistry.registry import (
-    CaptureError,
-    ConcurrentRunError,
-    EntryInfo,
-    GraphRegistry,
-    Stats,
-)
-from cgregistry.runtime import eager_batch
+from cgregistry.plugins import PluginError
+from cgregistry.registry import ConcurrentRunError
 from cgregistry.strategies.breakable import BreakError
+
 from cgregistry.version import __version__
 
 __all__ = [
-    "MODES",
-    "BatchDescriptor",
-    "BreakContext",
-    "BreakError",
-    "Candidate",
-    "CaptureError",
-    "ClassStats",
-    "ConcurrentRunError",
-    "DebugError",
-    "CapturePlan",
-    "EntryInfo",
-    "Explanation",
-    "GraphRegistry",
-    "GraphUnsafeOpError",
-    "InputError",
-    "Match",
-    "Matcher",
-    "OutputError",
-    "Padding",
-    "PiecewiseCompiler",
-    "PiecewiseError",
-    "PlanEntry",
-    "PluginError",
-    "Plugins",
-    "Snapshot",
-    "SnapshotError",
-    "StaticInput",
-    "StaleOutputError",
-    "Stats",
-    "UncoveredRange",
+    # batches and plans
+    "MODES", "BatchDescriptor", "CapturePlan", "Padding", "PlanEntry", "PlanSettings", "UncoveredRange",
+    # the registry
+    "GraphRegistry", "StaticInput",
+    # eager parts
+    "BreakContext", "PiecewiseCompiler", "capture_barrier", "compile_piecewise", "current_batch", "eager_batch",
+    "eager_break", "graph_break",
+    # inspection
+    "Candidate", "ClassStats", "EntryInfo", "Explanation", "Match", "Matcher", "Snapshot", "Stats", "load_snapshot",
+    # plugins in use
+    "Plugins", "make_plugin_manager", "plugin",
+    # errors
+    "BreakError", "CaptureError", "CgregistryError", "ConcurrentRunError", "DebugError", "GraphUnsafeOpError",
+    "InputError", "OutputError", "PiecewiseError", "PluginError", "SnapshotError", "StaleOutputError",
     "__version__",
-    "capture_barrier",
-    "compile_piecewise",
-    "current_batch",
-    "eager_batch",
-    "eager_break",
-    "graph_break",
-    "hookimpl",
-    "hookspec",
-    "load_snapshot",
-    "make_plugin_manager",
 ]

@@ -1,26 +1,30 @@
 """Plans against workloads: how a plan serves a stream of steps, and the plan that serves it best.
 
 ``evaluate`` replays actual batch shapes through a plan's matcher: hit rate,
-eager fallbacks, padded tokens overall and by token count.  ``fit`` chooses the
-sizes that minimise padded tokens for a workload under a graph budget, exactly:
-a dynamic programme per key family over the observed sizes, then an exact split
-of the budget between families.  The covering guarantees of ``build`` stay: the
-widest uniform batch of each spec depth and the max capture size remain keys.
+eager fallbacks, padded tokens overall and by token count.  ``fit_families``
+chooses the sizes that minimise padded tokens for a workload under a graph
+budget, exactly: a dynamic programme per key family over the observed sizes,
+then an exact split of the budget between families; ``CapturePlan.fit`` turns
+them into a plan.  The covering guarantees of ``build`` stay: the widest
+uniform batch of each spec depth and the max capture size remain keys.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.matcher import DEFAULT_PREFERENCE, Matcher
-from cgregistry.plan import CapturePlan, PlanSettings, SpecDepths
 
-__all__ = ["PlanReport", "evaluate", "fit", "fit_sizes"]
+if TYPE_CHECKING:  # plans build on this module, never the other way round
+    from cgregistry.plan import CapturePlan, PlanSettings
+
+__all__ = ["PlanReport", "evaluate", "fit_families", "fit_sizes"]
 
 # Columns of the dynamic programme's cost matrix computed at once (bounds memory for large sizes).
 _BLOCK = 512
@@ -146,50 +150,31 @@ def fit_sizes(weights: Mapping[int, int], top: int, unit: int = 1, max_sizes: in
     return out
 
 
-def fit(
-    steps: Iterable[BatchDescriptor],
-    max_graphs: int,
-    *,
-    max_num_seqs: int,
-    max_num_tokens: int,
-    mode: str = "full_and_piecewise",
-    max_capture_size: int | None = None,
-    spec_depths: SpecDepths = (0,),
-    lora_counts: Sequence[int] | None = None,
-    max_loras: int | None = None,
-) -> CapturePlan:
-    """The plan with at most ``max_graphs`` graphs that pads ``steps`` least.
+def fit_families(steps: Iterable[BatchDescriptor], max_graphs: int, settings: PlanSettings) -> tuple[dict[int, list[int]], list[int]]:
+    """The sizes ``CapturePlan.fit`` captures: request counts per spec depth, and mixed token counts.
 
-    Key families: one per spec depth for uniform decode batches (sizes are request
-    counts), one for mixed batches (token counts).  Steps are assigned the way the
-    matcher serves them when the decode and mixed strategies differ (modes
-    ``full_and_*``): uniform batches of a planned depth to their depth's family,
-    everything else up to the max capture size to the mixed family.  In mode
-    ``full`` the matcher may serve a uniform batch from a mixed key when that pads
-    less, so the fitted padding is an upper bound there.  Sizes are shared by all
-    LoRA counts: each size costs one graph per LoRA count.
+    Each key family gets an exact padding-versus-size-count curve (``fit_sizes``) over the
+    steps it serves, and the budget is split between families exactly (``_split_budget``).
     """
-    settings = PlanSettings.from_engine(
-        max_num_seqs, max_num_tokens, mode, None, max_capture_size, spec_depths, lora_counts, max_loras
-    )
     if type(max_graphs) is not int or max_graphs < 1:
         raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
-    per_size = len(settings.lora_counts)
+    per_size = len(settings.lora_counts)  # type: ignore[arg-type]
     decode_hist: dict[int, Counter[int]] = {d: Counter() for d in settings.widest} if settings.decode_strategy else {}
     mixed_hist: Counter[int] = Counter()
+    top: int = settings.max_capture_size  # type: ignore[assignment]
     for i, step in enumerate(steps):
         if not isinstance(step, BatchDescriptor):
             raise TypeError(f"fit() takes BatchDescriptors; steps[{i}] is {step!r} ({type(step).__name__})")
         if step.uniform and step.spec_depth in decode_hist and step.num_reqs <= settings.widest[step.spec_depth]:  # type: ignore[operator]
             decode_hist[step.spec_depth][step.num_reqs] += 1  # type: ignore[index]
-        elif settings.mixed_strategy is not None and step.num_tokens <= settings.max_capture_size:
+        elif settings.mixed_strategy is not None and step.num_tokens <= top:
             mixed_hist[step.num_tokens] += 1
     families: list[tuple[str, int, dict[int, tuple[int, list[int]]]]] = []
     budget = max_graphs // per_size
     for depth, hist in decode_hist.items():
         families.append(("decode", depth, fit_sizes(hist, settings.widest[depth], unit=1 + depth, max_sizes=budget)))
     if settings.mixed_strategy is not None:
-        families.append(("mixed", 0, fit_sizes(mixed_hist, settings.max_capture_size, max_sizes=budget)))
+        families.append(("mixed", 0, fit_sizes(mixed_hist, top, max_sizes=budget)))
     if len(families) > budget:
         raise ValueError(
             f"max_graphs={max_graphs} cannot hold one graph per key family ({len(families)} families "
@@ -204,7 +189,7 @@ def fit(
             decode[depth] = sizes
         else:
             mixed = sizes
-    return settings.plan(decode, mixed)
+    return decode, mixed
 
 
 def _split_budget(curves: list[dict[int, tuple[int, list[int]]]], budget: int) -> list[int]:

@@ -1,12 +1,13 @@
 """Every hook a cgregistry plugin can implement, and nothing else.
 
-Hooks are prefixed ``cgregistry_``.  Registration hooks receive a ``register``
-callback so that cgregistry owns storage and duplicate rules.  Observer hooks
-are called on events and their return values are ignored; they run outside the
-per-step hot path (``run`` calls ``cgregistry_miss`` only on a miss), one
-implementation at a time, and one that raises is reported as a warning while the
-others still run (``cgregistry.plugins.notify``).  The one
-policy hook, ``cgregistry_choose_match``, is ``firstresult``.
+Hooks are prefixed ``cgregistry_``.  Registration hooks receive a typed
+``Registrar`` (call it with each object) so that cgregistry owns storage,
+protocol checks and duplicate rules.  Observer hooks are called on events and
+their return values are ignored; they run outside the per-step hot path (``run``
+calls ``cgregistry_miss`` only on a miss), one implementation at a time, and one
+that raises is reported as a warning while the others still run
+(``Plugins.notify``).  The one policy hook, ``cgregistry_choose_match``, is
+``firstresult``.
 
 Ordering: pluggy calls the most recently registered implementation first;
 built-ins are registered after entry points, so a plugin's observer runs after
@@ -15,14 +16,15 @@ the built-ins' (the built-ins implement none).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from cgregistry.markers import PROJECT, hookimpl, hookspec
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: hook specifications import nothing of the registry at run time
     from cgregistry.descriptor import BatchDescriptor
     from cgregistry.matcher import Match
+    from cgregistry.plugins import BackendRegistrar, StrategyRegistrar
     from cgregistry.registry import EntryInfo, GraphRegistry
 
 __all__ = ["PROJECT", "hookimpl", "hookspec"]
@@ -32,13 +34,14 @@ __all__ = ["PROJECT", "hookimpl", "hookspec"]
 
 
 @hookspec
-def cgregistry_register_strategies(register: Callable[[Any], None]) -> None:
+def cgregistry_register_strategies(register: StrategyRegistrar) -> None:
     """Register capture strategies by calling ``register(strategy)`` once per strategy.
 
-    :param register: takes an object with ``name: str``, ``relaxes_num_reqs: bool``
+    :param register: a ``Registrar``; takes an object implementing
+        :class:`cgregistry.contracts.Strategy`: ``name: str``, ``relaxes_num_reqs: bool``
         and ``capture(body, backend, pool) -> (graph, outputs)``, where ``graph``
-        has ``replay()`` and ``memory_bytes`` (and optionally ``num_segments``
-        and ``breaks``).  A name already registered by another plugin is a
+        is a :class:`cgregistry.contracts.Graph` (``replay()``, ``memory_bytes``,
+        optionally ``num_segments`` and ``breaks``).  A name already registered by another plugin is a
         ``PluginError`` naming both plugins; a missing attribute is a
         ``PluginError`` naming the plugin.
     :return: ignored.
@@ -48,12 +51,15 @@ def cgregistry_register_strategies(register: Callable[[Any], None]) -> None:
 
 
 @hookspec
-def cgregistry_register_backends(register: Callable[[Any], None]) -> None:
+def cgregistry_register_backends(register: BackendRegistrar) -> None:
     """Register graph backends by calling ``register(backend)`` once per backend.
 
-    :param register: takes an object implementing :class:`cgregistry.backends.Backend`
-        (``name``, ``is_available``, ``device``, ``new_pool``, ``warmup``,
-        ``capture``, ``share_outputs``, ``recover_pool``, ``synchronize``).
+    :param register: a ``Registrar``; takes an object implementing
+        :class:`cgregistry.contracts.Backend` (``name``, ``is_available``, ``device``,
+        ``new_pool``, ``warmup``, ``capture``, ``share_outputs``, ``recover_pool``,
+        ``synchronize``), and :class:`cgregistry.contracts.SegmentedBackend` too
+        (``capture_context``, ``begin_capture``, ``hold_intermediates``) for the
+        ``breakable`` and ``piecewise`` strategies to run on it.
         Duplicate names are a ``PluginError`` naming both plugins.
     :return: ignored.
 

@@ -7,12 +7,14 @@ of parallel dicts of sizes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Literal
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 import attrs
 
 from cgregistry.descriptor import BatchDescriptor
+from cgregistry.fitting import fit_families
 from cgregistry.matcher import Matcher
 
 __all__ = ["MODES", "CapturePlan", "PlanEntry", "PlanSettings", "UncoveredRange", "default_ladder", "lora_ladder"]
@@ -31,9 +33,6 @@ MODES: dict[str, tuple[str | None, str | None]] = {
     "full_and_piecewise": ("full", "piecewise"),
     "full_and_breakable": ("full", "breakable"),
 }
-
-# Strategies that build attention metadata eagerly, so their keys need no request count.
-RELAXED_STRATEGIES = frozenset({"piecewise", "breakable"})
 
 # Spec depths for every batch size, or a schedule {largest request count: depths allowed up to it}.
 SpecDepths = Sequence[int] | Mapping[int, Sequence[int]]
@@ -108,94 +107,132 @@ def _positive_ints(name: str, values: Iterable[int], minimum: int) -> tuple[int,
     return tuple(sorted(set(out)))
 
 
-@attrs.frozen(slots=True)
+def _positive(name: str) -> Callable[[Any, Any, Any], None]:
+    def check(instance: Any, attribute: Any, value: object) -> None:
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    return check
+
+
+def _optional_positive(name: str) -> Callable[[Any, Any, Any], None]:
+    check = _positive(name)
+
+    def optional(instance: Any, attribute: Any, value: object) -> None:
+        if value is not None:
+            check(instance, attribute, value)
+
+    return optional
+
+
+@functools.cache
+def _default_plugins() -> Any:
+    from cgregistry.plugins import (
+        Plugins,  # the plan looks strategies up; plugins never import plans
+    )
+
+    return Plugins()
+
+
+@attrs.frozen(slots=True, kw_only=True)
 class PlanSettings:
-    """Engine settings normalised: what ``build`` and ``fit`` turn into keys."""
+    """Engine settings, checked on construction (errors name the setting), and what follows from them.
 
-    max_num_seqs: int
-    max_num_tokens: int
-    mode: str
-    max_capture_size: int
-    capture_sizes: tuple[int, ...]  # mixed-batch token counts (the ladder unless given)
-    widest: Mapping[int, int]  # spec depth -> largest request count of a uniform batch of that depth
-    lora_counts: tuple[int, ...]
+    The one place the settings are declared: ``CapturePlan.build`` and ``CapturePlan.fit``
+    take these fields as keywords.  ``mode`` is a name from ``MODES`` or a pair
+    ``(decode_strategy, mixed_strategy)`` of any registered strategies (either may be
+    None); each strategy's own ``relaxes_num_reqs`` decides whether its mixed keys carry a
+    request count.  After construction ``capture_sizes``, ``max_capture_size`` and
+    ``lora_counts`` hold the values used (defaults resolved), and ``widest`` maps each spec
+    depth to the widest uniform batch of that depth.
+    """
 
-    @property
-    def decode_strategy(self) -> str | None:
-        return MODES[self.mode][0]
+    max_num_seqs: int = attrs.field(validator=_positive("max_num_seqs"))
+    max_num_tokens: int = attrs.field(validator=_positive("max_num_tokens"))
+    mode: Mode | str | tuple[str | None, str | None] = "full_and_piecewise"
+    capture_sizes: tuple[int, ...] | None = None  # mixed-batch token counts (the ladder unless given)
+    max_capture_size: int | None = attrs.field(default=None, validator=_optional_positive("max_capture_size"))
+    spec_depths: SpecDepths = (0,)
+    lora_counts: tuple[int, ...] | None = None
+    max_loras: int | None = None
+    plugins: Any = attrs.field(default=None, eq=False, repr=False)  # where strategy names are looked up
+    decode_strategy: str | None = attrs.field(init=False)
+    mixed_strategy: str | None = attrs.field(init=False)
+    mixed_relaxed: bool = attrs.field(init=False)  # mixed keys carry no request count
+    widest: Mapping[int, int] = attrs.field(init=False)  # spec depth -> largest request count of a uniform batch
 
-    @property
-    def mixed_strategy(self) -> str | None:
-        return MODES[self.mode][1]
-
-    @classmethod
-    def from_engine(
-        cls,
-        max_num_seqs: int,
-        max_num_tokens: int,
-        mode: str = "full_and_piecewise",
-        capture_sizes: Sequence[int] | None = None,
-        max_capture_size: int | None = None,
-        spec_depths: SpecDepths = (0,),
-        lora_counts: Sequence[int] | None = None,
-        max_loras: int | None = None,
-    ) -> PlanSettings:
-        """Validate settings; errors name the offending value and what was expected."""
-        if type(max_num_seqs) is not int or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
-        if type(max_num_tokens) is not int or max_num_tokens < 1:
-            raise ValueError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-        widest = _depth_widest(spec_depths, max_num_seqs, max_num_tokens)
-        if lora_counts is None:
+    def __attrs_post_init__(self) -> None:
+        fix = functools.partial(object.__setattr__, self)
+        decode, mixed = self._strategies()
+        fix("decode_strategy", decode)
+        fix("mixed_strategy", mixed)
+        fix("mixed_relaxed", mixed is not None and bool(self._lookup(mixed).relaxes_num_reqs))
+        widest = _depth_widest(self.spec_depths, self.max_num_seqs, self.max_num_tokens)
+        fix("widest", widest)
+        max_loras = self.max_loras
+        if self.lora_counts is None:
             loras = (0,) if max_loras is None else lora_ladder(max_loras)
         else:
-            loras = _positive_ints("lora_counts", lora_counts, 0)
+            loras = _positive_ints("lora_counts", self.lora_counts, 0)
             if max_loras is not None and max(loras) < max_loras:
                 raise ValueError(
                     f"lora_counts {list(loras)} do not reach max_loras={max_loras}: "
                     f"a batch with {max_loras} active adapters would have no graph"
                 )
-        query_len = 1 + max(widest)
-        if capture_sizes is not None:
-            capture_sizes = _positive_ints("capture_sizes", capture_sizes, 1)
-
-        if max_capture_size is None:
-            if capture_sizes:
-                max_capture_size = max(capture_sizes)
-            else:
-                max_capture_size = min(2 * max_num_seqs * query_len, 512, max_num_tokens)
-        elif type(max_capture_size) is not int or max_capture_size < 1:
-            raise ValueError(f"max_capture_size must be a positive int, got {max_capture_size!r}")
-        if max_capture_size > max_num_tokens:
+        fix("lora_counts", loras)
+        sizes = None if self.capture_sizes is None else _positive_ints("capture_sizes", self.capture_sizes, 1)
+        top = self.max_capture_size
+        if top is None:
+            query_len = 1 + max(widest)
+            top = max(sizes) if sizes else min(2 * self.max_num_seqs * query_len, 512, self.max_num_tokens)
+        if top > self.max_num_tokens:
             raise ValueError(
-                f"max_capture_size={max_capture_size} exceeds max_num_tokens={max_num_tokens}: "
-                "no batch can be that large"
+                f"max_capture_size={top} exceeds max_num_tokens={self.max_num_tokens}: no batch can be that large"
             )
-        if capture_sizes is None:
-            sizes = tuple(default_ladder(max_capture_size))
+        if sizes is None:
+            sizes = tuple(default_ladder(top))
         else:
-            sizes = _positive_ints("capture_sizes", capture_sizes, 1)
-            too_big = [s for s in sizes if s > max_capture_size]
+            too_big = [size for size in sizes if size > top]
             if too_big:
                 raise ValueError(
-                    f"capture_sizes {too_big} exceed max_capture_size={max_capture_size}; "
-                    "raise max_capture_size or drop those sizes"
+                    f"capture_sizes {too_big} exceed max_capture_size={top}; raise max_capture_size or drop those sizes"
                 )
-        return cls(max_num_seqs, max_num_tokens, mode, max_capture_size, sizes, widest, loras)
+        fix("max_capture_size", top)
+        fix("capture_sizes", sizes)
+
+    def _strategies(self) -> tuple[str | None, str | None]:
+        mode = self.mode
+        if isinstance(mode, str):
+            if mode not in MODES:
+                raise ValueError(
+                    f"unknown mode {mode!r}; expected one of {', '.join(MODES)}, or a pair (decode_strategy, mixed_strategy)"
+                )
+            return MODES[mode]
+        if not isinstance(mode, tuple) or len(mode) != 2 or not all(m is None or isinstance(m, str) for m in mode):
+            raise ValueError(f"mode must be a name from MODES or a pair (decode_strategy, mixed_strategy), got {mode!r}")
+        for name in mode:
+            if name is not None:
+                self._lookup(name)
+        return mode
+
+    def _lookup(self, strategy: str) -> Any:
+        plugins = self.plugins if self.plugins is not None else _default_plugins()
+        try:
+            return plugins.strategy(strategy)
+        except KeyError as exc:
+            raise ValueError(f"mode {self.mode!r}: {exc.args[0]}") from None
 
     def plan(self, decode_reqs: Mapping[int, Sequence[int]], mixed_tokens: Sequence[int]) -> CapturePlan:
         """Keys from chosen sizes: request counts per spec depth, token counts for mixed batches."""
         keys: list[tuple[BatchDescriptor, str]] = []
-        for n_loras in self.lora_counts:
+        for n_loras in self.lora_counts:  # type: ignore[union-attr]
             if self.decode_strategy is not None:
                 for depth, counts in decode_reqs.items():
                     for num_reqs in counts:
                         keys.append((BatchDescriptor.decode(num_reqs, depth, n_loras), self.decode_strategy))
             if self.mixed_strategy is not None:
                 for tokens in mixed_tokens:
-                    reqs = None if self.mixed_strategy in RELAXED_STRATEGIES else min(tokens, self.max_num_seqs)
+                    reqs = None if self.mixed_relaxed else min(tokens, self.max_num_seqs)
                     keys.append((BatchDescriptor(tokens, reqs, n_loras), self.mixed_strategy))
         return CapturePlan(
             tuple(PlanEntry(d, st) for d, st in dict.fromkeys(keys)),
@@ -234,46 +271,42 @@ class CapturePlan:
         return cls(tuple(PlanEntry(d, s) for d, s in pairs), **settings)
 
     @classmethod
-    def build(
-        cls,
-        max_num_seqs: int,
-        max_num_tokens: int,
-        mode: Mode | str = "full_and_piecewise",
-        capture_sizes: Sequence[int] | None = None,
-        max_capture_size: int | None = None,
-        spec_depths: SpecDepths = (0,),
-        lora_counts: Sequence[int] | None = None,
-        max_loras: int | None = None,
-    ) -> CapturePlan:
-        """Keys for an engine's settings.
+    def build(cls, settings: PlanSettings | None = None, /, **fields: Any) -> CapturePlan:
+        """Keys for an engine's settings: a ``PlanSettings``, or its fields as keywords
+        (``max_num_seqs``, ``max_num_tokens``, ``mode``, ``capture_sizes``, ``max_capture_size``,
+        ``spec_depths``, ``lora_counts``, ``max_loras``, ``plugins``).
 
-        Uniform-decode keys (``full``) carry an exact request count: for each
-        spec depth ``d`` their token counts are multiples of ``1 + d`` up to
-        ``max_num_seqs * (1 + d)``, so one token count may have a key per depth.
-        ``spec_depths`` may be a schedule ``{largest request count: depths}``
-        (deep speculation for small batches only).  Mixed-batch keys cover any
-        batch up to ``max_capture_size`` tokens; for ``piecewise``/``breakable``
-        they relax ``num_reqs`` to None, for ``full`` they carry
-        ``min(tokens, max_num_seqs)`` requests.  Every key is repeated for each
-        LoRA count (default with ``max_loras``: ``lora_ladder(max_loras)``).
+        Uniform-decode keys carry an exact request count: for each spec depth ``d``
+        their token counts are multiples of ``1 + d`` up to ``max_num_seqs * (1 + d)``,
+        so one token count may have a key per depth.  ``spec_depths`` may be a schedule
+        ``{largest request count: depths}`` (deep speculation for small batches only).
+        Mixed-batch keys cover any batch up to ``max_capture_size`` tokens; a strategy
+        that relaxes ``num_reqs`` (``piecewise``, ``breakable``, a plugin's) gets keys
+        without a request count, others ``min(tokens, max_num_seqs)`` requests.  Every key
+        is repeated for each LoRA count (default with ``max_loras``: ``lora_ladder(max_loras)``).
         """
-        settings = PlanSettings.from_engine(
-            max_num_seqs, max_num_tokens, mode, capture_sizes, max_capture_size, spec_depths, lora_counts, max_loras
-        )
+        settings = _settings(settings, fields)
         sizes = settings.capture_sizes
-        decode = {d: _decode_request_counts(sizes, d, w) for d, w in settings.widest.items()}
-        return settings.plan(decode, sizes)
+        decode = {d: _decode_request_counts(sizes, d, w) for d, w in settings.widest.items()}  # type: ignore[arg-type]
+        return settings.plan(decode, sizes)  # type: ignore[arg-type]
 
     @classmethod
-    def fit(cls, steps: Iterable[BatchDescriptor], max_graphs: int, **settings: object) -> CapturePlan:
-        """The plan that minimises padded tokens over ``steps`` with at most ``max_graphs`` graphs.
+    def fit(cls, steps: Iterable[BatchDescriptor], max_graphs: int, settings: PlanSettings | None = None, /, **fields: Any) -> CapturePlan:
+        """The plan with at most ``max_graphs`` graphs that pads ``steps`` least (exactly).
 
-        Takes the keyword settings of ``build`` (``max_num_seqs``, ``max_num_tokens``,
-        ``mode``, ...); keeps its covering guarantees.  See ``cgregistry.fitting.fit``.
+        Takes the settings of ``build``; keeps its covering guarantees: the widest uniform
+        batch of each spec depth and the max capture size stay keys.  Key families: one per
+        spec depth for uniform decode batches (sizes are request counts), one for mixed
+        batches (token counts).  Steps are assigned the way the matcher serves them when the
+        decode and mixed strategies differ: uniform batches of a planned depth to their
+        depth's family, everything else up to the max capture size to the mixed family.  When
+        one strategy serves both, the matcher may serve a uniform batch from a mixed key when
+        that pads less, so the fitted padding is an upper bound there.  Sizes are shared by
+        all LoRA counts: each size costs one graph per LoRA count.
         """
-        from cgregistry.fitting import fit  # fitting builds on this module
-
-        return fit(steps, max_graphs, **settings)  # type: ignore[arg-type]
+        settings = _settings(settings, fields)
+        decode, mixed = fit_families(steps, max_graphs, settings)
+        return settings.plan(decode, mixed)
 
     def __iter__(self) -> Iterator[PlanEntry]:
         return iter(self.entries)
@@ -311,6 +344,14 @@ class CapturePlan:
             ]
             gaps += _runs("mixed", n_loras, None, shapes, matcher)
         return gaps
+
+
+def _settings(settings: PlanSettings | None, fields: Mapping[str, Any]) -> PlanSettings:
+    if settings is None:
+        return PlanSettings(**fields)
+    if not isinstance(settings, PlanSettings) or fields:
+        raise TypeError(f"give a PlanSettings or its fields as keywords, not both; got {settings!r} and {sorted(fields)}")
+    return settings
 
 
 def _decode_request_counts(sizes: Sequence[int], depth: int, widest: int) -> list[int]:

@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import importlib
 import os
+import typing
 import warnings
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Generic, TypeVar
 
 import attrs
 import pluggy
 
 from cgregistry import hookspecs
-from cgregistry.backends import Backend
+from cgregistry.contracts import Backend, Strategy, protocol_members
 from cgregistry.errors import CgregistryError
 from cgregistry.version import __version__
 
 __all__ = [
-    "BLOCK_ENV", "DEFAULT_PLUGINS", "DISABLE_AUTOLOAD_ENV", "PluginError", "PluginInfo", "Plugins", "make_plugin_manager",
+    "BLOCK_ENV", "DEFAULT_PLUGINS", "DISABLE_AUTOLOAD_ENV", "BackendRegistrar", "PluginError", "PluginInfo", "Plugins",
+    "Registrar", "StrategyRegistrar", "make_plugin_manager",
 ]
 
 DISABLE_AUTOLOAD_ENV = "CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD"
@@ -77,46 +79,65 @@ class PluginInfo:
     builtin: bool
 
 
-def _collect(pm: pluggy.PluginManager, hook_name: str, kind: str, check: Callable[[Any], str | None]) -> tuple[dict[str, Any], dict[str, str]]:
+T = TypeVar("T")
+
+
+class Registrar(Generic[T]):
+    """What a registration hook receives: call it with each object to register (``register(obj)``).
+
+    Checks the object against its protocol, refuses a name another plugin took, and names
+    the plugin in every error.  One registrar per plugin and hook.
+    """
+
+    def __init__(self, kind: str, plugin: str, protocol: type, found: dict[str, T], origin: dict[str, str]) -> None:
+        self.kind = kind  # "strategy" or "backend"
+        self.plugin = plugin  # the registering plugin's name
+        self.protocol = protocol
+        self._found = found
+        self._origin = origin
+
+    def __call__(self, obj: T) -> None:
+        problem = _problem(obj, self.protocol)
+        if problem:
+            raise PluginError(f"plugin {self.plugin!r} registered an invalid {self.kind} {obj!r}: {problem}")
+        name = obj.name  # type: ignore[attr-defined]
+        if name in self._found:
+            raise PluginError(f"{self.kind} {name!r} is registered by both plugin {self._origin[name]!r} and plugin {self.plugin!r}")
+        self._found[name] = obj
+        self._origin[name] = self.plugin
+
+    register = __call__
+
+
+StrategyRegistrar = Registrar[Strategy]
+BackendRegistrar = Registrar[Backend]
+
+
+def _collect(pm: pluggy.PluginManager, hook_name: str, kind: str, protocol: type) -> tuple[dict[str, Any], dict[str, str]]:
     found: dict[str, Any] = {}
     origin: dict[str, str] = {}
     hook = getattr(pm.hook, hook_name)
     # Call each implementation on its own so that every registration is attributed to its plugin.
     for impl in hook.get_hookimpls():  # registration order
-        plugin_name = impl.plugin_name
-
-        def register(obj: Any, _plugin: str = plugin_name) -> None:
-            problem = check(obj)
-            if problem:
-                raise PluginError(f"plugin {_plugin!r} registered an invalid {kind} {obj!r}: {problem}")
-            if obj.name in found:
-                raise PluginError(
-                    f"{kind} {obj.name!r} is registered by both plugin {origin[obj.name]!r} and plugin {_plugin!r}"
-                )
-            found[obj.name] = obj
-            origin[obj.name] = _plugin
-
-        impl.function(register=register)
+        impl.function(register=Registrar(kind, impl.plugin_name, protocol, found, origin))
     return found, origin
 
 
-def _strategy_problem(obj: Any) -> str | None:
+def _problem(obj: Any, protocol: type) -> str | None:
+    """What ``obj`` lacks of ``protocol`` (its required members, derived from the protocol), or None."""
     if not isinstance(getattr(obj, "name", None), str) or not obj.name:
         return "it needs a non-empty str attribute 'name'"
-    if not callable(getattr(obj, "capture", None)):
-        return "it needs a method capture(body, backend, pool)"
-    if not isinstance(getattr(obj, "relaxes_num_reqs", None), bool):
-        return "it needs a bool attribute 'relaxes_num_reqs'"
-    return None
-
-
-def _backend_problem(obj: Any) -> str | None:
-    if not isinstance(getattr(obj, "name", None), str) or not obj.name:
-        return "it needs a non-empty str attribute 'name'"
-    if not isinstance(obj, Backend):
-        missing = [m for m in ("is_available", "device", "new_pool", "warmup", "capture", "share_outputs", "recover_pool", "synchronize") if not callable(getattr(obj, m, None))]
-        return f"it lacks {', '.join(missing)}"
-    return None
+    hints = typing.get_type_hints(protocol)
+    missing = []
+    for member in protocol_members(protocol):
+        if member in hints:
+            if hints[member] is bool and not isinstance(getattr(obj, member, None), bool):
+                return f"it needs a bool attribute {member!r}"
+        elif not callable(getattr(obj, member, None)):
+            missing.append(member)
+    if len(missing) == 1 and protocol is Strategy:
+        return f"it needs a method {missing[0]}(body, backend, pool)"
+    return f"it lacks {', '.join(missing)}" if missing else None
 
 
 class Plugins:
@@ -124,8 +145,8 @@ class Plugins:
 
     def __init__(self, pm: pluggy.PluginManager | None = None) -> None:
         self.pm = pm if pm is not None else make_plugin_manager()
-        self.strategies, self.strategy_origin = _collect(self.pm, "cgregistry_register_strategies", "strategy", _strategy_problem)
-        self.backends, self.backend_origin = _collect(self.pm, "cgregistry_register_backends", "backend", _backend_problem)
+        self.strategies, self.strategy_origin = _collect(self.pm, "cgregistry_register_strategies", "strategy", Strategy)
+        self.backends, self.backend_origin = _collect(self.pm, "cgregistry_register_backends", "backend", Backend)
 
     def describe(self) -> list[PluginInfo]:
         """Every registered plugin with its distribution, version and hooks."""

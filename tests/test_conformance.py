@@ -34,7 +34,7 @@ def test_cg_plugins_registers_for_one_test(cg_plugins) -> None:  # noqa: ANN001
             return backend.capture(body, pool)
 
     class Plugin:
-        @cg.hookimpl
+        @cg.plugin.hookimpl
         def cgregistry_register_strategies(self, register):  # noqa: ANN001, ANN201
             register(Named())
 

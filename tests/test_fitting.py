@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.fitting import evaluate, fit, fit_sizes
+from cgregistry.fitting import evaluate, fit_sizes
 from cgregistry.workload import SchedulerConfig, read_trace, schedule
 
 
@@ -76,7 +76,7 @@ def brute_force_plan(steps: list[B], max_graphs: int, max_num_seqs: int, max_cap
 @pytest.mark.parametrize("budget", [2, 3, 4, 5])
 def test_fit_is_optimal_through_the_real_matcher(budget: int) -> None:
     steps = steps_of((B.decode(1), 5), (B.decode(2), 1), (B.decode(3), 4), (B(3, 2), 2), (B(5, 3), 6), (B(6, 1), 1), (B(7, 2), 3))
-    plan = fit(steps, budget, max_num_seqs=4, max_num_tokens=8, mode="full_and_piecewise", max_capture_size=8)
+    plan = cg.CapturePlan.fit(steps, budget, max_num_seqs=4, max_num_tokens=8, mode="full_and_piecewise", max_capture_size=8)
     assert len(plan) <= budget
     assert B.decode(4) in plan.descriptors() and B(8) in plan.descriptors(), "covering keys stay"
     assert evaluate(plan, steps).padded_tokens == brute_force_plan(steps, budget, 4, 8)

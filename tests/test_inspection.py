@@ -112,11 +112,11 @@ class Events:
         self.evicted: list[tuple[B, str, int]] = []
         self.started: list[B] = []
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_evicted(self, registry: Any, key: B, strategy: str, memory_bytes: int) -> None:
         self.evicted.append((key, strategy, memory_bytes))
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_capture_started(self, registry: Any, key: B, strategy: str) -> None:
         self.started.append(key)
 

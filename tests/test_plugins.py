@@ -39,7 +39,7 @@ class CountingStrategy:
 def plugin_module(name: str, **hooks: Any) -> types.ModuleType:
     mod = types.ModuleType(name)
     for hook_name, fn in hooks.items():
-        setattr(mod, hook_name, cg.hookimpl(fn))
+        setattr(mod, hook_name, cg.plugin.hookimpl(fn))
     return mod
 
 
@@ -142,23 +142,23 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple] = []
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_registry_created(self, registry: cg.GraphRegistry) -> None:
         self.events.append(("created", registry.name))
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_capture_started(self, registry: cg.GraphRegistry, key: cg.BatchDescriptor, strategy: str) -> None:
         self.events.append(("started", key, strategy))
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_capture_finished(self, registry: cg.GraphRegistry, key: cg.BatchDescriptor, strategy: str, entry: Any, error: Any) -> None:
         self.events.append(("finished", key, None if entry is None else entry.key, type(error).__name__ if error else None))
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_miss(self, registry: cg.GraphRegistry, actual: cg.BatchDescriptor) -> None:
         self.events.append(("miss", actual))
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_entry_failed(self, registry: cg.GraphRegistry, key: cg.BatchDescriptor, strategy: str, error: BaseException) -> None:
         self.events.append(("failed", key, strategy, str(error)))
 
@@ -232,7 +232,7 @@ def test_failing_replay_is_contained_to_its_entry() -> None:
 
 
 class PreferBigKeys:
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_choose_match(self, registry: Any, actual: cg.BatchDescriptor, candidates: list) -> Any:
         return max(candidates, key=lambda m: m.key.num_tokens)
 
@@ -241,7 +241,7 @@ class Abstains:
     def __init__(self) -> None:
         self.asked = 0
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_choose_match(self, registry: Any, actual: cg.BatchDescriptor, candidates: list) -> Any:
         self.asked += 1
         return None
@@ -261,7 +261,7 @@ def test_choose_match_policy_reranks_candidates() -> None:
 
 def test_choose_match_must_return_a_candidate() -> None:
     class Bad:
-        @cg.hookimpl
+        @cg.plugin.hookimpl
         def cgregistry_choose_match(self, registry: Any, actual: Any, candidates: list) -> Any:
             return cg.Match(cg.BatchDescriptor(99), "full", cg.Padding(0, 0, 0))
 

@@ -155,7 +155,7 @@ class ReleaseObserver:
     def __init__(self) -> None:
         self.released: list[tuple[B, str]] = []
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_released(self, registry: cg.GraphRegistry, key: B, strategy: str, memory_bytes: int) -> None:
         assert isinstance(memory_bytes, int)
         self.released.append((key, strategy))

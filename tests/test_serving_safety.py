@@ -296,7 +296,7 @@ class BrokenReplay:
 
         return Graph(), out
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_register_strategies(self, register):  # type: ignore[no-untyped-def]
         register(self)
 
@@ -323,27 +323,27 @@ class RaisingObserver:
         self.calls += 1
         raise RuntimeError("observer bug")
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_registry_created(self, registry):  # type: ignore[no-untyped-def]
         self._boom()
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_capture_started(self, registry, key, strategy):  # type: ignore[no-untyped-def]
         self._boom()
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_capture_finished(self, registry, key, strategy, entry, error):  # type: ignore[no-untyped-def]
         self._boom()
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_miss(self, registry, actual):  # type: ignore[no-untyped-def]
         self._boom()
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_evicted(self, registry, key, strategy, memory_bytes):  # type: ignore[no-untyped-def]
         self._boom()
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_released(self, registry, key, strategy, memory_bytes):  # type: ignore[no-untyped-def]
         self._boom()
 
@@ -353,11 +353,11 @@ class CountingObserver:
         self.finished: list[B] = []
         self.misses = 0
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_capture_finished(self, registry, key, strategy, entry, error):  # type: ignore[no-untyped-def]
         self.finished.append(key)
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_miss(self, registry, actual):  # type: ignore[no-untyped-def]
         self.misses += 1
 
@@ -382,7 +382,7 @@ def test_raising_observers_are_contained_and_the_others_still_run() -> None:
 
 def test_choose_match_answering_a_plain_tuple_is_a_plugin_error() -> None:
     class TuplePolicy:
-        @cg.hookimpl
+        @cg.plugin.hookimpl
         def cgregistry_choose_match(self, registry, actual, candidates):  # type: ignore[no-untyped-def]
             return tuple(candidates[0])  # the fields of a candidate, not the Match itself
 
@@ -410,7 +410,7 @@ class LyingMemory:
 
         return Graph(), out
 
-    @cg.hookimpl
+    @cg.plugin.hookimpl
     def cgregistry_register_strategies(self, register):  # type: ignore[no-untyped-def]
         register(self)
 
@@ -864,17 +864,17 @@ def test_observers_are_contained_beside_a_wrapper() -> None:
     seen: list[str] = []
 
     class Good:
-        @cg.hookimpl
+        @cg.plugin.hookimpl
         def cgregistry_miss(self, registry, actual):  # type: ignore[no-untyped-def]
             seen.append("good")
 
     class Bad:
-        @cg.hookimpl
+        @cg.plugin.hookimpl
         def cgregistry_miss(self, registry, actual):  # type: ignore[no-untyped-def]
             raise RuntimeError("bad observer")
 
     class Wrapping:
-        @cg.hookimpl(wrapper=True)
+        @cg.plugin.hookimpl(wrapper=True)
         def cgregistry_miss(self, registry, actual):  # type: ignore[no-untyped-def]
             seen.append("wrapper")
             return (yield)

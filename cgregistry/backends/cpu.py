@@ -20,7 +20,7 @@ import contextvars
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,7 +29,8 @@ from cgregistry import runtime
 from cgregistry.errors import CgregistryError
 from cgregistry.markers import hookimpl
 
-_CG_INTERNAL = True
+if TYPE_CHECKING:
+    from cgregistry.plugins import BackendRegistrar
 
 __all__ = ["CpuBackend", "CpuGraph", "CpuSegment", "GraphUnsafeOpError", "find_graph_unsafe_ops"]
 
@@ -68,13 +69,22 @@ class GraphUnsafeOpError(CgregistryError, RuntimeError):
         self.where = where
 
 
+# Modules of the package that hold model code (what a user's step is), not machinery.
+_MODEL_MODULES = frozenset({"cgregistry.demo_model"})
+
+
+def _is_machinery(module: str) -> bool:
+    """Frames of cgregistry's own modules are machinery, except those that hold a model."""
+    return (module == "cgregistry" or module.startswith("cgregistry.")) and module not in _MODEL_MODULES
+
+
 def _user_frame() -> str:
-    """The innermost caller outside torch and cgregistry's internals, as 'file:line: code'."""
+    """The innermost caller outside torch and cgregistry's machinery, as 'file:line: code'."""
     torch_dir = torch.__file__.rsplit("/", 1)[0]
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith(torch_dir) and not frame.f_globals.get("_CG_INTERNAL"):
+        if not name.startswith(torch_dir) and not _is_machinery(frame.f_globals.get("__name__", "")):
             summary = traceback.extract_stack(frame, limit=1)[-1]
             code = (summary.line or "").strip()
             return f"{summary.filename}:{summary.lineno}" + (f": {code}" if code else "")
@@ -361,6 +371,9 @@ class CpuBackend:
     def share_outputs(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         return leaves
 
+    def hold_intermediates(self, tensors: list[torch.Tensor], pool: object) -> list[torch.Tensor]:
+        return tensors  # recorded tensors are held per graph: there is no shared pool to leave them in
+
     def recover_pool(self, pool: object) -> object:
         return pool
 
@@ -369,5 +382,5 @@ class CpuBackend:
 
 
 @hookimpl
-def cgregistry_register_backends(register: Callable[[Any], None]) -> None:
+def cgregistry_register_backends(register: BackendRegistrar) -> None:
     register(CpuBackend())

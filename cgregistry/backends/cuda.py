@@ -11,13 +11,14 @@ import contextlib
 import contextvars
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cgregistry.markers import hookimpl
 
-_CG_INTERNAL = True
+if TYPE_CHECKING:
+    from cgregistry.plugins import BackendRegistrar
 
 __all__ = ["CudaBackend", "CudaGraph", "CudaSegment", "non_owning_alias"]
 
@@ -227,5 +228,5 @@ class CudaBackend:
 
 
 @hookimpl
-def cgregistry_register_backends(register: Callable[[Any], None]) -> None:
+def cgregistry_register_backends(register: BackendRegistrar) -> None:
     register(CudaBackend())

@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from cgregistry import breaks, runtime
-from cgregistry.backends import Backend, Graph
+from cgregistry.contracts import Backend, Graph, SegmentedBackend
 from cgregistry.errors import CgregistryError
 from cgregistry.markers import hookimpl
 from cgregistry.outputs import OutputError, flatten
 
-_CG_INTERNAL = True
+if TYPE_CHECKING:
+    from cgregistry.plugins import StrategyRegistrar
 
 __all__ = ["BreakableGraph", "BreakableStrategy", "BreakError"]
 
@@ -77,13 +78,13 @@ def _tensors_of(tree: Any) -> list[torch.Tensor]:
 class _Site:
     """The capture in progress: ends and starts segments when execution reaches a break."""
 
-    def __init__(self, backend: Backend, pool: object, barrier: Callable[[], None] | None) -> None:
+    def __init__(self, backend: SegmentedBackend, pool: object, barrier: Callable[[], None] | None) -> None:
         self.backend = backend
         self.pool = pool
         self.barrier = barrier
         self.segments: list[Graph] = []
         self.calls: list[_BreakCall | None] = []
-        self.current = backend.begin_capture(pool)  # type: ignore[attr-defined]
+        self.current = backend.begin_capture(pool)
         self.open = True  # a segment is being captured
         self.compiled_runs = 0  # split graphs of the piecewise compiler that ran under this capture
 
@@ -111,7 +112,7 @@ class _Site:
         finally:
             runtime.site.reset(token)
         self.calls.append(_BreakCall(fn, name, args, kwargs, result) if fn is not None else None)
-        self.current = self.backend.begin_capture(self.pool)  # type: ignore[attr-defined]
+        self.current = self.backend.begin_capture(self.pool)
         self.open = True
         return result
 
@@ -125,12 +126,11 @@ class _Site:
         intermediates apart, so memory would grow with the sum of the entries
         instead of the largest one.  Anything outside the pool stays owned.
         """
-        hold = getattr(self.backend, "hold_intermediates", None)
         calls = [c for c in self.calls if c is not None]
-        if hold is None or not calls:
+        if not calls:
             return
         tensors = [t for c in calls for t in _tensors_of((c.args, c.kwargs))]
-        held = {id(t): h for t, h in zip(tensors, hold(tensors, self.pool))}
+        held = {id(t): h for t, h in zip(tensors, self.backend.hold_intermediates(tensors, self.pool))}
         for call in calls:
             call.args, call.kwargs = tree_map_only(torch.Tensor, lambda t: held[id(t)], (call.args, call.kwargs))
 
@@ -188,11 +188,14 @@ class BreakableStrategy:
         self.barrier = barrier
 
     def capture(self, body: Callable[[], Any], backend: Backend, pool: object) -> tuple[BreakableGraph, Any]:
-        if not hasattr(backend, "begin_capture"):
-            raise TypeError(f"backend {backend.name!r} cannot end and resume captures (it has no begin_capture)")
+        if not isinstance(backend, SegmentedBackend):
+            raise TypeError(
+                f"backend {backend.name!r} cannot end and resume captures: strategy {self.name!r} needs a "
+                "cgregistry.contracts.SegmentedBackend (capture_context, begin_capture, hold_intermediates)"
+            )
         if runtime.site.get() is not None:
             raise BreakError("nested breakable capture: a breakable capture is already in progress on this thread")
-        with backend.capture_context():  # type: ignore[attr-defined]
+        with backend.capture_context():
             site = _Site(backend, pool, self.barrier)
             token = runtime.site.set(site)
             try:
@@ -213,5 +216,5 @@ class BreakableStrategy:
 
 
 @hookimpl
-def cgregistry_register_strategies(register: Callable[[Any], None]) -> None:
+def cgregistry_register_strategies(register: StrategyRegistrar) -> None:
     register(BreakableStrategy())

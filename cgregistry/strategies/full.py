@@ -7,12 +7,13 @@ an exact request count.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cgregistry.backends import Backend, Graph
 from cgregistry.markers import hookimpl
 
-_CG_INTERNAL = True
+if TYPE_CHECKING:
+    from cgregistry.plugins import StrategyRegistrar
 
 __all__ = ["FullStrategy"]
 
@@ -28,5 +29,5 @@ class FullStrategy:
 
 
 @hookimpl
-def cgregistry_register_strategies(register: Callable[[Any], None]) -> None:
+def cgregistry_register_strategies(register: StrategyRegistrar) -> None:
     register(FullStrategy())

@@ -12,7 +12,7 @@ function or module type, and the pieces may be Inductor kernels.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cgregistry import runtime
 from cgregistry.backends import Backend
@@ -20,7 +20,8 @@ from cgregistry.compiler import PiecewiseError
 from cgregistry.markers import hookimpl
 from cgregistry.strategies.breakable import BreakableGraph, BreakableStrategy, _Site
 
-_CG_INTERNAL = True
+if TYPE_CHECKING:
+    from cgregistry.plugins import StrategyRegistrar
 
 __all__ = ["PiecewiseStrategy"]
 
@@ -48,5 +49,5 @@ class PiecewiseStrategy(BreakableStrategy):
 
 
 @hookimpl
-def cgregistry_register_strategies(register: Callable[[Any], None]) -> None:
+def cgregistry_register_strategies(register: StrategyRegistrar) -> None:
     register(PiecewiseStrategy())

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from cgregistry import hookimpl
 from cgregistry.outputs import flatten
+from cgregistry.plugin import StrategyRegistrar, hookimpl
 
 __all__ = ["EagerGraph", "EagerStrategy"]
 __version__ = "0.1.0"
@@ -48,5 +48,5 @@ class EagerStrategy:
 
 
 @hookimpl
-def cgregistry_register_strategies(register: Callable[[Any], None]) -> None:
+def cgregistry_register_strategies(register: StrategyRegistrar) -> None:
     register(EagerStrategy())

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import importlib.metadata
 
+import cgregistry_eager
 import torch
 
 import cgregistry as cg
-import cgregistry_eager
 from cgregistry.testing import StrategyConformance, make_plugins
 
 

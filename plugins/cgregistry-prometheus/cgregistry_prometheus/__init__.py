@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cgregistry import hookimpl
+from cgregistry.plugin import hookimpl
 
 __all__ = ["PORT_ENV", "RegistryCollector", "serve", "tracked"]
 __version__ = "0.1.0"

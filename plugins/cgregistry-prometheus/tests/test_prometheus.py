@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 import urllib.request
 
+import cgregistry_prometheus
 import pytest
 import torch
 
 import cgregistry as cg
-import cgregistry_prometheus
 
 
 @pytest.fixture

@@ -1,0 +1,101 @@
+"""The plugin contract, typed: what a graph, a backend and a strategy provide.
+
+Plugin authors implement these protocols; the plugin manager checks registered
+objects against them (the lists of required members are derived from the
+protocols, never copied).  ``SegmentedBackend`` is what the ``breakable`` and
+``piecewise`` strategies need on top of ``Backend``: ending a capture at an eager
+break and resuming it in the same pool.  Imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import typing
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Backend", "Graph", "Segment", "SegmentedBackend", "Strategy", "protocol_members"]
+
+
+@runtime_checkable
+class Graph(Protocol):
+    """A captured, replayable unit of work."""
+
+    memory_bytes: int  # measured growth of the pool (or held tensors) caused by this capture; an int >= 0
+
+    def replay(self) -> None: ...
+
+
+@runtime_checkable
+class Segment(Protocol):
+    """One capture in progress (a segment of a breakable entry)."""
+
+    def end(self) -> Graph:
+        """Finish the capture; the graph it recorded."""
+
+    def abort(self) -> None:
+        """Abandon the capture after an error (never raises the capture's own error again)."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What every strategy needs from a graph primitive."""
+
+    name: str
+
+    def is_available(self) -> bool: ...
+
+    def device(self) -> torch.device: ...
+
+    def new_pool(self) -> object: ...
+
+    def warmup(self, fn: Callable[[], Any], runs: int) -> Any:
+        """Run ``fn`` eagerly ``runs`` times as capture would see it; return the last output."""
+
+    def capture(self, fn: Callable[[], Any], pool: object) -> tuple[Graph, Any]:
+        """Capture one call of ``fn`` into ``pool``; return the graph and ``fn``'s output."""
+
+    def share_outputs(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Hold captured outputs so that graphs sharing the pool may reuse their memory."""
+
+    def recover_pool(self, pool: object) -> object:
+        """After a failed capture: the pool the next capture should use (``pool`` unless it is unusable)."""
+
+    def synchronize(self) -> None: ...
+
+
+@runtime_checkable
+class SegmentedBackend(Backend, Protocol):
+    """A backend that can end a capture at an eager break and resume it (``breakable``, ``piecewise``)."""
+
+    def capture_context(self) -> contextlib.AbstractContextManager[None]:
+        """Where the segments of one entry and the eager work between them run (a side stream on CUDA)."""
+
+    def begin_capture(self, pool: object) -> Segment:
+        """Start capturing into ``pool``; ``end()`` on the result gives the graph."""
+
+    def hold_intermediates(self, tensors: list[torch.Tensor], pool: object) -> list[torch.Tensor]:
+        """The tensors eager breaks keep between replays, held without owning what lives in ``pool``."""
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """A plugin-provided way to turn a step into a replayable graph."""
+
+    name: str
+    relaxes_num_reqs: bool  # True when attention metadata is built eagerly, so keys need no request count
+
+    def capture(self, body: Callable[[], Any], backend: Backend, pool: object) -> tuple[Graph, Any]:
+        """Capture ``body`` (the step on static views) into ``pool``; return the graph and its outputs."""
+
+
+def protocol_members(protocol: type) -> tuple[str, ...]:
+    """The attributes and methods a protocol requires, in declaration order, its bases' first."""
+    names: list[str] = []
+    for cls in reversed(protocol.__mro__):
+        if cls in (object, typing.Protocol, typing.Generic) or not getattr(cls, "_is_protocol", False):
+            continue
+        names += [n for n in (*cls.__dict__.get("__annotations__", {}), *cls.__dict__) if not n.startswith("_")]
+    return tuple(dict.fromkeys(names))

@@ -1,0 +1,44 @@
+"""Everything a plugin author needs, in one namespace: ``import cgregistry.plugin as cgp`` (or ``cg.plugin``).
+
+- markers: ``hookimpl`` (mark an implementation), ``hookspec``, ``PROJECT`` (the entry-point group);
+- the contract: ``Strategy``, ``Backend``, ``SegmentedBackend``, ``Segment``, ``Graph``;
+- registration: ``StrategyRegistrar`` and ``BackendRegistrar`` (what registration hooks receive);
+- built-ins to build on: ``FullStrategy``, ``BreakableStrategy``;
+- the manager: ``Plugins``, ``make_plugin_manager``, ``PluginInfo``, ``PluginError``.
+
+The conformance suite for a new strategy is :mod:`cgregistry.testing`.
+"""
+
+from cgregistry.contracts import Backend, Graph, Segment, SegmentedBackend, Strategy
+from cgregistry.markers import PROJECT, hookimpl, hookspec
+from cgregistry.plugins import (
+    BackendRegistrar,
+    PluginError,
+    PluginInfo,
+    Plugins,
+    Registrar,
+    StrategyRegistrar,
+    make_plugin_manager,
+)
+from cgregistry.strategies.breakable import BreakableStrategy
+from cgregistry.strategies.full import FullStrategy
+
+__all__ = [
+    "PROJECT",
+    "Backend",
+    "BackendRegistrar",
+    "BreakableStrategy",
+    "FullStrategy",
+    "Graph",
+    "PluginError",
+    "PluginInfo",
+    "Plugins",
+    "Registrar",
+    "Segment",
+    "SegmentedBackend",
+    "Strategy",
+    "StrategyRegistrar",
+    "hookimpl",
+    "hookspec",
+    "make_plugin_manager",
+]

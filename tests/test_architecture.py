@@ -1,0 +1,282 @@
+"""The architecture holds: no import cycles, leaf modules, no reaching into private names, collaborators
+that never call back into the registry, a whole typed plugin contract, and plugin strategies in plans."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cgregistry as cg
+from cgregistry import BatchDescriptor as B
+from cgregistry.contracts import Backend, SegmentedBackend, protocol_members
+from cgregistry.testing import make_plugins
+
+ROOT = Path(__file__).parent.parent
+PACKAGE = ROOT / "cgregistry"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def package_imports(path: Path) -> set[str]:
+    """cgregistry modules ``path`` imports at run time (anywhere, functions included; not under TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text())
+    skipped = {id(n) for block in ast.walk(tree) if _type_checking_block(block) for n in ast.walk(block)}
+    this = module_name(path)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("cgregistry")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cgregistry"):
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                found.add(candidate if (PACKAGE.parent / (candidate.replace(".", "/") + ".py")).exists()
+                          or (PACKAGE.parent / candidate.replace(".", "/")).is_dir() else node.module)
+    found.discard(this)
+    return found
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+GRAPH = {name: {m for m in package_imports(path) if m in MODULES and m != "cgregistry"} for name, path in MODULES.items()}
+
+
+def test_no_import_cycles() -> None:
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(GRAPH[node]):
+            if state.get(nxt) == 1:
+                cycle = trail[trail.index(nxt):] + [nxt] if nxt in trail else [node, nxt]
+                pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+            if nxt not in state:
+                visit(nxt, [*trail, nxt])
+        state[node] = 2
+
+    for name in sorted(GRAPH):
+        if name not in state and name != "cgregistry":
+            visit(name, [name])
+
+
+@pytest.mark.parametrize("leaf", ["cgregistry.markers", "cgregistry.errors", "cgregistry.version", "cgregistry.contracts"])
+def test_leaf_modules_import_nothing_of_the_package(leaf: str) -> None:
+    assert GRAPH[leaf] == set(), f"{leaf} imports {GRAPH[leaf]}"
+
+
+@pytest.mark.parametrize("collaborator", ["cgregistry.entries", "cgregistry.routing", "cgregistry.capture"])
+def test_the_registrys_collaborators_never_call_back_into_it(collaborator: str) -> None:
+    assert "cgregistry.registry" not in GRAPH[collaborator]
+
+
+def private_reaches(path: Path) -> list[str]:
+    """``module._name`` attribute reads where ``module`` is a cgregistry module bound by an import."""
+    tree = ast.parse(path.read_text())
+    aliases: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("cgregistry")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cgregistry"):
+            aliases |= {a.asname or a.name for a in node.names if (f"{node.module}.{a.name}") in MODULES or node.module == "cgregistry"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in aliases:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_or_example_reaches_into_another_modules_private_names() -> None:
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "examples").glob("*.py")]
+    assert [hit for f in files for hit in private_reaches(f)] == []
+
+
+def test_python_dash_m_runs_the_command_line() -> None:
+    done = subprocess.run([sys.executable, "-m", "cgregistry", "plugins"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "cgregistry.strategies.full" in done.stdout
+
+
+def test_version_comes_from_package_metadata() -> None:
+    assert cg.__version__ == importlib.metadata.version("cgregistry")
+
+
+def test_every_error_shares_one_base_and_keeps_its_builtin_one() -> None:
+    errors = [getattr(cg, n) for n in cg.__all__ if n.endswith("Error") and n != "CgregistryError"]
+    assert len(errors) == 11
+    for error in errors:
+        assert issubclass(error, cg.CgregistryError), error
+        assert issubclass(error, (ValueError, TypeError, RuntimeError)), error
+
+
+def test_plugin_authors_find_their_names_in_one_namespace() -> None:
+    assert {"hookimpl", "hookspec", "Strategy", "Backend", "SegmentedBackend", "StrategyRegistrar"} <= set(cg.plugin.__all__)
+    assert not {"hookimpl", "hookspec"} & set(cg.__all__), "the top level is for engine writers"
+
+
+# ---------------------------------------------------------------- the contract
+
+
+def test_backend_validation_is_derived_from_the_protocols() -> None:
+    assert protocol_members(SegmentedBackend)[: len(protocol_members(Backend))] == protocol_members(Backend)
+    assert {"capture_context", "begin_capture", "hold_intermediates"} <= set(protocol_members(SegmentedBackend))
+    for name in ("cpu", "cuda"):
+        backend = cg.Plugins().backends[name]
+        assert isinstance(backend, SegmentedBackend), f"built-in {name} provides the whole contract"
+
+
+class FullOnlyBackend:
+    """A third-party backend that can capture whole graphs but not segments (the cpu backend underneath)."""
+
+    name = "full-only"
+
+    def __init__(self) -> None:
+        self.inner = cg.Plugins().backends["cpu"]
+
+    def __getattr__(self, attr: str) -> object:
+        if attr in ("capture_context", "begin_capture", "hold_intermediates"):
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+    def is_available(self) -> bool:
+        return True
+
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def new_pool(self) -> object:
+        return object()
+
+    def warmup(self, fn, runs):  # type: ignore[no-untyped-def]
+        return self.inner.warmup(fn, runs)
+
+    def capture(self, fn, pool):  # type: ignore[no-untyped-def]
+        return self.inner.capture(fn, pool)
+
+    def share_outputs(self, leaves):  # type: ignore[no-untyped-def]
+        return leaves
+
+    def recover_pool(self, pool):  # type: ignore[no-untyped-def]
+        return pool
+
+    def synchronize(self) -> None:
+        return None
+
+    @cg.plugin.hookimpl
+    def cgregistry_register_backends(self, register):  # type: ignore[no-untyped-def]
+        assert isinstance(register, cg.plugin.Registrar) and register.kind == "backend"
+        register(self)
+
+
+def test_a_backend_without_segments_serves_full_and_refuses_breakable_by_name() -> None:
+    reg = cg.GraphRegistry(lambda b, x: x * 2, {"x": cg.StaticInput((8,), torch.float32)}, backend="full-only",
+                           plugins=make_plugins(FullOnlyBackend()))
+    reg.capture([(B(8), "full")])
+    torch.testing.assert_close(reg.run(B(3), x=torch.ones(3)), torch.full((3,), 2.0))
+    with pytest.raises(cg.CaptureError, match="needs a cgregistry.contracts.SegmentedBackend"):
+        reg.capture([(B(4), "breakable")])
+
+
+def test_a_registrar_knows_its_plugin() -> None:
+    seen = []
+
+    class Probe:
+        @cg.plugin.hookimpl
+        def cgregistry_register_strategies(self, register):  # type: ignore[no-untyped-def]
+            seen.append((register.kind, register.plugin))
+
+    pm = cg.make_plugin_manager(autoload=False)
+    pm.register(Probe(), name="probe")
+    cg.Plugins(pm)
+    assert ("strategy", "probe") in seen
+
+
+# ---------------------------------------------------------------- plugin strategies in plans
+
+
+class VendorRelaxed(cg.plugin.BreakableStrategy):
+    name = "vendor-relaxed"
+    relaxes_num_reqs = True
+
+
+class VendorExact(cg.plugin.FullStrategy):
+    name = "vendor-exact"
+    relaxes_num_reqs = False
+
+
+class Vendors:
+    @cg.plugin.hookimpl
+    def cgregistry_register_strategies(self, register):  # type: ignore[no-untyped-def]
+        register(VendorRelaxed())
+        register(VendorExact())
+
+
+def vendor_plugins() -> cg.Plugins:
+    return make_plugins(Vendors())
+
+
+@pytest.mark.parametrize("mixed, relaxed", [("vendor-relaxed", True), ("vendor-exact", False), ("piecewise", True), ("full", False)])
+def test_each_strategys_own_flag_decides_its_mixed_keys(mixed: str, relaxed: bool) -> None:
+    settings = dict(max_num_seqs=8, max_num_tokens=64, mode=("vendor-exact", mixed), plugins=vendor_plugins())
+    for plan in (cg.CapturePlan.build(**settings),
+                 cg.CapturePlan.fit([B(5, 2), B(9, 3), B.decode(3)], 6, **settings)):
+        mixed_keys = [e.descriptor for e in plan if e.strategy == mixed]
+        decode_keys = [e.descriptor for e in plan if e.strategy == "vendor-exact" and e.descriptor.uniform]
+        assert mixed_keys and decode_keys
+        assert all((k.num_reqs is None) == relaxed for k in mixed_keys), mixed_keys
+
+
+def test_a_mode_pair_may_leave_either_side_out() -> None:
+    plugins = vendor_plugins()
+    decode_only = cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=64, mode=("vendor-exact", None), plugins=plugins)
+    assert {e.strategy for e in decode_only} == {"vendor-exact"} and all(e.descriptor.uniform for e in decode_only)
+    mixed_only = cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=64, mode=(None, "vendor-relaxed"), plugins=plugins)
+    assert {e.descriptor.num_reqs for e in mixed_only} == {None}
+
+
+@pytest.mark.parametrize("mode, message", [
+    (("nope", None), r"mode \('nope', None\): strategy 'nope' is not registered"),
+    (("full",), "a pair"),
+    ("fulll", "unknown mode 'fulll'"),
+])
+def test_bad_modes_name_themselves(mode: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=64, mode=mode)  # type: ignore[arg-type]
+
+
+def test_a_vendor_plan_captures_and_serves() -> None:
+    plugins = vendor_plugins()
+    plan = cg.CapturePlan.build(max_num_seqs=4, max_num_tokens=16, mode=("vendor-exact", "vendor-relaxed"), plugins=plugins)
+    reg = cg.GraphRegistry(lambda b, x: x + 1, {"x": cg.StaticInput((16,), torch.float32)}, backend="cpu", plugins=plugins,
+                           preference=("vendor-exact", "vendor-relaxed"))
+    reg.capture(plan)
+    for batch in (B.decode(3), B(7, 3)):
+        x = torch.arange(float(batch.num_tokens))
+        torch.testing.assert_close(reg.run(batch, x=x), x + 1)
+    assert reg.stats().by_strategy == {"vendor-exact": 1, "vendor-relaxed": 1}
+
+
+def test_settings_are_declared_once() -> None:
+    settings = cg.PlanSettings(max_num_seqs=8, max_num_tokens=64, mode="full_and_piecewise")
+    assert cg.CapturePlan.build(settings) == cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=64, mode="full_and_piecewise")
+    assert settings.capture_sizes[-1] == settings.max_capture_size == 16  # defaults resolved on construction
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive int, got 0"):
+        cg.PlanSettings(max_num_seqs=0, max_num_tokens=64)
+    with pytest.raises(TypeError, match="not both"):
+        cg.CapturePlan.build(settings, max_num_seqs=4)
