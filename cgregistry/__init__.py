@@ -43,6 +43,18 @@ from cgregistry.strategies.breakable import BreakError
 
 from cgregistry.version import __version__
 
+def __getattr__(name: str) -> object:
+    """``cgregistry.hookimpl`` / ``hookspec`` of 0.1 plugins still work, with a warning: they live in cgregistry.plugin."""
+    if name in ("hookimpl", "hookspec"):
+        import warnings
+
+        warnings.warn(
+            f"cgregistry.{name} moved to cgregistry.plugin.{name} (plugin-author names live there)", DeprecationWarning, stacklevel=2
+        )
+        return getattr(plugin, name)
+    raise AttributeError(f"module 'cgregistry' has no attribute {name!r}")
+
+
 __all__ = [
     # batches and plans
     "MODES", "BatchDescriptor", "CapturePlan", "Padding", "PlanEntry", "PlanSettings", "UncoveredRange",

@@ -6,6 +6,7 @@ entries return them, so the registry can tell observers.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from cgregistry.descriptor import BatchDescriptor
@@ -66,7 +67,7 @@ class EntryStore:
         for entry in self.entries.values():
             entry.replays = entry.padded_tokens = entry.graph_tokens = entry.last_step = 0
         self._retired.clear()
-        self.clock = 0  # graph replays, for least-recently-used eviction
+        self.clock = itertools.count(1)  # numbers graph replays, for least-recently-used eviction
         self.misses = self.eager_fallbacks = self.eager_tokens = self.bad_batches = 0
         self.misses_by_kind = {"uniform": 0, "mixed": 0}
         self.lazy_captures = self.evictions = 0

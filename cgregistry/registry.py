@@ -265,10 +265,14 @@ class GraphRegistry:
                 "and graph outputs serve one step at a time; give each thread its own registry or serialise the calls"
             )
         try:
-            agreed = agree(actual, group) if group is not None else None
+            if group is not None:
+                agreed = agree(actual, group)
+                if self.debug:
+                    return self._run_debug(actual, context, inputs, agreed)
+                return self._run(actual, context, inputs, agreed)
             if self.debug:
-                return self._run_debug(actual, context, inputs, agreed)
-            return self._run(actual, context, inputs, agreed)
+                return self._run_debug(actual, context, inputs, None)
+            return self._run(actual, context, inputs)
         finally:
             self._running.release()
 
@@ -315,9 +319,7 @@ class GraphRegistry:
         entry.replays += 1
         entry.padded_tokens += route.pad_tokens
         entry.graph_tokens += route.real_tokens
-        store = self._store
-        store.clock += 1
-        entry.last_step = store.clock
+        entry.last_step = next(self._store.clock)
         out = route.single_output
         if out is not None:
             return out.detach()  # a fresh view per run: a caller's unsqueeze_() or t_() stays with the caller

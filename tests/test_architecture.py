@@ -280,3 +280,11 @@ def test_settings_are_declared_once() -> None:
         cg.PlanSettings(max_num_seqs=0, max_num_tokens=64)
     with pytest.raises(TypeError, match="not both"):
         cg.CapturePlan.build(settings, max_num_seqs=4)
+
+
+def test_plugins_written_for_0_1_still_import_their_marker() -> None:
+    with pytest.warns(DeprecationWarning, match=r"cgregistry.hookimpl moved to cgregistry.plugin.hookimpl"):
+        from cgregistry import hookimpl
+    assert hookimpl is cg.plugin.hookimpl
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        cg.nope  # noqa: B018
