@@ -349,8 +349,12 @@ class CapturePlan:
 def _settings(settings: PlanSettings | None, fields: Mapping[str, Any]) -> PlanSettings:
     if settings is None:
         return PlanSettings(**fields)
-    if not isinstance(settings, PlanSettings) or fields:
-        raise TypeError(f"give a PlanSettings or its fields as keywords, not both; got {settings!r} and {sorted(fields)}")
+    if not isinstance(settings, PlanSettings):
+        raise TypeError(
+            f"plans take a PlanSettings or its fields as keywords (max_num_seqs=..., max_num_tokens=..., mode=...), got {settings!r}"
+        )
+    if fields:
+        raise TypeError(f"give a PlanSettings or its fields as keywords, not both; got a PlanSettings and {sorted(fields)}")
     return settings
 
 
