@@ -1,8 +1,11 @@
-"""The base of every error cgregistry raises on purpose: a leaf module that imports nothing of the package.
+"""The base of cgregistry's own error classes: a leaf module that imports nothing of the package.
 
-Each error also keeps the builtin base that says what kind of mistake it is
+Each error class also keeps the builtin base that says what kind of mistake it is
 (``InputError`` is a ``ValueError``, ``CaptureError`` a ``RuntimeError``), so
-``except ValueError`` keeps working; ``except CgregistryError`` catches them all.
+``except ValueError`` keeps working, and ``except CgregistryError`` catches every
+one of them.  Invalid arguments to constructors and settings (a ``BatchDescriptor``
+field, a ``PlanSettings`` value, an unknown strategy name) raise plain ``ValueError``,
+``TypeError`` or ``KeyError`` naming the argument, as Python's own functions do.
 """
 
 from __future__ import annotations
@@ -11,4 +14,4 @@ __all__ = ["CgregistryError"]
 
 
 class CgregistryError(Exception):
-    """An error raised by cgregistry itself (never a wrapped step exception's own type)."""
+    """An error class of cgregistry's own (what a step raises keeps its own type)."""

@@ -158,10 +158,10 @@ def fit_families(steps: Iterable[BatchDescriptor], max_graphs: int, settings: Pl
     """
     if type(max_graphs) is not int or max_graphs < 1:
         raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
-    per_size = len(settings.lora_counts)  # type: ignore[arg-type]
+    per_size = len(settings.used_lora_counts)
     decode_hist: dict[int, Counter[int]] = {d: Counter() for d in settings.widest} if settings.decode_strategy else {}
     mixed_hist: Counter[int] = Counter()
-    top: int = settings.max_capture_size  # type: ignore[assignment]
+    top = settings.used_max_capture_size
     for i, step in enumerate(steps):
         if not isinstance(step, BatchDescriptor):
             raise TypeError(f"fit() takes BatchDescriptors; steps[{i}] is {step!r} ({type(step).__name__})")

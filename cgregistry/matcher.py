@@ -58,6 +58,7 @@ class Explanation:
     actual: BatchDescriptor
     match: Match | None
     candidates: tuple[Candidate, ...]
+    refused: str | None = None  # why no key may serve the batch at all (more requests than a static input holds, say)
 
     def to_dict(self) -> dict:
         """The explanation as JSON-serialisable data."""
@@ -67,6 +68,7 @@ class Explanation:
 
         return {
             "actual": key(self.actual),
+            "refused": self.refused,
             "match": None if self.match is None else {"key": key(self.match.key), "strategy": self.match.strategy, "padding": list(self.match.padding)},
             "candidates": [
                 {"key": key(c.key), "strategy": c.strategy, "covers": c.covers, "chosen": c.chosen, "reason": c.reason,
@@ -79,6 +81,7 @@ class Explanation:
         head = f"actual {self.actual}: " + (
             f"matched {self.match.key} [{self.match.strategy}], padding {tuple(self.match.padding)}"
             if self.match
+            else f"runs eagerly: {self.refused}" if self.refused
             else "no covering key (runs eagerly)"
         )
         rows = [("", "key", "strategy", "padding (tok, req, lora)", "reason")]

@@ -17,7 +17,9 @@ from cgregistry.descriptor import BatchDescriptor
 from cgregistry.fitting import fit_families
 from cgregistry.matcher import Matcher
 
-__all__ = ["MODES", "CapturePlan", "PlanEntry", "PlanSettings", "UncoveredRange", "default_ladder", "lora_ladder"]
+__all__ = [
+    "BUILTIN_RELAXES", "MODES", "CapturePlan", "PlanEntry", "PlanSettings", "UncoveredRange", "default_ladder", "lora_ladder",
+]
 
 Mode = Literal[
     "none", "full", "piecewise", "breakable", "full_decode_only", "full_and_piecewise", "full_and_breakable"
@@ -125,13 +127,16 @@ def _optional_positive(name: str) -> Callable[[Any, Any, Any], None]:
     return optional
 
 
-@functools.cache
-def _default_plugins() -> Any:
-    from cgregistry.plugins import (
-        Plugins,  # the plan looks strategies up; plugins never import plans
-    )
+# The built-in strategies' own ``relaxes_num_reqs`` (tests hold it equal to the classes'), so plans of
+# built-in modes need no plugin manager; any other strategy is looked up in one.
+BUILTIN_RELAXES = {"full": False, "piecewise": True, "breakable": True}
 
-    return Plugins()
+
+def _spec_depths(value: SpecDepths) -> SpecDepths:
+    """A schedule stays a mapping; any other iterable becomes a tuple (a generator is read once, here)."""
+    if isinstance(value, Mapping) or isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return value
+    return tuple(value)
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -139,34 +144,38 @@ class PlanSettings:
     """Engine settings, checked on construction (errors name the setting), and what follows from them.
 
     The one place the settings are declared: ``CapturePlan.build`` and ``CapturePlan.fit``
-    take these fields as keywords.  ``mode`` is a name from ``MODES`` or a pair
-    ``(decode_strategy, mixed_strategy)`` of any registered strategies (either may be
-    None); each strategy's own ``relaxes_num_reqs`` decides whether its mixed keys carry a
-    request count.  After construction ``capture_sizes``, ``max_capture_size`` and
-    ``lora_counts`` hold the values used (defaults resolved), and ``widest`` maps each spec
-    depth to the widest uniform batch of that depth.
+    take these fields (as keywords, or positionally in this order).  ``mode`` is a name
+    from ``MODES`` or a pair ``(decode_strategy, mixed_strategy)`` of any registered
+    strategies (either may be None); each strategy's own ``relaxes_num_reqs`` decides
+    whether its mixed keys carry a request count (a strategy other than the built-ins is
+    looked up in ``plugins``, by default the installed ones).  The settings stay as given;
+    what follows from them is in ``used_capture_sizes``, ``used_max_capture_size``,
+    ``used_lora_counts`` and ``widest`` (spec depth -> widest uniform batch of that depth).
     """
 
     max_num_seqs: int = attrs.field(validator=_positive("max_num_seqs"))
     max_num_tokens: int = attrs.field(validator=_positive("max_num_tokens"))
     mode: Mode | str | tuple[str | None, str | None] = "full_and_piecewise"
-    capture_sizes: tuple[int, ...] | None = None  # mixed-batch token counts (the ladder unless given)
+    capture_sizes: Sequence[int] | None = None  # mixed-batch token counts (the ladder unless given)
     max_capture_size: int | None = attrs.field(default=None, validator=_optional_positive("max_capture_size"))
-    spec_depths: SpecDepths = (0,)
-    lora_counts: tuple[int, ...] | None = None
-    max_loras: int | None = None
-    plugins: Any = attrs.field(default=None, eq=False, repr=False)  # where strategy names are looked up
+    spec_depths: SpecDepths = attrs.field(default=(0,), converter=_spec_depths)
+    lora_counts: Sequence[int] | None = None
+    max_loras: int | None = attrs.field(default=None, validator=_optional_positive("max_loras"))
+    plugins: Any = attrs.field(default=None, eq=False, repr=False)  # where non-built-in strategies are looked up
     decode_strategy: str | None = attrs.field(init=False)
     mixed_strategy: str | None = attrs.field(init=False)
     mixed_relaxed: bool = attrs.field(init=False)  # mixed keys carry no request count
     widest: Mapping[int, int] = attrs.field(init=False)  # spec depth -> largest request count of a uniform batch
+    used_capture_sizes: tuple[int, ...] = attrs.field(init=False)
+    used_max_capture_size: int = attrs.field(init=False)
+    used_lora_counts: tuple[int, ...] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         fix = functools.partial(object.__setattr__, self)
         decode, mixed = self._strategies()
         fix("decode_strategy", decode)
         fix("mixed_strategy", mixed)
-        fix("mixed_relaxed", mixed is not None and bool(self._lookup(mixed).relaxes_num_reqs))
+        fix("mixed_relaxed", mixed is not None and self._relaxes(mixed))
         widest = _depth_widest(self.spec_depths, self.max_num_seqs, self.max_num_tokens)
         fix("widest", widest)
         max_loras = self.max_loras
@@ -174,12 +183,12 @@ class PlanSettings:
             loras = (0,) if max_loras is None else lora_ladder(max_loras)
         else:
             loras = _positive_ints("lora_counts", self.lora_counts, 0)
-            if max_loras is not None and max(loras) < max_loras:
+            if max_loras is not None and max(loras) != max_loras:
                 raise ValueError(
-                    f"lora_counts {list(loras)} do not reach max_loras={max_loras}: "
-                    f"a batch with {max_loras} active adapters would have no graph"
+                    f"lora_counts {list(loras)} must end at max_loras={max_loras}: a batch with {max_loras} active "
+                    "adapters needs a graph, and no batch has more"
                 )
-        fix("lora_counts", loras)
+        fix("used_lora_counts", loras)
         sizes = None if self.capture_sizes is None else _positive_ints("capture_sizes", self.capture_sizes, 1)
         top = self.max_capture_size
         if top is None:
@@ -197,8 +206,8 @@ class PlanSettings:
                 raise ValueError(
                     f"capture_sizes {too_big} exceed max_capture_size={top}; raise max_capture_size or drop those sizes"
                 )
-        fix("max_capture_size", top)
-        fix("capture_sizes", sizes)
+        fix("used_max_capture_size", top)
+        fix("used_capture_sizes", sizes)
 
     def _strategies(self) -> tuple[str | None, str | None]:
         mode = self.mode
@@ -212,20 +221,30 @@ class PlanSettings:
             raise ValueError(f"mode must be a name from MODES or a pair (decode_strategy, mixed_strategy), got {mode!r}")
         for name in mode:
             if name is not None:
-                self._lookup(name)
+                self._relaxes(name)
         return mode
 
-    def _lookup(self, strategy: str) -> Any:
-        plugins = self.plugins if self.plugins is not None else _default_plugins()
+    def _relaxes(self, strategy: str) -> bool:
+        """The strategy's own ``relaxes_num_reqs``."""
+        if self.plugins is None and strategy in BUILTIN_RELAXES:
+            return BUILTIN_RELAXES[strategy]
+        if self.plugins is not None:
+            plugins = self.plugins
+        else:
+            from cgregistry.plugins import (
+                Plugins,  # only for strategies that are not built in (see architecture.md)
+            )
+
+            plugins = Plugins()
         try:
-            return plugins.strategy(strategy)
+            return bool(plugins.strategy(strategy).relaxes_num_reqs)
         except KeyError as exc:
             raise ValueError(f"mode {self.mode!r}: {exc.args[0]}") from None
 
     def plan(self, decode_reqs: Mapping[int, Sequence[int]], mixed_tokens: Sequence[int]) -> CapturePlan:
         """Keys from chosen sizes: request counts per spec depth, token counts for mixed batches."""
         keys: list[tuple[BatchDescriptor, str]] = []
-        for n_loras in self.lora_counts:  # type: ignore[union-attr]
+        for n_loras in self.used_lora_counts:
             if self.decode_strategy is not None:
                 for depth, counts in decode_reqs.items():
                     for num_reqs in counts:
@@ -271,10 +290,10 @@ class CapturePlan:
         return cls(tuple(PlanEntry(d, s) for d, s in pairs), **settings)
 
     @classmethod
-    def build(cls, settings: PlanSettings | None = None, /, **fields: Any) -> CapturePlan:
-        """Keys for an engine's settings: a ``PlanSettings``, or its fields as keywords
-        (``max_num_seqs``, ``max_num_tokens``, ``mode``, ``capture_sizes``, ``max_capture_size``,
-        ``spec_depths``, ``lora_counts``, ``max_loras``, ``plugins``).
+    def build(cls, *settings: Any, **fields: Any) -> CapturePlan:
+        """Keys for an engine's settings: a ``PlanSettings``, or its fields (``max_num_seqs``,
+        ``max_num_tokens``, ``mode``, ``capture_sizes``, ``max_capture_size``, ``spec_depths``,
+        ``lora_counts``, ``max_loras``, ``plugins``), by keyword or in that order.
 
         Uniform-decode keys carry an exact request count: for each spec depth ``d``
         their token counts are multiples of ``1 + d`` up to ``max_num_seqs * (1 + d)``,
@@ -285,13 +304,13 @@ class CapturePlan:
         without a request count, others ``min(tokens, max_num_seqs)`` requests.  Every key
         is repeated for each LoRA count (default with ``max_loras``: ``lora_ladder(max_loras)``).
         """
-        settings = _settings(settings, fields)
-        sizes = settings.capture_sizes
-        decode = {d: _decode_request_counts(sizes, d, w) for d, w in settings.widest.items()}  # type: ignore[arg-type]
-        return settings.plan(decode, sizes)  # type: ignore[arg-type]
+        plan_settings = _settings(settings, fields)
+        sizes = plan_settings.used_capture_sizes
+        decode = {d: _decode_request_counts(sizes, d, w) for d, w in plan_settings.widest.items()}
+        return plan_settings.plan(decode, sizes)
 
     @classmethod
-    def fit(cls, steps: Iterable[BatchDescriptor], max_graphs: int, settings: PlanSettings | None = None, /, **fields: Any) -> CapturePlan:
+    def fit(cls, steps: Iterable[BatchDescriptor], max_graphs: int, *settings: Any, **fields: Any) -> CapturePlan:
         """The plan with at most ``max_graphs`` graphs that pads ``steps`` least (exactly).
 
         Takes the settings of ``build``; keeps its covering guarantees: the widest uniform
@@ -304,9 +323,9 @@ class CapturePlan:
         that pads less, so the fitted padding is an upper bound there.  Sizes are shared by
         all LoRA counts: each size costs one graph per LoRA count.
         """
-        settings = _settings(settings, fields)
-        decode, mixed = fit_families(steps, max_graphs, settings)
-        return settings.plan(decode, mixed)
+        plan_settings = _settings(settings, fields)
+        decode, mixed = fit_families(steps, max_graphs, plan_settings)
+        return plan_settings.plan(decode, mixed)
 
     def __iter__(self) -> Iterator[PlanEntry]:
         return iter(self.entries)
@@ -346,16 +365,20 @@ class CapturePlan:
         return gaps
 
 
-def _settings(settings: PlanSettings | None, fields: Mapping[str, Any]) -> PlanSettings:
-    if settings is None:
-        return PlanSettings(**fields)
-    if not isinstance(settings, PlanSettings):
-        raise TypeError(
-            f"plans take a PlanSettings or its fields as keywords (max_num_seqs=..., max_num_tokens=..., mode=...), got {settings!r}"
-        )
-    if fields:
-        raise TypeError(f"give a PlanSettings or its fields as keywords, not both; got a PlanSettings and {sorted(fields)}")
-    return settings
+def _settings(positional: tuple[Any, ...], fields: dict[str, Any]) -> PlanSettings:
+    """A ``PlanSettings`` given as one, or built from its fields (positional ones in declaration order)."""
+    if len(positional) == 1 and isinstance(positional[0], PlanSettings):
+        if fields:
+            raise TypeError(f"give a PlanSettings or its fields, not both; got a PlanSettings and {sorted(fields)}")
+        return positional[0]
+    names = [f.name for f in attrs.fields(PlanSettings) if f.init]
+    if len(positional) > len(names):
+        raise TypeError(f"plans take at most {len(names)} settings ({', '.join(names)}), got {len(positional)} positional values")
+    for name, value in zip(names, positional):
+        if name in fields:
+            raise TypeError(f"setting {name!r} given twice, by position and by keyword")
+        fields[name] = value
+    return PlanSettings(**fields)
 
 
 def _decode_request_counts(sizes: Sequence[int], depth: int, widest: int) -> list[int]:

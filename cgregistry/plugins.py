@@ -95,8 +95,17 @@ class Registrar(Generic[T]):
         self.protocol = protocol
         self._found = found
         self._origin = origin
+        self._closed = False
+
+    def close(self) -> None:
+        """Registration is over: later calls are refused (a kept registrar must not change a live plugin set)."""
+        self._closed = True
 
     def __call__(self, obj: T) -> None:
+        if self._closed:
+            raise PluginError(f"plugin {self.plugin!r} registered {obj!r} after its registration hook returned")
+        if isinstance(obj, type):
+            raise PluginError(f"plugin {self.plugin!r} registered the class {obj.__qualname__}; register an instance of it")
         problem = _problem(obj, self.protocol)
         if problem:
             raise PluginError(f"plugin {self.plugin!r} registered an invalid {self.kind} {obj!r}: {problem}")
@@ -119,7 +128,11 @@ def _collect(pm: pluggy.PluginManager, hook_name: str, kind: str, protocol: type
     hook = getattr(pm.hook, hook_name)
     # Call each implementation on its own so that every registration is attributed to its plugin.
     for impl in hook.get_hookimpls():  # registration order
-        impl.function(register=Registrar(kind, impl.plugin_name, protocol, found, origin))
+        registrar = Registrar(kind, impl.plugin_name, protocol, found, origin)
+        try:
+            impl.function(register=registrar)
+        finally:
+            registrar.close()
     return found, origin
 
 

@@ -336,13 +336,15 @@ class GraphRegistry:
         if self._store.entries:  # with no graph, nothing reads the watched addresses yet
             self._addresses.check()
         inputs = {name: plain(value) for name, value in inputs.items()}
+        route = self._routes.route(actual, agreed)  # to know whether this run can touch graph memory at all
         clock = self._run_clock
         clock[0] += 1
         eager_before = self._store.eager_fallbacks
         try:
             out = self._run(actual, context, inputs, agreed)
-        except InputError:
-            clock[0] -= 1
+        except Exception as exc:
+            if isinstance(exc, InputError) or (route.entry is None and route.pending is None):
+                clock[0] -= 1  # refused before anything ran, or refused by the eager step: nothing was overwritten
             raise
         if self._store.eager_fallbacks != eager_before:
             return out
@@ -465,7 +467,7 @@ class GraphRegistry:
         """Every captured key and why it won or lost for ``actual``; ``str()`` gives a table."""
         if not isinstance(actual, BatchDescriptor):
             raise not_a_descriptor(actual)
-        return self._routes.matcher.explain(actual)
+        return self._routes.explain(actual)
 
     def entries(self, **filters: Any) -> list[EntryInfo]:
         """Captured entries as frozen records, largest first.

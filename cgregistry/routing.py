@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+import attrs
+
 from cgregistry.buffers import InputError, StaticBuffer, rows_for
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry, Pair
-from cgregistry.matcher import Match, Matcher
+from cgregistry.matcher import Explanation, Match, Matcher
 from cgregistry.plugins import PluginError
 from cgregistry.runtime import BreakContext
 
@@ -81,17 +83,15 @@ class RouteTable:
         if not isinstance(actual, BatchDescriptor):
             raise not_a_descriptor(actual)
         copies = []
-        fits = True
         for buf in self._buffers:
             rows = rows_for(buf.spec.axis, actual)
             if rows is None:
                 raise InputError(f"static input {buf.name!r} is indexed by requests, but {actual} gives num_reqs=None")
-            fits = fits and rows <= buf.capacity
             copies.append((buf, rows))
         out_rows = rows_for(self._output_axis, actual)
         if out_rows is None:
             raise InputError(f"output_axis='reqs' needs the batch's request count; {actual} gives none")
-        # A batch larger than a static input (more requests than a relaxed key's buffers hold) runs eagerly.
+        fits = self.too_large(actual) is None  # more requests than a relaxed key's buffers hold: eager
         match = self.choose(actual if agreed is None else agreed) if fits else None
         entry = self._entries.get((match.key, match.strategy)) if match is not None else None
         route = Route(actual, entry, match, tuple(copies), out_rows)
@@ -100,6 +100,23 @@ class RouteTable:
             cache.clear()
         cache[cache_key] = route  # type: ignore[index]
         return route
+
+    def too_large(self, actual: BatchDescriptor) -> str | None:
+        """Why no graph can take ``actual`` whatever the keys (a static input too small for it), or None."""
+        for buf in self._buffers:
+            rows = rows_for(buf.spec.axis, actual)
+            if rows is not None and rows > buf.capacity:
+                return f"{rows} {buf.spec.axis} do not fit static input {buf.name!r}, which holds {buf.capacity}"
+        return None
+
+    def explain(self, actual: BatchDescriptor) -> Explanation:
+        """The matcher's explanation, refused as a whole when no graph can take the batch."""
+        explanation = self.matcher.explain(actual)
+        refused = self.too_large(actual)
+        if refused is None:
+            return explanation
+        candidates = tuple(attrs.evolve(c, chosen=False) for c in explanation.candidates)
+        return attrs.evolve(explanation, match=None, candidates=candidates, refused=refused)
 
     def choose(self, actual: BatchDescriptor) -> Match | None:
         """The matcher's best covering key, unless a policy plugin picks another candidate."""

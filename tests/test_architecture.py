@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -275,11 +276,30 @@ def test_a_vendor_plan_captures_and_serves() -> None:
 def test_settings_are_declared_once() -> None:
     settings = cg.PlanSettings(max_num_seqs=8, max_num_tokens=64, mode="full_and_piecewise")
     assert cg.CapturePlan.build(settings) == cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=64, mode="full_and_piecewise")
-    assert settings.capture_sizes[-1] == settings.max_capture_size == 16  # defaults resolved on construction
+    assert settings.used_capture_sizes[-1] == settings.used_max_capture_size == 16  # what the defaults resolve to
+    assert settings.capture_sizes is None and settings.max_capture_size is None, "the settings stay as given"
+    assert attrs.evolve(settings, max_num_seqs=64, max_num_tokens=4096).used_max_capture_size == 128
+    assert cg.CapturePlan.build(8, 64) == cg.CapturePlan.build(settings), "positional settings in declaration order"
     with pytest.raises(ValueError, match="max_num_seqs must be a positive int, got 0"):
         cg.PlanSettings(max_num_seqs=0, max_num_tokens=64)
     with pytest.raises(TypeError, match="not both"):
         cg.CapturePlan.build(settings, max_num_seqs=4)
+    with pytest.raises(TypeError, match="setting 'max_num_seqs' given twice"):
+        cg.CapturePlan.build(8, max_num_seqs=4, max_num_tokens=64)
+    with pytest.raises(ValueError, match="max_loras must be a positive int, got -1"):
+        cg.PlanSettings(max_num_seqs=8, max_num_tokens=64, lora_counts=[0, 4], max_loras=-1)
+    with pytest.raises(ValueError, match=r"lora_counts \[0, 8\] must end at max_loras=4"):
+        cg.PlanSettings(max_num_seqs=8, max_num_tokens=64, lora_counts=[0, 8], max_loras=4)
+
+
+def test_built_in_modes_need_no_plugin_manager(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cgregistry.plan import BUILTIN_RELAXES
+
+    for name, cls in (("full", cg.plugin.FullStrategy), ("breakable", cg.plugin.BreakableStrategy)):
+        assert BUILTIN_RELAXES[name] is cls.relaxes_num_reqs
+    assert BUILTIN_RELAXES["piecewise"] is cg.Plugins().strategy("piecewise").relaxes_num_reqs
+    monkeypatch.setenv("CGREGISTRY_BLOCK_PLUGINS", "cgregistry.strategies.piecewise")
+    assert len(cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=64)) == 9, "a plan is data: blocking a strategy does not stop it"
 
 
 def test_plugins_written_for_0_1_still_import_their_marker() -> None:
@@ -288,3 +308,30 @@ def test_plugins_written_for_0_1_still_import_their_marker() -> None:
     assert hookimpl is cg.plugin.hookimpl
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         cg.nope  # noqa: B018
+
+
+def test_a_registrar_refuses_classes_and_late_calls() -> None:
+    kept = []
+
+    class Sloppy:
+        @cg.plugin.hookimpl
+        def cgregistry_register_strategies(self, register):  # type: ignore[no-untyped-def]
+            kept.append(register)
+            register(VendorExact)  # the class, not an instance
+
+    pm = cg.make_plugin_manager(autoload=False)
+    pm.register(Sloppy(), name="sloppy")
+    with pytest.raises(cg.PluginError, match="plugin 'sloppy' registered the class VendorExact; register an instance"):
+        cg.Plugins(pm)
+    with pytest.raises(cg.PluginError, match="after its registration hook returned"):
+        kept[0](VendorExact())
+
+
+def test_explain_agrees_with_match_when_the_batch_is_too_large_for_a_static_input() -> None:
+    reg = cg.GraphRegistry(lambda b, x, r: x, {"x": cg.StaticInput((64,), torch.float32), "r": cg.StaticInput((4,), torch.float32, axis="reqs")},
+                           backend="cpu", plugins=make_plugins())
+    reg.capture([(B(32), "full")])
+    explanation = reg.explain(B(20, 12))
+    assert reg.match(B(20, 12)) is None and explanation.match is None
+    assert "runs eagerly: 12 reqs do not fit static input 'r', which holds 4" in str(explanation)
+    assert not any(c.chosen for c in explanation.candidates)

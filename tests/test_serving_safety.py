@@ -893,3 +893,27 @@ def test_a_deeply_nested_snapshot_file_is_a_snapshot_error(tmp_path: object) -> 
     path.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(cg.SnapshotError, match="nested too deeply"):
         cg.load_snapshot(path)
+
+
+def test_a_schema_1_snapshot_still_loads_and_unknown_fields_are_ignored() -> None:
+    data = good_snapshot()
+    assert data["schema"] == 2
+    del data["stats"]["bad_batches"]  # what 0.1 wrote
+    data["schema"] = 1
+    data["note"] = "written by a later version"
+    snapshot = cg.load_snapshot(data)
+    assert snapshot.schema == 1 and snapshot.stats.bad_batches == 0 and snapshot.stats.hits == 1
+
+
+def test_debug_mode_no_alarm_after_the_eager_step_refused_a_batch() -> None:
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        if batch.num_tokens == 7:
+            raise IndexError("token id out of range")
+        return x * 2
+
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu", plugins=make_plugins(), debug=True)
+    reg.capture([(B(4), "full")])
+    out = reg.run(B(3), x=torch.ones(3))
+    with pytest.raises(IndexError):
+        reg.run(B(7), x=torch.ones(7))  # a miss the step refuses: no graph memory touched
+    assert float((out + 0).sum()) == 6.0
