@@ -247,6 +247,22 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+_MODE_HELP = f"one of {', '.join(MODES)}, or DECODE,MIXED naming any registered strategies ('none' for neither)"
+
+
+def _mode(text: str) -> str | tuple[str | None, str | None]:
+    """A mode name, or 'decode,mixed' strategy names ('none': no keys of that kind)."""
+    if "," not in text:
+        if text not in MODES:
+            raise argparse.ArgumentTypeError(f"unknown mode {text!r}; {_MODE_HELP}")
+        return text
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 2 or not all(parts):
+        raise argparse.ArgumentTypeError(f"--mode {text!r}: expected DECODE,MIXED (two strategy names or 'none')")
+    decode, mixed = (None if p == "none" else p for p in parts)
+    return (decode, mixed)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cgregistry", description="CUDA graphs for batched inference engines.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -254,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="capture the demo model, replay trace-derived batches, check against eager")
     demo.add_argument("--backend", default="auto", help="auto (cuda when available, else cpu), cuda or cpu")
     demo.add_argument("--steps", type=int, default=200, help="scheduler steps taken from the bundled trace")
-    demo.add_argument("--mode", default="full", choices=sorted(MODES), help="capture mode of the plan")
+    demo.add_argument("--mode", default="full", type=_mode, metavar="MODE", help=_MODE_HELP)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--all", action="store_true", help="list every entry, not only those that served the run")
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -267,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--max-num-seqs", type=int, default=256)
     plan.add_argument("--max-num-tokens", type=int, default=8192, help="also the scheduler's token budget")
-    plan.add_argument("--mode", default="full_and_piecewise", choices=sorted(MODES))
+    plan.add_argument("--mode", default="full_and_piecewise", type=_mode, metavar="MODE", help=_MODE_HELP)
     plan.add_argument("--capture-sizes", type=_ints, default=None)
     plan.add_argument("--max-capture-size", type=int, default=None)
     plan.add_argument("--spec-depths", type=_ints, default=[0])

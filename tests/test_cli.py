@@ -29,6 +29,14 @@ def test_plan_json() -> None:
     assert data["uncovered"] == [{"kind": "mixed", "num_active_loras": 0, "spec_depth": None, "min_tokens": 9, "max_tokens": 16}]
 
 
+def test_plan_takes_a_strategy_pair_as_mode() -> None:
+    r = cli("plan", "--max-num-seqs", "8", "--max-num-tokens", "64", "--mode", "none,breakable", "--json")
+    assert r.returncode == 0, r.stderr
+    assert {e["strategy"] for e in json.loads(r.stdout)["entries"]} == {"breakable"}
+    bad = cli("plan", "--mode", "full,nope")
+    assert bad.returncode == 2 and "strategy 'nope' is not registered" in bad.stderr
+
+
 def test_plan_errors_exit_2_with_message() -> None:
     r = cli("plan", "--max-num-seqs", "8", "--max-num-tokens", "64", "--capture-sizes", "8,100")
     assert r.returncode == 2
