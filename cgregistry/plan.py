@@ -183,10 +183,15 @@ class PlanSettings:
             loras = (0,) if max_loras is None else lora_ladder(max_loras)
         else:
             loras = _positive_ints("lora_counts", self.lora_counts, 0)
-            if max_loras is not None and max(loras) != max_loras:
+            if max_loras is not None and max(loras) < max_loras:
                 raise ValueError(
-                    f"lora_counts {list(loras)} must end at max_loras={max_loras}: a batch with {max_loras} active "
-                    "adapters needs a graph, and no batch has more"
+                    f"lora_counts {list(loras)} do not reach max_loras={max_loras}: "
+                    f"a batch with {max_loras} active adapters would have no graph"
+                )
+            if max_loras is not None and max(loras) > max_loras:
+                raise ValueError(
+                    f"lora_counts {list(loras)} go beyond max_loras={max_loras}: no batch has more active adapters, "
+                    "so those graphs would never replay"
                 )
         fix("used_lora_counts", loras)
         sizes = None if self.capture_sizes is None else _positive_ints("capture_sizes", self.capture_sizes, 1)

@@ -60,12 +60,25 @@ def make_plugin_manager(
     if autoload:
         pm.load_setuptools_entrypoints(hookspecs.PROJECT)
     for plugin in plugins:
-        pm.register(plugin)
+        pm.register(plugin, name=_readable_name(plugin, pm))
     for name in DEFAULT_PLUGINS:
         if pm.get_plugin(name) is None and not pm.is_blocked(name):
             pm.register(importlib.import_module(name), name=name)
     pm.check_pending()
     return pm
+
+
+def _readable_name(plugin: object, pm: pluggy.PluginManager) -> str:
+    """A name errors and warnings can show: a module's name, or the object's class (numbered if taken)."""
+    base = getattr(plugin, "__name__", None) if isinstance(getattr(plugin, "__name__", None), str) else None
+    if base is None:
+        kind = type(plugin)
+        base = f"{kind.__module__}.{kind.__qualname__}"
+    name, n = base, 1
+    while pm.has_plugin(name):
+        n += 1
+        name = f"{base}#{n}"
+    return name
 
 
 @attrs.frozen(slots=True)

@@ -195,6 +195,7 @@ class GraphRegistry:
         if lazy:
             self._store.add_pending(pairs)
             self._routes.rebuild(self._store.pairs())
+            self._warn_shadowed()
             return []
         if progress is None:
             progress = len(pairs) > 1 and sys.stderr.isatty()
@@ -208,7 +209,25 @@ class GraphRegistry:
             self._routes.rebuild(self._store.pairs())
             if hasattr(bar, "close"):
                 bar.close()
+        self._warn_shadowed()
         return captured
+
+    def _warn_shadowed(self) -> None:
+        """Warn when a strategy's uniform keys rank after a relaxed strategy's: those graphs may never replay."""
+        pairs = self._store.pairs()
+        order = self._routes.matcher.preference
+        with_keys = {s for _, s in pairs}
+        relaxed = [s for s in order if s in with_keys and self.plugins.strategy(s).relaxes_num_reqs]
+        for strategy in sorted({s for k, s in pairs if k.uniform}):
+            first = next((r for r in relaxed if order.index(r) < order.index(strategy)), None)
+            if first is not None:
+                warnings.warn(
+                    f"cgregistry: uniform keys of strategy {strategy!r} rank after {first!r} in this registry's "
+                    f"preference {tuple(order)}; {first!r} keys cover those batches first, so {strategy!r} graphs may "
+                    f"never replay. Put it first: GraphRegistry(..., preference=({strategy!r}, {first!r}, ...))",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
 
     def _capture_observed(self, pair: Pair) -> EntryInfo:
         """Capture one entry between the capture_started and capture_finished hooks, then keep the budget."""

@@ -288,7 +288,7 @@ def test_settings_are_declared_once() -> None:
         cg.CapturePlan.build(8, max_num_seqs=4, max_num_tokens=64)
     with pytest.raises(ValueError, match="max_loras must be a positive int, got -1"):
         cg.PlanSettings(max_num_seqs=8, max_num_tokens=64, lora_counts=[0, 4], max_loras=-1)
-    with pytest.raises(ValueError, match=r"lora_counts \[0, 8\] must end at max_loras=4"):
+    with pytest.raises(ValueError, match=r"lora_counts \[0, 8\] go beyond max_loras=4"):
         cg.PlanSettings(max_num_seqs=8, max_num_tokens=64, lora_counts=[0, 8], max_loras=4)
 
 
@@ -335,3 +335,20 @@ def test_explain_agrees_with_match_when_the_batch_is_too_large_for_a_static_inpu
     assert reg.match(B(20, 12)) is None and explanation.match is None
     assert "runs eagerly: 12 reqs do not fit static input 'r', which holds 4" in str(explanation)
     assert not any(c.chosen for c in explanation.candidates)
+
+
+def test_capture_warns_when_a_decode_strategy_can_never_win() -> None:
+    plugins = vendor_plugins()
+    plan = cg.CapturePlan.build(max_num_seqs=4, max_num_tokens=16, mode=("vendor-exact", "breakable"), plugins=plugins)
+    shadowed = cg.GraphRegistry(lambda b, x: x + 1, {"x": cg.StaticInput((16,), torch.float32)}, backend="cpu", plugins=plugins)
+    with pytest.warns(RuntimeWarning, match=r"uniform keys of strategy 'vendor-exact' rank after 'breakable'.*preference=\('vendor-exact', 'breakable'"):
+        shadowed.capture(plan)
+    assert shadowed.match(B.decode(3)).strategy == "breakable", "the warning is true: breakable serves decode batches"
+    ordered = cg.GraphRegistry(lambda b, x: x + 1, {"x": cg.StaticInput((16,), torch.float32)}, backend="cpu", plugins=plugins,
+                               preference=("vendor-exact", "breakable"))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ordered.capture(plan)
+    assert ordered.match(B.decode(3)).strategy == "vendor-exact"

@@ -43,8 +43,10 @@ class PiecewiseStrategy(BreakableStrategy):
         if site.compiled_runs == 0:
             raise PiecewiseError(
                 "the step ran no model compiled with the piecewise backend, so there are no pieces: compile it with "
-                "cgregistry.compile_piecewise(model) or torch.compile(model, backend=reg.compile_backend(), "
-                "dynamic=True), or capture this key with the 'breakable' strategy, which needs no compile"
+                "compiled = reg.compile(model) (or cgregistry.compile_piecewise(model)) and call compiled(...) in the "
+                "step (or torch.compile(model, backend=reg.compile_backend(), dynamic=True)), or plan this key with the "
+                "'breakable' strategy, which needs no compile (mode='full_and_breakable'; the default mode is "
+                "'full_and_piecewise')"
             )
 
 
