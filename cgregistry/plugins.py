@@ -70,10 +70,9 @@ def make_plugin_manager(
 
 def _readable_name(plugin: object, pm: pluggy.PluginManager) -> str:
     """A name errors and warnings can show: a module's name, or the object's class (numbered if taken)."""
-    base = getattr(plugin, "__name__", None) if isinstance(getattr(plugin, "__name__", None), str) else None
-    if base is None:
-        kind = type(plugin)
-        base = f"{kind.__module__}.{kind.__qualname__}"
+    base = getattr(plugin, "__name__", None)
+    if not isinstance(base, str):
+        base = f"{type(plugin).__module__}.{type(plugin).__qualname__}"
     name, n = base, 1
     while pm.has_plugin(name):
         n += 1
