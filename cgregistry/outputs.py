@@ -57,24 +57,7 @@ def _rebuildable_tuple(kind: type) -> bool:
 
 def unflatten(leaves: list[torch.Tensor], spec: Spec) -> Any:
     """Rebuild the structure ``flatten`` recorded, with ``leaves`` in place of its tensors."""
-    it = iter(leaves)
-    return _unflatten(it, spec)
-
-
-def _unflatten(it: Any, spec: Spec) -> Any:
-    if spec is None:
-        return next(it)
-    kind, keys, children = spec
-    if kind == "const":
-        return None
-    values = [_unflatten(it, c) for c in children]
-    if keys is not None:
-        return kind(zip(keys, values))
-    if kind is tuple or kind is list:
-        return kind(values)
-    if hasattr(kind, "_make"):
-        return kind._make(values)  # named tuple
-    return kind(values)  # torch.return_types structseq
+    return _builder(spec, [0])(leaves)
 
 
 def _builder(spec: Spec, leaf_index: list[int]) -> Callable[[list[torch.Tensor]], Any]:
