@@ -12,7 +12,7 @@ from cgregistry.descriptor import BatchDescriptor, Padding
 from cgregistry.plan import MODES, CapturePlan, PlanEntry, PlanSettings, UncoveredRange
 
 # The registry and its static inputs
-from cgregistry.buffers import StaticInput
+from cgregistry.buffers import REPEAT_LAST, StaticInput
 from cgregistry.registry import GraphRegistry
 
 # Models with eager parts: attention as an eager break, piecewise compilation
@@ -59,7 +59,7 @@ __all__ = [
     # batches and plans
     "MODES", "BatchDescriptor", "CapturePlan", "Padding", "PlanEntry", "PlanSettings", "UncoveredRange",
     # the registry
-    "GraphRegistry", "StaticInput",
+    "GraphRegistry", "REPEAT_LAST", "StaticInput",
     # eager parts
     "BreakContext", "PiecewiseCompiler", "capture_barrier", "compile_piecewise", "current_batch", "eager_batch",
     "eager_break", "graph_break",

@@ -1,8 +1,10 @@
 """Static input buffers: fixed addresses the graphs read, live data copied in, padded tail filled.
 
-Each input is indexed along the token axis or the request axis.  ``write`` copies
+Each input is indexed along the token axis, the request axis, or ``reqs+1`` (one
+row per request plus one: ``cu_seqlens``, ``query_start_loc``).  ``write`` copies
 the live rows in and re-fills only the rows that an earlier, larger batch left
-dirty, so a steady batch size costs one copy per input and nothing more.
+dirty, so a steady batch size costs one copy per input and nothing more; an input
+whose padding repeats its last live row (``REPEAT_LAST``) costs one more copy.
 
 ``fill`` is what every padded row holds, and what *every* row holds while graphs
 are warmed up and captured (capture runs the step, which may write engine state
@@ -22,9 +24,9 @@ import torch
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.errors import CgregistryError
 
-__all__ = ["AXES", "UNSET", "InputError", "StaticBuffer", "StaticInput", "rows_for"]
+__all__ = ["AXES", "REPEAT_LAST", "UNSET", "InputError", "StaticBuffer", "StaticInput", "describe_rows", "rows_for"]
 
-AXES = ("tokens", "reqs")
+AXES = ("tokens", "reqs", "reqs+1")
 _STRIDED = torch.strided
 
 
@@ -32,7 +34,17 @@ def rows_for(axis: str, descriptor: BatchDescriptor) -> int | None:
     """How many rows of an input (or output) on ``axis`` a batch has; None for a relaxed key's requests."""
     if axis == "tokens":
         return descriptor.num_tokens
-    return descriptor.num_reqs
+    reqs = descriptor.num_reqs
+    if axis == "reqs" or reqs is None:
+        return reqs
+    return reqs + 1  # "reqs+1": offsets such as cu_seqlens, one more than there are requests
+
+
+def describe_rows(axis: str, rows: int) -> str:
+    """``rows`` rows of ``axis`` in words, for error messages ("4 rows: 3 reqs + 1")."""
+    if axis == "reqs+1":
+        return f"{rows} rows: {rows - 1} reqs + 1"
+    return f"{rows} {axis}"
 
 
 class InputError(CgregistryError, ValueError):
@@ -63,7 +75,16 @@ class _Unset:
         return "<unset>"
 
 
-UNSET = _Unset()  # fill not given: 0 for floating and bool inputs, an error for integer ones
+UNSET = _Unset()  # fill not given: 0 for floating and bool inputs, REPEAT_LAST on "reqs+1", else an error for integers
+
+
+class _RepeatLast:
+    def __repr__(self) -> str:
+        return "REPEAT_LAST"
+
+
+# A fill: padded rows repeat the batch's last live row, so padded requests of an offsets input are empty.
+REPEAT_LAST = _RepeatLast()
 
 
 def _is_integer(dtype: torch.dtype) -> bool:
@@ -106,21 +127,30 @@ def _fill_problem(fill: object, dtype: torch.dtype) -> str | None:
 class StaticInput:
     """Declares one static input: capacity shape, dtype, indexing axis and padding fill.
 
-    ``shape[0]`` is the capacity along ``axis`` (max tokens or max requests).
+    ``shape[0]`` is the capacity along ``axis``: max tokens, max requests, or max
+    requests + 1 for ``axis="reqs+1"`` (offsets such as ``cu_seqlens``).
     ``fill`` is written into padded rows, and into every row before a graph is
     warmed up and captured; None leaves padded rows as they are (capture then
     sees zeros).  Integer inputs must give it: an index input (slot mapping,
     block table) fills with a scratch slot no request owns, so padded rows and
     capture write only there; token ids or positions may fill with 0.
+    ``REPEAT_LAST`` (the default on ``reqs+1``) repeats the last live row into
+    the padded rows, so the padded requests of an offsets input are empty;
+    capture then runs on zeros (a batch of empty requests).
     """
 
     shape: tuple[int, ...] = attrs.field(converter=_shape)
     dtype: torch.dtype = attrs.field(validator=_dtype)
-    axis: Literal["tokens", "reqs"] = attrs.field(default="tokens", validator=_axis)
-    fill: int | float | bool | None = attrs.field(default=UNSET)
+    axis: Literal["tokens", "reqs", "reqs+1"] = attrs.field(default="tokens", validator=_axis)
+    fill: int | float | bool | None | _RepeatLast = attrs.field(default=UNSET)
 
     def __attrs_post_init__(self) -> None:
         fill = self.fill
+        if fill is UNSET and self.axis == "reqs+1":
+            object.__setattr__(self, "fill", REPEAT_LAST)
+            return
+        if fill is REPEAT_LAST:
+            return
         if fill is UNSET:
             if _is_integer(self.dtype):
                 raise ValueError(
@@ -151,13 +181,14 @@ class StaticInput:
     @property
     def capture_fill(self) -> int | float | bool:
         """What every row holds while graphs are warmed up and captured."""
-        return 0 if self.fill is None else self.fill  # type: ignore[return-value]
+        fill = self.fill
+        return 0 if fill is None or fill is REPEAT_LAST else fill  # type: ignore[return-value]
 
 
 class StaticBuffer:
     """One allocated static input and the views of it that graphs and copies use."""
 
-    __slots__ = ("name", "spec", "tensor", "dirty", "_views", "_shapes", "_device", "dtype")
+    __slots__ = ("name", "spec", "tensor", "dirty", "_views", "_tails", "_shapes", "_device", "dtype", "_repeat_last")
 
     def __init__(self, name: str, spec: StaticInput, device: torch.device) -> None:
         self.name = name
@@ -166,6 +197,8 @@ class StaticBuffer:
         self.tensor = torch.full(spec.shape, spec.capture_fill, dtype=spec.dtype, device=device)
         self.dirty = 0  # rows [0, dirty) may hold live data rather than the fill value
         self._views: dict[int, torch.Tensor] = {}
+        self._tails: dict[int, torch.Tensor] = {}  # rows [n, capacity), for REPEAT_LAST
+        self._repeat_last = spec.fill is REPEAT_LAST
         self._shapes: dict[int, torch.Size] = {}
         self._device = self.tensor.device
 
@@ -179,7 +212,7 @@ class StaticBuffer:
         if v is None:
             if not 0 < rows <= self.capacity:
                 raise InputError(
-                    f"static input {self.name!r} holds {self.capacity} {self.spec.axis}, asked for {rows}"
+                    f"static input {self.name!r} holds {describe_rows(self.spec.axis, self.capacity)}, asked for {rows}"
                 )
             v = self._views[rows] = self.tensor[:rows]
             self._shapes[rows] = v.shape
@@ -217,6 +250,13 @@ class StaticBuffer:
         if live.requires_grad:  # outside inference mode copy_ would chain the caller's autograd graph onto the buffer
             live = live.detach()
         self._views[rows].copy_(live)
+        if self._repeat_last:
+            if rows < self.capacity:  # every padded row, whatever key replays: offsets stay monotonic
+                tail = self._tails.get(rows)
+                if tail is None:
+                    tail = self._tails[rows] = self.tensor[rows:]
+                tail.copy_(live[-1:].expand_as(tail))
+            return
         if self.dirty > rows and self.spec.fill is not None:
             self.tensor[rows : self.dirty].fill_(self.spec.fill)
         self.dirty = rows
@@ -231,7 +271,7 @@ class StaticBuffer:
         if tuple(live.shape) != expected:
             return InputError(
                 f"input {self.name!r} has shape {tuple(live.shape)}, expected {expected} "
-                f"({rows} {self.spec.axis} in this batch)"
+                f"({describe_rows(self.spec.axis, rows)} in this batch)"
             )
         if live.dtype is not self.dtype:
             return InputError(f"input {self.name!r} has dtype {live.dtype}, expected {self.dtype}")

@@ -22,11 +22,11 @@ import torch
 
 from cgregistry import runtime
 from cgregistry.backends import Backend
-from cgregistry.buffers import StaticBuffer, rows_for
+from cgregistry.buffers import StaticBuffer, describe_rows, rows_for
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry
 from cgregistry.errors import CgregistryError
-from cgregistry.outputs import OutputError, OutputSlicer, flatten
+from cgregistry.outputs import OutputAxes, OutputError, OutputSlicer, flatten
 from cgregistry.plugins import PluginError
 from cgregistry.runtime import BreakContext
 
@@ -46,13 +46,13 @@ class EntryCapture:
     """Captures entries of one step into one pool (shared by every entry of a registry)."""
 
     def __init__(
-        self, step: Callable[..., Any], buffers: Mapping[str, StaticBuffer], backend: Backend, output_axis: str, warmup_runs: int,
+        self, step: Callable[..., Any], buffers: Mapping[str, StaticBuffer], backend: Backend, output_axes: OutputAxes, warmup_runs: int,
     ) -> None:
         self._step = step
         self._buffers = buffers
         self.backend = backend
         self.device = backend.device()
-        self._output_axis = output_axis
+        self._output_axes = output_axes
         self._warmup_runs = warmup_runs
         self.pool = backend.new_pool()
 
@@ -66,7 +66,7 @@ class EntryCapture:
             rows = self._key_rows(buf, key)
             if rows > buf.capacity:
                 raise ValueError(
-                    f"key {key} needs {rows} {buf.spec.axis} in static input {buf.name!r}, "
+                    f"key {key} needs {describe_rows(buf.spec.axis, rows)} in static input {buf.name!r}, "
                     f"which holds {buf.capacity}; enlarge its StaticInput shape"
                 )
 
@@ -90,14 +90,14 @@ class EntryCapture:
         try:
             with torch.inference_mode():
                 warm_leaves, spec = flatten(self.backend.warmup(body, self._warmup_runs))
-                self._check_outputs(warm_leaves, key)
+                self._check_outputs(warm_leaves, spec, key)
                 del warm_leaves
                 graph, out = strategy.capture(body, self.backend, self.pool)
                 leaves, captured_spec = flatten(out)
                 del out
                 if captured_spec != spec:
                     raise OutputError("the step returned a different output structure at capture than at warm-up")
-                self._check_outputs(leaves, key)
+                self._check_outputs(leaves, spec, key)
                 _check_memory_bytes(graph, strategy_name)
             self.backend.synchronize()
         except Exception as exc:
@@ -108,20 +108,13 @@ class EntryCapture:
         seconds = time.perf_counter() - started
         return Entry(key, strategy_name, graph, OutputSlicer(self.backend.share_outputs(leaves), spec), seconds)
 
-    def _check_outputs(self, leaves: list[torch.Tensor], key: BatchDescriptor) -> None:
+    def _check_outputs(self, leaves: list[torch.Tensor], spec: Any, key: BatchDescriptor) -> None:
         if not leaves:
             raise OutputError("the step returned no tensor")
-        rows = rows_for(self._output_axis, key)
+        self._output_axes.check(leaves, spec, key)
         for i, leaf in enumerate(leaves):
-            if leaf.dim() == 0 or (rows is not None and leaf.shape[0] != rows):
-                raise OutputError(
-                    f"output leaf {i} has shape {tuple(leaf.shape)}; expected a leading dimension of "
-                    f"{rows} ({self._output_axis} of {key})"
-                )
             if leaf.device != self.device:
                 raise OutputError(f"output leaf {i} is on {leaf.device}, expected {self.device}")
-        if rows is None:
-            raise OutputError(f"output_axis='reqs' needs keys with a request count; {key} has none")
 
 
 def _check_memory_bytes(graph: Any, strategy: str) -> None:

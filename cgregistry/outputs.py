@@ -2,7 +2,9 @@
 
 A step may return a tensor or nested tuples, lists, dicts and named tuples of
 tensors (None leaves pass through).  Every tensor's leading dimension is the
-padded token count (or request count, with ``output_axis="reqs"``).
+padded token count (or request count, with ``output_axis="reqs"``); an
+``output_axis`` shaped like the output gives each leaf its own axis (hidden
+states per token, logits per request).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from typing import Any
 
 import torch
 
+from cgregistry.buffers import AXES, rows_for
+from cgregistry.descriptor import BatchDescriptor
 from cgregistry.errors import CgregistryError
 
-__all__ = ["OutputError", "OutputSlicer", "flatten", "unflatten"]
+__all__ = ["OutputAxes", "OutputError", "OutputSlicer", "flatten", "unflatten"]
 
 Spec = Any  # None for a tensor leaf, ("const", None, None) for a None leaf, or (container type, keys, child specs)
 
@@ -24,30 +28,90 @@ class OutputError(CgregistryError, TypeError):
     """A step returned something the registry cannot slice (names the leaf)."""
 
 
-def flatten(obj: Any, path: str = "output") -> tuple[list[torch.Tensor], Spec]:
-    """Tensor leaves in a fixed order, and the structure to rebuild ``obj``."""
-    leaves: list[torch.Tensor] = []
-    spec = _flatten(obj, path, leaves)
+def flatten(obj: Any, path: str = "output", leaf: type = torch.Tensor) -> tuple[list[Any], Spec]:
+    """``leaf`` instances (tensors) in a fixed order, and the structure to rebuild ``obj``."""
+    leaves: list[Any] = []
+    spec = _flatten(obj, path, leaves, leaf)
     return leaves, spec
 
 
-def _flatten(obj: Any, path: str, leaves: list[torch.Tensor]) -> Spec:
-    if isinstance(obj, torch.Tensor):
+def _flatten(obj: Any, path: str, leaves: list[Any], leaf: type) -> Spec:
+    if isinstance(obj, leaf):
         leaves.append(obj)
         return None
     if obj is None:
         return ("const", None, None)
     kind = type(obj)
+    what = "tensors" if leaf is torch.Tensor else f"{leaf.__name__} leaves"
     if isinstance(obj, dict):
         if kind not in (dict, OrderedDict):
-            raise OutputError(f"{path} is a {kind.__name__}; return a dict (or OrderedDict) of tensors")
+            raise OutputError(f"{path} is a {kind.__name__}; return a dict (or OrderedDict) of {what}")
         keys = list(obj)
-        return (kind, keys, [_flatten(obj[k], f"{path}[{k!r}]", leaves) for k in keys])
+        return (kind, keys, [_flatten(obj[k], f"{path}[{k!r}]", leaves, leaf) for k in keys])
     if isinstance(obj, (tuple, list)):
         if kind not in (tuple, list) and not _rebuildable_tuple(kind):
-            raise OutputError(f"{path} is a {kind.__name__}; return a tuple, list or named tuple of tensors")
-        return (kind, None, [_flatten(v, f"{path}[{i}]", leaves) for i, v in enumerate(obj)])
-    raise OutputError(f"{path} is a {kind.__name__}; expected tensors (in tuples, lists or dicts) or None")
+            raise OutputError(f"{path} is a {kind.__name__}; return a tuple, list or named tuple of {what}")
+        return (kind, None, [_flatten(v, f"{path}[{i}]", leaves, leaf) for i, v in enumerate(obj)])
+    raise OutputError(f"{path} is a {kind.__name__}; expected {what} (in tuples, lists or dicts) or None")
+
+
+def _outline(spec: Spec) -> Any:
+    """``spec`` with sequence kinds merged and mapping kinds merged: what an axes tree must mirror."""
+    if spec is None or spec[0] == "const":
+        return spec
+    kind, keys, children = spec
+    return ("map" if keys is not None else "seq", keys, [_outline(c) for c in children])
+
+
+class OutputAxes:
+    """Which axis each output leaf's leading dimension follows: one for all, or a tree shaped like the output."""
+
+    __slots__ = ("single", "axes", "spec", "given")
+
+    def __init__(self, output_axis: object) -> None:
+        self.given = output_axis
+        if isinstance(output_axis, str):
+            if output_axis not in AXES:
+                raise ValueError(f"output_axis must be one of {AXES} or a tree of them shaped like the output, got {output_axis!r}")
+            self.single: str | None = output_axis
+            self.axes: tuple[str, ...] = ()
+            self.spec: Spec = None
+            return
+        try:
+            axes, spec = flatten(output_axis, "output_axis", leaf=str)
+        except OutputError as exc:
+            raise ValueError(f"{exc}: output_axis is one of {AXES}, or a tuple/list/dict tree of them") from None
+        bad = [a for a in axes if a not in AXES]
+        if not axes or bad:
+            raise ValueError(f"output_axis leaves must be among {AXES}, got {bad or output_axis!r}")
+        self.single = None
+        self.axes = tuple(axes)
+        self.spec = spec
+
+    def rows(self, descriptor: BatchDescriptor) -> int | tuple[int, ...] | None:
+        """Live rows of the outputs for ``descriptor``: one count, or one per leaf (None: a relaxed key's requests)."""
+        if self.single is not None:
+            return rows_for(self.single, descriptor)
+        rows = tuple(rows_for(a, descriptor) for a in self.axes)
+        return None if None in rows else rows  # type: ignore[return-value]
+
+    def check(self, leaves: list[torch.Tensor], spec: Spec, key: BatchDescriptor) -> None:
+        """Raise OutputError unless every leaf's leading dimension is its axis's row count for ``key``."""
+        if self.single is None and _outline(spec) != _outline(self.spec):
+            raise OutputError(
+                f"output_axis={self.given!r} is not shaped like the step's output (which has {len(leaves)} tensor "
+                "leaves); give one axis per tensor leaf, in the same tuples, lists and dict keys, None where the output has None"
+            )
+        axes = [self.single] * len(leaves) if self.single is not None else self.axes
+        for i, (leaf, axis) in enumerate(zip(leaves, axes)):
+            rows = rows_for(axis, key)
+            if rows is None:
+                raise OutputError(f"output leaf {i} follows output_axis={axis!r}, which needs keys with a request count; {key} has none")
+            if leaf.dim() == 0 or leaf.shape[0] != rows:
+                raise OutputError(
+                    f"output leaf {i} has shape {tuple(leaf.shape)}; expected a leading dimension of "
+                    f"{rows} ({axis} of {key})"
+                )
 
 
 def _rebuildable_tuple(kind: type) -> bool:
@@ -89,14 +153,18 @@ class OutputSlicer:
         self.spec = spec
         self._single = spec is None
         self._build = _builder(spec, [0])
-        self._cache: dict[int, list[torch.Tensor]] = {}
+        self._cache: dict[int | tuple[int, ...], list[torch.Tensor]] = {}
 
-    def sliced(self, rows: int) -> Any:
-        """Outputs cut to ``rows``: fresh views each call over cached slices, so a caller's in-place
-        metadata change (``unsqueeze_``, ``t_``) never reaches a later run's outputs."""
+    def sliced(self, rows: int | tuple[int, ...]) -> Any:
+        """Outputs cut to ``rows`` (one count, or one per leaf): fresh views each call over cached slices,
+        so a caller's in-place metadata change (``unsqueeze_``, ``t_``) never reaches a later run's outputs."""
         views = self._cache.get(rows)
         if views is None:
-            views = self._cache[rows] = [leaf[:rows] for leaf in self.leaves]
+            if isinstance(rows, tuple):
+                views = [leaf[:n] for leaf, n in zip(self.leaves, rows)]
+            else:
+                views = [leaf[:rows] for leaf in self.leaves]
+            self._cache[rows] = views
         if self._single:
             return views[0].detach()
         return self._build([v.detach() for v in views])

@@ -45,6 +45,7 @@ from cgregistry.inspection import (
     stats_line,
 )
 from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Match
+from cgregistry.outputs import OutputAxes
 from cgregistry.plan import CapturePlan, PlanEntry
 from cgregistry.plugins import Plugins
 from cgregistry.routing import RouteTable, not_a_descriptor
@@ -66,6 +67,8 @@ class GraphRegistry:
     ``step(batch, **inputs)`` is the engine's forward: it gets the padded key and
     views of the static buffers sized for it, and returns a tensor or a pytree of
     tensors whose leading dimension is the padded token (or request) count.
+    ``output_axis`` names that axis ("tokens", "reqs", "reqs+1"), or is a tree
+    shaped like the output with one axis per tensor leaf.
 
     Outputs returned by ``run`` are views of graph memory: valid until the next
     ``run`` on this registry, and only while the registry lives (on CUDA they do
@@ -78,7 +81,7 @@ class GraphRegistry:
         inputs: Mapping[str, StaticInput],
         *,
         backend: str = "auto",
-        output_axis: str = "tokens",
+        output_axis: Any = "tokens",
         preference: Sequence[str] = DEFAULT_PREFERENCE,
         warmup_runs: int = 1,
         plugins: Plugins | None = None,
@@ -88,8 +91,7 @@ class GraphRegistry:
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable, got {step!r}")
-        if output_axis not in ("tokens", "reqs"):
-            raise ValueError(f"output_axis must be 'tokens' or 'reqs', got {output_axis!r}")
+        output_axes = OutputAxes(output_axis)
         if type(warmup_runs) is not int or warmup_runs < 1:
             raise ValueError(f"warmup_runs must be an int >= 1, got {warmup_runs!r}")
         _check_budget(memory_budget)
@@ -111,13 +113,13 @@ class GraphRegistry:
         self._buffers = {key: StaticBuffer(key, spec, self.device) for key, spec in inputs.items()}
         self._input_names = frozenset(self._buffers)
         self._store = EntryStore(memory_budget)
-        self._capturer = EntryCapture(step, self._buffers, self.backend, output_axis, warmup_runs)
+        self._capturer = EntryCapture(step, self._buffers, self.backend, output_axes, warmup_runs)
         chooser = None
         if self.plugins.observed("cgregistry_choose_match"):
             hook = self.plugins.pm.hook.cgregistry_choose_match
             chooser = lambda actual, candidates: hook(registry=self, actual=actual, candidates=candidates)  # noqa: E731
             names = ", ".join(i.plugin_name for i in hook.get_hookimpls())
-        self._routes = RouteTable(self._buffers, self._store.entries, output_axis, self.preference, chooser, names if chooser else "")
+        self._routes = RouteTable(self._buffers, self._store.entries, output_axes, self.preference, chooser, names if chooser else "")
         self._route_cache = self._routes.cache  # the hot path's first lookup (cleared in place, never replaced)
         self._capture_payload: Any = None
         self.debug = bool(debug)

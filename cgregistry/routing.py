@@ -14,10 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
-from cgregistry.buffers import InputError, StaticBuffer, rows_for
+from cgregistry.buffers import InputError, StaticBuffer, describe_rows, rows_for
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry, Pair
 from cgregistry.matcher import Explanation, Match, Matcher
+from cgregistry.outputs import OutputAxes
 from cgregistry.plugins import PluginError
 from cgregistry.runtime import BreakContext
 
@@ -38,7 +39,7 @@ class Route:
 
     __slots__ = ("entry", "pending", "match", "copies", "out_rows", "single_output", "real_tokens", "pad_tokens", "batch_context")
 
-    def __init__(self, actual: BatchDescriptor, entry: Entry | None, match: Match | None, copies: tuple[tuple[StaticBuffer, int], ...], out_rows: int) -> None:
+    def __init__(self, actual: BatchDescriptor, entry: Entry | None, match: Match | None, copies: tuple[tuple[StaticBuffer, int], ...], out_rows: int | tuple[int, ...]) -> None:
         self.entry = entry
         # the best key is in a lazy plan and not captured yet: run() captures it first
         self.pending: Pair | None = (match.key, match.strategy) if match is not None and entry is None else None
@@ -56,15 +57,15 @@ class Route:
 class RouteTable:
     """The matcher over the store's keys, and the routes built from it."""
 
-    __slots__ = ("_buffers", "_entries", "_output_axis", "_chooser", "_chooser_names", "preference", "matcher", "cache", "group_cache")
+    __slots__ = ("_buffers", "_entries", "_output_axes", "_chooser", "_chooser_names", "preference", "matcher", "cache", "group_cache")
 
     def __init__(
-        self, buffers: Mapping[str, StaticBuffer], entries: Mapping[Pair, Entry], output_axis: str,
+        self, buffers: Mapping[str, StaticBuffer], entries: Mapping[Pair, Entry], output_axes: OutputAxes,
         preference: Sequence[str], chooser: Chooser | None = None, chooser_names: str = "",
     ) -> None:
         self._buffers = tuple(buffers.values())
         self._entries = entries  # the store's live dict
-        self._output_axis = output_axis
+        self._output_axes = output_axes
         self._chooser = chooser
         self._chooser_names = chooser_names
         self.preference = tuple(preference)
@@ -88,9 +89,9 @@ class RouteTable:
             if rows is None:
                 raise InputError(f"static input {buf.name!r} is indexed by requests, but {actual} gives num_reqs=None")
             copies.append((buf, rows))
-        out_rows = rows_for(self._output_axis, actual)
+        out_rows = self._output_axes.rows(actual)
         if out_rows is None:
-            raise InputError(f"output_axis='reqs' needs the batch's request count; {actual} gives none")
+            raise InputError(f"output_axis={self._output_axes.given!r} needs the batch's request count; {actual} gives none")
         fits = self.too_large(actual) is None  # more requests than a relaxed key's buffers hold: eager
         match = self.choose(actual if agreed is None else agreed) if fits else None
         entry = self._entries.get((match.key, match.strategy)) if match is not None else None
@@ -106,7 +107,7 @@ class RouteTable:
         for buf in self._buffers:
             rows = rows_for(buf.spec.axis, actual)
             if rows is not None and rows > buf.capacity:
-                return f"{rows} {buf.spec.axis} do not fit static input {buf.name!r}, which holds {buf.capacity}"
+                return f"{describe_rows(buf.spec.axis, rows)} do not fit static input {buf.name!r}, which holds {buf.capacity}"
         return None
 
     def explain(self, actual: BatchDescriptor) -> Explanation:

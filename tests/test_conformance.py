@@ -9,7 +9,6 @@ import cgregistry as cg
 from cgregistry.testing import StrategyConformance
 
 
-
 class TestFullConformance(StrategyConformance):
     strategy = "full"
 

@@ -10,7 +10,11 @@ import pytest
 import torch
 
 import cgregistry as cg
-from cgregistry.plugins import DEFAULT_PLUGINS, DISABLE_AUTOLOAD_ENV, make_plugin_manager
+from cgregistry.plugins import (
+    DEFAULT_PLUGINS,
+    DISABLE_AUTOLOAD_ENV,
+    make_plugin_manager,
+)
 
 
 class CountingStrategy:

@@ -1,0 +1,195 @@
+"""Inputs and outputs real attention backends need: ``reqs+1`` offsets and per-leaf output axes.
+
+The oracle is always the step run eagerly on the live (unpadded) inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cgregistry as cg
+from tests.conftest import device_of
+
+B = cg.BatchDescriptor
+MAX_REQS, MAX_TOKENS = 8, 32
+
+
+def varlen_step(batch: B, x: torch.Tensor, cu: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-token and per-request results from token values and request offsets (``cu_seqlens``).
+
+    Each token finds its request by searching the offsets; a token past the last offset (padding)
+    belongs to none.  Offsets that are not monotonic (a padded tail of zeros) give wrong sums.
+    """
+    num_reqs = cu.shape[0] - 1
+    t = torch.arange(x.shape[0], device=x.device)
+    req = torch.searchsorted(cu[1:], t, right=True)  # == num_reqs for tokens past the last live one
+    sums = torch.zeros(num_reqs + 1, dtype=x.dtype, device=x.device).index_add_(0, req, x)[:num_reqs]
+    return {"hidden": x * 2, "per_req": sums, "none": None}
+
+
+AXES = {"hidden": "tokens", "per_req": "reqs", "none": None}
+
+
+def make_registry(backend: str, **cu_kw: object) -> cg.GraphRegistry:
+    reg = cg.GraphRegistry(varlen_step, {
+        "x": cg.StaticInput((MAX_TOKENS,), torch.float64),
+        "cu": cg.StaticInput((MAX_REQS + 1,), torch.long, axis="reqs+1", **cu_kw),
+    }, backend=backend, output_axis=AXES)
+    plan = cg.CapturePlan.build(max_num_seqs=MAX_REQS, max_num_tokens=MAX_TOKENS, mode="full", capture_sizes=[4, 8, 16, 32])
+    reg.capture(plan)
+    return reg
+
+
+def live_batch(lens: list[int], device: torch.device) -> tuple[B, torch.Tensor, torch.Tensor]:
+    tokens = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.long, device=device)
+    x = torch.arange(1, tokens + 1, dtype=torch.float64, device=device) ** 1.5
+    return B(tokens, len(lens), uniform=all(n == 1 for n in lens)), x, cu
+
+
+def test_reqs_plus_one_defaults_to_repeat_last() -> None:
+    spec = cg.StaticInput((9,), torch.int32, axis="reqs+1")
+    assert spec.fill is cg.REPEAT_LAST and spec.capture_fill == 0
+    assert cg.StaticInput((9,), torch.int32, axis="reqs+1", fill=-1).fill == -1
+    with pytest.raises(ValueError, match="needs an explicit fill"):
+        cg.StaticInput((9,), torch.int32, axis="reqs")
+
+
+def test_reqs_plus_one_shape_error_names_rows(backend: str) -> None:
+    reg = make_registry(backend)
+    _, x, cu = live_batch([2, 1, 3], device_of(backend))
+    with pytest.raises(cg.InputError, match=r"input 'cu' has shape \(3,\), expected \(4,\) \(4 rows: 3 reqs \+ 1 in this batch\)"):
+        reg.run(B(6, 3), x=x, cu=cu[:3])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=MAX_REQS), min_size=1, max_size=6))
+def test_varlen_batches_match_eager(batches: list[list[int]]) -> None:
+    """Padded requests are empty (their offsets repeat the last live one), whatever ran before."""
+    reg = make_registry("cpu")
+    for lens in batches:
+        if sum(lens) > MAX_TOKENS:
+            continue
+        actual, x, cu = live_batch(lens, torch.device("cpu"))
+        expected = varlen_step(actual, x, cu)
+        out = reg.run(actual, x=x, cu=cu)
+        assert reg.match(actual) is not None, "every batch here has a key"
+        assert out["none"] is None
+        torch.testing.assert_close(out["hidden"], expected["hidden"], rtol=0, atol=0)
+        torch.testing.assert_close(out["per_req"], expected["per_req"], rtol=0, atol=0)
+        assert out["per_req"].shape == (len(lens),) and out["hidden"].shape == (sum(lens),)
+
+
+def test_varlen_on_each_backend(backend: str) -> None:
+    reg = make_registry(backend)
+    device = device_of(backend)
+    for lens in ([5, 5, 5, 5, 5, 5, 1], [1], [3, 1, 2], [1, 1, 1, 1, 1, 1, 1, 1], [2]):
+        actual, x, cu = live_batch(lens, device)
+        out = reg.run(actual, x=x, cu=cu)
+        expected = varlen_step(actual, x, cu)
+        assert reg.match(actual).key.num_reqs >= len(lens)
+        torch.testing.assert_close(out["per_req"], expected["per_req"], rtol=0, atol=0)
+    assert reg.stats().hits == 5
+
+
+def offsets_registry(**cu_kw: object) -> cg.GraphRegistry:
+    """Returns the offsets and, per token, the sum of every offset row the key reads (padding included)."""
+
+    def step(batch: B, cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cu.float(), cu.float().sum().expand(batch.num_tokens)
+
+    reg = cg.GraphRegistry(
+        step, {"cu": cg.StaticInput((9,), torch.long, axis="reqs+1", **cu_kw)}, backend="cpu", output_axis=("reqs+1", "tokens")
+    )
+    reg.capture([(B(8, 8), "full"), (B(8, 4), "full")])
+    return reg
+
+
+def test_explicit_fill_pads_with_it() -> None:
+    """fill=0 on an offsets input is honoured: the padded offsets read 0."""
+    reg = offsets_registry(fill=0)
+    reg.run(B(8, 8), cu=torch.arange(9))
+    offsets, total = reg.run(B(3, 2), cu=torch.tensor([0, 1, 3]))
+    assert offsets.tolist() == [0, 1, 3] and total.shape == (3,)
+    assert total[0].item() == 0 + 1 + 3 + 0 + 0  # key B(8, 4) reads 5 offsets
+
+
+def test_repeat_last_pads_every_row_the_key_reads() -> None:
+    reg = offsets_registry()
+    reg.run(B(8, 8), cu=torch.arange(9))
+    offsets, total = reg.run(B(3, 2), cu=torch.tensor([0, 1, 3]))
+    assert offsets.tolist() == [0, 1, 3]
+    assert total[0].item() == 0 + 1 + 3 + 3 + 3, "padded requests are empty: their offsets repeat the last live one"
+    offsets, total = reg.run(B(7, 5), cu=torch.tensor([0, 1, 2, 4, 6, 7]))
+    assert total[0].item() == 0 + 1 + 2 + 4 + 6 + 7 + 7 + 7 + 7  # key B(8, 8) reads 9
+
+
+def test_capture_runs_offsets_on_zeros() -> None:
+    seen: list[torch.Tensor] = []
+
+    def step(batch: B, cu: torch.Tensor) -> torch.Tensor:
+        seen.append(cu.clone())
+        return cu.float()
+
+    reg = cg.GraphRegistry(step, {"cu": cg.StaticInput((9,), torch.long, axis="reqs+1")}, backend="cpu", output_axis="reqs+1")
+    reg.capture([(B(8, 8), "full")])
+    assert len(seen) == 2 and all(s.eq(0).all() for s in seen)  # warm-up and capture
+    reg.run(B(8, 8), cu=torch.arange(9))
+    seen.clear()  # (what capture cloned is graph memory: the replay above rewrote it)
+    reg.capture([(B(8, 4), "full")])  # after serving: still a batch of empty requests
+    assert len(seen) == 2 and all(s.eq(0).all() for s in seen)
+
+
+def test_output_axis_tree_is_validated() -> None:
+    inputs = {"x": cg.StaticInput((8,), torch.float32)}
+    with pytest.raises(ValueError, match=r"output_axis leaves must be among .*'token'"):
+        cg.GraphRegistry(lambda b, x: x, inputs, backend="cpu", output_axis={"h": "token"})
+    with pytest.raises(ValueError, match="output_axis is a set"):
+        cg.GraphRegistry(lambda b, x: x, inputs, backend="cpu", output_axis={"tokens"})
+    with pytest.raises(ValueError, match="output_axis must be one of"):
+        cg.GraphRegistry(lambda b, x: x, inputs, backend="cpu", output_axis="request")
+
+
+def test_output_axis_tree_must_mirror_the_output() -> None:
+    reg = cg.GraphRegistry(
+        lambda b, x: (x, x[:1]), {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu", output_axis=["tokens"]
+    )
+    with pytest.raises(cg.CaptureError, match="is not shaped like the step's output"):
+        reg.capture([(B(4, 4), "full")])
+    assert len(reg) == 0
+
+
+def test_per_leaf_axis_checks_each_leaf() -> None:
+    reg = cg.GraphRegistry(
+        lambda b, x: (x, x), {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu", output_axis=("tokens", "reqs")
+    )
+    with pytest.raises(cg.CaptureError, match=r"output leaf 1 has shape \(4,\); expected a leading dimension of 2 \(reqs of"):
+        reg.capture([(B(4, 2), "full")])
+
+
+def test_per_request_logits_through_logits_indices(backend: str) -> None:
+    """Hidden states per token, logits per request picked by ``logits_indices`` (the last token of each)."""
+    device = device_of(backend)
+    head = torch.nn.Linear(4, 3, dtype=torch.float64).to(device)
+
+    def step(batch: B, h: torch.Tensor, logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.tanh(h)
+        return hidden, head(hidden[logits_indices])
+
+    reg = cg.GraphRegistry(step, {
+        "h": cg.StaticInput((16, 4), torch.float64),
+        "logits_indices": cg.StaticInput((4,), torch.long, axis="reqs", fill=0),
+    }, backend=backend, output_axis=("tokens", "reqs"))
+    with torch.inference_mode():
+        reg.capture([(B(16, 4), "full"), (B(8, 2), "full")])
+        h = torch.randn(7, 4, dtype=torch.float64, device=device)
+        idx = torch.tensor([2, 6], device=device)
+        hidden, logits = reg.run(B(7, 2), h=h, logits_indices=idx)
+        want_hidden, want_logits = step(B(7, 2), h, idx)
+    assert hidden.shape == (7, 4) and logits.shape == (2, 3)
+    torch.testing.assert_close(hidden, want_hidden)
+    torch.testing.assert_close(logits, want_logits)
+    assert reg.stats().hits == 1
