@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, overload
+
+import torch
+from torch import nn
 
 from cgregistry import runtime
 from cgregistry.runtime import BreakContext, current_batch
@@ -95,24 +99,73 @@ def eager_break(fn: F) -> F: ...
 def eager_break(*, capture_stub: Callable[..., Any] | None = None, name: str | None = None) -> Callable[[F], F]: ...
 
 
+# Modules passed to marked functions under a trace, by handle (weakly: a trace must not keep a model alive).
+_module_handles: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+_modules_by_handle: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
+
+
+@torch._dynamo.assume_constant_result
+def _module_handle(module: nn.Module) -> int:
+    """A small int standing for ``module`` in a traced graph (dynamo evaluates this once, at trace time)."""
+    handle = _module_handles.get(module)
+    if handle is None:
+        handle = _module_handles[module] = len(_module_handles) + len(_modules_by_handle) + 1
+        _modules_by_handle[handle] = module
+    return handle
+
+
+class _ModuleArg:
+    """Marks a handle in an opaque call's arguments; the call turns it back into the module."""
+
+    __slots__ = ()
+
+
+def _module_of(handle: int, label: str) -> nn.Module:
+    module = _modules_by_handle.get(handle)
+    if module is None:
+        raise RuntimeError(f"eager break {label!r}: the module passed to it when the model was traced no longer exists")
+    return module
+
+
 def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = None, name: str | None = None) -> Any:
     """Mark ``fn`` as an eager break; usable bare or as ``@eager_break(capture_stub=..., name=...)``.
 
     ``capture_stub`` runs instead of ``fn`` while segments are being captured
     (same arguments; to skip a collective, say); replay always runs ``fn``.
+    Arguments may include ``nn.Module`` objects (a Hugging Face attention function
+    gets its layer), also when dynamo traces the model for ``piecewise``.
     """
 
     def wrap(func: F) -> F:
         label = name or getattr(func, "__qualname__", repr(func))
 
-        @functools.wraps(func)
-        def marked(*args: Any, **kwargs: Any) -> Any:
+        def call(args: tuple, kwargs: dict) -> Any:
             site = runtime.site.get()
             if site is None:
                 return func(*args, **kwargs)
             return site.on_break(func, capture_stub, label, args, kwargs)
 
+        def opaque(module_slots: tuple[int, ...], module_keys: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
+            # What a traced graph calls: dynamo cannot pass modules, so their handles stand in for them.
+            args = tuple(_module_of(a, label) if i in module_slots else a for i, a in enumerate(args))
+            for key in module_keys:
+                kwargs[key] = _module_of(kwargs[key], label)
+            return call(args, kwargs)
+
+        @functools.wraps(func)
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():  # dynamo is tracing: record one opaque call
+                slots = tuple(i for i, a in enumerate(args) if isinstance(a, nn.Module))
+                keys = tuple(k for k, v in kwargs.items() if isinstance(v, nn.Module))
+                args = tuple(_module_handle(a) if i in slots else a for i, a in enumerate(args))
+                kwargs = {k: _module_handle(v) if k in keys else v for k, v in kwargs.items()}
+                return opaque(slots, keys, *args, **kwargs)
+            return call(args, kwargs)
+
+        opaque.__cgregistry_break__ = label  # type: ignore[attr-defined]
+        opaque.__qualname__ = f"{label}.<traced>"
         marked.__cgregistry_break__ = label  # type: ignore[attr-defined]
+        marked.__cgregistry_opaque__ = opaque  # type: ignore[attr-defined]
         runtime.marked.add(marked)
         for callback in runtime.on_mark:
             callback(marked)

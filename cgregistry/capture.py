@@ -87,6 +87,7 @@ class EntryCapture:
 
         started = time.perf_counter()
         token = runtime.batch.set(BreakContext(key, key, payload))
+        rows_token = runtime.axis_rows.set(frozenset(v.shape[0] for v in views.values()) | {key.num_tokens})
         try:
             with torch.inference_mode():
                 warm_leaves, spec = flatten(self.backend.warmup(body, self._warmup_runs))
@@ -104,6 +105,7 @@ class EntryCapture:
             self.pool = self.backend.recover_pool(self.pool)
             raise CaptureError(key, strategy_name, exc) from exc
         finally:
+            runtime.axis_rows.reset(rows_token)
             runtime.batch.reset(token)
         seconds = time.perf_counter() - started
         return Entry(key, strategy_name, graph, OutputSlicer(self.backend.share_outputs(leaves), spec), seconds)

@@ -26,6 +26,7 @@ import torch
 from torch import fx, nn
 
 from cgregistry import breaks, runtime
+from cgregistry.descriptor import BatchDescriptor
 from cgregistry.errors import CgregistryError
 
 __all__ = ["DEFAULT_MAX_TRACES", "PiecewiseCompiler", "PiecewiseError", "PiecewiseModel", "SplittingOps", "compile_piecewise"]
@@ -50,7 +51,7 @@ def _label(op: object) -> str:
     name = _op_name(op)
     if name is not None:
         return name
-    return getattr(op, "__qualname__", None) or repr(op)
+    return getattr(op, "__cgregistry_break__", None) or getattr(op, "__qualname__", None) or repr(op)
 
 
 @attrs.frozen(slots=True)
@@ -83,7 +84,7 @@ class SplittingOps:
             elif isinstance(op, type) and issubclass(op, nn.Module):
                 modules.append(op)
             elif callable(op) and not isinstance(op, type):
-                functions.append(op)
+                functions.append(getattr(op, "__cgregistry_opaque__", op))  # a marked function: what the trace records
             else:
                 raise TypeError(
                     f"splitting op {op!r} is not a torch custom op, an op name 'namespace::name', "
@@ -97,7 +98,7 @@ class SplittingOps:
             torch.compiler.allow_in_graph(fn)
         if self.marked:
             for fn in runtime.marked:
-                torch.compiler.allow_in_graph(fn)
+                _allow_marked(fn)
             if _allow_marked not in runtime.on_mark:
                 runtime.on_mark.append(_allow_marked)
 
@@ -132,7 +133,8 @@ class SplittingOps:
 
 
 def _allow_marked(fn: Callable[..., Any]) -> None:
-    torch.compiler.allow_in_graph(fn)
+    """Dynamo traces the marked wrapper (it swaps module arguments for handles) and records its opaque call."""
+    torch.compiler.allow_in_graph(getattr(fn, "__cgregistry_opaque__", fn))
 
 
 class _Split(nn.Module):
@@ -320,7 +322,12 @@ class PiecewiseModel:
         # and, unless asked, size 1 is not specialised either: one trace then serves every size.
         # The pieces run real torch ops, so only Python control flow on "size == 1" is assumed false.
         self._shape_config = {"use_duck_shape": False, "backed_size_oblivious": not specialize_size_one}
-        self._compiled = torch.compile(model, backend=compiler, dynamic=True, fullgraph=True)
+        # Only the batch's axes become symbolic (marked per call from the key being captured); every other
+        # dimension, such as a mask's size-1 axes or the hidden size, stays static.
+        self._compiled = torch.compile(model, backend=compiler, dynamic=None, fullgraph=True)
+        # (argument, dimension) pairs sized like the key of the first traced call: marked on every call
+        # alike, since a marking that appears later would make dynamo trace again.
+        self._batch_axes: list[tuple[int | str, int]] | None = None
         functools.update_wrapper(self, model, updated=())  # type: ignore[arg-type]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -335,6 +342,10 @@ class PiecewiseModel:
             return self.model(*args, **kwargs)
         args = tuple(_unviewed(a) for a in args)
         kwargs = {k: _unviewed(v) for k, v in kwargs.items()}
+        if batch is not None and batch.key is not None:
+            if self._batch_axes is None:
+                self._batch_axes = _batch_axes(batch.key, runtime.axis_rows.get(), args, kwargs)
+            _mark_dynamic(self._batch_axes, args, kwargs)
         # Outside a capture, breaks run plainly, except on dynamo's fake tensors (no guards from them).
         token = runtime.site.set(breaks.TRACING_SITE) if runtime.site.get() is None else None
         try:
@@ -358,6 +369,35 @@ class PiecewiseModel:
         finally:
             if token is not None:
                 runtime.site.reset(token)
+
+
+def _batch_axes(key: BatchDescriptor, rows: frozenset[int], args: tuple, kwargs: dict) -> list[tuple[int | str, int]]:
+    """The (argument, dimension) pairs of tensor arguments sized like one of ``key``'s axes (tokens,
+    requests, requests + 1; ``rows`` as the static inputs have them under a capture, where a relaxed
+    key's request axes hold every slot): the dimensions dynamo is to treat as symbolic; the rest stay static.
+
+    A dimension that only coincides with one (a weight's, say) is specialised again by the trace,
+    so including it is harmless.  Size 1 is never taken for a batch axis.
+    """
+    sizes = {key.num_tokens, *rows}
+    if key.num_reqs is not None:
+        sizes |= {key.num_reqs, key.num_reqs + 1}
+    sizes.discard(1)
+    named: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+    return [
+        (where, dim)
+        for where, value in named
+        if isinstance(value, torch.Tensor)
+        for dim, size in enumerate(value.shape)
+        if size in sizes
+    ]
+
+
+def _mark_dynamic(axes: list[tuple[int | str, int]], args: tuple, kwargs: dict) -> None:
+    for where, dim in axes:
+        value = args[where] if isinstance(where, int) else kwargs.get(where)
+        if isinstance(value, torch.Tensor) and dim < value.dim():
+            torch._dynamo.maybe_mark_dynamic(value, dim)
 
 
 def _unviewed(value: Any) -> Any:

@@ -10,7 +10,7 @@ import itertools
 from typing import Any
 
 from cgregistry.descriptor import BatchDescriptor
-from cgregistry.inspection import ClassStats, Stats, key_class
+from cgregistry.inspection import MISS_REASONS, ClassStats, Stats, key_class
 from cgregistry.outputs import OutputSlicer
 
 __all__ = ["Entry", "EntryStore", "Pair"]
@@ -51,7 +51,7 @@ class EntryStore:
 
     __slots__ = (
         "entries", "pending", "failures", "memory_budget", "_retired", "clock", "misses", "eager_fallbacks",
-        "eager_tokens", "bad_batches", "misses_by_kind", "lazy_captures", "evictions",
+        "eager_tokens", "bad_batches", "misses_by_kind", "misses_by_reason", "lazy_captures", "evictions",
     )
 
     def __init__(self, memory_budget: int | None) -> None:
@@ -70,6 +70,7 @@ class EntryStore:
         self.clock = itertools.count(1)  # numbers graph replays, for least-recently-used eviction
         self.misses = self.eager_fallbacks = self.eager_tokens = self.bad_batches = 0
         self.misses_by_kind = {"uniform": 0, "mixed": 0}
+        self.misses_by_reason = dict.fromkeys(MISS_REASONS, 0)
         self.lazy_captures = self.evictions = 0
 
     # ---------------------------------------------------------------- membership
@@ -170,4 +171,5 @@ class EntryStore:
             bad_batches=self.bad_batches,
             lazy_captures=self.lazy_captures,
             evictions=self.evictions,
+            misses_by_reason=dict(self.misses_by_reason),
         )

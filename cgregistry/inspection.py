@@ -69,6 +69,16 @@ class ClassStats:
     padded_tokens: int
 
 
+# Why a batch ran eagerly, as counted in ``Stats.misses_by_reason``.
+MISS_REASONS = {
+    "no_graphs": "run() before any capture: nothing captured or planned",
+    "no_key_for_class": "no key of the batch's kind (uniform or mixed, spec depth, LoRA count) at any size",
+    "above_largest_key": "keys of its kind exist, all smaller than the batch",
+    "above_capacity": "more tokens or requests than a static input holds",
+    "failed": "the key that would serve it failed (at capture or replay) and was removed",
+}
+
+
 @attrs.frozen(slots=True)
 class Stats:
     """Counters since construction or the last reset."""
@@ -86,6 +96,7 @@ class Stats:
     bad_batches: int = 0  # runs whose step raised on the batch itself when run eagerly (no entry was removed)
     lazy_captures: int = 0  # entries captured on a first miss
     evictions: int = 0  # entries dropped to stay under the memory budget
+    misses_by_reason: Mapping[str, int] = attrs.field(factory=dict)  # MISS_REASONS: why each miss ran eagerly
 
     @property
     def hit_rate(self) -> float:
@@ -158,6 +169,9 @@ def stats_line(stats: Stats, entries: int, backend: str, memory_bytes: int) -> s
         f"{entries} entries on {backend}, {_size(memory_bytes)}; hits {stats.hits}, misses {stats.misses}, "
         f"padding {stats.padding_ratio:.1%} of graph tokens"
     )
+    why = ", ".join(f"{reason} {n}" for reason, n in stats.misses_by_reason.items() if n)
+    if why:
+        line += f" ({why})"
     extras = [f"{name} {value}" for name, value in (("lazy captures", stats.lazy_captures), ("evictions", stats.evictions), ("failed entries", stats.entry_failures)) if value]
     return line + ("; " + ", ".join(extras) if extras else "")
 
@@ -185,6 +199,7 @@ def _stats_to_dict(s: Stats) -> dict[str, Any]:
     data["by_class"] = {k: attrs.asdict(v) for k, v in s.by_class.items()}
     data["by_strategy"] = dict(s.by_strategy)
     data["misses_by_kind"] = dict(s.misses_by_kind)
+    data["misses_by_reason"] = dict(s.misses_by_reason)
     return data
 
 

@@ -55,6 +55,7 @@ __all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "
 
 _names = itertools.count(1)  # default registry names: registry-1, registry-2, ...
 _RESERVED_INPUT_NAMES = ("context", "group")  # keyword arguments of run() itself
+_WARN_ONCE = ("no_graphs", "above_capacity")  # misses that mean the engine is set up wrong, warned about once
 
 
 class ConcurrentRunError(CgregistryError, RuntimeError):
@@ -119,7 +120,9 @@ class GraphRegistry:
             hook = self.plugins.pm.hook.cgregistry_choose_match
             chooser = lambda actual, candidates: hook(registry=self, actual=actual, candidates=candidates)  # noqa: E731
             names = ", ".join(i.plugin_name for i in hook.get_hookimpls())
-        self._routes = RouteTable(self._buffers, self._store.entries, output_axes, self.preference, chooser, names if chooser else "")
+        self._routes = RouteTable(
+            self._buffers, self._store.entries, output_axes, self.preference, chooser, names if chooser else "", self._store.failures
+        )
         self._route_cache = self._routes.cache  # the hot path's first lookup (cleared in place, never replaced)
         self._capture_payload: Any = None
         self.debug = bool(debug)
@@ -130,6 +133,7 @@ class GraphRegistry:
             self._addresses.watch(owner, prefix="step.")  # a model as the step: its weights are what graphs read
         self._run_clock = [0]  # run() count, for debug mode's stale-output check
         self._running = _thread.allocate_lock()
+        self._warned: set[str] = set()  # miss reasons already warned about
         self._miss_observed = self.plugins.observed("cgregistry_miss")  # an unobserved miss costs nothing
         self.plugins.notify("cgregistry_registry_created", registry=self)
 
@@ -322,7 +326,7 @@ class GraphRegistry:
                 route = self._routes.route(actual, agreed)
                 entry = route.entry
             if entry is None:
-                return self._miss(actual, inputs, context)
+                return self._miss(actual, inputs, context, route.miss_reason)
         for buf, rows in route.copies:
             buf.write(inputs[buf.name], rows)
         try:
@@ -371,13 +375,30 @@ class GraphRegistry:
             return out
         return checked(out, clock[0], clock)
 
-    def _miss(self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any) -> Any:
+    def _miss(self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any, reason: str | None) -> Any:
         store = self._store
         store.misses += 1
         store.misses_by_kind["uniform" if actual.uniform else "mixed"] += 1
+        if reason is not None:
+            store.misses_by_reason[reason] += 1
+            if reason in _WARN_ONCE and reason not in self._warned:
+                self._warned.add(reason)
+                self._warn_miss(actual, reason)
         if self._miss_observed:
             self.plugins.notify("cgregistry_miss", registry=self, actual=actual)
         return self._eager(actual, inputs, context)
+
+    def _warn_miss(self, actual: BatchDescriptor, reason: str) -> None:
+        """The first miss of a kind an engine should not meet in steady serving (shown once per registry)."""
+        if reason == "no_graphs":
+            what = f"run({actual}) before any capture: every batch runs eagerly until reg.capture(plan) is called"
+        else:
+            what = f"{actual} runs eagerly: {self._routes.too_large(actual)}; enlarge that StaticInput to serve such batches"
+        warnings.warn(
+            f"cgregistry: registry {self.name!r}: {what} (shown once; stats().misses_by_reason counts every such miss)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _eager(self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any = None) -> Any:
         store = self._store

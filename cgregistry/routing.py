@@ -37,10 +37,16 @@ def not_a_descriptor(value: object) -> TypeError:
 class Route:
     """Everything ``run`` needs for one actual shape, computed once."""
 
-    __slots__ = ("entry", "pending", "match", "copies", "out_rows", "single_output", "real_tokens", "pad_tokens", "batch_context")
+    __slots__ = (
+        "entry", "pending", "match", "copies", "out_rows", "single_output", "real_tokens", "pad_tokens", "batch_context", "miss_reason",
+    )
 
-    def __init__(self, actual: BatchDescriptor, entry: Entry | None, match: Match | None, copies: tuple[tuple[StaticBuffer, int], ...], out_rows: int | tuple[int, ...]) -> None:
+    def __init__(
+        self, actual: BatchDescriptor, entry: Entry | None, match: Match | None, copies: tuple[tuple[StaticBuffer, int], ...],
+        out_rows: int | tuple[int, ...], miss_reason: str | None = None,
+    ) -> None:
         self.entry = entry
+        self.miss_reason = miss_reason  # why the batch runs eagerly (a MISS_REASONS key), when no key serves it
         # the best key is in a lazy plan and not captured yet: run() captures it first
         self.pending: Pair | None = (match.key, match.strategy) if match is not None and entry is None else None
         self.match = match
@@ -57,25 +63,31 @@ class Route:
 class RouteTable:
     """The matcher over the store's keys, and the routes built from it."""
 
-    __slots__ = ("_buffers", "_entries", "_output_axes", "_chooser", "_chooser_names", "preference", "matcher", "cache", "group_cache")
+    __slots__ = (
+        "_buffers", "_entries", "_failures", "_keys", "_output_axes", "_chooser", "_chooser_names", "preference", "matcher", "cache", "group_cache",
+    )
 
     def __init__(
         self, buffers: Mapping[str, StaticBuffer], entries: Mapping[Pair, Entry], output_axes: OutputAxes,
         preference: Sequence[str], chooser: Chooser | None = None, chooser_names: str = "",
+        failures: Mapping[Pair, BaseException] | None = None,
     ) -> None:
         self._buffers = tuple(buffers.values())
         self._entries = entries  # the store's live dict
+        self._failures = failures if failures is not None else {}  # the store's live dict of removed keys
         self._output_axes = output_axes
         self._chooser = chooser
         self._chooser_names = chooser_names
         self.preference = tuple(preference)
         self.matcher = Matcher((), self.preference)
+        self._keys: list[BatchDescriptor] = []  # every key the matcher chooses from (captured or pending)
         self.cache: dict[BatchDescriptor, Route] = {}  # by actual batch
         self.group_cache: dict[tuple[BatchDescriptor, BatchDescriptor], Route] = {}  # by (actual, agreed)
 
     def rebuild(self, pairs: Sequence[Pair]) -> None:
         """A new matcher over ``pairs``; every cached route is dropped (the caches are cleared in place)."""
         self.matcher = Matcher(pairs, self.preference)
+        self._keys = [key for key, _ in pairs]
         self.cache.clear()
         self.group_cache.clear()
 
@@ -95,7 +107,8 @@ class RouteTable:
         fits = self.too_large(actual) is None  # more requests than a relaxed key's buffers hold: eager
         match = self.choose(actual if agreed is None else agreed) if fits else None
         entry = self._entries.get((match.key, match.strategy)) if match is not None else None
-        route = Route(actual, entry, match, tuple(copies), out_rows)
+        reason = None if match is not None else self.miss_reason(actual if agreed is None else agreed)
+        route = Route(actual, entry, match, tuple(copies), out_rows, reason)
         cache, cache_key = (self.cache, actual) if agreed is None else (self.group_cache, (actual, agreed))
         if len(cache) >= ROUTE_CACHE_LIMIT:
             cache.clear()
@@ -109,6 +122,17 @@ class RouteTable:
             if rows is not None and rows > buf.capacity:
                 return f"{describe_rows(buf.spec.axis, rows)} do not fit static input {buf.name!r}, which holds {buf.capacity}"
         return None
+
+    def miss_reason(self, actual: BatchDescriptor) -> str:
+        """Why no key serves ``actual`` (a ``MISS_REASONS`` key); computed once per route, off the hot path."""
+        if self.too_large(actual) is not None:
+            return "above_capacity"
+        keys = self._keys
+        if not keys:
+            return "no_graphs" if not self._failures else "failed"
+        if any(key.covers(actual) for key, _ in self._failures):
+            return "failed"
+        return "above_largest_key" if any(_same_kind(key, actual) for key in keys) else "no_key_for_class"
 
     def explain(self, actual: BatchDescriptor) -> Explanation:
         """The matcher's explanation, refused as a whole when no graph can take the batch."""
@@ -134,3 +158,10 @@ class RouteTable:
                 "which is not one of the candidates it was given (each a Match)"
             )
         return choice
+
+
+def _same_kind(key: BatchDescriptor, actual: BatchDescriptor) -> bool:
+    """Whether ``key`` would cover ``actual`` if it had enough tokens and requests."""
+    if key.num_active_loras < actual.num_active_loras:
+        return False
+    return not key.uniform or (actual.uniform and actual.spec_depth == key.spec_depth)

@@ -19,7 +19,7 @@ import attrs
 from cgregistry.descriptor import BatchDescriptor
 
 __all__ = [
-    "BreakContext", "BreakSite", "barrier", "batch", "cpu_capturing", "current_batch", "eager_batch", "marked",
+    "BreakContext", "BreakSite", "axis_rows", "barrier", "batch", "cpu_capturing", "current_batch", "eager_batch", "marked",
     "on_mark", "see_compiled", "site",
 ]
 
@@ -47,6 +47,9 @@ site: contextvars.ContextVar[BreakSite | None] = contextvars.ContextVar("cgregis
 barrier: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("cgregistry_barrier", default=None)
 # The cpu emulator is recording a capture on this thread.
 cpu_capturing: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_cpu_capturing", default=False)
+# Row counts of the batch axes (tokens, requests, requests + 1) in the step being warmed up or captured,
+# as its static input views have them: what the piecewise compiler makes symbolic.
+axis_rows: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("cgregistry_axis_rows", default=frozenset())
 # The cpu emulator records compiled code's ops (a piecewise capture) instead of running models uncompiled.
 see_compiled: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_cpu_see_compiled", default=False)
 

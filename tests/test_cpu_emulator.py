@@ -98,8 +98,11 @@ def _unsafe_item(x):
         (lambda x: torch.nonzero(x), "nonzero", "data"),
         (lambda x: x[x > 0], "index", "boolean-mask"),
         (lambda x: x * 2 if x.sum() > 0 else x, "is_nonzero", "host"),
-        (lambda x: x.cpu() * 1, "to", "host"),
-        (lambda x: x * len(x.tolist()), "resolve", "host"),
+        (lambda x: x.cpu() * 1, "Tensor.cpu", "host"),
+        (lambda x: x * len(x.tolist()), "Tensor.tolist", "host"),
+        (lambda x: x * float(x.numpy()[0]), "Tensor.numpy", "host"),
+        (lambda x: x.to("cpu") * 1, "Tensor.to", "host"),
+        (lambda x: x.to(device="cpu", non_blocking=True) * 1, "Tensor.to", "host"),
         (lambda x: torch.unique(x), "unique", "data"),
         (lambda x: torch.masked_select(x, x > 1), "masked_select", "data"),
     ],
@@ -120,12 +123,29 @@ def test_explicit_device_copy_to_host_is_flagged() -> None:
         capture(lambda: x.to(device="cpu", dtype=torch.float64))
 
 
-def test_same_device_moves_are_not_flagged() -> None:
+@pytest.mark.parametrize(
+    "move",
+    [
+        lambda x: x.to(x.device, torch.float64),
+        lambda x: x.to(device=x.device, dtype=torch.float64),
+        lambda x: x.to(device=x.device).double(),
+        lambda x: x.to(dtype=torch.float64, device=torch.device(x.device.type)),  # how dynamo's code spells it
+        lambda x: x.to(torch.empty(0, dtype=torch.float64)),
+    ],
+)
+def test_same_device_moves_are_not_flagged(move) -> None:
+    """What the op does decides, not how the line is spelled: a move to the tensor's own device is legal."""
     x = torch.arange(4.0)
-    graph, out = capture(lambda: x.to(x.device, torch.float64) * 2)
+    graph, out = capture(lambda: move(x) * 2)
     x.fill_(1.0)
     graph.replay()
     assert torch.equal(out, torch.full((4,), 2.0, dtype=torch.float64))
+
+
+def test_checker_lists_python_level_host_transfers() -> None:
+    x = torch.arange(4.0)
+    found = find_graph_unsafe_ops(lambda: (x.cpu(), x.tolist(), x.to(x.device, torch.float64)))
+    assert [e.op for e in found] == ["Tensor.cpu", "Tensor.tolist"]
 
 
 def test_error_points_at_the_users_line() -> None:

@@ -247,3 +247,46 @@ def test_inductor_pieces_on_cuda_match_eager() -> None:
     # Inductor's code generation may add a size guard of its own (32-bit indexing, strides), which
     # costs one more trace for size 1; graphs of eager kernels need one trace.
     assert len(compiled.compiler.traces) <= 2
+
+
+class _RotaryLike(nn.Module):
+    """What Hugging Face models do: a module argument to the attention function, a same-device
+    ``.to(dtype=..., device=x.device)`` of a buffer, and a 4-D mask with size-1 axes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+        self.scale = 0.5
+        self.register_buffer("inv_freq", torch.linspace(0.1, 1.0, D, dtype=torch.float16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        freq = self.inv_freq[None, :].to(dtype=torch.float32, device=x.device)  # dynamo spells device(type='cpu')
+        h = self.proj(x[None]) * freq.cos()  # (1, T, D): a batch of one sequence
+        mask = torch.ones(1, 1, h.shape[1], h.shape[1], dtype=torch.bool, device=x.device).tril()
+        return _module_attention(self, h, mask)[0]
+
+
+@cg.eager_break
+def _module_attention(module: nn.Module, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """An eager break that takes the calling module, as transformers' attention interface does."""
+    scores = (h @ h.transpose(1, 2) * module.scale).masked_fill(~mask[0], float("-inf"))
+    return scores.softmax(-1) @ h
+
+
+def test_hugging_face_shaped_model_captures_piecewise_on_cpu() -> None:
+    model = _RotaryLike()
+    reg = cg.GraphRegistry(lambda batch, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
+    compiled = reg.compile(model)
+    reg.capture(cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=MAX_TOKENS, mode="piecewise"))
+    assert len(compiled.compiler.traces) == 1, "one trace: only the token axis is symbolic, the size-1 axes stay static"
+    assert compiled.compiler.pieces == 2
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for tokens in (1, 5, 16):
+            batch = B(tokens, 1)
+            x = torch.randn(tokens, D, generator=g)
+            got = reg.run(batch, x=x)
+            with cg.eager_batch(batch):
+                want = model(x)
+            torch.testing.assert_close(got, want)
+    assert reg.stats().hits == 3 and len(compiled.compiler.traces) == 1

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cgregistry import runtime
@@ -55,7 +56,6 @@ _DATA_DEPENDENT = {
 }
 _BOOL_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 _COPY_OPS = {"to", "_to_copy", "_copy_from", "_copy_from_and_resize"}
-_HOST_READ_OPS = {"resolve_conj", "resolve_neg"}  # what .tolist() dispatches before reading memory
 
 
 
@@ -122,28 +122,68 @@ def _unsafe_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> st
     if name in _BOOL_INDEX_OPS and len(args) > 1:
         if any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(args[1])):
             return "boolean-mask indexing has a data-dependent output shape"
-    if name in _COPY_OPS or name in _HOST_READ_OPS:
+    if name in _COPY_OPS:
         return _host_copy_reason(name, args, kwargs)
     return None
 
 
 def _host_copy_reason(name: str, args: tuple, kwargs: dict) -> str | None:
-    """Copies to the host.  On a CPU-only machine host and device are one, so ``.to(x.device)``
-    and ``.cpu()`` dispatch alike; the user's source line tells them apart (a heuristic that
-    can miss, never flag legal code)."""
+    """Copies into pinned host memory.  Other host copies are judged by the Python method called
+    (``_HostTransfers``): at the aten level, on a CPU-only machine, ``.to(x.device)`` and ``.cpu()``
+    are the same op."""
     if kwargs.get("pin_memory"):
         return "copies into pinned host memory"
-    line = _user_frame().split(": ", 1)[-1]
-    if name in _HOST_READ_OPS:
-        if ".tolist(" in line or ".numpy(" in line:
-            return "reads device memory on the host (.tolist(), .numpy())"
-        return None
-    devices = [a for a in (*args[1:2], kwargs.get("device")) if isinstance(a, (torch.device, str))]
-    if any(torch.device(d).type == "cpu" for d in devices) and (
-        ".cpu(" in line or "'cpu'" in line or '"cpu"' in line
-    ):
-        return "copies device memory to the host (.cpu(), .to('cpu'))"
     return None
+
+
+# Tensor methods that move device memory to the host by what they do, whatever the tensor's device.
+_HOST_METHODS = {
+    torch.Tensor.cpu: "copies device memory to the host (.cpu())",
+    torch.Tensor.numpy: "reads device memory on the host (.numpy())",
+    torch.Tensor.tolist: "reads device memory on the host (.tolist())",
+}
+_MOVE_METHODS = (torch.Tensor.to, torch.Tensor.pin_memory)
+
+
+def _host_transfer_reason(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """Why a Python-level tensor call is a host transfer, or None.
+
+    ``.cpu()``, ``.numpy()`` and ``.tolist()`` are by definition; ``.to(...)`` is when it names the host
+    ("cpu" as a string).  A ``torch.device`` object is never judged: on a CPU-only machine the tensor's own
+    ``x.device`` is ``device('cpu')`` too, and a same-device move is legal (the emulator cannot see intent there).
+    """
+    reason = _HOST_METHODS.get(func)
+    if reason is not None:
+        return reason
+    if func is torch.Tensor.pin_memory:
+        return "copies into pinned host memory (.pin_memory())"
+    if func is torch.Tensor.to:
+        if kwargs.get("pin_memory"):
+            return "copies into pinned host memory"
+        targets = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, str)]
+        if any(torch.device(t).type == "cpu" for t in targets):
+            return "copies device memory to the host (.to('cpu'))"
+    return None
+
+
+class _HostTransfers(TorchFunctionMode):
+    """Refuses Python-level host transfers (``_host_transfer_reason``) while a capture records,
+    or lists them in ``found`` and goes on."""
+
+    def __init__(self, found: list[GraphUnsafeOpError] | None = None) -> None:
+        super().__init__()
+        self.found = found
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _HOST_METHODS or func in _MOVE_METHODS:
+            reason = _host_transfer_reason(func, args, kwargs)
+            if reason is not None:
+                error = GraphUnsafeOpError(f"Tensor.{func.__name__}", reason, _user_frame())
+                if self.found is None:
+                    raise error
+                self.found.append(error)
+        return func(*args, **kwargs)
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -238,7 +278,7 @@ def find_graph_unsafe_ops(fn: Callable[[], Any]) -> list[GraphUnsafeOpError]:
                 found.append(GraphUnsafeOpError(str(func), reason, _user_frame()))
             return func(*args, **kwargs)
 
-    with torch.inference_mode(), _Finder():
+    with torch.inference_mode(), _Finder(), _HostTransfers(found):
         fn()
     return found
 
@@ -307,8 +347,13 @@ class CpuSegment:
         self._collectives = _collectives_recorded(self._recorder)
         self._collectives.__enter__()
         self._recorder.__enter__()
+        # Python-level host transfers are checked in Python code; a piecewise segment records compiled
+        # code (generated, and dynamo would trace again under a new function mode), so none there.
+        self._host = contextlib.nullcontext() if runtime.see_compiled.get() else _HostTransfers()
+        self._host.__enter__()
 
     def _close(self) -> None:
+        self._host.__exit__(None, None, None)
         self._recorder.__exit__(None, None, None)
         self._collectives.__exit__(None, None, None)
         runtime.cpu_capturing.reset(self._token)

@@ -1,0 +1,79 @@
+"""Misses told apart by reason, and the one-time warnings for misses that mean a setup mistake."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import cgregistry as cg
+from cgregistry.inspection import MISS_REASONS
+
+B = cg.BatchDescriptor
+
+
+def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def registry() -> cg.GraphRegistry:
+    return cg.GraphRegistry(step, {"x": cg.StaticInput((64,), torch.float32)}, backend="cpu")
+
+
+def reasons(reg: cg.GraphRegistry) -> dict[str, int]:
+    return {k: v for k, v in reg.stats().misses_by_reason.items() if v}
+
+
+def test_run_before_capture_warns_once_and_counts() -> None:
+    reg = registry()
+    with pytest.warns(RuntimeWarning, match=r"run\(Batch\(tokens=3, reqs=3\)\) before any capture.*reg.capture\(plan\)"):
+        assert reg.run(B(3, 3), x=torch.ones(3)).tolist() == [2, 2, 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second time is silent
+        reg.run(B(4, 4), x=torch.ones(4))
+    assert reasons(reg) == {"no_graphs": 2} and reg.stats().misses == 2
+
+
+def test_reasons_tell_misses_apart() -> None:
+    reg = registry()
+    plan = cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=64, mode="full_decode_only", capture_sizes=[1, 2, 4, 8])
+    reg.capture(plan)
+    assert {e.key.uniform for e in reg.entries()} == {True}, "full_decode_only: decode keys only"
+    reg.run(B(5, 2), x=torch.ones(5))  # a prefill batch: no mixed key at any size
+    reg.run(B.decode(16), x=torch.ones(16))  # decode, larger than the largest decode key
+    reg.run(B.decode(3, spec_depth=1), x=torch.ones(6))  # spec decode: no key with that depth
+    with pytest.warns(RuntimeWarning, match=r"65 tokens do not fit static input 'x', which holds 64; enlarge"):
+        reg.run(B(65, 1), x=torch.ones(65))
+    assert reasons(reg) == {"no_key_for_class": 2, "above_largest_key": 1, "above_capacity": 1}
+    assert reg.stats().misses == 4 and reg.stats().hits == 0
+    reg.run(B.decode(3), x=torch.ones(3))
+    assert reg.stats().hits == 1 and sum(reg.stats().misses_by_reason.values()) == 4
+    assert set(reg.stats().misses_by_reason) == set(MISS_REASONS)
+    assert "no_key_for_class 2" in reg.table()
+
+
+def test_failed_key_is_its_own_reason() -> None:
+    broken = {"on": False}
+
+    def flaky(batch: B, x: torch.Tensor) -> torch.Tensor:
+        if broken["on"] and batch.num_tokens == 8:
+            raise RuntimeError("capture broke")
+        return x + 1
+
+    reg = cg.GraphRegistry(flaky, {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu")
+    reg.capture([(B(8, 8), "full")], lazy=True)
+    broken["on"] = True
+    with pytest.warns(RuntimeWarning, match="lazy capturing"):
+        reg.run(B(5, 5), x=torch.ones(5))  # the lazy capture fails: eager, key dropped
+    broken["on"] = False
+    reg.run(B(6, 6), x=torch.ones(6))
+    assert reasons(reg) == {"failed": 2}
+
+
+def test_snapshot_round_trips_reasons() -> None:
+    reg = registry()
+    with pytest.warns(RuntimeWarning):
+        reg.run(B(2, 2), x=torch.ones(2))
+    snap = cg.load_snapshot(reg.snapshot())
+    assert snap.stats.misses_by_reason["no_graphs"] == 1
