@@ -24,7 +24,13 @@ from breakable_cuda_graphs import BreakableCUDAGraph, breakable_graph, no_graph
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs, random_batch
+from cgregistry.demo_model import (
+    DemoConfig,
+    DemoDecoder,
+    attention_kernel_into,
+    demo_inputs,
+    random_batch,
+)
 
 try:
     from benchmarks.timing import per_call_us, static_graph

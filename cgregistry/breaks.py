@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, overload
@@ -69,12 +70,16 @@ def run_for_trace(fn: Callable[..., Any] | None, fake_mode: Any, args: tuple, kw
         return None
     shape_env = getattr(fake_mode, "shape_env", None)
     token = runtime.site.set(None)
+    # The break may touch real tensors it reaches itself (a module's KV cache buffer): under the fake
+    # mode they become fakes for this call, so nothing real is read or written.
+    allowed, fake_mode.allow_non_fake_inputs = fake_mode.allow_non_fake_inputs, True
     try:
         if shape_env is None:
             return fn(*args, **kwargs)
         with shape_env.suppress_guards():
             return fn(*args, **kwargs)
     finally:
+        fake_mode.allow_non_fake_inputs = allowed
         runtime.site.reset(token)
 
 
@@ -91,33 +96,29 @@ class TracingSite:
 TRACING_SITE = TracingSite()
 
 
-@overload
-def eager_break(fn: F) -> F: ...
-
-
-@overload
-def eager_break(*, capture_stub: Callable[..., Any] | None = None, name: str | None = None) -> Callable[[F], F]: ...
-
-
-# Modules passed to marked functions under a trace, by handle (weakly: a trace must not keep a model alive).
-_module_handles: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+# Modules a traced graph may pass to marked functions, by handle (weakly: a trace must not keep a model alive).
 _modules_by_handle: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
+_handles = itertools.count(1)
+HANDLE = "_cgregistry_handle"  # the attribute a registered module carries: dynamo reads it as a constant
 
 
-@torch._dynamo.assume_constant_result
-def _module_handle(module: nn.Module) -> int:
-    """A small int standing for ``module`` in a traced graph (dynamo evaluates this once, at trace time)."""
-    handle = _module_handles.get(module)
+def register_modules(root: nn.Module) -> None:
+    """Give ``root`` and its submodules handles, so a traced call of a marked function can pass them."""
+    for module in root.modules():
+        if HANDLE not in module.__dict__:
+            handle = next(_handles)
+            module.__dict__[HANDLE] = handle
+            _modules_by_handle[handle] = module
+
+
+def _handle_of(module: nn.Module, label: str) -> int:
+    handle = getattr(module, HANDLE, None)
     if handle is None:
-        handle = _module_handles[module] = len(_module_handles) + len(_modules_by_handle) + 1
-        _modules_by_handle[handle] = module
+        raise TypeError(
+            f"eager break {label!r} was called with a {type(module).__name__} the piecewise compiler was not told of: "
+            "compile the model itself, or a function whose closure holds it (reg.compile(model) or a lambda over it)"
+        )
     return handle
-
-
-class _ModuleArg:
-    """Marks a handle in an opaque call's arguments; the call turns it back into the module."""
-
-    __slots__ = ()
 
 
 def _module_of(handle: int, label: str) -> nn.Module:
@@ -125,6 +126,14 @@ def _module_of(handle: int, label: str) -> nn.Module:
     if module is None:
         raise RuntimeError(f"eager break {label!r}: the module passed to it when the model was traced no longer exists")
     return module
+
+
+@overload
+def eager_break(fn: F) -> F: ...
+
+
+@overload
+def eager_break(*, capture_stub: Callable[..., Any] | None = None, name: str | None = None) -> Callable[[F], F]: ...
 
 
 def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = None, name: str | None = None) -> Any:
@@ -157,8 +166,8 @@ def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = Non
             if torch.compiler.is_compiling():  # dynamo is tracing: record one opaque call
                 slots = tuple(i for i, a in enumerate(args) if isinstance(a, nn.Module))
                 keys = tuple(k for k, v in kwargs.items() if isinstance(v, nn.Module))
-                args = tuple(_module_handle(a) if i in slots else a for i, a in enumerate(args))
-                kwargs = {k: _module_handle(v) if k in keys else v for k, v in kwargs.items()}
+                args = tuple(_handle_of(a, label) if i in slots else a for i, a in enumerate(args))
+                kwargs = {k: _handle_of(v, label) if k in keys else v for k, v in kwargs.items()}
                 return opaque(slots, keys, *args, **kwargs)
             return call(args, kwargs)
 

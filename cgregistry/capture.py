@@ -55,6 +55,8 @@ class EntryCapture:
         self._output_axes = output_axes
         self._warmup_runs = warmup_runs
         self.pool = backend.new_pool()
+        slots = [b.capacity - (b.spec.axis == "reqs+1") for b in buffers.values() if b.spec.axis != "tokens"]
+        self._request_slots = min(slots) if slots else None  # request rows a relaxed key's step sees
 
     def new_pool(self) -> None:
         """Start a fresh pool: on CUDA a pool whose graphs all died cannot take new captures."""
@@ -113,7 +115,7 @@ class EntryCapture:
     def _check_outputs(self, leaves: list[torch.Tensor], spec: Any, key: BatchDescriptor) -> None:
         if not leaves:
             raise OutputError("the step returned no tensor")
-        self._output_axes.check(leaves, spec, key)
+        self._output_axes.check(leaves, spec, key, self._request_slots)
         for i, leaf in enumerate(leaves):
             if leaf.device != self.device:
                 raise OutputError(f"output leaf {i} is on {leaf.device}, expected {self.device}")

@@ -325,10 +325,17 @@ class PiecewiseModel:
         # Only the batch's axes become symbolic (marked per call from the key being captured); every other
         # dimension, such as a mask's size-1 axes or the hidden size, stays static.
         self._compiled = torch.compile(model, backend=compiler, dynamic=None, fullgraph=True)
+        self._register_modules()
         # (argument, dimension) pairs sized like the key of the first traced call: marked on every call
         # alike, since a marking that appears later would make dynamo trace again.
         self._batch_axes: list[tuple[int | str, int]] | None = None
         functools.update_wrapper(self, model, updated=())  # type: ignore[arg-type]
+
+    def _register_modules(self) -> None:
+        """Handles for the modules the model reaches (itself, a bound method's owner, a closure's modules),
+        so marked functions may take them as arguments in the trace."""
+        for module in _reachable_modules(self.model):
+            breaks.register_modules(module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         batch = runtime.batch.get()
@@ -342,7 +349,8 @@ class PiecewiseModel:
             return self.model(*args, **kwargs)
         args = tuple(_unviewed(a) for a in args)
         kwargs = {k: _unviewed(v) for k, v in kwargs.items()}
-        if batch is not None and batch.key is not None:
+        if batch is not None and batch.key is not None:  # a warm-up or capture, where a trace may happen
+            self._register_modules()
             if self._batch_axes is None:
                 self._batch_axes = _batch_axes(batch.key, runtime.axis_rows.get(), args, kwargs)
             _mark_dynamic(self._batch_axes, args, kwargs)
@@ -369,6 +377,23 @@ class PiecewiseModel:
         finally:
             if token is not None:
                 runtime.site.reset(token)
+
+
+def _reachable_modules(fn: Any) -> list[nn.Module]:
+    """``fn`` if a module, the module of a bound method, and the modules in a function's closure or a partial's arguments."""
+    found: list[nn.Module] = []
+    partial_args = getattr(fn, "args", None) if callable(getattr(fn, "func", None)) else None
+    for candidate in (fn, getattr(fn, "__self__", None), getattr(fn, "func", None), *(partial_args or ())):
+        if isinstance(candidate, nn.Module):
+            found.append(candidate)
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, nn.Module):
+            found.append(value)
+    return found
 
 
 def _batch_axes(key: BatchDescriptor, rows: frozenset[int], args: tuple, kwargs: dict) -> list[tuple[int | str, int]]:

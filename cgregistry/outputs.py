@@ -95,8 +95,12 @@ class OutputAxes:
         rows = tuple(rows_for(a, descriptor) for a in self.axes)
         return None if None in rows else rows  # type: ignore[return-value]
 
-    def check(self, leaves: list[torch.Tensor], spec: Spec, key: BatchDescriptor) -> None:
-        """Raise OutputError unless every leaf's leading dimension is its axis's row count for ``key``."""
+    def check(self, leaves: list[torch.Tensor], spec: Spec, key: BatchDescriptor, request_slots: int | None = None) -> None:
+        """Raise OutputError unless every leaf's leading dimension is its axis's row count for ``key``.
+
+        A relaxed key (any request count) sees every request slot of the static inputs, so its
+        per-request outputs have ``request_slots`` rows (None: no input is indexed by requests).
+        """
         if self.single is None and _outline(spec) != _outline(self.spec):
             raise OutputError(
                 f"output_axis={self.given!r} is not shaped like the step's output (which has {len(leaves)} tensor "
@@ -105,8 +109,13 @@ class OutputAxes:
         axes = [self.single] * len(leaves) if self.single is not None else self.axes
         for i, (leaf, axis) in enumerate(zip(leaves, axes)):
             rows = rows_for(axis, key)
+            if rows is None and request_slots is not None:
+                rows = request_slots + (axis == "reqs+1")
             if rows is None:
-                raise OutputError(f"output leaf {i} follows output_axis={axis!r}, which needs keys with a request count; {key} has none")
+                raise OutputError(
+                    f"output leaf {i} follows output_axis={axis!r}, but {key} has no request count and no static "
+                    "input is indexed by requests; give one (axis='reqs') or use keys with a request count"
+                )
             if leaf.dim() == 0 or leaf.shape[0] != rows:
                 raise OutputError(
                     f"output leaf {i} has shape {tuple(leaf.shape)}; expected a leading dimension of "

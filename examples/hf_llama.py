@@ -1,0 +1,415 @@
+"""A Hugging Face Llama served through cgregistry, as an engine would, every logit checked against HF.
+
+A ``LlamaForCausalLM`` built from a ``LlamaConfig`` (random weights, no download) runs an engine
+loop with continuous batching and chunked prefill over requests of the bundled Azure trace.  Its
+attention is registered through transformers' attention interface: a paged KV cache with a scratch
+slot for padded rows, varlen metadata (``query_start_loc``, ``seq_lens``, ``block_table``,
+``slot_mapping``) as static inputs.  The attention function is an ``@eager_break``:
+
+- inside a ``full`` graph it is captured like the rest (a static-shape kernel: each token gathers its
+  request's cache through the block table); decode batches always use this kernel;
+- for a mixed batch in a ``breakable`` or ``piecewise`` entry it runs eagerly between graph segments,
+  per request, with the host-side lengths the engine passes through ``run(..., context=...)``
+  (``current_batch()``).  An eager engine (``--mode none``) makes the same choices, so the registry's
+  speed-up is launch overhead removed, not a different kernel.
+
+Every step's logits are compared with Hugging Face's own forward (its SDPA attention, no cache)
+over each request's tokens.  Needs the ``hf`` extra (``pip install -e '.[hf]'``).
+
+    python examples/hf_llama.py                          # tiny config on CPU, every strategy
+    python examples/hf_llama.py --config llama-3.2-1b --mode full_and_piecewise --requests 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+import cgregistry as cg
+from cgregistry.workload import read_trace
+
+ATTENTION = "cgregistry_paged"
+CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, dtype=torch.float32),
+    # Llama-3.2-1B's shape (its vocabulary cut to 32000), bf16
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=32000, dtype=torch.bfloat16),
+}
+# Which strategy serves decode (uniform) and mixed batches; "full" captures both.
+MODES = ("full_and_breakable", "full_and_piecewise", "full", "breakable", "piecewise", "none")
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@dataclass
+class HostBatch:
+    """Host-side lengths of the live batch: what a varlen kernel launches with (``run(context=...)``)."""
+
+    query_starts: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+
+
+@cg.eager_break
+def paged_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+    scaling: float | None = None, dropout: float = 0.0, *, cg_slot_mapping: torch.Tensor, cg_positions: torch.Tensor,
+    cg_query_start_loc: torch.Tensor, cg_seq_lens: torch.Tensor, cg_block_table: torch.Tensor, **_: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over the paged cache: write this step's K/V at ``slot_mapping``
+    (padded tokens write the scratch slot), then attend.  Query is (1, heads, tokens, head_dim)."""
+    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (tokens, kv_heads, head_dim)
+    module.k_cache.index_copy_(0, cg_slot_mapping, k_new)
+    module.v_cache.index_copy_(0, cg_slot_mapping, v_new)
+    q = query[0].transpose(0, 1)  # (tokens, heads, head_dim)
+    batch = cg.current_batch()
+    host = batch.payload if batch is not None else None
+    if isinstance(host, HostBatch) and not batch.actual.uniform:
+        # A mixed batch, run eagerly (a break between segments, or a miss): per request, host-side lengths.
+        out = varlen_attention(module, q, host, cg_block_table, scaling)
+    else:
+        # Decode, or a capture into a full graph (no payload then): static shapes only, one pass for every token.
+        out = static_attention(module, q, cg_positions, cg_query_start_loc, cg_seq_lens, cg_block_table, scaling)
+    return out[None], None  # (1, tokens, heads, head_dim), as HF's own attention functions return
+
+
+def static_attention(
+    module: torch.nn.Module, q: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor, block_table: torch.Tensor, scaling: float | None,
+) -> torch.Tensor:
+    """Every token finds its request through ``query_start_loc`` and gathers that request's cache through
+    ``block_table``; it sees the positions up to its own.  Padded tokens see one slot (no NaN)."""
+    tokens, num_reqs = q.shape[0], seq_lens.shape[0]
+    block = module.block_size
+    t = torch.arange(tokens, device=q.device)
+    req = torch.searchsorted(query_start_loc[1:], t, right=True).clamp_(max=num_reqs - 1)
+    j = torch.arange(block_table.shape[1] * block, device=q.device)
+    slots = block_table[req][:, j // block] * block + j % block  # (tokens, context)
+    k, v = module.k_cache[slots].transpose(1, 2), module.v_cache[slots].transpose(1, 2)  # (tokens, kv_heads, ctx, d)
+    visible = (j[None, :] <= positions[:, None]) & (j[None, :] < seq_lens[req][:, None])
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=visible[:, None, None, :], scale=scaling, enable_gqa=True)
+    return out[:, :, 0, :]
+
+
+def varlen_attention(
+    module: torch.nn.Module, q: torch.Tensor, host: HostBatch, block_table: torch.Tensor, scaling: float | None,
+) -> torch.Tensor:
+    """Per request, with host-side lengths: the request's context only, causal within its new tokens."""
+    out = torch.zeros_like(q)  # padded tokens: zeros
+    block = module.block_size
+    for r, (start, n, length) in enumerate(zip(host.query_starts, host.query_lens, host.seq_lens)):
+        blocks = block_table[r, : math.ceil(length / block)]
+        slots = (blocks[:, None] * block + torch.arange(block, device=q.device)).flatten()[:length]
+        k, v = module.k_cache[slots].transpose(0, 1)[None], module.v_cache[slots].transpose(0, 1)[None]
+        mask = torch.arange(length, device=q.device)[None, :] <= torch.arange(length - n, length, device=q.device)[:, None]
+        qr = q[start : start + n].transpose(0, 1)[None]  # (1, heads, n, d)
+        out[start : start + n] = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)[0].transpose(0, 1)
+    return out
+
+
+AttentionInterface.register(ATTENTION, paged_attention)  # no mask function registered: HF builds no mask for it
+
+
+# --------------------------------------------------------------------------- model and cache
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The engine's limits: they size the static inputs and the KV cache."""
+
+    max_num_seqs: int = 8
+    max_num_tokens: int = 64
+    block_size: int = 8
+    max_blocks_per_req: int = 8  # context up to block_size * max_blocks_per_req tokens
+
+    @property
+    def max_context(self) -> int:
+        return self.block_size * self.max_blocks_per_req
+
+    @property
+    def num_blocks(self) -> int:
+        return self.max_num_seqs * self.max_blocks_per_req
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_blocks * self.block_size  # one slot past every block: padded rows write here
+
+
+def build_model(config: str, device: torch.device, shape: EngineShape, seed: int = 0) -> LlamaForCausalLM:
+    """A random-weight Llama whose attention layers each hold a paged K/V cache (plus the scratch slot)."""
+    options = dict(CONFIGS[config])
+    dtype = options.pop("dtype")
+    cfg = LlamaConfig(max_position_embeddings=max(shape.max_context, 256), **options)
+    cfg._attn_implementation = ATTENTION
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    slots = shape.scratch_slot + 1
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.block_size = shape.block_size
+        kv_shape = (slots, cfg.num_key_value_heads, attn.head_dim)
+        attn.register_buffer("k_cache", torch.zeros(kv_shape, dtype=dtype, device=device), persistent=False)
+        attn.register_buffer("v_cache", torch.zeros(kv_shape, dtype=dtype, device=device), persistent=False)
+    return model
+
+
+def static_inputs(shape: EngineShape) -> dict[str, cg.StaticInput]:
+    """The step's inputs and their fills: index inputs fill with the scratch slot or a harmless row."""
+    t, r = shape.max_num_tokens, shape.max_num_seqs
+    return {
+        "input_ids": cg.StaticInput((t,), torch.long, fill=0),
+        "positions": cg.StaticInput((t,), torch.long, fill=0),
+        "slot_mapping": cg.StaticInput((t,), torch.long, fill=shape.scratch_slot),  # padded tokens write here only
+        "query_start_loc": cg.StaticInput((r + 1,), torch.long, axis="reqs+1"),  # padding repeats the last offset
+        "seq_lens": cg.StaticInput((r,), torch.long, axis="reqs", fill=1),  # padded requests see one slot
+        "block_table": cg.StaticInput((r, shape.max_blocks_per_req), torch.long, axis="reqs", fill=0),  # read only
+        "logits_indices": cg.StaticInput((r,), torch.long, axis="reqs", fill=0),
+    }
+
+
+OUTPUT_AXES = {"hidden": "tokens", "logits": "reqs"}  # hidden states per token, logits per request
+
+
+def make_step(model: LlamaForCausalLM, forward: Any) -> Any:
+    """The registry's step: the decoder (``forward``: the model itself or its piecewise compilation),
+    then the LM head on each request's last token."""
+
+    def step(batch: cg.BatchDescriptor, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+             logits_indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = forward(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_table)
+        return {"hidden": hidden, "logits": model.lm_head(hidden[logits_indices])}
+
+    return step
+
+
+def decoder(model: LlamaForCausalLM) -> Any:
+    """The decoder stack on one flattened token batch; the metadata reaches the attention as keyword arguments."""
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        out = model.model(
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, cg_slot_mapping=slot_mapping,
+            cg_positions=positions, cg_query_start_loc=query_start_loc, cg_seq_lens=seq_lens, cg_block_table=block_table,
+        )
+        return out.last_hidden_state[0]
+
+    return forward
+
+
+def build_registry(model: LlamaForCausalLM, shape: EngineShape, mode: str, backend: str = "auto") -> cg.GraphRegistry | None:
+    """A registry for ``mode`` with its plan captured (None for mode 'none': the engine runs eagerly)."""
+    if mode == "none":
+        return None
+    preference = ("full", "piecewise", "breakable")
+    reg: cg.GraphRegistry
+    forward = decoder(model)
+    if "piecewise" in mode:
+        holder: dict[str, Any] = {}
+        reg = cg.GraphRegistry(make_step(model, lambda *a: holder["compiled"](*a)), static_inputs(shape),
+                               backend=backend, output_axis=OUTPUT_AXES, preference=preference, name=f"hf-{mode}")
+        holder["compiled"] = reg.compile(forward)
+    else:
+        reg = cg.GraphRegistry(make_step(model, forward), static_inputs(shape), backend=backend,
+                               output_axis=OUTPUT_AXES, preference=preference, name=f"hf-{mode}")
+    plan = cg.CapturePlan.build(
+        max_num_seqs=shape.max_num_seqs, max_num_tokens=shape.max_num_tokens, max_capture_size=shape.max_num_tokens, mode=mode
+    )
+    with torch.inference_mode():
+        reg.capture(plan)
+    return reg
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+@dataclass
+class Sequence:
+    """One request: its tokens so far, how many are in the cache, its blocks, the logits it produced."""
+
+    rid: int
+    tokens: list[int]
+    max_new: int
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose K/V is in the cache
+    generated: int = 0
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> logits predicting the next token
+
+
+@dataclass
+class EngineResult:
+    steps: int
+    tokens: int
+    seconds: float
+    finished: list[Sequence]
+    max_abs_error: float = float("nan")
+
+
+class Engine:
+    """Continuous batching with chunked prefill; one registry (or none) serves every step."""
+
+    def __init__(self, model: LlamaForCausalLM, shape: EngineShape, registry: cg.GraphRegistry | None, keep_logits: bool) -> None:
+        self.model, self.shape, self.reg, self.keep_logits = model, shape, registry, keep_logits
+        self.device = next(model.parameters()).device
+        self.step_fn = make_step(model, decoder(model))
+        self.free_blocks = deque(range(shape.num_blocks))
+
+    def serve(self, requests: list[Sequence], max_steps: int | None = None) -> EngineResult:
+        waiting, running, finished = deque(requests), [], []
+        steps = tokens = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            while (waiting or running) and (max_steps is None or steps < max_steps):
+                batch = self._schedule(waiting, running)
+                logits = self._run(batch)
+                tokens += self._advance(batch, logits, running, finished)
+                steps += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return EngineResult(steps, tokens, time.perf_counter() - started, finished + running)
+
+    def _schedule(self, waiting: deque[Sequence], running: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """Decodes first, then prefill chunks, admitting requests while the token budget and the blocks last."""
+        budget, batch = self.shape.max_num_tokens, []
+        for seq in sorted(running, key=lambda s: len(s.tokens) - s.computed):
+            n = min(len(seq.tokens) - seq.computed, budget)
+            if n:
+                batch.append((seq, n))
+                budget -= n
+        while waiting and budget and len(running) < self.shape.max_num_seqs:
+            seq = waiting[0]
+            need = math.ceil((len(seq.tokens) + seq.max_new) / self.shape.block_size)
+            if need > len(self.free_blocks):
+                break
+            waiting.popleft()
+            seq.blocks = [self.free_blocks.popleft() for _ in range(need)]
+            running.append(seq)
+            n = min(len(seq.tokens), budget)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def _run(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor:
+        block, width = self.shape.block_size, self.shape.max_blocks_per_req
+        ids, pos, slots, starts, lens, table = [], [], [], [0], [], []
+        for seq, n in batch:
+            p = list(range(seq.computed, seq.computed + n))
+            ids += seq.tokens[seq.computed : seq.computed + n]
+            pos += p
+            slots += [seq.blocks[i // block] * block + i % block for i in p]
+            starts.append(starts[-1] + n)
+            lens.append(seq.computed + n)
+            table.append(seq.blocks + [0] * (width - len(seq.blocks)))
+        def dev(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+        inputs = {
+            "input_ids": dev(ids), "positions": dev(pos), "slot_mapping": dev(slots), "query_start_loc": dev(starts),
+            "seq_lens": dev(lens), "block_table": dev(table), "logits_indices": dev([s - 1 for s in starts[1:]]),
+        }
+        actual = cg.BatchDescriptor(len(ids), len(batch), uniform=all(n == 1 for _, n in batch))
+        host = HostBatch(starts[:-1], [n for _, n in batch], lens)
+        if self.reg is None:
+            with cg.eager_batch(actual, host):
+                return self.step_fn(actual, **inputs)["logits"]
+        return self.reg.run(actual, context=host, **inputs)["logits"]
+
+    def _advance(self, batch: list[tuple[Sequence, int]], logits: torch.Tensor, running: list[Sequence], finished: list[Sequence]) -> int:
+        """Sample greedily for every request whose known tokens are all in the cache now; retire finished ones."""
+        next_tokens = logits.argmax(-1).tolist()
+        produced = 0
+        for row, ((seq, n), token) in enumerate(zip(batch, next_tokens, strict=True)):
+            seq.computed += n
+            if seq.computed < len(seq.tokens):
+                continue  # a prefill chunk: more prompt to come
+            if self.keep_logits:
+                seq.logits[seq.computed - 1] = logits[row].to("cpu", torch.float32, copy=True)  # graph memory: copy it out
+            seq.tokens.append(token)
+            seq.generated += 1
+            produced += 1
+            if seq.generated == seq.max_new:
+                running.remove(seq)
+                finished.append(seq)
+                self.free_blocks.extend(seq.blocks)
+        return produced
+
+
+def trace_requests(count: int, shape: EngineShape, vocab: int, max_prompt: int, max_new: int, seed: int = 0) -> list[Sequence]:
+    """Requests shaped by the bundled trace (its prompt and output lengths, folded into the engine's limits)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for rid, req in enumerate(read_trace(limit=count)):
+        prompt = 1 + (req.prompt_tokens - 1) % max_prompt
+        new = 1 + (req.output_tokens - 1) % max_new
+        new = min(new, shape.max_context - prompt)
+        out.append(Sequence(rid, torch.randint(0, vocab, (prompt,), generator=g).tolist(), new))
+    return out
+
+
+def check_against_hf(model: LlamaForCausalLM, sequences: list[Sequence]) -> float:
+    """Largest difference between the engine's logits and HF's own forward (SDPA, no cache) over each request."""
+    worst = 0.0
+    model.config._attn_implementation = "sdpa"
+    try:
+        with torch.inference_mode():
+            device = next(model.parameters()).device
+            for seq in sequences:
+                if not seq.logits:
+                    continue
+                ids = torch.tensor([seq.tokens[: max(seq.logits) + 1]], device=device)
+                want = model(input_ids=ids, use_cache=False).logits[0].float().cpu()
+                for position, got in seq.logits.items():
+                    worst = max(worst, (got - want[position]).abs().max().item())
+    finally:
+        model.config._attn_implementation = ATTENTION
+    return worst
+
+
+def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, requests: int, max_prompt: int,
+          max_new: int, backend: str = "auto", check: bool = True) -> tuple[EngineResult, cg.GraphRegistry | None]:
+    """Build, capture and serve ``requests`` trace requests in ``mode``; with ``check``, compare with HF."""
+    model = build_model(config, device, shape)
+    reg = build_registry(model, shape, mode, backend)
+    engine = Engine(model, shape, reg, keep_logits=check)
+    result = engine.serve(trace_requests(requests, shape, model.config.vocab_size, max_prompt, max_new))
+    if check:
+        result.max_abs_error = check_against_hf(model, result.finished)
+    return result, reg
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    parser.add_argument("--mode", choices=MODES, action="append", help="default: every mode")
+    parser.add_argument("--requests", type=int, default=12, help="requests taken from the bundled trace (default: 12)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    tiny = args.config == "tiny"
+    shape = EngineShape() if tiny else EngineShape(max_num_seqs=64, max_num_tokens=512, block_size=16, max_blocks_per_req=64)
+    max_prompt, max_new = (24, 8) if tiny else (768, 128)
+    tolerance = 1e-3 if CONFIGS[args.config]["dtype"] == torch.float32 else 0.25
+    for mode in args.mode or MODES:
+        result, reg = serve(args.config, mode, device=device, shape=shape, requests=args.requests,
+                            max_prompt=max_prompt, max_new=max_new)
+        stats = reg.stats() if reg is not None else None
+        served = f"{stats.hits} graph steps, {stats.misses} eager" if stats else "eager"
+        print(f"{mode:19} {result.steps} steps ({served}), {result.tokens} tokens, "
+              f"max |logit - HF| {result.max_abs_error:.2e}")
+        assert result.max_abs_error <= tolerance, f"{mode}: logits differ from Hugging Face's forward by {result.max_abs_error}"
+        assert len(result.finished) == args.requests and all(s.generated == s.max_new for s in result.finished)
+
+
+if __name__ == "__main__":
+    main()

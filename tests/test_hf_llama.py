@@ -1,0 +1,75 @@
+"""A Hugging Face Llama through the registry (examples/hf_llama.py): engine state and outputs, as a server sees them.
+
+The example itself runs every mode and checks every logit against HF's forward (tests/test_examples.py);
+these tests pin what an engine relies on besides the numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cgregistry as cg
+
+pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'")
+
+_path = Path(__file__).parent.parent / "examples" / "hf_llama.py"
+_spec = importlib.util.spec_from_file_location("hf_llama_example", _path)
+hf = importlib.util.module_from_spec(_spec)
+sys.modules["hf_llama_example"] = hf
+_spec.loader.exec_module(hf)
+
+SHAPE = hf.EngineShape(max_num_seqs=4, max_num_tokens=16, block_size=4, max_blocks_per_req=4)
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("mode", ["full", "full_and_breakable", "full_and_piecewise"])
+def test_capture_writes_only_the_scratch_slot(mode: str) -> None:
+    """Warm-up and capture run the model, which writes K/V: only at the scratch slot, also while dynamo traces."""
+    model = hf.build_model("tiny", CPU, SHAPE)
+    for layer in model.model.layers:
+        layer.self_attn.k_cache.fill_(7.0)  # a live server's cache
+    reg = hf.build_registry(model, SHAPE, mode, "cpu")
+    assert len(reg) > 0
+    scratch = SHAPE.scratch_slot
+    for layer in model.model.layers:
+        cache = layer.self_attn.k_cache
+        assert cache[:scratch].eq(7.0).all(), "no request's slot was written by capture"
+        assert not cache[scratch].eq(7.0).all(), "capture did run the step (it wrote the scratch slot)"
+
+
+def test_modes_serve_the_trace_like_hugging_face() -> None:
+    for mode in ("full_and_piecewise", "none"):
+        result, reg = hf.serve("tiny", mode, device=CPU, shape=SHAPE, requests=6, max_prompt=12, max_new=4, backend="cpu")
+        assert len(result.finished) == 6 and all(s.generated == s.max_new for s in result.finished)
+        assert result.max_abs_error < 1e-4, mode
+        if reg is not None:
+            stats = reg.stats()
+            assert stats.hits == result.steps and stats.misses == 0
+            assert {e.strategy for e in reg.entries(used=True)} == {"full", "piecewise"}
+
+
+def test_debug_mode_catches_logits_kept_past_the_next_run() -> None:
+    """The engine's bug to avoid: keeping a view of graph memory (``.float().cpu()`` is no copy on CPU)."""
+    model = hf.build_model("tiny", CPU, SHAPE)
+    reg = cg.GraphRegistry(hf.make_step(model, hf.decoder(model)), hf.static_inputs(SHAPE), backend="cpu",
+                           output_axis=hf.OUTPUT_AXES, debug=True)
+    reg.capture([(cg.BatchDescriptor.decode(2), "full")])
+
+    def inputs(position: int) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": torch.tensor([1, 2]), "positions": torch.tensor([position, position]),
+            "slot_mapping": torch.tensor([position, 4 + position]), "query_start_loc": torch.tensor([0, 1, 2]),
+            "seq_lens": torch.tensor([position + 1] * 2), "block_table": torch.tensor([[0, 0, 0, 0], [1, 0, 0, 0]]),
+            "logits_indices": torch.tensor([0, 1]),
+        }
+
+    with torch.inference_mode():
+        kept = reg.run(cg.BatchDescriptor.decode(2), **inputs(0))["logits"][0].float().cpu()
+        reg.run(cg.BatchDescriptor.decode(2), **inputs(1))
+        with pytest.raises(cg.StaleOutputError):
+            kept.sum()
