@@ -27,6 +27,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.json:
         data = attrs.asdict(result)
         data["speedup"] = result.speedup
+        data["no_speedup_reason"] = result.no_speedup_reason
         print(json.dumps(data, indent=2))
     if result.mismatches:
         print(f"error: {result.mismatches} of {result.steps} steps differ from eager", file=sys.stderr)

@@ -1,17 +1,42 @@
-"""The command line as a user runs it: a subprocess, exit codes and output."""
+"""The command line as a user runs it: a subprocess (or ``main(argv)`` in process), exit codes and output."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
-ENV = {**os.environ, "CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD": "1"}
+import pytest
+
+from cgregistry import cli as cli_module
+from cgregistry.demo import DemoResult
+from cgregistry.plan import MODES
+
+ROOT = Path(__file__).parent.parent
+# This checkout's package, whatever an editable install points at.
+ENV = {**os.environ, "CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "cgregistry.cli", *args], capture_output=True, text=True, env=ENV, timeout=600)
+
+
+@pytest.fixture(autouse=True)
+def _no_plugin_autoload(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``main(args)`` in process: (exit code, stdout, stderr), argparse's own exits included."""
+    try:
+        code = cli_module.main(list(args))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def test_plan_lists_keys_and_gaps() -> None:
@@ -50,6 +75,8 @@ def test_demo_checks_every_step_against_eager() -> None:
     assert result["steps"] == 40 and result["mismatches"] == 0
     assert result["hits"] + result["misses"] == 40 and result["hits"] > 0
     assert result["backend"] == "cpu"
+    # the cpu backend emulates graphs: an eager/registry time ratio there is no speedup
+    assert result["speedup"] is None and "cpu backend emulates graphs" in result["no_speedup_reason"]
 
 
 def test_demo_prints_table_and_timing() -> None:
@@ -57,6 +84,8 @@ def test_demo_prints_table_and_timing() -> None:
     assert r.returncode == 0, r.stderr
     assert "checked 20 steps against eager: 0 mismatches" in r.stdout
     assert "timing over the same 20 steps: eager" in r.stdout
+    assert "timings: the cpu backend emulates graphs (it runs the step eagerly), so no speedup is reported" in r.stdout
+    assert not re.search(r"\d\.\d+x\b", r.stdout), "no speedup ratio on cpu"
     assert "key" in r.stdout and "strategy" in r.stdout
 
 
@@ -167,3 +196,37 @@ def test_check_lists_unsafe_ops_with_lines() -> None:
     assert bad.returncode == 2 and "needs arguments ['x']" in bad.stderr
     missing = subprocess.run([sys.executable, "-m", "cgregistry.cli", "check", "no_such_module:f"], capture_output=True, text=True, env=env, timeout=300)
     assert missing.returncode == 2 and "cannot import module 'no_such_module'" in missing.stderr
+
+
+# ---------------------------------------------------------------------------- demo
+
+
+def demo_result(**changes: object) -> DemoResult:
+    fields = dict(backend="cuda", steps=10, mismatches=0, max_abs_error=0.0, eager_seconds=2.0, graph_seconds=1.0, hits=10,
+                  misses=0, padding_ratio=0.0, entries=4, capture_seconds=0.1, memory_bytes=0, table="")
+    return DemoResult(**{**fields, **changes})
+
+
+def test_speedup_only_where_graphs_served_steps_on_a_real_backend() -> None:
+    assert demo_result().speedup == 2.0 and demo_result().no_speedup_reason is None
+    cpu = demo_result(backend="cpu")
+    assert cpu.speedup is None and "cpu backend emulates graphs" in cpu.no_speedup_reason
+    no_graphs = demo_result(entries=0, hits=0, misses=10)
+    assert no_graphs.speedup is None and "no graphs" in no_graphs.no_speedup_reason
+    no_hits = demo_result(hits=0, misses=10)
+    assert no_hits.speedup is None and "no step was served by a graph" in no_hits.no_speedup_reason
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_demo_runs_every_mode_the_cli_offers(capsys: pytest.CaptureFixture[str], mode: str) -> None:
+    # Few steps keep it fast; the piecewise modes add a dynamo trace (about a second or two on CPU).
+    code, out, err = run_main(capsys, "demo", "--backend", "cpu", "--steps", "8", "--mode", mode, "--all", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["steps"] == 8 and result["mismatches"] == 0
+    assert result["speedup"] is None
+    if mode == "none":
+        assert result["entries"] == 0 and result["hits"] == 0
+    else:
+        assert result["entries"] > 0 and result["hits"] > 0
+    assert ("piecewise" in result["table"]) == ("piecewise" in mode)  # --all: the table lists every entry
