@@ -78,6 +78,7 @@ def test_demo_checks_every_step_against_eager() -> None:
     assert result["backend"] == "cpu"
     # the cpu backend emulates graphs: an eager/registry time ratio there is no speedup
     assert result["speedup"] is None and "cpu backend emulates graphs" in result["no_speedup_reason"]
+    assert "NumPy" not in r.stderr
 
 
 def test_demo_prints_table_and_timing() -> None:
@@ -414,3 +415,13 @@ def test_demo_errors_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "cgregistry demo: error: --mode=full,nope: strategy 'nope' is not registered" in err
     code, _, err = run_main(capsys, "demo", "--steps", "0")
     assert code == 2 and "argument --steps: expected an integer >= 1, got 0" in err
+
+
+# ---------------------------------------------------------------------------- install
+
+
+def test_numpy_is_a_dependency() -> None:
+    # torch's CPU wheel does not depend on numpy and warns "Failed to initialize NumPy" on import without it.
+    tomllib = pytest.importorskip("tomllib")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"numpy\b", d) for d in deps)
