@@ -1,25 +1,121 @@
 """The ``cgregistry`` command: ``demo``, ``plan``, ``inspect``, ``check`` and ``plugins``; ``--json`` on each.
 
 Exit codes: 0 success, 1 the job found a problem (demo mismatches, unsafe ops), 2 bad input (message on stderr).
+Every option's help shows its default; an option that does nothing without another is refused; errors
+name the flag the user passed, never an internal setting name.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
 from cgregistry.descriptor import BatchDescriptor
-from cgregistry.plan import MODES, CapturePlan
+from cgregistry.plan import MODES, CapturePlan, PlanSettings
 from cgregistry.text import text_table
+from cgregistry.workload import SchedulerConfig
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
+
+# ---------------------------------------------------------------------------- help and flag names
+
+_SCHEDULER = SchedulerConfig()  # the scheduler's defaults, shown in the help and used when a flag is not given
+_PLAN_DEFAULT_MODE = attrs.fields(PlanSettings).mode.default
+
+# PlanSettings (and CapturePlan.fit) field -> the ``plan`` flag that sets it.  ``mode`` is translated only
+# where a message names the setting ("mode ('full', 'x'): ..."), never as a word of prose.
+SETTING_FLAGS = {
+    "max_num_seqs": "--max-num-seqs", "max_num_tokens": "--max-num-tokens", "capture_sizes": "--capture-sizes",
+    "max_capture_size": "--max-capture-size", "spec_depths": "--spec-depths", "lora_counts": "--lora-counts",
+    "max_loras": "--max-loras", "max_graphs": "--fit",
+}
+
+# ``plan`` options that act only on a trace (dest names); --show-sizes also needs --fit.
+_TRACE_ONLY = ("limit", "spec_depth", "step_base_ms", "step_per_token_us", "fit", "plot", "show_sizes")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help states its default itself.
+
+    A default of None or a bare on/off flag gets nothing appended: those options say in words
+    what happens without them ("default: the plan's own"), never "None" or "False".
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unstated = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if "default:" in text or unstated or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _flag(dest: str) -> str:
+    """The long option of a dest name: ``step_base_ms`` -> ``--step-base-ms``."""
+    return "--" + dest.replace("_", "-")
+
+
+def _mode_text(mode: str | tuple[str | None, str | None]) -> str:
+    """A mode as the user writes it: a name, or ``DECODE,MIXED`` with 'none' for no strategy."""
+    if isinstance(mode, str):
+        return mode
+    return ",".join("none" if m is None else m for m in mode)
+
+
+def _csv(values: Sequence[int]) -> str:
+    """Integers as the user writes them on the command line: ``1,2,4``."""
+    return ",".join(str(v) for v in values)
+
+
+def _mode_flagged(message: str, args: argparse.Namespace) -> str:
+    """``mode ('full', 'x'): ...`` (PlanSettings' wording) as ``--mode=full,x: ...``."""
+    return re.sub(r"^mode \(.*?\): ", lambda m: f"--mode={_mode_text(args.mode)}: ", message)
+
+
+def _demo_flagged(message: str, args: argparse.Namespace) -> str:
+    """A demo error in the demo's flags: ``--mode=...`` and ``--backend=...`` for the plugin manager's wording."""
+    message = re.sub(r"^backend '([^']*)' (is )?", lambda m: f"--backend={m[1]}: ", message)
+    return _mode_flagged(message, args)
+
+
+def _flagged(message: str, args: argparse.Namespace) -> str:
+    """``message`` from CapturePlan.build / PlanSettings / CapturePlan.fit with setting names turned into ``plan`` flags.
+
+    Known messages get the value the user gave; any other setting name is at least replaced by its flag.
+    """
+    sizes = "--capture-sizes" if args.capture_sizes is None else f"--capture-sizes={_csv(args.capture_sizes)}"
+
+    def too_large(m: re.Match[str]) -> str:
+        if args.max_capture_size is None and args.capture_sizes is not None:  # the largest size set the maximum
+            return f"{sizes}: the largest, {m[1]}, exceeds --max-num-tokens={m[2]}"
+        return f"--max-capture-size={m[1]} exceeds --max-num-tokens={m[2]}"
+
+    rules: list[tuple[str, Callable[[re.Match[str]], str]]] = [
+        (r"\bmax_capture_size=(\d+) exceeds max_num_tokens=(\d+)", too_large),
+        (r"\bcapture_sizes \[([^\]]*)\] exceed", lambda m: f"{sizes}: {m[1]} exceed"),
+        (r"\blora_counts \[([^\]]*)\]", lambda m: f"--lora-counts={m[1].replace(' ', '')}"),
+        (r"\bspec depth (\d+) needs", lambda m: f"depth {m[1]} of --spec-depths needs"),
+        (r"\b(" + "|".join(SETTING_FLAGS) + r")\b", lambda m: SETTING_FLAGS[m[1]]),
+    ]
+    for pattern, replace in rules:
+        message = re.sub(pattern, replace, message)
+    return _mode_flagged(message, args)
+
+
+# How each command's error messages are put in its own flags' terms.
+_TRANSLATE: dict[str, Callable[[str, argparse.Namespace], str]] = {"plan": _flagged, "demo": _demo_flagged}
+
+
+# ---------------------------------------------------------------------------- demo
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """``demo``: run it, log or print JSON; 1 when a step differs from eager."""
     from cgregistry.demo import run_demo
 
     log = (lambda line: None) if args.json else print
@@ -27,6 +123,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.json:
         data = attrs.asdict(result)
         data["speedup"] = result.speedup
+        data["no_speedup_reason"] = result.no_speedup_reason
         print(json.dumps(data, indent=2))
     if result.mismatches:
         print(f"error: {result.mismatches} of {result.steps} steps differ from eager", file=sys.stderr)
@@ -34,22 +131,83 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(args: argparse.Namespace) -> int:
-    settings = {
-        "max_num_seqs": args.max_num_seqs, "max_num_tokens": args.max_num_tokens, "mode": args.mode,
-        "max_capture_size": args.max_capture_size, "spec_depths": args.spec_depths,
-        "lora_counts": args.lora_counts, "max_loras": args.max_loras,
+# ---------------------------------------------------------------------------- plan
+
+
+def _plan_usage_error(args: argparse.Namespace) -> str | None:
+    """Options given that do nothing without another (None when every option given has an effect)."""
+    if args.trace is None:
+        given = [_flag(d) for d in _TRACE_ONLY if getattr(args, d) is not None and getattr(args, d) is not False]
+        if given:
+            needs = " and --fit" if args.show_sizes and args.fit is None else ""
+            return (f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --trace FILE{needs}: "
+                    "without --trace, plan lists the plan's keys and judges nothing")
+    elif args.show_sizes and args.fit is None:
+        return "--show-sizes needs --fit: it lists the fitted plan's keys"
+    return None
+
+
+def _plan_settings(args: argparse.Namespace) -> PlanSettings:
+    """The plan's settings from the flags; a flag not given leaves the setting at PlanSettings' default."""
+    given = {
+        "mode": args.mode, "capture_sizes": args.capture_sizes, "max_capture_size": args.max_capture_size,
+        "spec_depths": args.spec_depths, "lora_counts": args.lora_counts, "max_loras": args.max_loras,
     }
-    plan = CapturePlan.build(capture_sizes=args.capture_sizes, **settings)
+    fields = {k: v for k, v in given.items() if v is not None}
+    return PlanSettings(max_num_seqs=args.max_num_seqs, max_num_tokens=args.max_num_tokens, **fields)
+
+
+def _settings_dict(s: PlanSettings) -> dict[str, Any]:
+    """The resolved settings, by PlanSettings field name (what ``plan --json`` prints as "settings")."""
+    return {
+        "max_num_seqs": s.max_num_seqs, "max_num_tokens": s.max_num_tokens,
+        "mode": s.mode if isinstance(s.mode, str) else list(s.mode),
+        "decode_strategy": s.decode_strategy, "mixed_strategy": s.mixed_strategy, "mixed_relaxed": s.mixed_relaxed,
+        "capture_sizes": list(s.used_capture_sizes), "max_capture_size": s.used_max_capture_size,
+        "spec_depths": list(s.widest), "widest_decode": {str(d): n for d, n in s.widest.items()},
+        "lora_counts": list(s.used_lora_counts), "max_loras": s.max_loras,
+    }
+
+
+def _settings_lines(s: PlanSettings, args: argparse.Namespace) -> list[str]:
+    """The settings header of the text output: each flag, its resolved value, and whether it was derived."""
+
+    def origin(dest: str) -> str:
+        return "" if getattr(args, dest) is not None else "  (default)"
+
+    mixed = s.mixed_strategy
+    if mixed is not None:
+        mixed += " (any request count)" if s.mixed_relaxed else " (request count min(tokens, max-num-seqs))"
+    rows = [
+        ("--max-num-seqs", str(s.max_num_seqs), ""),
+        ("--max-num-tokens", str(s.max_num_tokens), ""),
+        ("--mode", f"{_mode_text(s.mode)}: decode keys {s.decode_strategy or 'none'}, mixed keys {mixed or 'none'}", origin("mode")),
+        ("--capture-sizes", f"{_csv(s.used_capture_sizes)} ({len(s.used_capture_sizes)} sizes)", origin("capture_sizes")),
+        ("--max-capture-size", str(s.used_max_capture_size), origin("max_capture_size")),
+        ("--spec-depths", _csv(s.widest), origin("spec_depths")),
+        ("--lora-counts", _csv(s.used_lora_counts), origin("lora_counts")),
+        ("--max-loras", "none (no LoRA)" if s.max_loras is None else str(s.max_loras), origin("max_loras")),
+    ]
+    return ["settings:", *(f"  {flag:18} {value}{note}" for flag, value, note in rows)]
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """``plan``: the settings used, then the keys and uncovered batches (or, with --trace, the reports)."""
+    settings = _plan_settings(args)
+    plan = CapturePlan.build(settings)
     if args.trace is not None:
         return _plan_on_trace(args, plan, settings)
     gaps = plan.uncovered()
     if args.json:
         print(json.dumps({
+            "settings": _settings_dict(settings),
             "entries": [{"key": attrs.asdict(e.descriptor), "strategy": e.strategy} for e in plan],
             "uncovered": [attrs.asdict(g) for g in gaps],
         }, indent=2))
         return 0
+    for line in _settings_lines(settings, args):
+        print(line)
+    print()
     for e in plan:
         print(f"{e.strategy:10} {e.descriptor}")
     print(f"{len(plan)} graphs")
@@ -59,22 +217,42 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_on_trace(args: argparse.Namespace, plan: CapturePlan, settings: dict) -> int:
-    from cgregistry.fitting import evaluate
-    from cgregistry.workload import SchedulerConfig, read_trace, schedule
-
-    requests = read_trace(None if args.trace == "bundled" else args.trace, limit=args.limit)
-    config = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_tokens, spec_depth=args.spec_depth,
-        step_base_s=args.step_base_ms / 1e3, step_per_token_s=args.step_per_token_us / 1e6,
+def _scheduler(args: argparse.Namespace) -> SchedulerConfig:
+    """The trace's scheduler: --max-num-seqs and --max-num-tokens, and the scheduler flags or their defaults."""
+    base_ms = _SCHEDULER.step_base_s * 1e3 if args.step_base_ms is None else args.step_base_ms
+    per_token_us = _SCHEDULER.step_per_token_s * 1e6 if args.step_per_token_us is None else args.step_per_token_us
+    return SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_tokens,
+        spec_depth=_SCHEDULER.spec_depth if args.spec_depth is None else args.spec_depth,
+        step_base_s=base_ms / 1e3, step_per_token_s=per_token_us / 1e6,
     )
+
+
+def _scheduler_dict(config: SchedulerConfig, args: argparse.Namespace, requests: int) -> dict[str, Any]:
+    """The scheduler the trace was replayed with (what ``plan --trace --json`` prints as "scheduler")."""
+    return {
+        "trace": args.trace, "requests": requests, "limit": args.limit,
+        "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+        "spec_depth": config.spec_depth, "step_base_ms": config.step_base_s * 1e3, "step_per_token_us": config.step_per_token_s * 1e6,
+    }
+
+
+def _plan_on_trace(args: argparse.Namespace, plan: CapturePlan, settings: PlanSettings) -> int:
+    """``plan --trace``: judge the plan (and with --fit a fitted one) on the trace's scheduled steps."""
+    from cgregistry.fitting import evaluate
+    from cgregistry.workload import read_trace, schedule
+
+    if args.plot:
+        _pyplot()  # before the work: a missing matplotlib is reported at once
+    requests = read_trace(None if args.trace == "bundled" else args.trace, limit=args.limit)
+    config = _scheduler(args)
     plans = {"default": plan}
     if args.fit is not None:
         # Fit on the first half of the requests, judge both plans on the second half.
         half = len(requests) // 2
         fit_on, judge_on = list(schedule(requests[:half], config)), list(schedule(requests[half:], config))
         budget = args.fit or len(plan)
-        plans[f"fitted ({budget})"] = CapturePlan.fit(fit_on, budget, **settings)
+        plans[f"fitted ({budget})"] = CapturePlan.fit(fit_on, budget, settings)
         scope = f"plans judged on the second half of the trace ({len(requests) - half} requests, {len(judge_on)} steps); fitted on the first half"
     else:
         judge_on = list(schedule(requests, config))
@@ -83,15 +261,46 @@ def _plan_on_trace(args: argparse.Namespace, plan: CapturePlan, settings: dict) 
     if args.plot:
         _plot(reports, args.plot)
     if args.json:
-        print(json.dumps({"scope": scope, "plans": {
-            name: {**{k: v for k, v in attrs.asdict(r).items() if k != "by_tokens"},
-                   "hit_rate": r.hit_rate, "padding_ratio": r.padding_ratio,
-                   "by_tokens": {str(t): list(v) for t, v in r.by_tokens.items()}}
-            for name, r in reports.items()}}, indent=2))
+        _print_trace_json(args, settings, config, len(requests), scope, plans, reports)
         return 0
+    for line in _settings_lines(settings, args):
+        print(line)
+    print(f"scheduler: step {config.step_base_s * 1e3:g} ms + {config.step_per_token_s * 1e6:g} us per token, "
+          f"spec depth {config.spec_depth}")
+    print()
     print(scope)
-    names = list(reports)
-    rows = [("", *names)]
+    _print_reports(reports)
+    if args.show_sizes:
+        fitted = list(plans)[-1]
+        print(f"\n{fitted} keys:")
+        for e in plans[fitted]:
+            print(f"{e.strategy:10} {e.descriptor}")
+    if args.plot:
+        print(f"wrote padding plot to {args.plot}")
+    return 0
+
+
+def _print_trace_json(
+    args: argparse.Namespace, settings: PlanSettings, config: SchedulerConfig, requests: int, scope: str,
+    plans: dict[str, CapturePlan], reports: dict[str, Any],
+) -> None:
+    """The ``plan --trace --json`` document: settings, scheduler, scope, one report per plan (and the plot's path)."""
+    out: dict[str, Any] = {"settings": _settings_dict(settings), "scheduler": _scheduler_dict(config, args, requests), "scope": scope}
+    out["plans"] = {}
+    for name, r in reports.items():
+        report = {k: v for k, v in attrs.asdict(r).items() if k != "by_tokens"}
+        report.update(hit_rate=r.hit_rate, padding_ratio=r.padding_ratio, by_tokens={str(t): list(v) for t, v in r.by_tokens.items()})
+        if args.show_sizes:
+            report["entries"] = [{"key": attrs.asdict(e.descriptor), "strategy": e.strategy} for e in plans[name]]
+        out["plans"][name] = report
+    if args.plot:
+        out["plot"] = args.plot
+    print(json.dumps(out, indent=2))
+
+
+def _print_reports(reports: dict[str, Any]) -> None:
+    """The plans' reports side by side."""
+    rows = [("", *reports)]
     rows.append(("graphs", *(str(r.graphs) for r in reports.values())))
     rows.append(("largest key (tokens)", *(str(r.largest_key_tokens) for r in reports.values())))
     rows.append(("steps served by graphs", *(f"{r.graph_steps} ({r.hit_rate:.1%})" for r in reports.values())))
@@ -100,13 +309,10 @@ def _plan_on_trace(args: argparse.Namespace, plan: CapturePlan, settings: dict) 
     rows.append(("padding (of graph tokens)", *(f"{r.padding_ratio:.2%}" for r in reports.values())))
     for line in text_table(rows):
         print(line)
-    if args.fit is not None and args.show_sizes:
-        for e in plans[names[-1]]:
-            print(f"{e.strategy:10} {e.descriptor}")
-    return 0
 
 
-def _plot(reports: dict, path: str) -> None:
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or a RuntimeError saying how to install it."""
     try:
         import matplotlib
 
@@ -114,6 +320,12 @@ def _plot(reports: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise RuntimeError("--plot needs matplotlib: pip install 'cgregistry[plot]'") from None
+    return plt
+
+
+def _plot(reports: dict, path: str) -> None:
+    """Padded tokens by actual token count, one line per plan, written to ``path``."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for name, report in reports.items():
         tokens = list(report.by_tokens)
@@ -126,6 +338,9 @@ def _plot(reports: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- plugins
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -149,6 +364,9 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- inspect
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from cgregistry.inspection import load_snapshot
 
@@ -159,7 +377,7 @@ def _inspect(args: argparse.Namespace) -> int:
         "num_active_loras": args.loras, "used": True if args.used else None, "sort": args.sort,
     }
     entries = snap.filtered(**filters)
-    explanation = snap.explain(_descriptor(args.explain)) if args.explain else None
+    explanation = snap.explain(args.explain) if args.explain else None
     if args.json:
         data = {"name": snap.name, "backend": snap.backend, "created": snap.created,
                 "entries": [e for e in snap.to_dict()["entries"] if _picked(e, entries)],
@@ -188,20 +406,55 @@ def _picked(entry: dict, chosen: list) -> bool:
     return any(attrs.asdict(e.key) == entry["key"] and e.strategy == entry["strategy"] for e in chosen)
 
 
-def _descriptor(text: str) -> BatchDescriptor:
-    """'tokens,reqs[,loras[,depth[,uniform]]]' -> BatchDescriptor (reqs may be 'any')."""
-    parts = [p.strip() for p in text.split(",")]
-    if not 1 <= len(parts) <= 5:
-        raise ValueError(f"--explain takes tokens,reqs[,loras[,depth[,uniform]]], got {text!r}")
+_EXPLAIN_FIELDS = ("tokens", "reqs", "loras", "depth", "uniform")
+_EXPLAIN_FORM = "tokens,reqs[,loras[,depth[,uniform]]]"
+_UNIFORM_WORDS = {"uniform": True, "true": True, "yes": True, "1": True, "mixed": False, "false": False, "no": False, "0": False}
+_DESCRIPTOR_NAMES = {"BatchDescriptor.": "", "uniform BatchDescriptor": "a uniform batch", "num_tokens": "tokens",
+                     "num_reqs": "reqs", "num_active_loras": "loras", "spec_depth": "depth", "uniform=True": "uniform"}
+
+
+def _explain_int(text: str, field: str, position: int, whole: str) -> int:
     try:
-        tokens = int(parts[0])
-        reqs = None if len(parts) < 2 or parts[1] in ("", "any") else int(parts[1])
-        loras = int(parts[2]) if len(parts) > 2 else 0
-        depth = int(parts[3]) if len(parts) > 3 else 0
+        return int(text)
     except ValueError:
-        raise ValueError(f"--explain takes integers: tokens,reqs[,loras[,depth[,uniform]]], got {text!r}") from None
-    uniform = len(parts) > 4 and parts[4].lower() in ("1", "true", "uniform", "yes")
-    return BatchDescriptor(tokens, reqs, loras, depth, uniform)
+        extra = " or 'any'" if field == "reqs" else ""
+        raise argparse.ArgumentTypeError(
+            f"{whole!r}: {field} (field {position} of {_EXPLAIN_FORM}) must be an integer{extra}, got {text!r}"
+        ) from None
+
+
+def _explain_uniform(text: str, whole: str) -> bool:
+    try:
+        return _UNIFORM_WORDS[text.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"{whole!r}: uniform (field 5 of {_EXPLAIN_FORM}) must be one of {', '.join(_UNIFORM_WORDS)}; got {text!r}"
+        ) from None
+
+
+def _descriptor(text: str) -> BatchDescriptor:
+    """``--explain``: 'tokens,reqs[,loras[,depth[,uniform]]]' -> BatchDescriptor (reqs may be 'any' or empty).
+
+    Every field is checked: a misspelled uniform word or a non-integer is an error naming the field.
+    """
+    parts = [p.strip() for p in text.split(",")]
+    if not 1 <= len(parts) <= len(_EXPLAIN_FIELDS):
+        raise argparse.ArgumentTypeError(f"expected {_EXPLAIN_FORM} (1 to 5 fields), got {text!r} ({len(parts)} fields)")
+    tokens = _explain_int(parts[0], "tokens", 1, text)
+    reqs = None if len(parts) < 2 or parts[1] in ("", "any") else _explain_int(parts[1], "reqs", 2, text)
+    loras = _explain_int(parts[2], "loras", 3, text) if len(parts) > 2 else 0
+    depth = _explain_int(parts[3], "depth", 4, text) if len(parts) > 3 else 0
+    uniform = _explain_uniform(parts[4], text) if len(parts) > 4 else False
+    try:
+        return BatchDescriptor(tokens, reqs, loras, depth, uniform)
+    except ValueError as exc:
+        message = str(exc)
+        for internal, name in _DESCRIPTOR_NAMES.items():
+            message = message.replace(internal, name)
+        raise argparse.ArgumentTypeError(f"{text!r}: {message}") from None
+
+
+# ---------------------------------------------------------------------------- check
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -240,11 +493,44 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if found else 0
 
 
+# ---------------------------------------------------------------------------- argument types
+
+
 def _ints(text: str) -> list[int]:
+    """Comma-separated integers, at least one."""
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r} (no integer)")
+    return values
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
 
 
 _MODE_HELP = f"one of {', '.join(MODES)}, or DECODE,MIXED naming any registered strategies ('none' for neither)"
@@ -258,79 +544,168 @@ def _mode(text: str) -> str | tuple[str | None, str | None]:
         return text
     parts = [p.strip() for p in text.split(",")]
     if len(parts) != 2 or not all(parts):
-        raise argparse.ArgumentTypeError(f"--mode {text!r}: expected DECODE,MIXED (two strategy names or 'none')")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected DECODE,MIXED (two strategy names or 'none')")
     decode, mixed = (None if p == "none" else p for p in parts)
     return (decode, mixed)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cgregistry", description="CUDA graphs for batched inference engines.")
-    sub = parser.add_subparsers(dest="command", required=True)
+# ---------------------------------------------------------------------------- the parser
 
-    demo = sub.add_parser("demo", help="capture the demo model, replay trace-derived batches, check against eager")
-    demo.add_argument("--backend", default="auto", help="auto (cuda when available, else cpu), cuda or cpu")
-    demo.add_argument("--steps", type=int, default=200, help="scheduler steps taken from the bundled trace")
-    demo.add_argument("--mode", default="full", type=_mode, metavar="MODE", help=_MODE_HELP)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--all", action="store_true", help="list every entry, not only those that served the run")
-    demo.add_argument("--json", action="store_true", help="print the result as JSON")
-    demo.add_argument("--snapshot", default=None, metavar="PATH", help="write the registry's snapshot (JSON) for `cgregistry inspect`")
-    demo.set_defaults(func=_demo)
 
-    plan = sub.add_parser(
-        "plan",
-        help="list a plan's keys and uncovered batches, or judge it (and a fitted one) on a request trace",
+def _add_demo(sub: Any) -> argparse.ArgumentParser:
+    demo = sub.add_parser(
+        "demo", help="capture the demo model, replay trace-derived batches, check against eager",
+        description="Capture the built-in demo decoder, replay batch shapes from the bundled trace through the "
+                    "registry, check every output against eager, and time both.",
+        formatter_class=_HelpFormatter,
     )
-    plan.add_argument("--max-num-seqs", type=int, default=256)
-    plan.add_argument("--max-num-tokens", type=int, default=8192, help="also the scheduler's token budget")
-    plan.add_argument("--mode", default="full_and_piecewise", type=_mode, metavar="MODE", help=_MODE_HELP)
-    plan.add_argument("--capture-sizes", type=_ints, default=None)
-    plan.add_argument("--max-capture-size", type=int, default=None)
-    plan.add_argument("--spec-depths", type=_ints, default=[0])
-    plan.add_argument("--lora-counts", type=_ints, default=None)
-    plan.add_argument("--max-loras", type=int, default=None)
-    plan.add_argument("--trace", default=None, metavar="FILE", help="Azure-format request trace, or 'bundled'")
-    plan.add_argument("--limit", type=int, default=None, help="read only the first N requests of the trace")
-    plan.add_argument("--spec-depth", type=int, default=0, help="scheduler: speculative tokens per decode request")
-    plan.add_argument("--step-base-ms", type=float, default=10.0, help="scheduler: fixed time of one step")
-    plan.add_argument("--step-per-token-us", type=float, default=20.0, help="scheduler: time per scheduled token")
-    plan.add_argument("--fit", type=int, nargs="?", const=0, default=None, metavar="N",
-                      help="also fit a plan of at most N graphs (default: as many as the default plan) "
-                           "on the first half of the trace; both are judged on the second half")
-    plan.add_argument("--show-sizes", action="store_true", help="with --fit: list the fitted plan's keys")
-    plan.add_argument("--plot", default=None, metavar="PNG", help="write padding waste by token count (needs matplotlib)")
-    plan.add_argument("--json", action="store_true")
-    plan.set_defaults(func=_plan)
+    demo.add_argument("--backend", default="auto", help="auto (cuda when available, else cpu), cuda, cpu, or a plugin's backend")
+    demo.add_argument("--steps", type=_at_least(1), default=200, help="scheduler steps taken from the bundled trace")
+    demo.add_argument("--mode", default="full", type=_mode, metavar="MODE", help=(
+        f"{_MODE_HELP} (default: full, because the demo model is graph-safe end to end, so a full graph per key "
+        "is the fastest it can run; modes with piecewise keys compile the model first, seconds of tracing. "
+        f"`plan` defaults to {_PLAN_DEFAULT_MODE}, the library's default for engines, whose attention "
+        "usually cannot be in a graph)"))
+    demo.add_argument("--seed", type=int, default=0, help="seed of the model's weights and of the batches' inputs")
+    demo.add_argument("--all", action="store_true", help="list every entry, not only those that served the run")
+    demo.add_argument("--json", action="store_true", help="print the result as JSON instead of the log")
+    demo.add_argument("--snapshot", default=None, metavar="PATH",
+                      help="write the registry's snapshot (JSON) for `cgregistry inspect` (default: none written)")
+    demo.set_defaults(func=_demo)
+    return demo
 
-    inspect = sub.add_parser("inspect", help="tables of a registry snapshot (reg.snapshot() saved as JSON), filtered and sorted")
-    inspect.add_argument("snapshot", metavar="SNAPSHOT.json")
-    inspect.add_argument("--strategy", default=None)
-    inspect.add_argument("--kind", choices=["uniform", "mixed"], default=None, help="uniform decode keys or mixed-batch keys")
-    inspect.add_argument("--spec-depth", type=int, default=None)
-    inspect.add_argument("--loras", type=int, default=None, help="active-LoRA count of the keys")
+
+def _add_plan(sub: Any) -> argparse.ArgumentParser:
+    plan = sub.add_parser(
+        "plan", help="list a plan's keys and uncovered batches, or judge it (and a fitted one) on a request trace",
+        description="Build the capture plan of these engine settings and print the resolved settings, its keys and "
+                    "the batches it leaves to eager; with --trace, judge it (and with --fit a fitted plan) on a "
+                    "request trace instead.",
+        formatter_class=_HelpFormatter,
+    )
+    keys = plan.add_argument_group("plan settings (CapturePlan.build)")
+    keys.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="largest number of requests in a batch")
+    keys.add_argument("--max-num-tokens", type=int, default=8192, metavar="N", help="largest number of tokens in a batch; also the scheduler's token budget")
+    keys.add_argument("--mode", default=None, type=_mode, metavar="MODE", help=(
+        f"{_MODE_HELP} (default: {_PLAN_DEFAULT_MODE}, what CapturePlan.build uses when no mode is given: "
+        "full graphs for uniform decode batches, piecewise pieces around the attention for mixed ones)"))
+    keys.add_argument("--capture-sizes", type=_ints, default=None, metavar="N,N,...",
+                      help="token counts of the mixed-batch keys (default: the plan's own ladder 1, 2, 4, 8, 16, ... "
+                           "every 8 to 256, then every 16, up to --max-capture-size)")
+    keys.add_argument("--max-capture-size", type=int, default=None, metavar="N",
+                      help="largest key, in tokens (default: the plan's own: the largest --capture-sizes value, else "
+                           "min(2 x max-num-seqs x (1 + deepest spec depth), 512, max-num-tokens))")
+    keys.add_argument("--spec-depths", type=_ints, default=None, metavar="D,D,...",
+                      help="speculative depths of the uniform decode keys (default: the plan's own: 0, no speculation)")
+    keys.add_argument("--lora-counts", type=_ints, default=None, metavar="K,K,...",
+                      help="active-LoRA counts each key is captured for (default: the plan's own: 0, or with "
+                           "--max-loras the ladder 0, 1, 2, 4, ... up to it)")
+    keys.add_argument("--max-loras", type=int, default=None, metavar="K",
+                      help="most adapters active in a batch (default: no LoRA)")
+    trace = plan.add_argument_group("judging on a trace (each option here needs --trace)")
+    trace.add_argument("--trace", default=None, metavar="FILE",
+                       help="Azure-format request trace, or 'bundled' (default: none: list the plan's keys instead)")
+    trace.add_argument("--limit", type=_at_least(1), default=None, metavar="N", help="read only the first N requests of the trace (default: all)")
+    trace.add_argument("--spec-depth", type=_at_least(0), default=None, metavar="D",
+                       help=f"scheduler: speculative tokens per decode request (default: {_SCHEDULER.spec_depth})")
+    trace.add_argument("--step-base-ms", type=_non_negative_float, default=None, metavar="MS",
+                       help=f"scheduler: fixed time of one step (default: {_SCHEDULER.step_base_s * 1e3:g})")
+    trace.add_argument("--step-per-token-us", type=_non_negative_float, default=None, metavar="US",
+                       help=f"scheduler: time per scheduled token (default: {_SCHEDULER.step_per_token_s * 1e6:g})")
+    trace.add_argument("--fit", type=_at_least(1), nargs="?", const=0, default=None, metavar="N",
+                       help="also fit a plan of at most N graphs on the first half of the trace; both are judged on the "
+                            "second half (default: no fit; N defaults to the default plan's graph count)")
+    trace.add_argument("--show-sizes", action="store_true", help="with --fit: list the fitted plan's keys (in --json: each plan's)")
+    trace.add_argument("--plot", default=None, metavar="PNG",
+                       help="write padding waste by token count to PNG, needs matplotlib (default: no plot)")
+    plan.add_argument("--json", action="store_true", help="print JSON (settings, keys, uncovered batches or reports) instead of text")
+    plan.set_defaults(func=_plan, usage_error=_plan_usage_error)
+    return plan
+
+
+def _add_inspect(sub: Any) -> argparse.ArgumentParser:
+    inspect = sub.add_parser(
+        "inspect", help="tables of a registry snapshot (reg.snapshot() saved as JSON), filtered and sorted",
+        description="Print a registry snapshot's entries, filtered and sorted, with statistics by key class.",
+        formatter_class=_HelpFormatter,
+    )
+    inspect.add_argument("snapshot", metavar="SNAPSHOT.json", help="a snapshot written by reg.snapshot() or `demo --snapshot`")
+    inspect.add_argument("--strategy", default=None, help="only entries of this strategy (default: every strategy)")
+    inspect.add_argument("--kind", choices=["uniform", "mixed"], default=None,
+                         help="only uniform decode keys or only mixed-batch keys (default: both)")
+    inspect.add_argument("--spec-depth", type=_at_least(0), default=None, metavar="D", help="only keys of this spec depth (default: any)")
+    inspect.add_argument("--loras", type=_at_least(0), default=None, metavar="K", help="only keys of this active-LoRA count (default: any)")
     inspect.add_argument("--used", action="store_true", help="only entries replayed at least once")
-    inspect.add_argument("--sort", default="key", choices=["key", "replays", "padding", "memory", "capture", "recent"])
-    inspect.add_argument("--explain", default=None, metavar="T,R[,L,D,U]", help="explain how a batch (tokens,reqs,loras,depth,uniform) would match")
-    inspect.add_argument("--json", action="store_true")
+    inspect.add_argument("--sort", default="key", choices=["key", "replays", "padding", "memory", "capture", "recent"],
+                         help="order of the entries")
+    inspect.add_argument("--explain", default=None, type=_descriptor, metavar="T,R[,L,D,U]",
+                         help=f"explain how a batch would match: {_EXPLAIN_FORM}, reqs 'any' for none, uniform one of "
+                              f"{', '.join(_UNIFORM_WORDS)} (default: no explanation)")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
     inspect.set_defaults(func=_inspect)
+    return inspect
 
-    check = sub.add_parser("check", help="run MODULE:FUNCTION under the cpu emulator and list every graph-unsafe op")
+
+def _add_check(sub: Any) -> argparse.ArgumentParser:
+    check = sub.add_parser(
+        "check", help="run MODULE:FUNCTION under the cpu emulator and list every graph-unsafe op",
+        description="Run a function under the cpu emulator and list every op a CUDA graph capture would refuse.",
+        formatter_class=_HelpFormatter,
+    )
     check.add_argument("target", metavar="MODULE:FUNCTION", help="a function taking no arguments that runs your step once")
-    check.add_argument("--json", action="store_true")
+    check.add_argument("--json", action="store_true", help="print the ops found as JSON")
     check.set_defaults(func=_check)
+    return check
 
-    plugins = sub.add_parser("plugins", help="list installed plugins: distribution, version, what they provide, hooks")
-    plugins.add_argument("--json", action="store_true")
+
+def _add_plugins(sub: Any) -> argparse.ArgumentParser:
+    plugins = sub.add_parser(
+        "plugins", help="list installed plugins: distribution, version, what they provide, hooks", formatter_class=_HelpFormatter,
+    )
+    plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plugins.set_defaults(func=_plugins)
-    return parser
+    return plugins
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command's parser and each subcommand's."""
+    parser = argparse.ArgumentParser(
+        prog="cgregistry", description="CUDA graphs for batched inference engines.",
+        epilog="exit codes: 0 success, 1 the job found a problem (demo mismatches, unsafe ops), 2 bad input",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands = {}
+    for add in (_add_demo, _add_plan, _add_inspect, _add_check, _add_plugins):
+        command = add(sub)
+        commands[command.prog.split()[-1]] = command
+    return parser, commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``cgregistry`` argument parser."""
+    return _parsers()[0]
+
+
+def _message(exc: BaseException) -> str:
+    """An exception's message (a KeyError's without the quotes str() adds)."""
+    if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        return exc.args[0]
+    return str(exc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command line; returns the exit code (argparse exits with 2 itself on a usage error)."""
+    parser, commands = _parsers()
+    args = parser.parse_args(argv)
+    usage_error = getattr(args, "usage_error", None)
+    problem = usage_error(args) if usage_error is not None else None
+    if problem:
+        commands[args.command].error(problem)
     try:
         return int(args.func(args))
     except (ValueError, TypeError, KeyError, RuntimeError, OSError) as exc:
-        print(f"cgregistry {args.command}: error: {exc}", file=sys.stderr)
+        translate = _TRANSLATE.get(args.command, lambda message, _: message)
+        print(f"cgregistry {args.command}: error: {translate(_message(exc), args)}", file=sys.stderr)
         return 2
 
 

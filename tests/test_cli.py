@@ -1,17 +1,43 @@
-"""The command line as a user runs it: a subprocess, exit codes and output."""
+"""The command line as a user runs it: a subprocess (or ``main(argv)`` in process), exit codes and output."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
-ENV = {**os.environ, "CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD": "1"}
+import pytest
+
+from cgregistry import cli as cli_module
+from cgregistry.demo import DemoResult
+from cgregistry.plan import MODES
+
+ROOT = Path(__file__).parent.parent
+# This checkout's package, whatever an editable install points at.
+ENV = {**os.environ, "CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "cgregistry.cli", *args], capture_output=True, text=True, env=ENV, timeout=600)
+
+
+@pytest.fixture(autouse=True)
+def _no_plugin_autoload(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``main(args)`` in process: (exit code, stdout, stderr), argparse's own exits included."""
+    try:
+        code = cli_module.main(list(args))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def test_plan_lists_keys_and_gaps() -> None:
@@ -39,8 +65,8 @@ def test_plan_takes_a_strategy_pair_as_mode() -> None:
 
 def test_plan_errors_exit_2_with_message() -> None:
     r = cli("plan", "--max-num-seqs", "8", "--max-num-tokens", "64", "--capture-sizes", "8,100")
-    assert r.returncode == 2
-    assert "cgregistry plan: error: max_capture_size=100 exceeds max_num_tokens=64" in r.stderr
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == "cgregistry plan: error: --capture-sizes=8,100: the largest, 100, exceeds --max-num-tokens=64: no batch can be that large\n"
 
 
 def test_demo_checks_every_step_against_eager() -> None:
@@ -50,6 +76,9 @@ def test_demo_checks_every_step_against_eager() -> None:
     assert result["steps"] == 40 and result["mismatches"] == 0
     assert result["hits"] + result["misses"] == 40 and result["hits"] > 0
     assert result["backend"] == "cpu"
+    # the cpu backend emulates graphs: an eager/registry time ratio there is no speedup
+    assert result["speedup"] is None and "cpu backend emulates graphs" in result["no_speedup_reason"]
+    assert "NumPy" not in r.stderr
 
 
 def test_demo_prints_table_and_timing() -> None:
@@ -57,6 +86,8 @@ def test_demo_prints_table_and_timing() -> None:
     assert r.returncode == 0, r.stderr
     assert "checked 20 steps against eager: 0 mismatches" in r.stdout
     assert "timing over the same 20 steps: eager" in r.stdout
+    assert "timings: the cpu backend emulates graphs (it runs the step eagerly), so no speedup is reported" in r.stdout
+    assert not re.search(r"\d\.\d+x\b", r.stdout), "no speedup ratio on cpu"
     assert "key" in r.stdout and "strategy" in r.stdout
 
 
@@ -89,6 +120,12 @@ def test_plan_on_trace_matches_in_process_evaluation(tmp_path) -> None:  # noqa:
     assert fitted["graphs"] <= 6
     assert fitted["graph_steps"] == default.graph_steps
     assert "second half" in data["scope"]
+    assert data["settings"]["capture_sizes"] == [1, 2, 4, 8, 16] and data["settings"]["max_capture_size"] == 16
+    assert data["scheduler"] == {
+        "trace": trace, "requests": 40, "limit": None, "max_num_seqs": 8, "max_num_batched_tokens": 64,
+        "spec_depth": 0, "step_base_ms": 10.0, "step_per_token_us": 20.0,
+    }
+    assert "entries" not in fitted, "keys only with --show-sizes"
 
 
 def test_plan_on_trace_prints_side_by_side_and_plots(tmp_path) -> None:  # noqa: ANN001
@@ -100,6 +137,7 @@ def test_plan_on_trace_prints_side_by_side_and_plots(tmp_path) -> None:  # noqa:
     assert "default" in r.stdout and "fitted (" in r.stdout
     assert "padding (of graph tokens)" in r.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert r.stdout.rstrip().endswith(f"wrote padding plot to {png}")
 
 
 def test_plan_on_missing_trace_says_which_file(tmp_path) -> None:  # noqa: ANN001
@@ -167,3 +205,223 @@ def test_check_lists_unsafe_ops_with_lines() -> None:
     assert bad.returncode == 2 and "needs arguments ['x']" in bad.stderr
     missing = subprocess.run([sys.executable, "-m", "cgregistry.cli", "check", "no_such_module:f"], capture_output=True, text=True, env=env, timeout=300)
     assert missing.returncode == 2 and "cannot import module 'no_such_module'" in missing.stderr
+
+
+# ---------------------------------------------------------------------------- help and defaults
+
+
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    return cli_module._parsers()[1]
+
+
+def test_every_option_has_help_and_shows_its_default() -> None:
+    for name, parser in command_parsers().items():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help, f"{flag} has no help"
+            if action.option_strings and action.default is not False:  # on/off flags are off unless given
+                shown = cli_module._HelpFormatter(name)._get_help_string(action)
+                assert "default:" in shown, f"{flag} does not show its default"
+        text = parser.format_help()
+        assert "None" not in text and "False" not in text, f"{name} --help shows a Python default"
+
+
+def test_plan_and_demo_each_say_their_default_mode_and_why() -> None:
+    plan = " ".join(command_parsers()["plan"].format_help().split())
+    demo = " ".join(command_parsers()["demo"].format_help().split())
+    assert "(default: full_and_piecewise, what CapturePlan.build uses when no mode is given" in plan
+    assert "(default: full, because the demo model is graph-safe end to end" in demo
+    assert "`plan` defaults to full_and_piecewise" in demo
+
+
+# ---------------------------------------------------------------------------- plan: settings used
+
+
+def test_plan_prints_the_settings_it_used(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(capsys, "plan", "--max-num-seqs", "4", "--max-num-tokens", "16", "--max-loras", "2")
+    assert code == 0, err
+    header = out.split("\n\n")[0].splitlines()
+    assert header[0] == "settings:"
+    assert "  --mode             full_and_piecewise: decode keys full, mixed keys piecewise (any request count)  (default)" in header
+    assert "  --capture-sizes    1,2,4,8 (4 sizes)  (default)" in header
+    assert "  --max-capture-size 8  (default)" in header
+    assert "  --lora-counts      0,1,2  (default)" in header
+    assert "  --max-loras        2" in header
+
+
+def test_plan_json_has_the_resolved_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(capsys, "plan", "--max-num-seqs", "4", "--max-num-tokens", "16", "--mode", "full,breakable",
+                              "--spec-depths", "0,1", "--json")
+    assert code == 0, err
+    settings = json.loads(out)["settings"]
+    assert settings == {
+        "max_num_seqs": 4, "max_num_tokens": 16, "mode": ["full", "breakable"], "decode_strategy": "full",
+        "mixed_strategy": "breakable", "mixed_relaxed": True, "capture_sizes": [1, 2, 4, 8, 16], "max_capture_size": 16,
+        "spec_depths": [0, 1], "widest_decode": {"0": 4, "1": 4}, "lora_counts": [0], "max_loras": None,
+    }
+
+
+# ---------------------------------------------------------------------------- plan: options that need another
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--plot", "x.png"], "--plot needs --trace FILE"),
+    (["--limit", "5"], "--limit needs --trace FILE"),
+    (["--spec-depth", "1"], "--spec-depth needs --trace FILE"),
+    (["--step-base-ms", "5"], "--step-base-ms needs --trace FILE"),
+    (["--step-per-token-us", "1"], "--step-per-token-us needs --trace FILE"),
+    (["--fit"], "--fit needs --trace FILE"),
+    (["--fit", "4", "--limit", "9"], "--limit, --fit need --trace FILE"),
+    (["--show-sizes"], "--show-sizes needs --trace FILE and --fit"),
+    (["--trace", "bundled", "--show-sizes"], "--show-sizes needs --fit"),
+])
+def test_an_option_that_does_nothing_alone_is_an_error(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    code, out, err = run_main(capsys, "plan", "--max-num-seqs", "4", "--max-num-tokens", "16", *args)
+    assert code == 2 and out == ""
+    assert f"cgregistry plan: error: {message}" in err
+    assert err.startswith("usage: cgregistry plan")
+
+
+def test_plot_path_goes_in_the_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "waste.png"
+    code, out, err = run_main(capsys, "plan", "--trace", small_trace(tmp_path), "--max-num-seqs", "8", "--max-num-tokens", "64",
+                              "--fit", "6", "--show-sizes", "--plot", str(png), "--json")
+    assert code == 0, err
+    data = json.loads(out)  # stays valid JSON: nothing else on stdout
+    assert data["plot"] == str(png) and png.exists()
+    assert all(plan["entries"] for plan in data["plans"].values()), "--show-sizes lists each plan's keys in JSON"
+
+
+# ---------------------------------------------------------------------------- plan: errors name the flags
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--capture-sizes", "1,2,3,700", "--max-num-tokens", "512"],
+     "--capture-sizes=1,2,3,700: the largest, 700, exceeds --max-num-tokens=512: no batch can be that large"),
+    (["--max-capture-size", "700", "--max-num-tokens", "512"], "--max-capture-size=700 exceeds --max-num-tokens=512"),
+    (["--capture-sizes", "8,100", "--max-capture-size", "64"],
+     "--capture-sizes=8,100: 100 exceed --max-capture-size=64; raise --max-capture-size or drop those sizes"),
+    (["--capture-sizes", "0,4"], "--capture-sizes must hold ints >= 1, got 0"),
+    (["--max-capture-size", "0"], "--max-capture-size must be a positive int, got 0"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be a positive int, got 0"),
+    (["--max-num-tokens", "-5"], "--max-num-tokens must be a positive int, got -5"),
+    (["--lora-counts", "0,1", "--max-loras", "4"], "--lora-counts=0,1 do not reach --max-loras=4"),
+    (["--lora-counts", "0,8", "--max-loras", "4"], "--lora-counts=0,8 go beyond --max-loras=4"),
+    (["--lora-counts", "-1"], "--lora-counts must hold ints >= 0, got -1"),
+    (["--max-loras", "0"], "--max-loras must be a positive int, got 0"),
+    (["--spec-depths", "0,9", "--max-num-seqs", "4", "--max-num-tokens", "8"],
+     "depth 9 of --spec-depths needs 10 tokens per request but --max-num-tokens=8"),
+    (["--spec-depths", "-1"], "--spec-depths must hold ints >= 0, got -1"),
+    (["--mode", "full,nope"], "--mode=full,nope: strategy 'nope' is not registered"),
+])
+def test_plan_errors_name_the_flag_and_value(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    code, out, err = run_main(capsys, "plan", *args)
+    assert code == 2 and out == ""
+    assert err.startswith("cgregistry plan: error: ") and message in err
+    internal = [name for name in cli_module.SETTING_FLAGS if name in err] + (["mode ("] if "mode (" in err else [])
+    assert internal == [], f"internal setting names in {err!r}"
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--mode", "bogus"], "argument --mode: unknown mode 'bogus'"),
+    (["--capture-sizes", ","], "argument --capture-sizes: expected comma-separated integers, got ','"),
+    (["--trace", "bundled", "--limit", "0"], "argument --limit: expected an integer >= 1, got 0"),
+    (["--trace", "bundled", "--fit", "0"], "argument --fit: expected an integer >= 1, got 0"),
+    (["--trace", "bundled", "--spec-depth", "-1"], "argument --spec-depth: expected an integer >= 0, got -1"),
+    (["--trace", "bundled", "--step-base-ms", "-1"], "argument --step-base-ms: expected a finite number >= 0, got -1"),
+    (["--trace", "bundled", "--step-per-token-us", "x"], "argument --step-per-token-us: expected a number >= 0, got 'x'"),
+])
+def test_bad_flag_values_are_refused_while_parsing(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    code, out, err = run_main(capsys, "plan", *args)
+    assert code == 2 and out == "" and message in err
+
+
+def test_fit_budget_error_names_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main(capsys, "plan", "--trace", small_trace(tmp_path), "--max-num-seqs", "8", "--max-num-tokens", "64", "--fit", "1")
+    assert code == 2
+    assert "cgregistry plan: error: --fit=1 cannot hold one graph per key family" in err
+
+
+# ---------------------------------------------------------------------------- inspect --explain
+
+
+@pytest.mark.parametrize(("explain", "message"), [
+    ("3,3,0,0,unifrom", "uniform (field 5 of tokens,reqs[,loras[,depth[,uniform]]]) must be one of "
+                        "uniform, true, yes, 1, mixed, false, no, 0; got 'unifrom'"),
+    ("3,x", "reqs (field 2 of tokens,reqs[,loras[,depth[,uniform]]]) must be an integer or 'any', got 'x'"),
+    ("3,3,one", "loras (field 3 of tokens,reqs[,loras[,depth[,uniform]]]) must be an integer, got 'one'"),
+    ("1,2,3,4,5,6", "(1 to 5 fields), got '1,2,3,4,5,6' (6 fields)"),
+    ("0,1", "'0,1': tokens must be positive, got 0"),
+    ("3,any,0,0,uniform", "uniform needs reqs"),
+])
+def test_explain_refuses_a_bad_field_naming_it(capsys: pytest.CaptureFixture[str], explain: str, message: str) -> None:
+    # --explain is checked while parsing, before the snapshot is read
+    code, out, err = run_main(capsys, "inspect", "never-read.json", "--explain", explain)
+    assert code == 2 and out == ""
+    assert "argument --explain: " in err and message in err
+
+
+def test_explain_reads_every_uniform_word() -> None:
+    from cgregistry import BatchDescriptor as B
+
+    assert cli_module._descriptor("3,3,0,0,Uniform") == B(3, 3, 0, 0, True)
+    assert cli_module._descriptor("3,3,0,0,mixed") == B(3, 3, 0, 0, False)
+    assert cli_module._descriptor("4,any") == B(4)
+    assert cli_module._descriptor("6,3,1,1,yes") == B.decode(3, 1, 1)
+
+
+# ---------------------------------------------------------------------------- demo
+
+
+def demo_result(**changes: object) -> DemoResult:
+    fields = dict(backend="cuda", steps=10, mismatches=0, max_abs_error=0.0, eager_seconds=2.0, graph_seconds=1.0, hits=10,
+                  misses=0, padding_ratio=0.0, entries=4, capture_seconds=0.1, memory_bytes=0, table="")
+    return DemoResult(**{**fields, **changes})
+
+
+def test_speedup_only_where_graphs_served_steps_on_a_real_backend() -> None:
+    assert demo_result().speedup == 2.0 and demo_result().no_speedup_reason is None
+    cpu = demo_result(backend="cpu")
+    assert cpu.speedup is None and "cpu backend emulates graphs" in cpu.no_speedup_reason
+    no_graphs = demo_result(entries=0, hits=0, misses=10)
+    assert no_graphs.speedup is None and "no graphs" in no_graphs.no_speedup_reason
+    no_hits = demo_result(hits=0, misses=10)
+    assert no_hits.speedup is None and "no step was served by a graph" in no_hits.no_speedup_reason
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_demo_runs_every_mode_the_cli_offers(capsys: pytest.CaptureFixture[str], mode: str) -> None:
+    # Few steps keep it fast; the piecewise modes add a dynamo trace (about a second or two on CPU).
+    code, out, err = run_main(capsys, "demo", "--backend", "cpu", "--steps", "8", "--mode", mode, "--all", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["steps"] == 8 and result["mismatches"] == 0
+    assert result["speedup"] is None
+    if mode == "none":
+        assert result["entries"] == 0 and result["hits"] == 0
+    else:
+        assert result["entries"] > 0 and result["hits"] > 0
+    assert ("piecewise" in result["table"]) == ("piecewise" in mode)  # --all: the table lists every entry
+
+
+def test_demo_errors_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main(capsys, "demo", "--backend", "gpu")
+    assert code == 2 and "cgregistry demo: error: --backend=gpu: not registered; available:" in err
+    code, _, err = run_main(capsys, "demo", "--mode", "full,nope")
+    assert code == 2 and "cgregistry demo: error: --mode=full,nope: strategy 'nope' is not registered" in err
+    code, _, err = run_main(capsys, "demo", "--steps", "0")
+    assert code == 2 and "argument --steps: expected an integer >= 1, got 0" in err
+
+
+# ---------------------------------------------------------------------------- install
+
+
+def test_numpy_is_a_dependency() -> None:
+    # torch's CPU wheel does not depend on numpy and warns "Failed to initialize NumPy" on import without it.
+    tomllib = pytest.importorskip("tomllib")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"numpy\b", d) for d in deps)
