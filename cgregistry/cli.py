@@ -395,7 +395,9 @@ def _inspect(args: argparse.Namespace) -> int:
         print()
         for line in text_table(rows):
             print(line)
-    print(f"misses: {dict(s.misses_by_kind)}; pending lazy keys: {len(snap.pending)}; failed entries: {len(snap.failures)}")
+    reasons = {k: v for k, v in s.misses_by_reason.items() if v}
+    print(f"misses: {dict(s.misses_by_kind)}, by reason {reasons or '{}'}; pending lazy keys: {len(snap.pending)}; "
+          f"failed entries: {len(snap.failures)}")
     if explanation is not None:
         print()
         print(explanation)
