@@ -90,6 +90,7 @@ class EntryCapture:
         started = time.perf_counter()
         token = runtime.batch.set(BreakContext(key, key, payload))
         rows_token = runtime.axis_rows.set(frozenset(v.shape[0] for v in views.values()) | {key.num_tokens})
+        strategy_token = runtime.capture_strategy.set(strategy)
         try:
             with torch.inference_mode():
                 warm_leaves, spec = flatten(self.backend.warmup(body, self._warmup_runs))
@@ -107,6 +108,7 @@ class EntryCapture:
             self.pool = self.backend.recover_pool(self.pool)
             raise CaptureError(key, strategy_name, exc) from exc
         finally:
+            runtime.capture_strategy.reset(strategy_token)
             runtime.axis_rows.reset(rows_token)
             runtime.batch.reset(token)
         seconds = time.perf_counter() - started

@@ -329,7 +329,15 @@ class PiecewiseModel:
         # (argument, dimension) pairs sized like the key of the first traced call: marked on every call
         # alike, since a marking that appears later would make dynamo trace again.
         self._batch_axes: list[tuple[int | str, int]] | None = None
+        self._whole: Callable[..., Any] | None = None  # Inductor's unsplit compilation, for full keys
         functools.update_wrapper(self, model, updated=())  # type: ignore[arg-type]
+
+    def _whole_compiled(self) -> Callable[..., Any]:
+        """The model compiled by Inductor as one graph, no splits (compiled on first use: a full key's capture),
+        so a full entry fuses across what piecewise entries split at."""
+        if self._whole is None:
+            self._whole = torch.compile(self.model, fullgraph=True, dynamic=None)
+        return self._whole
 
     def _register_modules(self) -> None:
         """Handles for the modules the model reaches (itself, a bound method's owner, a closure's modules),
@@ -343,9 +351,14 @@ class PiecewiseModel:
             # A registry runs this batch eagerly (no key covers it): the model itself, never a new
             # trace for whatever layout the live inputs have.
             return self.model(*args, **kwargs)
+        whole = getattr(runtime.capture_strategy.get(), "whole_graph", False)
+        if whole and (not self.compiler.inductor or runtime.cpu_capturing.get()):
+            # A full key has no reason to be split: without Inductor its graph is the model's own ops
+            # (no trace needed); on the cpu emulator, whose recording mode dynamo will not run compiled
+            # code under, likewise.
+            return self.model(*args, **kwargs)
         if runtime.cpu_capturing.get() and not runtime.see_compiled.get():
-            # A full capture on the cpu emulator: dynamo will not run compiled code under a recording
-            # mode, so run the model itself, whose aten ops the emulator records (the splits inline).
+            # Another whole-step capture on the cpu emulator: the model itself, splits inline.
             return self.model(*args, **kwargs)
         args = tuple(_unviewed(a) for a in args)
         kwargs = {k: _unviewed(v) for k, v in kwargs.items()}
@@ -359,8 +372,12 @@ class PiecewiseModel:
         try:
             # Python floats of the model (eps, say) stay constants instead of becoming 0-d tensor
             # inputs read with .item(): one trace still serves every size.
-            with torch._dynamo.config.patch(specialize_float=True), fx.experimental._config.patch(**self._shape_config):
-                return self._compiled(*args, **kwargs)
+            compiled = self._whole_compiled() if whole else self._compiled
+            # Inductor's whole graph specialises size 1 (its view arithmetic cannot split a symbolic size that
+            # may be 1): at most one more compile, for the size-1 key.
+            shapes = {**self._shape_config, "backed_size_oblivious": False} if whole else self._shape_config
+            with torch._dynamo.config.patch(specialize_float=True), fx.experimental._config.patch(**shapes):
+                return compiled(*args, **kwargs)
         except PiecewiseError:
             raise
         except torch._dynamo.exc.BackendCompilerFailed as exc:

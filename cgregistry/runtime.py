@@ -19,7 +19,7 @@ import attrs
 from cgregistry.descriptor import BatchDescriptor
 
 __all__ = [
-    "BreakContext", "BreakSite", "axis_rows", "barrier", "batch", "cpu_capturing", "current_batch", "eager_batch", "marked",
+    "BreakContext", "BreakSite", "axis_rows", "barrier", "batch", "capture_strategy", "cpu_capturing", "current_batch", "eager_batch", "marked",
     "on_mark", "see_compiled", "site",
 ]
 
@@ -47,6 +47,9 @@ site: contextvars.ContextVar[BreakSite | None] = contextvars.ContextVar("cgregis
 barrier: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("cgregistry_barrier", default=None)
 # The cpu emulator is recording a capture on this thread.
 cpu_capturing: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_cpu_capturing", default=False)
+# The strategy warming up or capturing an entry now (None outside a capture): a compiled model runs
+# whole, without its splits, for one whose ``whole_graph`` is true.
+capture_strategy: contextvars.ContextVar[Any] = contextvars.ContextVar("cgregistry_capture_strategy", default=None)
 # Row counts of the batch axes (tokens, requests, requests + 1) in the step being warmed up or captured,
 # as its static input views have them: what the piecewise compiler makes symbolic.
 axis_rows: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("cgregistry_axis_rows", default=frozenset())

@@ -290,3 +290,16 @@ def test_hugging_face_shaped_model_captures_piecewise_on_cpu() -> None:
                 want = model(x)
             torch.testing.assert_close(got, want)
     assert reg.stats().hits == 3 and len(compiled.compiler.traces) == 1
+
+
+def test_full_keys_run_the_model_unsplit() -> None:
+    """A full key has no reason to be split: without Inductor its graph is the model's own ops, and no trace is made."""
+    reg, inline, _, compiled = demo_registry("cpu")
+    reg.capture(cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=32, mode="full"))
+    assert compiled.compiler.traces == [], "full keys alone never trace the model"
+    g = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        for batch in (B.decode(3), B(13, 4)):
+            inputs = random_batch(CFG, batch, torch.device("cpu"), g)
+            torch.testing.assert_close(reg.run(batch, **inputs), inline(batch, **inputs), rtol=1e-4, atol=1e-4)
+    assert reg.stats().hits == 2

@@ -89,6 +89,21 @@ def _tracked_wait_stream(self: torch.cuda.Stream, stream: torch.cuda.Stream) -> 
     _original_wait_stream(self, stream)
 
 
+def _clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached workspaces, so the next GEMM allocates a fresh one.
+
+    A captured GEMM bakes in the address of the workspace its cuBLAS handle held at
+    capture.  Left to cuBLAS, that is an eager block owned by a per-stream cache, which
+    other code clears (``torch.compile(mode="reduce-overhead")`` does on every warm-up and
+    recording; newer torch does when any graph captured on the stream is destroyed): the
+    block goes back to the allocator and the graph's next replay writes into whatever owns
+    it now, or faults on an unmapped address.  Cleared before a capture, the workspace is
+    allocated inside the capture, from the registry's pool, which lives as long as its
+    graphs; cleared after, eager work does not keep using a block of the pool.
+    """
+    torch._C._cuda_clearCublasWorkspaces()
+
+
 class CudaSegment:
     """One capture in progress: ``end()`` finishes it, ``abort()`` abandons it after an error."""
 
@@ -97,6 +112,7 @@ class CudaSegment:
         self.pool = pool
         self.before = _reserved_bytes()
         self.graph = torch.cuda.CUDAGraph()
+        _clear_cublas_workspaces()  # this capture allocates its own, in the pool
         self.graph.capture_begin(pool=pool)
 
     def end(self) -> CudaGraph:
@@ -114,6 +130,8 @@ class CudaSegment:
         except BaseException:
             self.backend._poisoned.add(self.pool)
             raise
+        finally:
+            _clear_cublas_workspaces()  # eager work after the capture must not use a block of the pool
         # The allocator may give cached blocks back to the driver mid-capture (retrying an allocation): never below 0.
         return CudaGraph(self.graph, max(0, _reserved_bytes() - self.before))
 
@@ -125,6 +143,8 @@ class CudaSegment:
                 self.graph.capture_end()
         except Exception:  # invalidated by the step's own error, which is the news
             self.backend._poisoned.add(self.pool)
+        finally:
+            _clear_cublas_workspaces()
 
 
 class CudaBackend:

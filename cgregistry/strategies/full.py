@@ -23,6 +23,7 @@ class FullStrategy:
 
     name = "full"
     relaxes_num_reqs = False
+    whole_graph = True  # a piecewise-compiled model runs unsplit for it (one Inductor graph, or the model itself)
 
     def capture(self, body: Callable[[], Any], backend: Backend, pool: object) -> tuple[Graph, Any]:
         return backend.capture(body, pool)

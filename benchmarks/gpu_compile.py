@@ -1,0 +1,100 @@
+"""torch.compile users: the registry over an Inductor-compiled model against mode="reduce-overhead", one process.
+
+Demo decoder (12 x 1024, bf16) with its attention kernel as ``@eager_break``; ``reg.compile(...,
+inductor=True)`` and a ``full_and_piecewise`` plan.  Per step (median µs): ``full`` keys at decode
+batch 1, 8 and 64 (the model compiled by Inductor as one graph, unsplit), ``piecewise`` keys at 64
+tokens (a mixed batch: pieces compiled by Inductor, attention eager between them), and
+``torch.compile(mode="reduce-overhead", dynamic=True)`` of the same model.  Start-up: the whole
+plan's trace, compile and capture against reduce-overhead's compile and warm-up over the same
+token sizes.  Reduce-overhead runs after the registry has captured (its warm-up clears cuBLAS's
+workspaces; the registry's graphs must keep working, and are checked again afterwards).
+
+    PYTHONPATH=. python3 benchmarks/gpu_compile.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import cgregistry as cg
+from cgregistry import BatchDescriptor as B
+from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs, random_batch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from timing import per_call_us  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    args = parser.parse_args()
+    cfg = DemoConfig.for_device("cuda")
+    model = DemoDecoder(cfg, "cuda", seed=0, attention=cg.eager_break(attention_kernel_into))
+    fn = lambda input_ids, req_idx, seq_lens: model(None, input_ids, req_idx, seq_lens)  # noqa: E731
+    gen = torch.Generator().manual_seed(0)
+    warm = torch.compile(lambda x: x * 2, backend="eager", dynamic=True)  # load dynamo outside both start-ups
+    warm(torch.ones(3, device="cuda"))
+    warm(torch.ones(5, device="cuda"))
+
+    plan = cg.CapturePlan.build(max_num_seqs=args.max_num_seqs, max_num_tokens=cfg.max_num_tokens, mode="full_and_piecewise")
+    sizes = sorted({e.descriptor.num_tokens for e in plan}, reverse=True)
+    reg = cg.GraphRegistry(lambda batch, **inputs: compiled(**inputs), demo_inputs(cfg), backend="cuda")
+    compiled = reg.compile(fn, inductor=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        reg.capture(plan, progress=False)
+    torch.cuda.synchronize()
+    reg_startup = time.perf_counter() - start
+
+    def per_step(run: object, batch: B, inputs: dict) -> tuple[float, float]:
+        with torch.inference_mode():
+            want = model(batch, **inputs).float()
+            err = (run().float() - want).abs().max().item()  # type: ignore[operator]
+            return per_call_us(run, args.iters), err  # type: ignore[arg-type]
+
+    batches = {f"decode {n}": B.decode(n) for n in (1, 8, 64)}
+    batches["mixed 64 tokens"] = B(64, 16)
+    inputs = {k: random_batch(cfg, b, "cuda", gen) for k, b in batches.items()}
+    reg_rows = {}
+    for label, batch in batches.items():
+        strategy = reg.match(batch).strategy
+        us, err = per_step(lambda b=batch, i=inputs[label]: reg.run(b, **i), batch, inputs[label])
+        reg_rows[label] = (strategy, us, err)
+
+    ro = torch.compile(fn, mode="reduce-overhead", dynamic=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for n in sizes:
+            warm_inputs = random_batch(cfg, B(n, min(n, cfg.max_num_seqs)), "cuda", gen)
+            for _ in range(3):
+                ro(**warm_inputs)
+    torch.cuda.synchronize()
+    ro_startup = time.perf_counter() - start
+    ro_rows = {label: per_step(lambda i=inputs[label]: ro(**i), batch, inputs[label]) for label, batch in batches.items()}
+    # The registry's graphs after reduce-overhead's warm-up and recordings (which clear cuBLAS's workspaces).
+    after = {label: per_step(lambda b=batch, i=inputs[label]: reg.run(b, **i), batch, inputs[label])[1]
+             for label, batch in batches.items()}
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; demo decoder {cfg.layers} x {cfg.hidden}, "
+          f"{cfg.dtype}; plan: {len(plan)} keys over {len(sizes)} token sizes")
+    print(f"{'batch':16} {'strategy':10} {'registry us':>12} {'reduce-overhead us':>19} {'reg/ro':>7} {'reg err':>8} {'ro err':>8} {'reg err after ro':>16}")
+    for label in batches:
+        strategy, us, err = reg_rows[label]
+        ro_us, ro_err = ro_rows[label]
+        print(f"{label:16} {strategy:10} {us:12.1f} {ro_us:19.1f} {us / ro_us:7.3f} {err:8.2g} {ro_err:8.2g} {after[label]:16.2g}")
+    full64 = reg_rows["decode 64"][1]
+    print(f"piecewise (mixed 64 tokens) / full (decode 64): {reg_rows['mixed 64 tokens'][1] / full64:.3f}")
+    print(f"start-up over {len(sizes)} token sizes: registry {reg_startup:.1f} s ({len(plan)} graphs), "
+          f"reduce-overhead {ro_startup:.1f} s, ratio {ro_startup / reg_startup:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
