@@ -105,14 +105,15 @@ HANDLE = "_cgregistry_handle"  # the attribute a registered module carries: dyna
 def register_modules(root: nn.Module) -> None:
     """Give ``root`` and its submodules handles, so a traced call of a marked function can pass them."""
     for module in root.modules():
-        if HANDLE not in module.__dict__:
+        held = module.__dict__.get(HANDLE)
+        if held is None or _modules_by_handle.get(held) is not module:  # new, or a copy carrying the original's handle
             handle = next(_handles)
             module.__dict__[HANDLE] = handle
             _modules_by_handle[handle] = module
 
 
 def _handle_of(module: nn.Module, label: str) -> int:
-    handle = getattr(module, HANDLE, None)
+    handle = getattr(module, HANDLE, None)  # (read by dynamo as a constant: kept to a plain attribute read)
     if handle is None:
         raise TypeError(
             f"eager break {label!r} was called with a {type(module).__name__} the piecewise compiler was not told of: "

@@ -74,6 +74,9 @@ class _Unset:
     def __repr__(self) -> str:
         return "<unset>"
 
+    def __reduce__(self) -> str:
+        return "UNSET"  # one instance, across copies and pickles
+
 
 UNSET = _Unset()  # fill not given: 0 for floating and bool inputs, REPEAT_LAST on "reqs+1", else an error for integers
 
@@ -81,6 +84,9 @@ UNSET = _Unset()  # fill not given: 0 for floating and bool inputs, REPEAT_LAST 
 class _RepeatLast:
     def __repr__(self) -> str:
         return "REPEAT_LAST"
+
+    def __reduce__(self) -> str:
+        return "REPEAT_LAST"  # one instance, across copies and pickles (a config sent to worker processes)
 
 
 # A fill: padded rows repeat the batch's last live row, so padded requests of an offsets input are empty.
@@ -134,7 +140,7 @@ class StaticInput:
     sees zeros).  Integer inputs must give it: an index input (slot mapping,
     block table) fills with a scratch slot no request owns, so padded rows and
     capture write only there; token ids or positions may fill with 0.
-    ``REPEAT_LAST`` (the default on ``reqs+1``) repeats the last live row into
+    ``REPEAT_LAST`` (the default on ``reqs+1``, and only allowed there) repeats the last live row into
     the padded rows, so the padded requests of an offsets input are empty;
     capture then runs on zeros (a batch of empty requests).
     """
@@ -150,6 +156,12 @@ class StaticInput:
             object.__setattr__(self, "fill", REPEAT_LAST)
             return
         if fill is REPEAT_LAST:
+            if self.axis != "reqs+1":
+                raise ValueError(
+                    f"StaticInput(shape={self.shape}, axis={self.axis!r}) fill=REPEAT_LAST is for offsets (axis='reqs+1'): "
+                    "on other inputs padded rows would repeat a live row (an index input would write a live request's "
+                    "slot) and capture would run on zeros; give a fill"
+                )
             return
         if fill is UNSET:
             if _is_integer(self.dtype):

@@ -51,6 +51,8 @@ def _label(op: object) -> str:
     name = _op_name(op)
     if name is not None:
         return name
+    if isinstance(op, nn.Module):
+        return type(op).__qualname__  # not repr(): a real model's is thousands of lines
     return getattr(op, "__cgregistry_break__", None) or getattr(op, "__qualname__", None) or repr(op)
 
 
@@ -386,6 +388,12 @@ class PiecewiseModel:
                 raise PiecewiseError(str(inner)) from None
             raise
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
+            if "_handle_of" in str(exc):
+                raise PiecewiseError(
+                    f"an eager break in {_label(self.model)} was given an nn.Module the piecewise compiler cannot reach "
+                    "from the compiled callable: compile the model itself, or a function whose closure (or its objects' "
+                    "attributes) holds it; or give it a handle first with cgregistry.breaks.register_modules(module)"
+                ) from exc
             raise PiecewiseError(
                 f"dynamo cannot trace {_label(self.model)}: {_first_line(exc)}{_where(exc)}. Mark that code with "
                 "@cgregistry.eager_break (it becomes a splitting op), or use the 'breakable' strategy, which "
@@ -397,20 +405,37 @@ class PiecewiseModel:
 
 
 def _reachable_modules(fn: Any) -> list[nn.Module]:
-    """``fn`` if a module, the module of a bound method, and the modules in a function's closure or a partial's arguments."""
-    found: list[nn.Module] = []
-    partial_args = getattr(fn, "args", None) if callable(getattr(fn, "func", None)) else None
-    for candidate in (fn, getattr(fn, "__self__", None), getattr(fn, "func", None), *(partial_args or ())):
-        if isinstance(candidate, nn.Module):
-            found.append(candidate)
+    """The modules ``fn`` can reach: itself, a bound method's owner, a partial's arguments, the values in its
+    closure and the globals its code names, and one level inside those (an engine object's ``.model``, a list
+    or dict of modules)."""
+    roots: list[Any] = [fn, getattr(fn, "__self__", None), getattr(fn, "func", None)]
+    if callable(getattr(fn, "func", None)):
+        roots += [*(getattr(fn, "args", None) or ()), *(getattr(fn, "keywords", None) or {}).values()]
     for cell in getattr(fn, "__closure__", None) or ():
         try:
-            value = cell.cell_contents
+            roots.append(cell.cell_contents)
         except ValueError:  # an empty cell
             continue
-        if isinstance(value, nn.Module):
-            found.append(value)
-    return found
+    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+    if code is not None and isinstance(scope, dict):
+        roots += [scope[name] for name in code.co_names if name in scope]
+    found: dict[int, nn.Module] = {}
+    for root in roots:
+        for value in (root, *_members(root)):
+            if isinstance(value, nn.Module):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def _members(value: Any) -> list[Any]:
+    """One level inside ``value``: a sequence's or mapping's items, a plain object's attributes (not a module's)."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, dict):
+        return list(value.values())
+    if isinstance(value, nn.Module) or isinstance(value, type) or callable(value):
+        return []
+    return list(getattr(value, "__dict__", {}).values())
 
 
 def _batch_axes(key: BatchDescriptor, rows: frozenset[int], args: tuple, kwargs: dict) -> list[tuple[int | str, int]]:

@@ -322,8 +322,9 @@ class GraphRegistry:
             if route.pending is not None:
                 # Capture resets the static buffers (and may reuse pool memory) an input can alias: keep copies.
                 inputs = {name: value.clone() for name, value in inputs.items()}
-                self._capture_lazily(route.pending)
-                route = self._routes.route(actual, agreed)
+                while route.pending is not None:  # a failed lazy capture drops its key: the next best may be pending too
+                    self._capture_lazily(route.pending)
+                    route = self._routes.route(actual, agreed)
                 entry = route.entry
             if entry is None:
                 return self._miss(actual, inputs, context, route.miss_reason)
@@ -391,9 +392,13 @@ class GraphRegistry:
     def _warn_miss(self, actual: BatchDescriptor, reason: str) -> None:
         """The first miss of a kind an engine should not meet in steady serving (shown once per registry)."""
         if reason == "no_graphs":
-            what = f"run({actual}) before any capture: every batch runs eagerly until reg.capture(plan) is called"
+            what = (
+                f"run({actual}) with no graph captured or planned (before any capture, after clear() or the release "
+                "of every key, or an empty plan): every batch runs eagerly until reg.capture(plan)"
+            )
         else:
-            what = f"{actual} runs eagerly: {self._routes.too_large(actual)}; enlarge that StaticInput to serve such batches"
+            why = self._routes.too_large(actual) or "another rank's batch does not fit a static input"
+            what = f"{actual} runs eagerly: {why}; enlarge that StaticInput to serve such batches"
         warnings.warn(
             f"cgregistry: registry {self.name!r}: {what} (shown once; stats().misses_by_reason counts every such miss)",
             RuntimeWarning,
@@ -421,6 +426,9 @@ class GraphRegistry:
         the entry is broken: it is removed, and the eager result is returned.
         """
         out = self._eager(actual, inputs, context)  # raises (and counts) when the batch is at fault
+        self._store.misses += 1  # the step ran eagerly: a miss, for the broken entry
+        self._store.misses_by_kind["uniform" if actual.uniform else "mixed"] += 1
+        self._store.misses_by_reason["failed"] += 1
         self._store.fail(entry, error)
         self._routes.rebuild(self._store.pairs())
         warnings.warn(

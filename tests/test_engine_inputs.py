@@ -193,3 +193,14 @@ def test_per_request_logits_through_logits_indices(backend: str) -> None:
     torch.testing.assert_close(hidden, want_hidden)
     torch.testing.assert_close(logits, want_logits)
     assert reg.stats().hits == 1
+
+
+def test_repeat_last_is_only_for_offsets_and_survives_copies() -> None:
+    import copy
+    import pickle
+
+    with pytest.raises(ValueError, match=r"fill=REPEAT_LAST is for offsets \(axis='reqs\+1'\)"):
+        cg.StaticInput((16,), torch.long, fill=cg.REPEAT_LAST)  # a slot mapping repeating a live slot
+    spec = cg.StaticInput((9,), torch.int32, axis="reqs+1")
+    assert pickle.loads(pickle.dumps(spec)).fill is cg.REPEAT_LAST  # a config sent to worker processes
+    assert copy.deepcopy(spec).fill is cg.REPEAT_LAST

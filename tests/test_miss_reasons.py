@@ -27,7 +27,7 @@ def reasons(reg: cg.GraphRegistry) -> dict[str, int]:
 
 def test_run_before_capture_warns_once_and_counts() -> None:
     reg = registry()
-    with pytest.warns(RuntimeWarning, match=r"run\(Batch\(tokens=3, reqs=3\)\) before any capture.*reg.capture\(plan\)"):
+    with pytest.warns(RuntimeWarning, match=r"run\(Batch\(tokens=3, reqs=3\)\) with no graph captured or planned.*reg.capture\(plan\)"):
         assert reg.run(B(3, 3), x=torch.ones(3)).tolist() == [2, 2, 2]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second time is silent
@@ -77,3 +77,36 @@ def test_snapshot_round_trips_reasons() -> None:
         reg.run(B(2, 2), x=torch.ones(2))
     snap = cg.load_snapshot(reg.snapshot())
     assert snap.stats.misses_by_reason["no_graphs"] == 1
+
+
+def test_failed_lazy_capture_falls_to_the_next_pending_key() -> None:
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        if batch.num_tokens == 8:
+            raise RuntimeError("cannot capture")
+        return x * 2
+
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((16,), torch.float32)}, backend="cpu")
+    reg.capture([(B(16), "full"), (B(8), "full")], lazy=True)
+    with pytest.warns(RuntimeWarning, match="lazy capturing"):
+        assert reg.run(B(5), x=torch.ones(5)).tolist() == [2.0] * 5
+    s = reg.stats()
+    assert (s.hits, s.misses, s.lazy_captures) == (1, 0, 1), "the 16-token key serves it after the 8-token one failed"
+
+
+def test_a_broken_entry_counts_its_eager_step_as_a_failed_miss() -> None:
+    calls = {"n": 0}
+
+    reg = registry()
+    reg.capture([(B(8, 8), "full")])
+    entry = next(iter(reg._store.entries.values()))
+
+    def boom() -> None:
+        calls["n"] += 1
+        raise RuntimeError("replay broke")
+
+    entry.replay = boom
+    reg._routes.rebuild(reg._store.pairs())
+    with pytest.warns(RuntimeWarning, match="entry was removed"):
+        reg.run(B(4, 4), x=torch.ones(4))
+    s = reg.stats()
+    assert calls["n"] == 1 and s.misses == 1 and s.misses_by_reason["failed"] == 1 and s.hits == 0

@@ -303,3 +303,64 @@ def test_full_keys_run_the_model_unsplit() -> None:
             inputs = random_batch(CFG, batch, torch.device("cpu"), g)
             torch.testing.assert_close(reg.run(batch, **inputs), inline(batch, **inputs), rtol=1e-4, atol=1e-4)
     assert reg.stats().hits == 2
+
+
+class _Scaled(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("factor", torch.tensor(factor))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(_scale_by(self, x))
+
+
+@cg.eager_break
+def _scale_by(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return h * layer.factor
+
+
+def _scaled_registry(forward: object) -> cg.GraphRegistry:
+    reg = cg.GraphRegistry(lambda batch, x: compiled(x), {"x": cg.StaticInput((8, 4), torch.float32)}, backend="cpu")
+    compiled = reg.compile(forward)
+    reg.capture([(B(8), "piecewise")])
+    return reg
+
+
+def test_a_copied_model_breaks_with_its_own_module() -> None:
+    import copy
+
+    original = _Scaled(1.0).eval()
+    _scaled_registry(original)
+    replica = copy.deepcopy(original)  # carries the original's handle attribute
+    replica.factor.fill_(100.0)
+    reg = _scaled_registry(replica)
+    x = torch.ones(3, 4)
+    with torch.inference_mode():
+        got = reg.run(B(3), x=x)
+        with cg.eager_batch(B(3)):
+            torch.testing.assert_close(got, replica(x))
+
+
+def test_modules_reached_through_an_engine_object() -> None:
+    class Engine:
+        def __init__(self) -> None:
+            self.model = _Scaled(2.0)
+
+    engine = Engine()
+    reg = _scaled_registry(lambda x: engine.model(x))  # the closure holds the engine, not the module
+    x = torch.ones(2, 4)
+    with torch.inference_mode():
+        got = reg.run(B(2), x=x)
+        with cg.eager_batch(B(2)):
+            torch.testing.assert_close(got, engine.model(x))
+
+
+def test_unreachable_module_is_a_clear_error() -> None:
+    hidden = {"m": _Scaled(3.0)}
+    def lookup() -> nn.Module:
+        return hidden["m"]
+    reg = cg.GraphRegistry(lambda batch, x: compiled(x), {"x": cg.StaticInput((8, 4), torch.float32)}, backend="cpu")
+    compiled = reg.compile(lambda x: lookup()(x))
+    with pytest.raises(cg.CaptureError, match="nn.Module the piecewise compiler cannot reach.*register_modules"):
+        reg.capture([(B(8), "piecewise")])
