@@ -264,7 +264,11 @@ class GraphRegistry:
                 self._capture_observed(pair)
         except CaptureError as exc:
             self._store.fail_pending(pair, exc)
-            warnings.warn(f"cgregistry: lazy {exc}; the key is dropped and the step runs eagerly", RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"cgregistry: lazy {exc}; the key is dropped and the step goes on to the next best key (or runs eagerly)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         else:
             self._store.lazy_captures += 1
         self._routes.rebuild(self._store.pairs())
