@@ -269,3 +269,33 @@ def test_fit_in_full_mode_is_exact_over_one_family() -> None:
         for a in range(1, 16) for b in range(a + 1, 16)
     )
     assert evaluate(plan, steps).padded_tokens == best
+
+
+def test_matcher_exclusion_per_call() -> None:
+    """Item 5 (matcher level): exclude=("full",) is vLLM's disable_full, one matcher for both."""
+    plan = CapturePlan.build(max_num_seqs=16, max_num_tokens=256, mode="full_and_piecewise")
+    m = Matcher((e.descriptor, e.strategy) for e in plan)
+    batch = B.decode(5)
+    assert m.match(batch).strategy == "full"
+    off = m.match(batch, exclude=("full",))
+    assert off is not None and off.strategy == "piecewise" and off.key == B(8)
+    assert m.match(batch).strategy == "full", "the plain memo is untouched"
+    assert m.match(batch, exclude=("full", "piecewise")) is None
+    assert m.candidates(batch, exclude=("full",))[0] == off
+    text = str(m.explain(batch, exclude=["full"]))
+    assert "strategy 'full' is excluded for this call" in text and "matched Batch(tokens=8, reqs=any) [piecewise]" in text
+    assert m.explain(batch, exclude=["full"]).match == off
+    with pytest.raises(TypeError, match="exclude must be a collection of strategy names, e.g. \\('full',\\); got 'full'"):
+        m.match(batch, exclude="full")
+    with pytest.raises(TypeError, match="exclude must hold strategy names"):
+        m.match(batch, exclude=(1,))
+
+
+@settings(max_examples=40, deadline=None)
+@given(max_num_seqs=st.integers(1, 64), depth=st.integers(0, 3), t=st.integers(1, 400), data=st.data())
+def test_exclusion_is_the_matcher_without_those_strategies(max_num_seqs: int, depth: int, t: int, data: st.DataObject) -> None:
+    plan = CapturePlan.build(max_num_seqs=max_num_seqs, max_num_tokens=512, mode="full_and_piecewise", spec_depths=(depth,))
+    m = Matcher((e.descriptor, e.strategy) for e in plan)
+    without = Matcher((e.descriptor, e.strategy) for e in plan if e.strategy != "full")
+    batch = B.decode(data.draw(st.integers(1, min(max_num_seqs, 512 // (1 + depth)))), depth) if data.draw(st.booleans()) else B(t, min(t, max_num_seqs))
+    assert m.match(batch, exclude=("full",)) == without.match(batch)
