@@ -78,14 +78,14 @@ def batches(max_num_seqs: int, max_num_tokens: int, depth: int) -> Iterable[B]:
         yield B(t, 1)
 
 
-def compare(mode: str, max_num_seqs: int, depth: int, max_num_tokens: int) -> tuple[int, int, set[int]]:
-    """(our graphs, the reference's graphs, the token counts we capture that the reference does not)."""
+def compare(mode: str, max_num_seqs: int, depth: int, max_num_tokens: int) -> tuple[int, int, set[tuple[int, str]]]:
+    """(our graphs, the reference's graphs, (token count, strategy) of our keys the reference has no key of)."""
     ours = CapturePlan.build(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, mode=mode, spec_depths=(depth,))
     ref = vllm_keys(mode, max_num_seqs, depth, max_num_tokens)
     mine, theirs = Matcher((e.descriptor, e.strategy) for e in ours), Matcher(ref)
     for batch in batches(max_num_seqs, max_num_tokens, depth):
         assert score(mine, batch) <= score(theirs, batch), (mode, max_num_seqs, depth, max_num_tokens, batch, mine.match(batch), theirs.match(batch))
-    extra = {e.descriptor.num_tokens for e in ours} - {k.num_tokens for k, _ in ref}
+    extra = {(e.descriptor.num_tokens, e.strategy) for e in ours} - {(k.num_tokens, st) for k, st in ref}
     return len(ours), len(ref), extra
 
 
@@ -114,8 +114,8 @@ def test_never_worse_than_vllm_and_extras_are_accounted_for(mode: str, max_num_s
         return
     graphs, ref_graphs, extra = compare(mode, max_num_seqs, depth, max_num_tokens)
     allowed = allowed_extras(mode, max_num_seqs, depth, max_num_tokens)
-    assert extra <= allowed, (extra - allowed)
-    # Each extra token count is one graph (the reference has none of that width); nothing else is added.
+    assert {t for t, _ in extra} <= allowed, (extra, allowed)
+    # Each extra (width, strategy) is one graph the reference has none of; nothing else is added.
     assert graphs <= ref_graphs + len(extra), (graphs, ref_graphs, extra)
 
 
@@ -127,7 +127,7 @@ def test_never_worse_than_vllm_and_extras_are_accounted_for(mode: str, max_num_s
 def test_issue_configurations(mode: str, max_num_seqs: int, depth: int, max_num_tokens: int) -> None:
     graphs, ref_graphs, extra = compare(mode, max_num_seqs, depth, max_num_tokens)
     assert graphs == ref_graphs + len(extra)
-    assert extra <= allowed_extras(mode, max_num_seqs, depth, max_num_tokens)
+    assert {t for t, _ in extra} <= allowed_extras(mode, max_num_seqs, depth, max_num_tokens)
 
 
 def test_full_mode_captures_one_graph_per_shape() -> None:
