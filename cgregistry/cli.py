@@ -33,7 +33,8 @@ _PLAN_DEFAULT_MODE = attrs.fields(PlanSettings).mode.default
 SETTING_FLAGS = {
     "max_num_seqs": "--max-num-seqs", "max_num_tokens": "--max-num-tokens", "capture_sizes": "--capture-sizes",
     "max_capture_size": "--max-capture-size", "spec_depths": "--spec-depths", "lora_counts": "--lora-counts",
-    "max_loras": "--max-loras", "max_graphs": "--fit",
+    "max_loras": "--max-loras", "max_graphs": "--fit", "separate_decode": "--separate-decode",
+    "size_multiple": "--size-multiple",
 }
 
 # ``plan`` options that act only on a trace (dest names); --show-sizes also needs --fit.
@@ -154,6 +155,10 @@ def _plan_settings(args: argparse.Namespace) -> PlanSettings:
         "spec_depths": args.spec_depths, "lora_counts": args.lora_counts, "max_loras": args.max_loras,
     }
     fields = {k: v for k, v in given.items() if v is not None}
+    if args.separate_decode:
+        fields["separate_decode"] = True
+    if args.size_multiple is not None:
+        fields["size_multiple"] = args.size_multiple
     return PlanSettings(max_num_seqs=args.max_num_seqs, max_num_tokens=args.max_num_tokens, **fields)
 
 
@@ -166,7 +171,23 @@ def _settings_dict(s: PlanSettings) -> dict[str, Any]:
         "capture_sizes": list(s.used_capture_sizes), "max_capture_size": s.used_max_capture_size,
         "spec_depths": list(s.widest), "widest_decode": {str(d): n for d, n in s.widest.items()},
         "lora_counts": list(s.used_lora_counts), "max_loras": s.max_loras,
+        "separate_decode": s.separate_decode, "size_multiple": s.size_multiple, "uniform_keys": _uniform_keys(s),
+        "decode_reqs": {str(d): list(r) for d, r in s.decode_reqs.items()}, "mixed_sizes": list(s.mixed_sizes),
     }
+
+
+def _uniform_keys(s: PlanSettings) -> str:
+    """How uniform decode batches get their graphs under these settings, in words."""
+    if s.decode_strategy is None:
+        if s.mixed_strategy is None:
+            return "none: no graphs"
+        return f"none: mixed {s.mixed_strategy} keys serve uniform batches (with the uniform widths among their sizes)"
+    if s.folded:
+        return (f"shared: one {s.decode_strategy} graph per token count; uniform widths up to --max-capture-size are mixed "
+                "keys (give --separate-decode when the step branches on uniformity)")
+    if s.decode_strategy == s.mixed_strategy:
+        return f"separate: {s.decode_strategy} uniform keys beside mixed keys of the same widths (--separate-decode)"
+    return f"separate: {s.decode_strategy} uniform keys, {s.mixed_strategy or 'no'} mixed keys"
 
 
 def _settings_lines(s: PlanSettings, args: argparse.Namespace) -> list[str]:
@@ -187,8 +208,25 @@ def _settings_lines(s: PlanSettings, args: argparse.Namespace) -> list[str]:
         ("--spec-depths", _csv(s.widest), origin("spec_depths")),
         ("--lora-counts", _csv(s.used_lora_counts), origin("lora_counts")),
         ("--max-loras", "none (no LoRA)" if s.max_loras is None else str(s.max_loras), origin("max_loras")),
+        ("--separate-decode", "yes" if s.separate_decode else "no", "" if args.separate_decode else "  (default)"),
+        ("--size-multiple", str(s.size_multiple), origin("size_multiple")),
+        ("uniform keys", _uniform_keys(s), ""),
     ]
+    widths = sorted(set(s.mixed_sizes) - set(s.used_capture_sizes))
+    if widths and s.mixed_strategy is not None:
+        rows.append(("mixed widths", f"+{len(widths)} uniform widths beside --capture-sizes: {_csv(widths)}", ""))
     return ["settings:", *(f"  {flag:18} {value}{note}" for flag, value, note in rows)]
+
+
+def _class_counts(plan: CapturePlan) -> dict[str, int]:
+    """Graphs per key class (strategy, uniform spec depth or mixed, LoRA count), largest class first."""
+    from cgregistry.inspection import key_class
+
+    counts: dict[str, int] = {}
+    for e in plan:
+        name = key_class(e.descriptor, e.strategy)
+        counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -202,6 +240,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps({
             "settings": _settings_dict(settings),
             "entries": [{"key": attrs.asdict(e.descriptor), "strategy": e.strategy} for e in plan],
+            "graphs_by_class": _class_counts(plan),
             "uncovered": [attrs.asdict(g) for g in gaps],
         }, indent=2))
         return 0
@@ -210,7 +249,7 @@ def _plan(args: argparse.Namespace) -> int:
     print()
     for e in plan:
         print(f"{e.strategy:10} {e.descriptor}")
-    print(f"{len(plan)} graphs")
+    print(f"{len(plan)} graphs: " + ", ".join(f"{n} {name}" for name, n in _class_counts(plan).items()))
     for g in gaps:
         depth = "" if g.spec_depth is None else f" spec depth {g.spec_depth}"
         print(f"uncovered (runs eagerly): {g.kind}{depth} batches of {g.min_tokens}..{g.max_tokens} tokens, {g.num_active_loras} LoRA")
@@ -604,6 +643,12 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
                            "--max-loras the ladder 0, 1, 2, 4, ... up to it)")
     keys.add_argument("--max-loras", type=int, default=None, metavar="K",
                       help="most adapters active in a batch (default: no LoRA)")
+    keys.add_argument("--separate-decode", action="store_true",
+                      help="the step branches on uniformity (its own decode routine), so uniform batches get their own "
+                           "keys even where one strategy serves both kinds (default: off: one graph per token count)")
+    keys.add_argument("--size-multiple", type=int, default=None, metavar="N",
+                      help="every key's token count a multiple of N, e.g. the tensor-parallel size under sequence "
+                           "parallelism (default: the plan's own: 1)")
     trace = plan.add_argument_group("judging on a trace (each option here needs --trace)")
     trace.add_argument("--trace", default=None, metavar="FILE",
                        help="Azure-format request trace, or 'bundled' (default: none: list the plan's keys instead)")

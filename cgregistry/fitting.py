@@ -11,6 +11,7 @@ uniform batch of each spec depth and the max capture size remain keys.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -155,20 +156,34 @@ def fit_families(steps: Iterable[BatchDescriptor], max_graphs: int, settings: Pl
 
     Each key family gets an exact padding-versus-size-count curve (``fit_sizes``) over the
     steps it serves, and the budget is split between families exactly (``_split_budget``).
+    With ``size_multiple`` a step's size is first rounded up to the nearest size a key may
+    have (the padding to it is the same for every plan), so every fitted size is allowed.
+    A folded plan (``settings.folded``) fits uniform batches up to the max capture size in
+    the mixed family, exactly as the matcher serves them.
     """
     if type(max_graphs) is not int or max_graphs < 1:
         raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
     per_size = len(settings.used_lora_counts)
-    decode_hist: dict[int, Counter[int]] = {d: Counter() for d in settings.widest} if settings.decode_strategy else {}
-    mixed_hist: Counter[int] = Counter()
     top = settings.used_max_capture_size
+    m = settings.size_multiple
+    decode_hist: dict[int, Counter[int]] = {}
+    if settings.decode_strategy is not None:
+        # Folded plans serve uniform batches up to the max capture size from mixed keys: a depth keeps a
+        # family of its own only for the uniform batches wider than that.
+        decode_hist = {d: Counter() for d, w in settings.widest.items() if not settings.folded or w * (1 + d) > top}
+    steps_of: dict[int, int] = {d: m // math.gcd(m, 1 + d) for d in decode_hist}  # request counts a key may have
+    mixed_hist: Counter[int] = Counter()
     for i, step in enumerate(steps):
         if not isinstance(step, BatchDescriptor):
             raise TypeError(f"fit() takes BatchDescriptors; steps[{i}] is {step!r} ({type(step).__name__})")
-        if step.uniform and step.spec_depth in decode_hist and step.num_reqs <= settings.widest[step.spec_depth]:  # type: ignore[operator]
-            decode_hist[step.spec_depth][step.num_reqs] += 1  # type: ignore[index]
+        depth = step.spec_depth
+        if (
+            step.uniform and depth in decode_hist and step.num_reqs <= settings.widest[depth]  # type: ignore[operator]
+            and not (settings.folded and step.num_tokens <= top)
+        ):
+            decode_hist[depth][_round_up(step.num_reqs, steps_of[depth])] += 1  # type: ignore[arg-type]
         elif settings.mixed_strategy is not None and step.num_tokens <= top:
-            mixed_hist[step.num_tokens] += 1
+            mixed_hist[_round_up(step.num_tokens, m)] += 1
     families: list[tuple[str, int, dict[int, tuple[int, list[int]]]]] = []
     budget = max_graphs // per_size
     for depth, hist in decode_hist.items():
@@ -190,6 +205,10 @@ def fit_families(steps: Iterable[BatchDescriptor], max_graphs: int, settings: Pl
         else:
             mixed = sizes
     return decode, mixed
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def _split_budget(curves: list[dict[int, tuple[int, list[int]]]], budget: int) -> list[int]:

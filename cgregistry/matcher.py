@@ -21,7 +21,7 @@ import attrs
 from cgregistry.descriptor import BatchDescriptor, Padding
 from cgregistry.text import text_table
 
-__all__ = ["DEFAULT_PREFERENCE", "Candidate", "Explanation", "Match", "Matcher"]
+__all__ = ["DEFAULT_PREFERENCE", "Candidate", "Explanation", "Match", "Matcher", "excluded"]
 
 DEFAULT_PREFERENCE: tuple[str, ...] = ("full", "piecewise", "breakable")
 
@@ -170,6 +170,7 @@ class Matcher:
         # (uniform, spec depth, loras) of an actual batch -> applicable classes grouped by strategy rank
         self._plans: dict[tuple[bool, int, int], list[list[_Class]]] = {}
         self._memo: dict[BatchDescriptor, Match | None] = {}
+        self._excluded_memo: dict[tuple[BatchDescriptor, frozenset[str]], Match | None] = {}
 
     def __len__(self) -> int:
         return len(self._pairs)
@@ -193,8 +194,14 @@ class Matcher:
             groups = self._plans[sig] = [by_rank[r] for r in sorted(by_rank)]
         return groups
 
-    def match(self, actual: BatchDescriptor) -> Match | None:
-        """The best covering key for ``actual``, or None; memoised, so a seen shape costs one dict lookup."""
+    def match(self, actual: BatchDescriptor, exclude: Iterable[str] = ()) -> Match | None:
+        """The best covering key for ``actual``, or None; memoised, so a seen shape costs one dict lookup.
+
+        ``exclude``: strategies this call may not use (vLLM's ``disable_full`` for cascade
+        attention is ``exclude=("full",)``); memoised apart from the plain lookups.
+        """
+        if exclude:
+            return self._match_excluding(actual, excluded(exclude))
         try:
             return self._memo[actual]
         except KeyError:
@@ -205,9 +212,23 @@ class Matcher:
         self._memo[actual] = found
         return found
 
-    def match_uncached(self, actual: BatchDescriptor) -> Match | None:
+    def _match_excluding(self, actual: BatchDescriptor, exclude: frozenset[str]) -> Match | None:
+        memo = self._excluded_memo
+        try:
+            return memo[(actual, exclude)]
+        except KeyError:
+            pass
+        found = self.match_uncached(actual, exclude)
+        if len(memo) >= _MEMO_LIMIT:
+            memo.clear()
+        memo[(actual, exclude)] = found
+        return found
+
+    def match_uncached(self, actual: BatchDescriptor, exclude: frozenset[str] = frozenset()) -> Match | None:
         """``match`` without the memo: a table index per applicable key class."""
         for group in self._groups_for(actual):
+            if exclude and group[0].strategy in exclude:
+                continue
             best: BatchDescriptor | None = None
             best_order: tuple[int, int, int, int, int] | None = None
             for cls in group:
@@ -222,25 +243,31 @@ class Matcher:
                 return Match(best, group[0].strategy, Padding(*best_order[:3]))  # type: ignore[index]
         return None
 
-    def candidates(self, actual: BatchDescriptor) -> list[Match]:
+    def candidates(self, actual: BatchDescriptor, exclude: Iterable[str] = ()) -> list[Match]:
         """Every covering key as a Match, best first by this matcher's rule (a scan: not for the hot path)."""
+        skip = excluded(exclude)
         found = [
             (self._rank[strategy], _order(key, actual), Match(key, strategy, key.padding(actual)))
             for key, strategy in self._pairs
-            if key.covers(actual)
+            if strategy not in skip and key.covers(actual)
         ]
         found.sort(key=lambda item: (item[0], item[1]))
         return [m for _, _, m in found]
 
-    def explain(self, actual: BatchDescriptor) -> Explanation:
-        """Every key with the reason it won or lost against ``actual``."""
-        chosen = self.match(actual)
+    def explain(self, actual: BatchDescriptor, exclude: Iterable[str] = ()) -> Explanation:
+        """Every key with the reason it won or lost against ``actual`` (``exclude`` as for ``match``)."""
+        skip = excluded(exclude)
+        chosen = self.match(actual, skip)
         rows: list[tuple[tuple[int, ...], Candidate]] = []
         for key, strategy in self._pairs:
             if not key.covers(actual):
                 rows.append(((1, self._rank[strategy], key.num_tokens), Candidate(key, strategy, False, False, _why_not(key, actual), None)))
                 continue
             pad = key.padding(actual)
+            if strategy in skip:
+                reason = f"covers, but strategy {strategy!r} is excluded for this call"
+                rows.append(((0, len(self._rank), *pad), Candidate(key, strategy, True, False, reason, pad)))
+                continue
             if chosen is not None and (key, strategy) == (chosen.key, chosen.strategy):
                 reason = "chosen: " + ("most preferred strategy, least padding" if pad != (0, 0, 0) else "exact fit")
                 rows.append(((0, -1), Candidate(key, strategy, True, True, reason, pad)))
@@ -255,6 +282,19 @@ class Matcher:
             rows.append(((0, self._rank[strategy], *pad), Candidate(key, strategy, True, False, reason, pad)))
         rows.sort(key=lambda r: r[0])
         return Explanation(actual, chosen, tuple(c for _, c in rows))
+
+
+def excluded(exclude: Iterable[str]) -> frozenset[str]:
+    """``exclude`` as a set of strategy names; a bare string is an error (it would exclude its letters)."""
+    if isinstance(exclude, frozenset):
+        return exclude
+    if isinstance(exclude, str) or not isinstance(exclude, Iterable):
+        raise TypeError(f"exclude must be a collection of strategy names, e.g. ('full',); got {exclude!r}")
+    names = frozenset(exclude)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"exclude must hold strategy names (str), got {bad[0]!r}")
+    return names
 
 
 def _order(key: BatchDescriptor, actual: BatchDescriptor) -> tuple[int, int, int, int, int]:

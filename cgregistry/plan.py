@@ -8,6 +8,7 @@ of parallel dicts of sizes.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -117,6 +118,18 @@ def _positive(name: str) -> Callable[[Any, Any, Any], None]:
     return check
 
 
+def _flag(name: str) -> Callable[[Any, Any, Any], None]:
+    def check(instance: Any, attribute: Any, value: object) -> None:
+        if type(value) is not bool:
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+
+    return check
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 def _optional_positive(name: str) -> Callable[[Any, Any, Any], None]:
     check = _positive(name)
 
@@ -148,9 +161,24 @@ class PlanSettings:
     from ``MODES`` or a pair ``(decode_strategy, mixed_strategy)`` of any registered
     strategies (either may be None); each strategy's own ``relaxes_num_reqs`` decides
     whether its mixed keys carry a request count (a strategy other than the built-ins is
-    looked up in ``plugins``, by default the installed ones).  The settings stay as given;
-    what follows from them is in ``used_capture_sizes``, ``used_max_capture_size``,
-    ``used_lora_counts`` and ``widest`` (spec depth -> widest uniform batch of that depth).
+    looked up in ``plugins``, by default the installed ones).
+
+    ``separate_decode``: the engine's step branches on uniformity (uniform decode batches
+    run their own routine: other attention metadata or kernels), so uniform batches need
+    graphs of their own even where one strategy serves both kinds.  Without it (the
+    default), a mode whose decode and mixed strategies are the same (``full``) captures
+    one graph per token count: each uniform width ``q * r`` (``q = 1 + spec depth``) up to
+    the max capture size becomes a mixed key, which covers the uniform batches too.
+    ``size_multiple``: every key's token count is a multiple of it (the tensor-parallel
+    size under sequence parallelism).
+
+    The settings stay as given; what follows from them is in ``used_capture_sizes`` (the
+    ladder of mixed token counts), ``used_max_capture_size``, ``used_lora_counts``,
+    ``widest`` (spec depth -> widest uniform batch of that depth), ``decode_reqs`` (spec
+    depth -> request counts of the uniform batches keys are sized for: the request
+    ladder, and the widest), ``mixed_sizes`` (the token counts of mixed keys ``build``
+    captures: the ladder plus the uniform widths the mixed keys serve) and ``folded``
+    (uniform widths are mixed keys).
     """
 
     max_num_seqs: int = attrs.field(validator=_positive("max_num_seqs"))
@@ -162,13 +190,18 @@ class PlanSettings:
     lora_counts: Sequence[int] | None = None
     max_loras: int | None = attrs.field(default=None, validator=_optional_positive("max_loras"))
     plugins: Any = attrs.field(default=None, eq=False, repr=False)  # where non-built-in strategies are looked up
+    separate_decode: bool = attrs.field(default=False, validator=_flag("separate_decode"))
+    size_multiple: int = attrs.field(default=1, validator=_positive("size_multiple"))
     decode_strategy: str | None = attrs.field(init=False)
     mixed_strategy: str | None = attrs.field(init=False)
     mixed_relaxed: bool = attrs.field(init=False)  # mixed keys carry no request count
+    folded: bool = attrs.field(init=False)  # uniform widths up to the max capture size are mixed keys
     widest: Mapping[int, int] = attrs.field(init=False)  # spec depth -> largest request count of a uniform batch
     used_capture_sizes: tuple[int, ...] = attrs.field(init=False)
     used_max_capture_size: int = attrs.field(init=False)
     used_lora_counts: tuple[int, ...] = attrs.field(init=False)
+    decode_reqs: Mapping[int, tuple[int, ...]] = attrs.field(init=False)  # spec depth -> request counts of uniform widths
+    mixed_sizes: tuple[int, ...] = attrs.field(init=False)  # token counts of the mixed keys ``build`` captures
 
     def __attrs_post_init__(self) -> None:
         fix = functools.partial(object.__setattr__, self)
@@ -176,6 +209,7 @@ class PlanSettings:
         fix("decode_strategy", decode)
         fix("mixed_strategy", mixed)
         fix("mixed_relaxed", mixed is not None and self._relaxes(mixed))
+        fix("folded", decode is not None and decode == mixed and not self.separate_decode)
         widest = _depth_widest(self.spec_depths, self.max_num_seqs, self.max_num_tokens)
         fix("widest", widest)
         max_loras = self.max_loras
@@ -194,17 +228,27 @@ class PlanSettings:
                     "so those graphs would never replay"
                 )
         fix("used_lora_counts", loras)
+        m = self.size_multiple
         sizes = None if self.capture_sizes is None else _positive_ints("capture_sizes", self.capture_sizes, 1)
+        if sizes is not None and m > 1:
+            off = [size for size in sizes if size % m]
+            if off:
+                raise ValueError(f"capture_sizes {off} are not multiples of size_multiple={m}")
         top = self.max_capture_size
+        if top is not None and top % m:
+            raise ValueError(f"max_capture_size={top} is not a multiple of size_multiple={m}")
         if top is None:
             query_len = 1 + max(widest)
-            top = max(sizes) if sizes else min(2 * self.max_num_seqs * query_len, 512, self.max_num_tokens)
+            top = max(sizes) if sizes else min(2 * self.max_num_seqs * query_len, 512, self.max_num_tokens) // m * m
+            if top < 1:
+                raise ValueError(f"size_multiple={m} exceeds max_num_tokens={self.max_num_tokens}: no key can hold a batch")
         if top > self.max_num_tokens:
             raise ValueError(
                 f"max_capture_size={top} exceeds max_num_tokens={self.max_num_tokens}: no batch can be that large"
             )
+        default_sizes = sizes is None
         if sizes is None:
-            sizes = tuple(default_ladder(top))
+            sizes = tuple(sorted({_round_up(s, m) for s in default_ladder(top)}))
         else:
             too_big = [size for size in sizes if size > top]
             if too_big:
@@ -213,6 +257,28 @@ class PlanSettings:
                 )
         fix("used_max_capture_size", top)
         fix("used_capture_sizes", sizes)
+        # Uniform widths: the request ladder times q (the token ladder rounded up to whole requests
+        # when the sizes were given), each a multiple of size_multiple, and the widest batch.
+        reqs: dict[int, tuple[int, ...]] = {}
+        for depth, w in widest.items():
+            q = 1 + depth
+            step = m // math.gcd(m, q)  # request counts whose token counts are multiples of m
+            if w % step:
+                raise ValueError(
+                    f"size_multiple={m}: uniform keys of spec depth {depth} ({q} token{'s' if q > 1 else ''} a request) need request counts "
+                    f"that are multiples of {step}, but the widest uniform batch, {w} requests "
+                    f"(min(max_num_seqs={self.max_num_seqs}, max_num_tokens // {q})), is not; make it a multiple of {step}"
+                )
+            base = [r for r in default_ladder(top) if r * q <= top] if default_sizes else [-(-s // q) for s in sizes]
+            counts = {_round_up(r, step) for r in base}
+            reqs[depth] = tuple(sorted({r for r in counts if r <= w and r * q <= max(top, q)} | {w}))
+        fix("decode_reqs", reqs)
+        mixed_sizes = set(sizes)
+        if mixed is not None and (self.folded or (decode is None and default_sizes)):
+            # The mixed keys serve uniform batches too: give them the uniform widths that fit.
+            for depth, counts in reqs.items():
+                mixed_sizes |= {(1 + depth) * r for r in counts if (1 + depth) * r <= top}
+        fix("mixed_sizes", tuple(sorted(mixed_sizes)))
 
     def _strategies(self) -> tuple[str | None, str | None]:
         mode = self.mode
@@ -247,8 +313,21 @@ class PlanSettings:
             raise ValueError(f"mode {self.mode!r}: {exc.args[0]}") from None
 
     def plan(self, decode_reqs: Mapping[int, Sequence[int]], mixed_tokens: Sequence[int]) -> CapturePlan:
-        """Keys from chosen sizes: request counts per spec depth, token counts for mixed batches."""
+        """Keys from chosen sizes: request counts per spec depth, token counts for mixed batches.
+
+        When ``folded``, a uniform width up to the max capture size is captured as a mixed key
+        (one graph per token count); wider uniform batches keep uniform keys.
+        """
         keys: list[tuple[BatchDescriptor, str]] = []
+        decode_reqs = {d: list(counts) for d, counts in decode_reqs.items()}
+        mixed_tokens = list(mixed_tokens)
+        if self.folded:
+            top = self.used_max_capture_size
+            for depth, counts in decode_reqs.items():
+                q = 1 + depth
+                mixed_tokens += [q * r for r in counts if q * r <= top]
+                decode_reqs[depth] = [r for r in counts if q * r > top]
+            mixed_tokens = sorted(set(mixed_tokens))
         for n_loras in self.used_lora_counts:
             if self.decode_strategy is not None:
                 for depth, counts in decode_reqs.items():
@@ -298,21 +377,26 @@ class CapturePlan:
     def build(cls, *settings: Any, **fields: Any) -> CapturePlan:
         """Keys for an engine's settings: a ``PlanSettings``, or its fields (``max_num_seqs``,
         ``max_num_tokens``, ``mode``, ``capture_sizes``, ``max_capture_size``, ``spec_depths``,
-        ``lora_counts``, ``max_loras``, ``plugins``), by keyword or in that order.
+        ``lora_counts``, ``max_loras``, ``plugins``, ``separate_decode``, ``size_multiple``),
+        by keyword or in that order.
 
-        Uniform-decode keys carry an exact request count: for each spec depth ``d``
-        their token counts are multiples of ``1 + d`` up to ``max_num_seqs * (1 + d)``,
-        so one token count may have a key per depth.  ``spec_depths`` may be a schedule
-        ``{largest request count: depths}`` (deep speculation for small batches only).
-        Mixed-batch keys cover any batch up to ``max_capture_size`` tokens; a strategy
-        that relaxes ``num_reqs`` (``piecewise``, ``breakable``, a plugin's) gets keys
-        without a request count, others ``min(tokens, max_num_seqs)`` requests.  Every key
-        is repeated for each LoRA count (default with ``max_loras``: ``lora_ladder(max_loras)``).
+        Uniform-decode keys carry an exact request count: for each spec depth ``d`` the
+        request counts follow the ladder (1, 2, 4, 8, 16, 24, ...) while ``r * (1 + d)`` fits
+        the max capture size (with given ``capture_sizes``: each size rounded up to whole
+        requests), and the widest uniform batch of that depth, so one token count may have a
+        key per depth.  ``spec_depths`` may be a schedule ``{largest request count: depths}``
+        (deep speculation for small batches only).  Mixed-batch keys cover any batch up to
+        ``max_capture_size`` tokens; a strategy that relaxes ``num_reqs`` (``piecewise``,
+        ``breakable``, a plugin's) gets keys without a request count, others
+        ``min(tokens, max_num_seqs)`` requests.  When mixed keys also serve uniform batches
+        (no decode strategy, or the same strategy for both without ``separate_decode``), the
+        uniform widths ``r * (1 + d)`` that fit are mixed token counts too; with the same
+        strategy they replace the uniform keys of the same width (one graph per token count).
+        Every key is repeated for each LoRA count (default with ``max_loras``:
+        ``lora_ladder(max_loras)``).
         """
         plan_settings = _settings(settings, fields)
-        sizes = plan_settings.used_capture_sizes
-        decode = {d: _decode_request_counts(sizes, d, w) for d, w in plan_settings.widest.items()}
-        return plan_settings.plan(decode, sizes)
+        return plan_settings.plan(plan_settings.decode_reqs, plan_settings.mixed_sizes)
 
     @classmethod
     def fit(cls, steps: Iterable[BatchDescriptor], max_graphs: int, *settings: Any, **fields: Any) -> CapturePlan:
@@ -323,10 +407,13 @@ class CapturePlan:
         spec depth for uniform decode batches (sizes are request counts), one for mixed
         batches (token counts).  Steps are assigned the way the matcher serves them when the
         decode and mixed strategies differ: uniform batches of a planned depth to their
-        depth's family, everything else up to the max capture size to the mixed family.  When
-        one strategy serves both, the matcher may serve a uniform batch from a mixed key when
-        that pads less, so the fitted padding is an upper bound there.  Sizes are shared by
-        all LoRA counts: each size costs one graph per LoRA count.
+        depth's family, everything else up to the max capture size to the mixed family.  A
+        ``folded`` plan (one strategy for both, no ``separate_decode``) fits uniform batches up
+        to the max capture size in the mixed family, as its shared keys serve them; with
+        ``separate_decode`` the matcher may serve a uniform batch from a mixed key when that
+        pads less, so the fitted padding is an upper bound there.  With ``size_multiple``
+        every size is a multiple of it.  Sizes are shared by all LoRA counts: each size costs
+        one graph per LoRA count.
         """
         plan_settings = _settings(settings, fields)
         decode, mixed = fit_families(steps, max_graphs, plan_settings)
@@ -384,13 +471,6 @@ def _settings(positional: tuple[Any, ...], fields: dict[str, Any]) -> PlanSettin
             raise TypeError(f"setting {name!r} given twice, by position and by keyword")
         fields[name] = value
     return PlanSettings(**fields)
-
-
-def _decode_request_counts(sizes: Sequence[int], depth: int, widest: int) -> list[int]:
-    """Request counts of uniform keys: each size rounded up to whole requests, plus the widest batch."""
-    q = 1 + depth
-    counts = {-(-s // q) for s in sizes}
-    return sorted({c for c in counts if c <= widest} | {widest})
 
 
 def _depth_widest(spec_depths: SpecDepths, max_num_seqs: int, max_num_tokens: int) -> dict[int, int]:

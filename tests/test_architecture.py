@@ -235,6 +235,10 @@ def vendor_plugins() -> cg.Plugins:
 @pytest.mark.parametrize("mixed, relaxed", [("vendor-relaxed", True), ("vendor-exact", False), ("piecewise", True), ("full", False)])
 def test_each_strategys_own_flag_decides_its_mixed_keys(mixed: str, relaxed: bool) -> None:
     settings = dict(max_num_seqs=8, max_num_tokens=64, mode=("vendor-exact", mixed), plugins=vendor_plugins())
+    if mixed == "vendor-exact":  # one strategy for both: uniform keys of their own only when the step branches on uniformity
+        folded = cg.CapturePlan.build(**settings)
+        assert {e.strategy for e in folded} == {mixed} and not any(e.descriptor.uniform for e in folded)
+        settings["separate_decode"] = True
     for plan in (cg.CapturePlan.build(**settings),
                  cg.CapturePlan.fit([B(5, 2), B(9, 3), B.decode(3)], 6, **settings)):
         mixed_keys = [e.descriptor for e in plan if e.strategy == mixed]

@@ -175,11 +175,14 @@ def test_demo_snapshot_then_inspect(tmp_path) -> None:  # noqa: ANN001
     assert sum(replays) == data["stats"]["hits"] == demo["hits"]
     assert data["stats"]["misses"] == demo["misses"]
     assert data["explain"]["match"]["key"]["num_tokens"] == 4
-    text = cli("inspect", str(snap), "--kind", "uniform")
+    # mode full captures one graph per shape: decode batches are served by mixed keys
+    text = cli("inspect", str(snap), "--kind", "mixed")
     assert text.returncode == 0, text.stderr
     table = text.stdout.split("entries on cpu")[0]
     keys = [line for line in table.splitlines() if line.startswith("Batch(")]
-    assert keys and all("uniform" in line for line in keys)
+    assert keys and not any("uniform" in line for line in keys)
+    uniform = cli("inspect", str(snap), "--kind", "uniform")
+    assert uniform.returncode == 0 and not [line for line in uniform.stdout.splitlines() if line.startswith("Batch(")]
 
 
 def test_inspect_errors_exit_2(tmp_path) -> None:  # noqa: ANN001
@@ -260,6 +263,8 @@ def test_plan_json_has_the_resolved_settings(capsys: pytest.CaptureFixture[str])
         "max_num_seqs": 4, "max_num_tokens": 16, "mode": ["full", "breakable"], "decode_strategy": "full",
         "mixed_strategy": "breakable", "mixed_relaxed": True, "capture_sizes": [1, 2, 4, 8, 16], "max_capture_size": 16,
         "spec_depths": [0, 1], "widest_decode": {"0": 4, "1": 4}, "lora_counts": [0], "max_loras": None,
+        "separate_decode": False, "size_multiple": 1, "uniform_keys": "separate: full uniform keys, breakable mixed keys",
+        "decode_reqs": {"0": [1, 2, 4], "1": [1, 2, 4]}, "mixed_sizes": [1, 2, 4, 8, 16],
     }
 
 
@@ -425,3 +430,21 @@ def test_numpy_is_a_dependency() -> None:
     tomllib = pytest.importorskip("tomllib")
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert any(re.match(r"numpy\b", d) for d in deps)
+
+
+def test_plan_shows_how_uniform_batches_get_graphs_and_counts_per_class(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(capsys, "plan", "--max-num-seqs", "256", "--mode", "full")
+    assert code == 0, err
+    assert "  --separate-decode  no  (default)" in out
+    assert "  uniform keys       shared: one full graph per token count" in out
+    assert "51 graphs: 51 full/mixed/lora0" in out
+    code, out, err = run_main(capsys, "plan", "--max-num-seqs", "256", "--mode", "full", "--separate-decode")
+    assert "  --separate-decode  yes" in out and "86 graphs: 51 full/mixed/lora0, 35 full/uniform-d0/lora0" in out
+    code, out, err = run_main(capsys, "plan", "--max-num-seqs", "100", "--mode", "piecewise", "--spec-depths", "4", "--json")
+    data = json.loads(out)
+    assert data["graphs_by_class"] == {"piecewise/mixed/lora0": 58}
+    assert data["settings"]["mixed_sizes"][:4] == [1, 2, 4, 5]
+    code, out, err = run_main(capsys, "plan", "--max-num-seqs", "18", "--size-multiple", "4", "--mode", "full")
+    assert code == 2 and "--size-multiple=4: uniform keys of spec depth 0" in err and "--max-num-seqs=18" in err
+    code, out, err = run_main(capsys, "plan", "--max-num-seqs", "16", "--size-multiple", "4", "--mode", "full")
+    assert code == 0 and "  --size-multiple    4" in out

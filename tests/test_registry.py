@@ -51,7 +51,8 @@ def live(batch: B, device: torch.device, seed: int = 0) -> dict[str, torch.Tenso
 def make(backend: str, plan: cg.CapturePlan | None = None) -> tuple[cg.GraphRegistry, RowStep]:
     step = RowStep(device_of(backend))
     reg = cg.GraphRegistry(step, row_inputs(), backend=backend)
-    reg.capture(plan or cg.CapturePlan.build(max_num_seqs=16, max_num_tokens=64, mode="full"))
+    # uniform keys beside the mixed ones (a step that branches on uniformity), so both kinds are exercised
+    reg.capture(plan or cg.CapturePlan.build(max_num_seqs=16, max_num_tokens=64, mode="full", separate_decode=True))
     return reg, step
 
 
