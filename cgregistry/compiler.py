@@ -18,6 +18,7 @@ function marked with ``@eager_break`` is a splitting op.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -433,8 +434,8 @@ def _members(value: Any) -> list[Any]:
         return list(value)
     if isinstance(value, dict):
         return list(value.values())
-    if isinstance(value, nn.Module) or isinstance(value, type) or callable(value):
-        return []
+    if isinstance(value, (nn.Module, type, types.ModuleType)) or callable(value):
+        return []  # a module's own submodules are registered through it; a Python module's namespace is not the model
     return list(getattr(value, "__dict__", {}).values())
 
 
