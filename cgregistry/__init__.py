@@ -22,7 +22,7 @@ from cgregistry.runtime import BreakContext, current_batch, eager_batch
 
 # Inspection: entries, statistics, explanations, snapshots
 from cgregistry.inspection import ClassStats, EntryInfo, Snapshot, Stats, load_snapshot
-from cgregistry.matcher import Candidate, Explanation, Match, Matcher
+from cgregistry.matcher import Candidate, Explanation, Match, Matcher, PaddingCap
 
 # The plugin set a registry uses (GraphRegistry(plugins=...)); plugin authors: cgregistry.plugin
 from cgregistry import plugin
@@ -64,7 +64,7 @@ __all__ = [
     "BreakContext", "PiecewiseCompiler", "capture_barrier", "compile_piecewise", "current_batch", "eager_batch",
     "eager_break", "graph_break",
     # inspection
-    "Candidate", "ClassStats", "EntryInfo", "Explanation", "Match", "Matcher", "Snapshot", "Stats", "load_snapshot",
+    "Candidate", "ClassStats", "EntryInfo", "Explanation", "Match", "Matcher", "PaddingCap", "Snapshot", "Stats", "load_snapshot",
     # plugins in use
     "Plugins", "make_plugin_manager", "plugin",
     # errors

@@ -76,6 +76,8 @@ MISS_REASONS = {
     "above_largest_key": "keys of its kind exist, all smaller than the batch",
     "above_capacity": "more tokens or requests than a static input holds",
     "failed": "the key that would serve it failed (at capture or replay) and was removed",
+    "excluded": "every key covering it belongs to a strategy the call excluded (run(..., exclude=...))",
+    "padding_cap": "keys cover it, but each allowed strategy's best key pads more than the registry's padding cap",
 }
 
 
