@@ -9,7 +9,7 @@ the contracts, the registrars).
 
 # Describe batches and plan what to capture
 from cgregistry.descriptor import BatchDescriptor, Padding
-from cgregistry.plan import MODES, CapturePlan, PlanEntry, PlanSettings, UncoveredRange
+from cgregistry.plan import MODES, CapturePlan, Downgrade, PlanEntry, PlanSettings, UncoveredRange
 
 # The registry and its static inputs
 from cgregistry.buffers import REPEAT_LAST, StaticInput
@@ -57,7 +57,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     # batches and plans
-    "MODES", "BatchDescriptor", "CapturePlan", "Padding", "PlanEntry", "PlanSettings", "UncoveredRange",
+    "MODES", "BatchDescriptor", "CapturePlan", "Downgrade", "Padding", "PlanEntry", "PlanSettings", "UncoveredRange",
     # the registry
     "GraphRegistry", "REPEAT_LAST", "StaticInput",
     # eager parts
