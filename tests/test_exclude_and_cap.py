@@ -240,3 +240,22 @@ def test_no_match_pads_more_than_the_cap(keys: list, actual: B, tokens: int | No
             assert c.covers and not cap.allows(c.padding.tokens, actual.num_tokens)
     if not cap:
         assert got == Matcher(keys, STRATEGIES).match(actual), "without a cap, the matcher is the one it was"
+
+
+def test_a_choice_plugin_is_offered_neither_excluded_nor_capped_keys() -> None:
+    from cgregistry.plugins import make_plugin_manager
+
+    offered: list[list[tuple[B, str]]] = []
+
+    class Widest:
+        @cg.plugin.hookimpl
+        def cgregistry_choose_match(self, registry: object, actual: B, candidates: list) -> object:
+            offered.append([(c.key, c.strategy) for c in candidates])
+            return max(candidates, key=lambda m: m.key.num_tokens)
+
+    plugins = cg.Plugins(make_plugin_manager([Widest()], autoload=False))
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((CAP,), torch.float32)}, backend="cpu", plugins=plugins, max_padding_tokens=12)
+    reg.capture([(B(k), s) for s in ("full", "breakable") for k in (8, 16, 32)])
+    torch.testing.assert_close(reg.run(B(5), x=x_for(5), exclude=("full",)), eager(B(5), x_for(5)))
+    assert offered == [[(B(8), "breakable"), (B(16), "breakable")]], "no full key, and not the 32-token one (pads 27 > 12)"
+    assert used(reg) == {"breakable": 1} and reg.entries(used=True)[0].key == B(16)
