@@ -626,6 +626,8 @@ class GraphRegistry:
             memory_bytes=self.memory_bytes(),
             pending=tuple(self._store.pending),
             failures={f"{k} [{s}]": f"{type(e).__name__}: {e}" for (k, s), e in self._store.failures.items()},
+            max_padding_tokens=self._routes.cap.max_tokens,
+            max_padding_ratio=self._routes.cap.max_ratio,
         ).to_dict()
 
     def table(self, *, used_only: bool = False, sort: str = "key") -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -259,3 +260,16 @@ def test_a_choice_plugin_is_offered_neither_excluded_nor_capped_keys() -> None:
     torch.testing.assert_close(reg.run(B(5), x=x_for(5), exclude=("full",)), eager(B(5), x_for(5)))
     assert offered == [[(B(8), "breakable"), (B(16), "breakable")]], "no full key, and not the 32-token one (pads 27 > 12)"
     assert used(reg) == {"breakable": 1} and reg.entries(used=True)[0].key == B(16)
+
+
+def test_a_snapshot_keeps_the_cap_so_offline_explain_refuses_the_same_keys() -> None:
+    reg = registry(max_padding_tokens=2, max_padding_ratio=0.5)
+    reg.capture([(B(8), "full"), (B(16), "full")])
+    snap = cg.load_snapshot(json.loads(json.dumps(reg.snapshot())))
+    assert (snap.max_padding_tokens, snap.max_padding_ratio) == (2, 0.5)
+    assert snap.explain(B(10)).to_dict() == reg.explain(B(10)).to_dict()
+    assert "over the cap (max_padding_tokens=2, max_padding_ratio=0.5)" in str(snap.explain(B(10)))
+    assert cg.load_snapshot(json.loads(json.dumps(registry().snapshot()))).max_padding_ratio is None
+    data = registry().snapshot()
+    with pytest.raises(cg.SnapshotError, match=r"snapshot field max_padding_ratio: expected a finite number >= 0, got -1"):
+        cg.load_snapshot({**data, "max_padding_ratio": -1})
