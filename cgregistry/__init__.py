@@ -9,7 +9,7 @@ the contracts, the registrars).
 
 # Describe batches and plan what to capture
 from cgregistry.descriptor import BatchDescriptor, Padding
-from cgregistry.plan import MODES, CapturePlan, PlanEntry, PlanSettings, UncoveredRange
+from cgregistry.plan import MODES, CapturePlan, Downgrade, PlanEntry, PlanSettings, UncoveredRange
 
 # The registry and its static inputs
 from cgregistry.buffers import REPEAT_LAST, StaticInput
@@ -22,7 +22,7 @@ from cgregistry.runtime import BreakContext, current_batch, eager_batch
 
 # Inspection: entries, statistics, explanations, snapshots
 from cgregistry.inspection import ClassStats, EntryInfo, Snapshot, Stats, load_snapshot
-from cgregistry.matcher import Candidate, Explanation, Match, Matcher
+from cgregistry.matcher import Candidate, Explanation, Match, Matcher, PaddingCap
 
 # The plugin set a registry uses (GraphRegistry(plugins=...)); plugin authors: cgregistry.plugin
 from cgregistry import plugin
@@ -57,14 +57,14 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     # batches and plans
-    "MODES", "BatchDescriptor", "CapturePlan", "Padding", "PlanEntry", "PlanSettings", "UncoveredRange",
+    "MODES", "BatchDescriptor", "CapturePlan", "Downgrade", "Padding", "PlanEntry", "PlanSettings", "UncoveredRange",
     # the registry
     "GraphRegistry", "REPEAT_LAST", "StaticInput",
     # eager parts
     "BreakContext", "PiecewiseCompiler", "capture_barrier", "compile_piecewise", "current_batch", "eager_batch",
     "eager_break", "graph_break",
     # inspection
-    "Candidate", "ClassStats", "EntryInfo", "Explanation", "Match", "Matcher", "Snapshot", "Stats", "load_snapshot",
+    "Candidate", "ClassStats", "EntryInfo", "Explanation", "Match", "Matcher", "PaddingCap", "Snapshot", "Stats", "load_snapshot",
     # plugins in use
     "Plugins", "make_plugin_manager", "plugin",
     # errors

@@ -34,7 +34,7 @@ SETTING_FLAGS = {
     "max_num_seqs": "--max-num-seqs", "max_num_tokens": "--max-num-tokens", "capture_sizes": "--capture-sizes",
     "max_capture_size": "--max-capture-size", "spec_depths": "--spec-depths", "lora_counts": "--lora-counts",
     "max_loras": "--max-loras", "max_graphs": "--fit", "separate_decode": "--separate-decode",
-    "size_multiple": "--size-multiple",
+    "size_multiple": "--size-multiple", "unsupported": "--unsupported",
 }
 
 # ``plan`` options that act only on a trace (dest names); --show-sizes also needs --fit.
@@ -159,6 +159,8 @@ def _plan_settings(args: argparse.Namespace) -> PlanSettings:
         fields["separate_decode"] = True
     if args.size_multiple is not None:
         fields["size_multiple"] = args.size_multiple
+    if args.unsupported is not None:
+        fields["unsupported"] = args.unsupported
     return PlanSettings(max_num_seqs=args.max_num_seqs, max_num_tokens=args.max_num_tokens, **fields)
 
 
@@ -173,6 +175,8 @@ def _settings_dict(s: PlanSettings) -> dict[str, Any]:
         "lora_counts": list(s.used_lora_counts), "max_loras": s.max_loras,
         "separate_decode": s.separate_decode, "size_multiple": s.size_multiple, "uniform_keys": _uniform_keys(s),
         "decode_reqs": {str(d): list(r) for d, r in s.decode_reqs.items()}, "mixed_sizes": list(s.mixed_sizes),
+        "unsupported": {name: sorted(classes) for name, classes in s.unsupported.items()},
+        "downgrades": [{**attrs.asdict(d), "reason": str(d)} for d in s.downgrades],
     }
 
 
@@ -210,8 +214,10 @@ def _settings_lines(s: PlanSettings, args: argparse.Namespace) -> list[str]:
         ("--max-loras", "none (no LoRA)" if s.max_loras is None else str(s.max_loras), origin("max_loras")),
         ("--separate-decode", "yes" if s.separate_decode else "no", "" if args.separate_decode else "  (default)"),
         ("--size-multiple", str(s.size_multiple), origin("size_multiple")),
+        ("--unsupported", ", ".join(f"{n}:{c}" for n, cs in s.unsupported.items() for c in sorted(cs)) or "none", origin("unsupported")),
         ("uniform keys", _uniform_keys(s), ""),
     ]
+    rows += [("downgraded", str(d), "") for d in s.downgrades]
     widths = sorted(set(s.mixed_sizes) - set(s.used_capture_sizes))
     if widths and s.mixed_strategy is not None:
         rows.append(("mixed widths", f"+{len(widths)} uniform widths beside --capture-sizes: {_csv(widths)}", ""))
@@ -548,6 +554,21 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _unsupported_flag(text: str) -> dict[str, list[str]]:
+    """``STRATEGY:CLASS,...`` (``full:mixed,full:spec_decode``) as ``{strategy: [classes]}``; names are checked by PlanSettings."""
+    out: dict[str, list[str]] = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        strategy, sep, key_class = item.partition(":")
+        if not sep or not strategy or not key_class:
+            raise argparse.ArgumentTypeError(f"expected STRATEGY:CLASS,... (e.g. full:mixed), got {item!r} in {text!r}")
+        out.setdefault(strategy, []).append(key_class)
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected STRATEGY:CLASS,... (e.g. full:mixed), got {text!r}")
+    return out
+
+
 def _at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer >= ``minimum``."""
 
@@ -649,6 +670,10 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
     keys.add_argument("--size-multiple", type=int, default=None, metavar="N",
                       help="every key's token count a multiple of N, e.g. the tensor-parallel size under sequence "
                            "parallelism (default: the plan's own: 1)")
+    keys.add_argument("--unsupported", type=_unsupported_flag, default=None, metavar="STRATEGY:CLASS,...",
+                      help="key classes (mixed, spec_decode, decode) a strategy cannot serve, e.g. full:mixed for an "
+                           "attention backend without full graphs of mixed batches; those classes go to the mode's other "
+                           "strategy, else run eagerly, and plan prints each downgrade (default: none)")
     trace = plan.add_argument_group("judging on a trace (each option here needs --trace)")
     trace.add_argument("--trace", default=None, metavar="FILE",
                        help="Azure-format request trace, or 'bundled' (default: none: list the plan's keys instead)")

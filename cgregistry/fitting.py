@@ -170,7 +170,10 @@ def fit_families(steps: Iterable[BatchDescriptor], max_graphs: int, settings: Pl
     if settings.decode_strategy is not None:
         # Folded plans serve uniform batches up to the max capture size from mixed keys: a depth keeps a
         # family of its own only for the uniform batches wider than that.
-        decode_hist = {d: Counter() for d, w in settings.widest.items() if not settings.folded or w * (1 + d) > top}
+        decode_hist = {
+            d: Counter() for d, w in settings.widest.items()
+            if d in settings.uniform_depths and (not settings.folded or w * (1 + d) > top)
+        }
     steps_of: dict[int, int] = {d: m // math.gcd(m, 1 + d) for d in decode_hist}  # request counts a key may have
     mixed_hist: Counter[int] = Counter()
     for i, step in enumerate(steps):

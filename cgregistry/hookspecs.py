@@ -77,7 +77,8 @@ def cgregistry_choose_match(registry: GraphRegistry, actual: BatchDescriptor, ca
     :param registry: the registry asking.
     :param actual: the batch to serve.
     :param candidates: every covering key as a ``Match``, best first by the
-        built-in rule (preferred strategy, then least padding); never empty.
+        built-in rule (preferred strategy, then least padding), less keys of
+        strategies the run excluded and keys over the padding cap; never empty.
     :return: one of ``candidates``, or None to leave the choice to the next
         implementation (and finally to the built-in rule).  Returning anything
         else is an error naming the plugin.

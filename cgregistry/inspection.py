@@ -76,6 +76,8 @@ MISS_REASONS = {
     "above_largest_key": "keys of its kind exist, all smaller than the batch",
     "above_capacity": "more tokens or requests than a static input holds",
     "failed": "the key that would serve it failed (at capture or replay) and was removed",
+    "excluded": "every key covering it belongs to a strategy the call excluded (run(..., exclude=...))",
+    "padding_cap": "keys cover it, but each allowed strategy's best key pads more than the registry's padding cap",
 }
 
 
@@ -237,6 +239,12 @@ def _seconds(value: object, where: str) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
+def _ratio(value: object, where: str) -> float:
+    if type(value) not in (int, float) or not 0 <= value < float("inf"):  # type: ignore[operator]
+        raise _bad(where, "a finite number >= 0", value)
+    return float(value)  # type: ignore[arg-type]
+
+
 def _pending_from(value: object, where: str) -> tuple[BatchDescriptor, str]:
     item = _table(value, where)
     if item.keys() != {"key", "strategy"}:
@@ -249,6 +257,7 @@ _READERS: dict[str, Any] = {
     "int": _count,
     "int | None": lambda v, w: None if v is None else _count(v, w),
     "float": _seconds,
+    "float | None": lambda v, w: None if v is None else _ratio(v, w),
     "str": _text,
     "BatchDescriptor": _descriptor_from,
     "tuple[str, ...]": lambda v, w: tuple(_text(x, f"{w}[{i}]") for i, x in enumerate(_items(v, w))),
@@ -291,6 +300,8 @@ class Snapshot:
     pending: tuple[tuple[BatchDescriptor, str], ...] = ()  # lazy keys not captured yet
     failures: Mapping[str, str] = attrs.field(factory=dict)  # "key [strategy]" -> error
     schema: int = SNAPSHOT_SCHEMA
+    max_padding_tokens: int | None = None  # the registry's padding cap, so explain() refuses what it refused
+    max_padding_ratio: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -305,6 +316,8 @@ class Snapshot:
             "stats": _stats_to_dict(self.stats),
             "pending": [{"key": attrs.asdict(k), "strategy": s} for k, s in self.pending],
             "failures": dict(self.failures),
+            "max_padding_tokens": self.max_padding_tokens,
+            "max_padding_ratio": self.max_padding_ratio,
         }
 
     @classmethod
@@ -320,8 +333,11 @@ class Snapshot:
         return filter_entries(self.entries, **filters)
 
     def explain(self, actual: BatchDescriptor) -> Explanation:
-        """How the snapshot's keys would serve ``actual`` (pending keys not included)."""
-        return Matcher(((e.key, e.strategy) for e in self.entries), self.preference or DEFAULT_PREFERENCE).explain(actual)
+        """How the snapshot's keys would serve ``actual`` under its padding cap (pending keys not included)."""
+        return Matcher(
+            ((e.key, e.strategy) for e in self.entries), self.preference or DEFAULT_PREFERENCE,
+            max_padding_tokens=self.max_padding_tokens, max_padding_ratio=self.max_padding_ratio,
+        ).explain(actual)
 
     def table(self, **filters: Any) -> str:
         lines = entries_table(self.filtered(**filters))

@@ -2,7 +2,10 @@
 
 Rule: among keys that cover the batch, the most preferred strategy wins; then
 the least padding (tokens, then requests, then LoRA slots); ties go to uniform
-keys, then to keys with an exact request count.  Pure: no plugin or torch import.
+keys, then to keys with an exact request count.  A matcher built with a padding
+cap (``max_padding_tokens``, ``max_padding_ratio``) refuses a strategy whose best
+key pads more token slots than the cap allows, and goes on to the next strategy
+(or to eager).  Pure: no plugin or torch import.
 
 Keys are grouped into *classes* that differ only in token (and request) count:
 (strategy, uniform, spec depth of uniform keys, LoRA count, exact-reqs).  Per
@@ -21,7 +24,7 @@ import attrs
 from cgregistry.descriptor import BatchDescriptor, Padding
 from cgregistry.text import text_table
 
-__all__ = ["DEFAULT_PREFERENCE", "Candidate", "Explanation", "Match", "Matcher", "excluded"]
+__all__ = ["DEFAULT_PREFERENCE", "Candidate", "Explanation", "Match", "Matcher", "PaddingCap", "excluded"]
 
 DEFAULT_PREFERENCE: tuple[str, ...] = ("full", "piecewise", "breakable")
 
@@ -82,6 +85,7 @@ class Explanation:
             f"matched {self.match.key} [{self.match.strategy}], padding {tuple(self.match.padding)}"
             if self.match
             else f"runs eagerly: {self.refused}" if self.refused
+            else "every covering key is excluded or over the padding cap (runs eagerly)" if any(c.covers for c in self.candidates)
             else "no covering key (runs eagerly)"
         )
         rows = [("", "key", "strategy", "padding (tok, req, lora)", "reason")]
@@ -89,6 +93,48 @@ class Explanation:
             pad = "-" if c.padding is None else str(tuple(c.padding))
             rows.append(("*" if c.chosen else "", str(c.key), c.strategy, pad, c.reason))
         return "\n".join([head, *text_table(rows)])
+
+
+@attrs.frozen(slots=True)
+class PaddingCap:
+    """The most token padding a key may add to a batch; None: no limit of that kind.
+
+    ``max_tokens``: padding token slots (``key.num_tokens - actual.num_tokens``).
+    ``max_ratio``: padding token slots per real token, so ``0.25`` lets a 16-token
+    batch take a 20-token key but not a 24-token one.  With both, a key must meet
+    both.  Why: the least-padding key of the preferred strategy can still be a poor
+    deal (a 129-token batch in a 256-token full graph computes twice the tokens);
+    with a cap the batch goes to a less padded key of the next strategy, or eager.
+    Only token padding is capped: request and LoRA padding cost little.
+    """
+
+    max_tokens: int | None = None
+    max_ratio: float | None = None
+
+    def __attrs_post_init__(self) -> None:
+        t = self.max_tokens
+        if t is not None and (type(t) is not int or t < 0):
+            raise ValueError(f"max_padding_tokens must be an int >= 0 or None, got {t!r}")
+        r = self.max_ratio
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < float("inf")):
+            raise ValueError(f"max_padding_ratio must be a finite number >= 0 (padding tokens per real token) or None, got {r!r}")
+
+    def __bool__(self) -> bool:
+        return self.max_tokens is not None or self.max_ratio is not None
+
+    def allows(self, pad_tokens: int, actual_tokens: int) -> bool:
+        """Whether a key adding ``pad_tokens`` slots to a batch of ``actual_tokens`` tokens is within the cap."""
+        if self.max_tokens is not None and pad_tokens > self.max_tokens:
+            return False
+        return self.max_ratio is None or pad_tokens <= self.max_ratio * actual_tokens
+
+    def describe(self) -> str:
+        parts = []
+        if self.max_tokens is not None:
+            parts.append(f"max_padding_tokens={self.max_tokens}")
+        if self.max_ratio is not None:
+            parts.append(f"max_padding_ratio={self.max_ratio:g}")
+        return ", ".join(parts) or "no cap"
 
 
 class _Class:
@@ -141,11 +187,18 @@ class _Class:
 
 
 class Matcher:
-    """Chooses covering keys; built once from (key, strategy) pairs."""
+    """Chooses covering keys; built once from (key, strategy) pairs.
+
+    ``preference``: strategy names, most preferred first (others follow in key order).
+    ``max_padding_tokens`` / ``max_padding_ratio``: a :class:`PaddingCap`; a strategy whose
+    best key pads more is skipped for that batch.  Both None (the default): no cap.
+    """
 
     def __init__(
-        self, keys: Iterable[tuple[BatchDescriptor, str]], preference: Sequence[str] = DEFAULT_PREFERENCE
+        self, keys: Iterable[tuple[BatchDescriptor, str]], preference: Sequence[str] = DEFAULT_PREFERENCE, *,
+        max_padding_tokens: int | None = None, max_padding_ratio: float | None = None,
     ) -> None:
+        self.cap = PaddingCap(max_padding_tokens, max_padding_ratio)  # validated before anything else is built
         pairs = list(dict.fromkeys(keys))
         self._pairs = pairs
         strategies = list(dict.fromkeys(s for _, s in pairs))
@@ -179,6 +232,10 @@ class Matcher:
     def preference(self) -> list[str]:
         """Strategy names, most preferred first."""
         return sorted(self._rank, key=self._rank.__getitem__)
+
+    def refused_for_padding(self, key: BatchDescriptor, actual: BatchDescriptor) -> bool:
+        """Whether this matcher's padding cap refuses ``key`` (which covers ``actual``)."""
+        return bool(self.cap) and not self.cap.allows(key.num_tokens - actual.num_tokens, actual.num_tokens)
 
     def _groups_for(self, actual: BatchDescriptor) -> list[list[_Class]]:
         sig = (actual.uniform, actual.spec_depth, actual.num_active_loras)
@@ -239,17 +296,21 @@ class Matcher:
                 if best_order is None or order < best_order:
                     best, best_order = key, order
             if best is not None:
+                # The best key has the group's least token padding: over the cap, the whole strategy is.
+                if self.cap and not self.cap.allows(best_order[0], actual.num_tokens):  # type: ignore[index]
+                    continue
                 # Each strategy has its own rank, so a group holds one strategy.
                 return Match(best, group[0].strategy, Padding(*best_order[:3]))  # type: ignore[index]
         return None
 
     def candidates(self, actual: BatchDescriptor, exclude: Iterable[str] = ()) -> list[Match]:
-        """Every covering key as a Match, best first by this matcher's rule (a scan: not for the hot path)."""
+        """Every key that may serve ``actual`` as a Match, best first by this matcher's rule (a scan: not for
+        the hot path); keys of excluded strategies and keys over the padding cap are left out."""
         skip = excluded(exclude)
         found = [
             (self._rank[strategy], _order(key, actual), Match(key, strategy, key.padding(actual)))
             for key, strategy in self._pairs
-            if strategy not in skip and key.covers(actual)
+            if strategy not in skip and key.covers(actual) and not self.refused_for_padding(key, actual)
         ]
         found.sort(key=lambda item: (item[0], item[1]))
         return [m for _, _, m in found]
@@ -268,8 +329,14 @@ class Matcher:
                 reason = f"covers, but strategy {strategy!r} is excluded for this call"
                 rows.append(((0, len(self._rank), *pad), Candidate(key, strategy, True, False, reason, pad)))
                 continue
+            if self.refused_for_padding(key, actual):
+                reason = f"covers, but pads {pad.tokens} tokens for {actual.num_tokens}: over the cap ({self.cap.describe()})"
+                rows.append(((0, self._rank[strategy], *pad), Candidate(key, strategy, True, False, reason, pad)))
+                continue
             if chosen is not None and (key, strategy) == (chosen.key, chosen.strategy):
                 reason = "chosen: " + ("most preferred strategy, least padding" if pad != (0, 0, 0) else "exact fit")
+                if self.cap and pad != (0, 0, 0):
+                    reason = "chosen: most preferred strategy within the padding cap, least padding"
                 rows.append(((0, -1), Candidate(key, strategy, True, True, reason, pad)))
                 continue
             assert chosen is not None

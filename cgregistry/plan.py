@@ -19,7 +19,8 @@ from cgregistry.fitting import fit_families
 from cgregistry.matcher import Matcher
 
 __all__ = [
-    "BUILTIN_RELAXES", "MODES", "CapturePlan", "PlanEntry", "PlanSettings", "UncoveredRange", "default_ladder", "lora_ladder",
+    "BUILTIN_RELAXES", "KEY_CLASSES", "MODES", "CapturePlan", "Downgrade", "PlanEntry", "PlanSettings", "UncoveredRange",
+    "default_ladder", "lora_ladder",
 ]
 
 Mode = Literal[
@@ -36,6 +37,63 @@ MODES: dict[str, tuple[str | None, str | None]] = {
     "full_and_piecewise": ("full", "piecewise"),
     "full_and_breakable": ("full", "breakable"),
 }
+
+# Batch classes a strategy may be unable to serve (``PlanSettings.unsupported``), nested like an attention
+# backend's graph support levels: a strategy that cannot serve spec decode cannot serve mixed batches either
+# (a mixed key serves uniform batches too), and one that cannot serve plain decode can serve none of them.
+KEY_CLASSES: dict[str, str] = {
+    "mixed": "mixed batches (prefill, chunked prefill, decode mixed with prefill)",
+    "spec_decode": "uniform spec-decode batches (spec depth > 0)",
+    "decode": "uniform single-token decode batches",
+}
+_IMPLIES = {"spec_decode": "mixed", "decode": "spec_decode"}
+
+
+@attrs.frozen(slots=True)
+class Downgrade:
+    """A key class moved off a strategy that declared it cannot serve it (``PlanSettings.unsupported``).
+
+    ``to`` is the strategy that serves the class instead (the mode's other strategy, when
+    it can), or None: those batches get no graph and run eagerly.
+    """
+
+    key_class: str  # a KEY_CLASSES name
+    strategy: str
+    to: str | None
+
+    def __str__(self) -> str:
+        to = "no graph (eager)" if self.to is None else f"{self.to} keys"
+        return f"{self.key_class} batches: {self.strategy} -> {to}, because {self.strategy} cannot serve {KEY_CLASSES[self.key_class]}"
+
+
+def _unsupported(value: object) -> dict[str, frozenset[str]]:
+    """``unsupported`` as {strategy: key classes}, checked: known class names, nested as KEY_CLASSES says."""
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"unsupported must map strategy names to key classes, e.g. {{'full': ('mixed',)}}, got {value!r}"
+        )
+    out: dict[str, frozenset[str]] = {}
+    for strategy, classes in value.items():
+        if not isinstance(strategy, str):
+            raise ValueError(f"unsupported: keys are strategy names, got {strategy!r}")
+        if isinstance(classes, str):
+            classes = (classes,)
+        if not isinstance(classes, Iterable):
+            raise ValueError(f"unsupported[{strategy!r}] must be key class names, got {classes!r}")
+        names = frozenset(classes)
+        bad = sorted(map(repr, names - KEY_CLASSES.keys()))
+        if bad:
+            raise ValueError(f"unsupported[{strategy!r}]: unknown key class {', '.join(bad)}; expected some of {', '.join(KEY_CLASSES)}")
+        for name in names:
+            implied = _IMPLIES.get(name)
+            if implied is not None and implied not in names:
+                raise ValueError(
+                    f"unsupported[{strategy!r}] = {sorted(names)}: a strategy that cannot serve {name!r} cannot serve "
+                    f"{implied!r} either (key classes nest: mixed, then spec_decode, then decode); add {implied!r}"
+                )
+        out[strategy] = names
+    return out
+
 
 # Spec depths for every batch size, or a schedule {largest request count: depths allowed up to it}.
 SpecDepths = Sequence[int] | Mapping[int, Sequence[int]]
@@ -171,6 +229,13 @@ class PlanSettings:
     the max capture size becomes a mixed key, which covers the uniform batches too.
     ``size_multiple``: every key's token count is a multiple of it (the tensor-parallel
     size under sequence parallelism).
+    ``unsupported``: ``{strategy: key classes}`` it cannot serve (``KEY_CLASSES``: "mixed",
+    "spec_decode", "decode"; an attention backend without full graphs for mixed batches
+    declares ``{"full": ["mixed"]}``).  Such a class moves to the mode's other strategy when
+    that one can serve it (full to piecewise or breakable), else it gets no graph (runs
+    eagerly); each move is a ``Downgrade`` in ``downgrades`` (and the plan's), which
+    ``cgregistry plan`` prints with its reason.  ``decode_strategy``, ``mixed_strategy`` and
+    ``uniform_depths`` (spec depths with uniform keys) are the strategies after the moves.
 
     The settings stay as given; what follows from them is in ``used_capture_sizes`` (the
     ladder of mixed token counts), ``used_max_capture_size``, ``used_lora_counts``,
@@ -192,6 +257,7 @@ class PlanSettings:
     plugins: Any = attrs.field(default=None, eq=False, repr=False)  # where non-built-in strategies are looked up
     separate_decode: bool = attrs.field(default=False, validator=_flag("separate_decode"))
     size_multiple: int = attrs.field(default=1, validator=_positive("size_multiple"))
+    unsupported: Mapping[str, Any] = attrs.field(factory=dict, converter=_unsupported)  # strategy -> KEY_CLASSES it cannot serve
     decode_strategy: str | None = attrs.field(init=False)
     mixed_strategy: str | None = attrs.field(init=False)
     mixed_relaxed: bool = attrs.field(init=False)  # mixed keys carry no request count
@@ -202,15 +268,20 @@ class PlanSettings:
     used_lora_counts: tuple[int, ...] = attrs.field(init=False)
     decode_reqs: Mapping[int, tuple[int, ...]] = attrs.field(init=False)  # spec depth -> request counts of uniform widths
     mixed_sizes: tuple[int, ...] = attrs.field(init=False)  # token counts of the mixed keys ``build`` captures
+    uniform_depths: frozenset[int] = attrs.field(init=False)  # spec depths whose uniform batches get uniform keys
+    downgrades: tuple[Downgrade, ...] = attrs.field(init=False)  # classes moved off a strategy by ``unsupported``
 
     def __attrs_post_init__(self) -> None:
         fix = functools.partial(object.__setattr__, self)
         decode, mixed = self._strategies()
+        widest = _depth_widest(self.spec_depths, self.max_num_seqs, self.max_num_tokens)
+        decode, mixed, spec_to_mixed, downgrades = self._downgraded(decode, mixed, widest)
+        fix("downgrades", downgrades)
+        fix("uniform_depths", frozenset() if decode is None else frozenset(d for d in widest if d == 0 or not spec_to_mixed))
         fix("decode_strategy", decode)
         fix("mixed_strategy", mixed)
         fix("mixed_relaxed", mixed is not None and self._relaxes(mixed))
         fix("folded", decode is not None and decode == mixed and not self.separate_decode)
-        widest = _depth_widest(self.spec_depths, self.max_num_seqs, self.max_num_tokens)
         fix("widest", widest)
         max_loras = self.max_loras
         if self.lora_counts is None:
@@ -274,10 +345,11 @@ class PlanSettings:
             reqs[depth] = tuple(sorted({r for r in counts if r <= w and r * q <= max(top, q)} | {w}))
         fix("decode_reqs", reqs)
         mixed_sizes = set(sizes)
-        if mixed is not None and (self.folded or (decode is None and default_sizes)):
-            # The mixed keys serve uniform batches too: give them the uniform widths that fit.
+        if mixed is not None:
+            # The mixed keys serve uniform batches of depths without uniform keys too: give them the uniform widths that fit.
             for depth, counts in reqs.items():
-                mixed_sizes |= {(1 + depth) * r for r in counts if (1 + depth) * r <= top}
+                if self.folded or (depth not in self.uniform_depths and default_sizes):
+                    mixed_sizes |= {(1 + depth) * r for r in counts if (1 + depth) * r <= top}
         fix("mixed_sizes", tuple(sorted(mixed_sizes)))
 
     def _strategies(self) -> tuple[str | None, str | None]:
@@ -294,6 +366,43 @@ class PlanSettings:
             if name is not None:
                 self._relaxes(name)
         return mode
+
+    def _downgraded(
+        self, decode: str | None, mixed: str | None, widest: Mapping[int, int]
+    ) -> tuple[str | None, str | None, bool, tuple[Downgrade, ...]]:
+        """The mode's strategies after ``unsupported``: (decode, mixed, spec decode served by mixed keys, downgrades).
+
+        A class a strategy cannot serve goes to the mode's other strategy when that one can
+        serve it (``full_and_piecewise``: full to piecewise), else it gets no graph.  Mixed
+        first: a ``full`` mode whose full graphs cannot take mixed batches keeps full decode keys.
+        """
+        cannot = self.unsupported
+        for name in cannot:
+            if name not in BUILTIN_RELAXES or self.plugins is not None:
+                try:
+                    self._relaxes(name)
+                except ValueError:
+                    raise ValueError(f"unsupported names strategy {name!r}, which is not registered (a typo?)") from None
+        found: list[Downgrade] = []
+
+        def other(strategy: str, key_class: str, candidate: str | None) -> str | None:
+            to = candidate if candidate != strategy and candidate is not None and key_class not in cannot.get(candidate, ()) else None
+            found.append(Downgrade(key_class, strategy, to))
+            return to
+
+        if mixed is not None and "mixed" in cannot.get(mixed, ()):
+            mixed = other(mixed, "mixed", decode if decode is not None and "mixed" not in cannot.get(decode, ()) else None)
+        if decode is not None and "decode" in cannot.get(decode, ()):
+            was = decode
+            decode = other(decode, "decode", mixed)
+            if any(d > 0 for d in widest):  # spec decode moves with plain decode (the classes nest)
+                found.append(Downgrade("spec_decode", was, decode))
+        spec_to_mixed = False
+        if decode is not None and "spec_decode" in cannot.get(decode, ()) and any(d > 0 for d in widest):
+            to = other(decode, "spec_decode", mixed)
+            spec_to_mixed = True  # uniform keys of depth > 0 are dropped; mixed keys (if any) serve those batches
+            assert to is None or to == mixed
+        return decode, mixed, spec_to_mixed, tuple(found)
 
     def _relaxes(self, strategy: str) -> bool:
         """The strategy's own ``relaxes_num_reqs``."""
@@ -331,6 +440,8 @@ class PlanSettings:
         for n_loras in self.used_lora_counts:
             if self.decode_strategy is not None:
                 for depth, counts in decode_reqs.items():
+                    if depth not in self.uniform_depths:
+                        continue  # downgraded: mixed keys serve these batches, or they run eagerly
                     for num_reqs in counts:
                         keys.append((BatchDescriptor.decode(num_reqs, depth, n_loras), self.decode_strategy))
             if self.mixed_strategy is not None:
@@ -342,6 +453,7 @@ class PlanSettings:
             max_num_seqs=self.max_num_seqs,
             max_num_tokens=self.max_num_tokens,
             decode_widest=self.widest,
+            downgrades=self.downgrades,
         )
 
 
@@ -357,6 +469,7 @@ class CapturePlan:
     max_num_seqs: int | None = None
     max_num_tokens: int | None = None
     decode_widest: Mapping[int, int] | None = None  # spec depth -> widest uniform batch the engine will send
+    downgrades: tuple[Downgrade, ...] = ()  # key classes the settings' ``unsupported`` moved off a strategy
 
     def __attrs_post_init__(self) -> None:
         seen: set[PlanEntry] = set()
@@ -377,8 +490,8 @@ class CapturePlan:
     def build(cls, *settings: Any, **fields: Any) -> CapturePlan:
         """Keys for an engine's settings: a ``PlanSettings``, or its fields (``max_num_seqs``,
         ``max_num_tokens``, ``mode``, ``capture_sizes``, ``max_capture_size``, ``spec_depths``,
-        ``lora_counts``, ``max_loras``, ``plugins``, ``separate_decode``, ``size_multiple``),
-        by keyword or in that order.
+        ``lora_counts``, ``max_loras``, ``plugins``, ``separate_decode``, ``size_multiple``,
+        ``unsupported``), by keyword or in that order.
 
         Uniform-decode keys carry an exact request count: for each spec depth ``d`` the
         request counts follow the ladder (1, 2, 4, 8, 16, 24, ...) while ``r * (1 + d)`` fits

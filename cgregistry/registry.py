@@ -44,17 +44,23 @@ from cgregistry.inspection import (
     filter_entries,
     stats_line,
 )
-from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Match
+from cgregistry.matcher import (
+    DEFAULT_PREFERENCE,
+    Explanation,
+    Match,
+    PaddingCap,
+    excluded,
+)
 from cgregistry.outputs import OutputAxes
 from cgregistry.plan import CapturePlan, PlanEntry
 from cgregistry.plugins import Plugins
-from cgregistry.routing import RouteTable, not_a_descriptor
+from cgregistry.routing import NO_EXCLUSION, RouteTable, Variant, not_a_descriptor
 from cgregistry.runtime import BreakContext
 
 __all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "Stats"]  # records re-exported
 
 _names = itertools.count(1)  # default registry names: registry-1, registry-2, ...
-_RESERVED_INPUT_NAMES = ("context", "group")  # keyword arguments of run() itself
+_RESERVED_INPUT_NAMES = ("context", "group", "exclude")  # keyword arguments of run() itself
 _WARN_ONCE = ("no_graphs", "above_capacity")  # misses that mean the engine is set up wrong, warned about once
 
 
@@ -89,6 +95,8 @@ class GraphRegistry:
         name: str | None = None,
         memory_budget: int | None = None,
         debug: bool = False,
+        max_padding_tokens: int | None = None,
+        max_padding_ratio: float | None = None,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable, got {step!r}")
@@ -96,6 +104,7 @@ class GraphRegistry:
         if type(warmup_runs) is not int or warmup_runs < 1:
             raise ValueError(f"warmup_runs must be an int >= 1, got {warmup_runs!r}")
         _check_budget(memory_budget)
+        cap = PaddingCap(max_padding_tokens, max_padding_ratio)
         for input_name, spec in inputs.items():
             if not isinstance(spec, StaticInput):
                 raise TypeError(f"inputs[{input_name!r}] must be a cgregistry.StaticInput, got {spec!r}")
@@ -121,8 +130,9 @@ class GraphRegistry:
             chooser = lambda actual, candidates: hook(registry=self, actual=actual, candidates=candidates)  # noqa: E731
             names = ", ".join(i.plugin_name for i in hook.get_hookimpls())
         self._routes = RouteTable(
-            self._buffers, self._store.entries, output_axes, self.preference, chooser, names if chooser else "", self._store.failures
+            self._buffers, self._store.entries, output_axes, self.preference, chooser, names if chooser else "", self._store.failures, cap
         )
+        self._exclusions: dict[Any, frozenset[str]] = {}  # exclude= values already checked, to their strategy sets
         self._route_cache = self._routes.cache  # the hot path's first lookup (cleared in place, never replaced)
         self._capture_payload: Any = None
         self.debug = bool(debug)
@@ -136,6 +146,11 @@ class GraphRegistry:
         self._warned: set[str] = set()  # miss reasons already warned about
         self._miss_observed = self.plugins.observed("cgregistry_miss")  # an unobserved miss costs nothing
         self.plugins.notify("cgregistry_registry_created", registry=self)
+
+    @property
+    def padding_cap(self) -> PaddingCap:
+        """The most token padding a key may add to a batch (``max_padding_tokens``, ``max_padding_ratio``)."""
+        return self._routes.cap
 
     @property
     def memory_budget(self) -> int | None:
@@ -275,7 +290,9 @@ class GraphRegistry:
 
     # ------------------------------------------------------------------ run
 
-    def run(self, actual: BatchDescriptor, /, *, context: Any = None, group: Any = None, **inputs: torch.Tensor) -> Any:
+    def run(
+        self, actual: BatchDescriptor, /, *, context: Any = None, group: Any = None, exclude: Any = None, **inputs: torch.Tensor
+    ) -> Any:
         """Match, copy in, pad, replay, and return outputs sliced to ``actual``.
 
         With no covering key, ``step(actual, **inputs)`` runs eagerly (counted).
@@ -287,6 +304,11 @@ class GraphRegistry:
         With ``group`` (a torch.distributed process group), every rank of the
         group replays the same key: the one for the descriptor all their
         batches fit in (:func:`cgregistry.distributed.agree`, one collective).
+        ``exclude`` (a tuple, list or set of strategy names) keeps this call off those
+        strategies: ``exclude=("full",)`` is vLLM's ``disable_full``, for a step that runs
+        cascade attention; a batch whose covering keys are all excluded runs eagerly
+        (counted as an ``excluded`` miss).  Such runs have their own route cache, so a
+        run without ``exclude`` costs what it did.
         """
         if not self._running.acquire(False):
             raise ConcurrentRunError(
@@ -294,25 +316,53 @@ class GraphRegistry:
                 "and graph outputs serve one step at a time; give each thread its own registry or serialise the calls"
             )
         try:
-            if group is not None:
-                agreed = agree(actual, group)
+            if group is not None or exclude is not None:
+                skip = NO_EXCLUSION if exclude is None else self._exclusion(exclude)
+                if group is None and not skip:
+                    variant = None  # exclude=(): a plain run
+                else:
+                    variant = Variant(None if group is None else agree(actual, group), skip)
                 if self.debug:
-                    return self._run_debug(actual, context, inputs, agreed)
-                return self._run(actual, context, inputs, agreed)
+                    return self._run_debug(actual, context, inputs, variant)
+                return self._run(actual, context, inputs, variant)
             if self.debug:
                 return self._run_debug(actual, context, inputs, None)
             return self._run(actual, context, inputs)
         finally:
             self._running.release()
 
-    def _run(self, actual: BatchDescriptor, context: Any, inputs: dict[str, torch.Tensor], agreed: BatchDescriptor | None = None) -> Any:
+    def _exclusion(self, exclude: Any) -> frozenset[str]:
+        """``run(exclude=...)`` checked once per distinct value: a collection of registered strategy names."""
+        try:
+            return self._exclusions[exclude]
+        except (KeyError, TypeError):  # not seen yet, or unhashable (a list): check it
+            pass
+        if not isinstance(exclude, (tuple, list, set, frozenset)):
+            raise TypeError(
+                f"exclude must be a tuple, list or set of strategy names, e.g. exclude=('full',); got {exclude!r}"
+                f" ({type(exclude).__name__}); strategies: {', '.join(sorted(self.plugins.strategies))}"
+            )
+        names = excluded(exclude)
+        unknown = sorted(n for n in names if n not in self.plugins.strategies)
+        if unknown:
+            raise ValueError(
+                f"exclude={exclude!r} names {', '.join(map(repr, unknown))}, not a registered strategy; "
+                f"strategies: {', '.join(sorted(self.plugins.strategies))}"
+            )
+        if isinstance(exclude, (tuple, frozenset)):
+            if len(self._exclusions) >= 256:
+                self._exclusions.clear()
+            self._exclusions[exclude] = names
+        return names
+
+    def _run(self, actual: BatchDescriptor, context: Any, inputs: dict[str, torch.Tensor], variant: Variant | None = None) -> Any:
         """The hot path, top to bottom: route, check, (capture lazily,) copy in, replay, count, hand out."""
         try:
-            route = self._route_cache.get(actual) if agreed is None else self._routes.group_cache.get((actual, agreed))
+            route = self._route_cache.get(actual) if variant is None else self._routes.variant_cache.get((actual, variant))
         except TypeError:  # unhashable: not a descriptor
             raise not_a_descriptor(actual) from None
         if route is None:
-            route = self._routes.route(actual, agreed)
+            route = self._routes.route(actual, variant)
         # Every input is checked before anything is touched, on the graph and the eager path alike.
         if len(inputs) != len(route.copies):
             raise self._bad_names(inputs)
@@ -328,7 +378,7 @@ class GraphRegistry:
                 inputs = {name: value.clone() for name, value in inputs.items()}
                 while route.pending is not None:  # a failed lazy capture drops its key: the next best may be pending too
                     self._capture_lazily(route.pending)
-                    route = self._routes.route(actual, agreed)
+                    route = self._routes.route(actual, variant)
                 entry = route.entry
             if entry is None:
                 return self._miss(actual, inputs, context, route.miss_reason)
@@ -355,7 +405,7 @@ class GraphRegistry:
             return out.detach()  # a fresh view per run: a caller's unsqueeze_() or t_() stays with the caller
         return entry.slicer.sliced(route.out_rows)
 
-    def _run_debug(self, actual: BatchDescriptor, context: Any, inputs: dict[str, torch.Tensor], agreed: BatchDescriptor | None) -> Any:
+    def _run_debug(self, actual: BatchDescriptor, context: Any, inputs: dict[str, torch.Tensor], variant: Variant | None) -> Any:
         """``_run`` with debug checks: moved tensors before replay, stale outputs after.
 
         An output passed back as the next input is read before this run overwrites it; a run
@@ -366,12 +416,12 @@ class GraphRegistry:
         if self._store.entries:  # with no graph, nothing reads the watched addresses yet
             self._addresses.check()
         inputs = {name: plain(value) for name, value in inputs.items()}
-        route = self._routes.route(actual, agreed)  # to know whether this run can touch graph memory at all
+        route = self._routes.route(actual, variant)  # to know whether this run can touch graph memory at all
         clock = self._run_clock
         clock[0] += 1
         eager_before = self._store.eager_fallbacks
         try:
-            out = self._run(actual, context, inputs, agreed)
+            out = self._run(actual, context, inputs, variant)
         except Exception as exc:
             if isinstance(exc, InputError) or (route.entry is None and route.pending is None):
                 clock[0] -= 1  # refused before anything ran, or refused by the eager step: nothing was overwritten
@@ -501,27 +551,31 @@ class GraphRegistry:
 
     # ------------------------------------------------------------------ inspection
 
-    def match(self, actual: BatchDescriptor, *, group: Any = None) -> Match | None:
+    def match(self, actual: BatchDescriptor, *, group: Any = None, exclude: Any = None) -> Match | None:
         """The key, strategy and padding ``run`` would use for ``actual`` (None: eager).
 
         With ``group``, the match for the descriptor every rank's batch fits in (a
         collective: every rank must call it); its padding is relative to that descriptor.
+        ``exclude`` as for ``run``.
         """
+        skip = NO_EXCLUSION if exclude is None else self._exclusion(exclude)
         if group is not None:
             actual = agree(actual, group)
+        variant = Variant(None, skip) if skip else None
         try:
-            route = self._routes.cache.get(actual)
+            route = self._routes.cache.get(actual) if variant is None else self._routes.variant_cache.get((actual, variant))
         except TypeError:  # unhashable: not a descriptor
             raise not_a_descriptor(actual) from None
         if route is None:
-            route = self._routes.route(actual)
+            route = self._routes.route(actual, variant)
         return route.match
 
-    def explain(self, actual: BatchDescriptor) -> Explanation:
-        """Every captured key and why it won or lost for ``actual``; ``str()`` gives a table."""
+    def explain(self, actual: BatchDescriptor, *, exclude: Any = None) -> Explanation:
+        """Every captured key and why it won or lost for ``actual`` (``exclude`` as for ``run``): excluded keys
+        and keys over the padding cap are listed with their reason; ``str()`` gives a table."""
         if not isinstance(actual, BatchDescriptor):
             raise not_a_descriptor(actual)
-        return self._routes.explain(actual)
+        return self._routes.explain(actual, NO_EXCLUSION if exclude is None else self._exclusion(exclude))
 
     def entries(self, **filters: Any) -> list[EntryInfo]:
         """Captured entries as frozen records, largest first.
@@ -572,6 +626,8 @@ class GraphRegistry:
             memory_bytes=self.memory_bytes(),
             pending=tuple(self._store.pending),
             failures={f"{k} [{s}]": f"{type(e).__name__}: {e}" for (k, s), e in self._store.failures.items()},
+            max_padding_tokens=self._routes.cap.max_tokens,
+            max_padding_ratio=self._routes.cap.max_ratio,
         ).to_dict()
 
     def table(self, *, used_only: bool = False, sort: str = "key") -> str:

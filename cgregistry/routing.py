@@ -4,30 +4,44 @@ A *route* holds everything the hot path needs for one shape: the entry to replay
 (or the lazy key to capture first, or nothing: eager), the rows to copy per
 input, and the sliced outputs.  Routes come from the matcher (or a
 ``cgregistry_choose_match`` plugin) and are cached until the entries change.
-A group's routes are keyed by (own batch, agreed batch): the key comes from the
-agreed batch, the rows from the rank's own.  Knows nothing of the registry.
+Routes of a plain ``run(actual)`` are cached by actual batch alone (the hot
+path's one dict lookup).  Any other run is a *variant*: a group's agreed batch
+and/or strategies excluded for the call; its routes are cached apart, keyed by
+(own batch, Variant): the key comes from the agreed batch, the rows from the
+rank's own, the match skips the excluded strategies.  Knows nothing of the registry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import attrs
 
 from cgregistry.buffers import InputError, StaticBuffer, describe_rows, rows_for
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry, Pair
-from cgregistry.matcher import Explanation, Match, Matcher
+from cgregistry.matcher import Explanation, Match, Matcher, PaddingCap
 from cgregistry.outputs import OutputAxes
 from cgregistry.plugins import PluginError
 from cgregistry.runtime import BreakContext
 
-__all__ = ["ROUTE_CACHE_LIMIT", "Route", "RouteTable", "not_a_descriptor"]
+__all__ = ["NO_EXCLUSION", "ROUTE_CACHE_LIMIT", "Route", "RouteTable", "Variant", "not_a_descriptor"]
 
 # Distinct actual shapes remembered per cache before it starts over.
 ROUTE_CACHE_LIMIT = 1 << 16
 
 Chooser = Callable[[BatchDescriptor, list[Match]], object]  # a policy plugin's answer (checked here)
+
+
+NO_EXCLUSION: frozenset[str] = frozenset()
+
+
+class Variant(NamedTuple):
+    """What makes a run other than a plain ``run(actual)``: a group's agreed batch, excluded strategies."""
+
+    agreed: BatchDescriptor | None
+    exclude: frozenset[str] = NO_EXCLUSION
 
 
 def not_a_descriptor(value: object) -> TypeError:
@@ -64,13 +78,14 @@ class RouteTable:
     """The matcher over the store's keys, and the routes built from it."""
 
     __slots__ = (
-        "_buffers", "_entries", "_failures", "_keys", "_output_axes", "_chooser", "_chooser_names", "preference", "matcher", "cache", "group_cache",
+        "_buffers", "_entries", "_failures", "_pairs", "_output_axes", "_chooser", "_chooser_names", "preference", "cap", "matcher", "cache",
+        "variant_cache",
     )
 
     def __init__(
         self, buffers: Mapping[str, StaticBuffer], entries: Mapping[Pair, Entry], output_axes: OutputAxes,
         preference: Sequence[str], chooser: Chooser | None = None, chooser_names: str = "",
-        failures: Mapping[Pair, BaseException] | None = None,
+        failures: Mapping[Pair, BaseException] | None = None, cap: PaddingCap = PaddingCap(),
     ) -> None:
         self._buffers = tuple(buffers.values())
         self._entries = entries  # the store's live dict
@@ -79,20 +94,24 @@ class RouteTable:
         self._chooser = chooser
         self._chooser_names = chooser_names
         self.preference = tuple(preference)
-        self.matcher = Matcher((), self.preference)
-        self._keys: list[BatchDescriptor] = []  # every key the matcher chooses from (captured or pending)
-        self.cache: dict[BatchDescriptor, Route] = {}  # by actual batch
-        self.group_cache: dict[tuple[BatchDescriptor, BatchDescriptor], Route] = {}  # by (actual, agreed)
+        self.cap = cap
+        self.matcher = self._matcher(())
+        self._pairs: list[Pair] = []  # every (key, strategy) the matcher chooses from (captured or pending)
+        self.cache: dict[BatchDescriptor, Route] = {}  # plain runs, by actual batch
+        self.variant_cache: dict[tuple[BatchDescriptor, Variant], Route] = {}  # other runs, by (actual, variant)
+
+    def _matcher(self, pairs: Sequence[Pair]) -> Matcher:
+        return Matcher(pairs, self.preference, max_padding_tokens=self.cap.max_tokens, max_padding_ratio=self.cap.max_ratio)
 
     def rebuild(self, pairs: Sequence[Pair]) -> None:
         """A new matcher over ``pairs``; every cached route is dropped (the caches are cleared in place)."""
-        self.matcher = Matcher(pairs, self.preference)
-        self._keys = [key for key, _ in pairs]
+        self.matcher = self._matcher(pairs)
+        self._pairs = list(pairs)
         self.cache.clear()
-        self.group_cache.clear()
+        self.variant_cache.clear()
 
-    def route(self, actual: BatchDescriptor, agreed: BatchDescriptor | None = None) -> Route:
-        """Build and cache the route for ``actual`` (keyed by the ``agreed`` batch of a group, if given)."""
+    def route(self, actual: BatchDescriptor, variant: Variant | None = None) -> Route:
+        """Build and cache the route for ``actual`` (under ``variant``: a group's agreed batch, excluded strategies)."""
         if not isinstance(actual, BatchDescriptor):
             raise not_a_descriptor(actual)
         copies = []
@@ -104,12 +123,16 @@ class RouteTable:
         out_rows = self._output_axes.rows(actual)
         if out_rows is None:
             raise InputError(f"output_axis={self._output_axes.given!r} needs the batch's request count; {actual} gives none")
+        target, exclude = actual, NO_EXCLUSION
+        if variant is not None:
+            target = actual if variant.agreed is None else variant.agreed
+            exclude = variant.exclude
         fits = self.too_large(actual) is None  # more requests than a relaxed key's buffers hold: eager
-        match = self.choose(actual if agreed is None else agreed) if fits else None
+        match = self.choose(target, exclude) if fits else None
         entry = self._entries.get((match.key, match.strategy)) if match is not None else None
-        reason = None if match is not None else self.miss_reason(actual if agreed is None else agreed)
+        reason = None if match is not None else self.miss_reason(target, exclude)
         route = Route(actual, entry, match, tuple(copies), out_rows, reason)
-        cache, cache_key = (self.cache, actual) if agreed is None else (self.group_cache, (actual, agreed))
+        cache, cache_key = (self.cache, actual) if variant is None else (self.variant_cache, (actual, variant))
         if len(cache) >= ROUTE_CACHE_LIMIT:
             cache.clear()
         cache[cache_key] = route  # type: ignore[index]
@@ -123,32 +146,41 @@ class RouteTable:
                 return f"{describe_rows(buf.spec.axis, rows)} do not fit static input {buf.name!r}, which holds {buf.capacity}"
         return None
 
-    def miss_reason(self, actual: BatchDescriptor) -> str:
-        """Why no key serves ``actual`` (a ``MISS_REASONS`` key); computed once per route, off the hot path."""
+    def miss_reason(self, actual: BatchDescriptor, exclude: frozenset[str] = NO_EXCLUSION) -> str:
+        """Why no key serves ``actual`` (a ``MISS_REASONS`` key); computed once per route, off the hot path.
+
+        A key covers the batch yet none serves it: the padding cap refused every allowed
+        strategy (``padding_cap``), or every covering key's strategy is excluded (``excluded``).
+        """
         if self.too_large(actual) is not None:
             return "above_capacity"
-        keys = self._keys
-        if not keys:
+        pairs = self._pairs
+        if not pairs:
             return "no_graphs" if not self._failures else "failed"
+        covering = {strategy for key, strategy in pairs if key.covers(actual)}
+        if covering - exclude:
+            return "padding_cap"
+        if covering:
+            return "excluded"
         if any(key.covers(actual) for key, _ in self._failures):
             return "failed"
-        return "above_largest_key" if any(_same_kind(key, actual) for key in keys) else "no_key_for_class"
+        return "above_largest_key" if any(_same_kind(key, actual) for key, _ in pairs) else "no_key_for_class"
 
-    def explain(self, actual: BatchDescriptor) -> Explanation:
+    def explain(self, actual: BatchDescriptor, exclude: frozenset[str] = NO_EXCLUSION) -> Explanation:
         """The matcher's explanation, refused as a whole when no graph can take the batch."""
-        explanation = self.matcher.explain(actual)
+        explanation = self.matcher.explain(actual, exclude)
         refused = self.too_large(actual)
         if refused is None:
             return explanation
         candidates = tuple(attrs.evolve(c, chosen=False) for c in explanation.candidates)
         return attrs.evolve(explanation, match=None, candidates=candidates, refused=refused)
 
-    def choose(self, actual: BatchDescriptor) -> Match | None:
-        """The matcher's best covering key, unless a policy plugin picks another candidate."""
-        match = self.matcher.match(actual)
+    def choose(self, actual: BatchDescriptor, exclude: frozenset[str] = NO_EXCLUSION) -> Match | None:
+        """The matcher's best covering key (outside ``exclude``), unless a policy plugin picks another candidate."""
+        match = self.matcher.match(actual, exclude)
         if match is None or self._chooser is None:
             return match
-        candidates = self.matcher.candidates(actual)
+        candidates = self.matcher.candidates(actual, exclude)
         choice = self._chooser(actual, candidates)
         if choice is None:
             return match
