@@ -73,6 +73,13 @@ class EntryStore:
         self.misses_by_reason = dict.fromkeys(MISS_REASONS, 0)
         self.lazy_captures = self.evictions = 0
 
+    def count_miss(self, actual: BatchDescriptor, reason: str | None) -> None:
+        """A batch no graph served: counted by kind, and by reason (a ``MISS_REASONS`` key) when one is known."""
+        self.misses += 1
+        self.misses_by_kind["uniform" if actual.uniform else "mixed"] += 1
+        if reason is not None:
+            self.misses_by_reason[reason] += 1
+
     # ---------------------------------------------------------------- membership
 
     def pairs(self) -> list[Pair]:

@@ -431,14 +431,10 @@ class GraphRegistry:
         return checked(out, clock[0], clock)
 
     def _miss(self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any, reason: str | None) -> Any:
-        store = self._store
-        store.misses += 1
-        store.misses_by_kind["uniform" if actual.uniform else "mixed"] += 1
-        if reason is not None:
-            store.misses_by_reason[reason] += 1
-            if reason in _WARN_ONCE and reason not in self._warned:
-                self._warned.add(reason)
-                self._warn_miss(actual, reason)
+        self._store.count_miss(actual, reason)
+        if reason in _WARN_ONCE and reason not in self._warned:
+            self._warned.add(reason)
+            self._warn_miss(actual, reason)
         if self._miss_observed:
             self.plugins.notify("cgregistry_miss", registry=self, actual=actual)
         return self._eager(actual, inputs, context)
@@ -480,9 +476,7 @@ class GraphRegistry:
         the entry is broken: it is removed, and the eager result is returned.
         """
         out = self._eager(actual, inputs, context)  # raises (and counts) when the batch is at fault
-        self._store.misses += 1  # the step ran eagerly: a miss, for the broken entry
-        self._store.misses_by_kind["uniform" if actual.uniform else "mixed"] += 1
-        self._store.misses_by_reason["failed"] += 1
+        self._store.count_miss(actual, "failed")  # the step ran eagerly: a miss, for the broken entry
         self._store.fail(entry, error)
         self._routes.rebuild(self._store.pairs())
         warnings.warn(
