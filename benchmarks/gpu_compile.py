@@ -26,7 +26,7 @@ from cgregistry import BatchDescriptor as B
 from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs, random_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from timing import per_call_us  # noqa: E402
+from timing import per_call_us, reduce_overhead_warmed  # noqa: E402
 
 
 def main() -> None:
@@ -79,16 +79,7 @@ def main() -> None:
         us, err = per_step(lambda b=batch, i=inputs[label]: reg.run(b, **i), batch, inputs[label])
         reg_rows[label] = (strategy, us, err)
 
-    ro = torch.compile(fn, mode="reduce-overhead", dynamic=True)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for n in sizes:
-            warm_inputs = random_batch(cfg, B(n, min(n, cfg.max_num_seqs)), "cuda", gen)
-            for _ in range(3):
-                ro(**warm_inputs)
-    torch.cuda.synchronize()
-    ro_startup = time.perf_counter() - start
+    ro, ro_startup = reduce_overhead_warmed(fn, cfg, sizes, gen)
     ro_rows = {label: per_step(lambda i=inputs[label]: ro(**i), batch, inputs[label]) for label, batch in batches.items()}
     # The registry's graphs after reduce-overhead's warm-up and recordings (which clear cuBLAS's workspaces).
     after = {label: per_step(lambda b=batch, i=inputs[label]: reg.run(b, **i), batch, inputs[label])[1]
@@ -110,12 +101,7 @@ def main() -> None:
 def ro_first_check(args: argparse.Namespace, cfg: DemoConfig, model: DemoDecoder, fn: object, plan: cg.CapturePlan,
                    sizes: list[int], gen: torch.Generator) -> None:
     """Reduce-overhead's warm-up and recordings first, then the registry: every replay checked against eager."""
-    ro = torch.compile(fn, mode="reduce-overhead", dynamic=True)
-    with torch.inference_mode():
-        for n in sizes:
-            warm_inputs = random_batch(cfg, B(n, min(n, cfg.max_num_seqs)), "cuda", gen)
-            for _ in range(3):
-                ro(**warm_inputs)
+    ro, _ = reduce_overhead_warmed(fn, cfg, sizes, gen)
     reg = cg.GraphRegistry(lambda batch, **inputs: compiled(**inputs), demo_inputs(cfg), backend="cuda")
     compiled = reg.compile(fn, inductor=True)
     worst = 0.0

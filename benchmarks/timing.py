@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -53,3 +53,21 @@ def static_graph(
         return out
 
     return run
+
+
+def reduce_overhead_warmed(model: Callable[..., object], cfg: object, sizes: Iterable[int], gen: torch.Generator) -> tuple[Callable[..., object], float]:
+    """``torch.compile(model, mode="reduce-overhead", dynamic=True)`` warmed up at each token size (three calls
+    per size: what records its graph) on the demo decoder's random batches, and the seconds that took."""
+    from cgregistry import BatchDescriptor
+    from cgregistry.demo_model import random_batch
+
+    ro = torch.compile(model, mode="reduce-overhead", dynamic=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for n in sizes:
+            inputs = random_batch(cfg, BatchDescriptor(n, min(n, cfg.max_num_seqs)), "cuda", gen)  # type: ignore[attr-defined]
+            for _ in range(3):
+                ro(**inputs)
+    torch.cuda.synchronize()
+    return ro, time.perf_counter() - start
