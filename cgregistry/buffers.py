@@ -230,6 +230,10 @@ class StaticBuffer:
             self._shapes[rows] = v.shape
         return v
 
+    def sized(self, rows: int) -> StaticBuffer:
+        """A new buffer like this one holding ``rows`` rows, at the capture fill (a background entry's own input)."""
+        return StaticBuffer(self.name, attrs.evolve(self.spec, shape=(rows, *self.spec.shape[1:])), self._device)
+
     def reset(self) -> None:
         """Every row back to the capture fill: what warm-up and capture run on, never an earlier batch."""
         self.tensor.fill_(self.spec.capture_fill)

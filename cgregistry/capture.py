@@ -30,7 +30,7 @@ from cgregistry.outputs import OutputAxes, OutputError, OutputSlicer, flatten
 from cgregistry.plugins import PluginError
 from cgregistry.runtime import BreakContext
 
-__all__ = ["CaptureError", "EntryCapture", "frozen_gc"]
+__all__ = ["CaptureError", "EntryCapture", "frozen_gc", "paused_gc"]
 
 
 class CaptureError(CgregistryError, RuntimeError):
@@ -77,11 +77,24 @@ class EntryCapture:
         rows = rows_for(buf.spec.axis, key)
         return buf.capacity if rows is None else rows  # relaxed keys see every request slot
 
-    def capture(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any) -> Entry:
-        """Warm up and capture ``step(key, **views)`` with ``strategy``; ``payload`` is what eager breaks see."""
-        for buf in self._buffers.values():
-            buf.reset()  # never an earlier batch's rows: the step may write engine state at them
-        views = {name: buf.view(self._key_rows(buf, key)) for name, buf in self._buffers.items()}
+    def capture(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, *, background: bool = False) -> Entry:
+        """Warm up and capture ``step(key, **views)`` with ``strategy``; ``payload`` is what eager breaks see.
+
+        ``background``: captured beside a serving thread.  The entry gets static inputs of its own
+        (sized for the key, at their fills), since the shared ones hold the live batch being served;
+        and a strategy that runs eager code during capture (breaks) gets a pool of its own, since
+        that code really executes and could write memory a graph being replayed now is using.
+        """
+        buffers = self._buffers
+        pool = self.pool
+        if background:
+            buffers = {name: buf.sized(self._key_rows(buf, key)) for name, buf in buffers.items()}
+            if not getattr(strategy, "whole_graph", False):
+                pool = self.backend.new_pool()
+        else:
+            for buf in buffers.values():
+                buf.reset()  # never an earlier batch's rows: the step may write engine state at them
+        views = {name: buf.view(self._key_rows(buf, key)) for name, buf in buffers.items()}
         step = self._step
 
         def body() -> Any:
@@ -91,12 +104,13 @@ class EntryCapture:
         token = runtime.batch.set(BreakContext(key, key, payload))
         rows_token = runtime.axis_rows.set(frozenset(v.shape[0] for v in views.values()) | {key.num_tokens})
         strategy_token = runtime.capture_strategy.set(strategy)
+        background_token = runtime.background_capture.set(background)
         try:
             with torch.inference_mode():
                 warm_leaves, spec = flatten(self.backend.warmup(body, self._warmup_runs))
                 self._check_outputs(warm_leaves, spec, key)
                 del warm_leaves
-                graph, out = strategy.capture(body, self.backend, self.pool)
+                graph, out = strategy.capture(body, self.backend, pool)
                 leaves, captured_spec = flatten(out)
                 del out
                 if captured_spec != spec:
@@ -105,14 +119,19 @@ class EntryCapture:
                 _check_memory_bytes(graph, strategy_name)
             self.backend.synchronize()
         except Exception as exc:
-            self.pool = self.backend.recover_pool(self.pool)
+            if pool is self.pool:
+                self.pool = self.backend.recover_pool(self.pool)
             raise CaptureError(key, strategy_name, exc) from exc
         finally:
+            runtime.background_capture.reset(background_token)
             runtime.capture_strategy.reset(strategy_token)
             runtime.axis_rows.reset(rows_token)
             runtime.batch.reset(token)
         seconds = time.perf_counter() - started
-        return Entry(key, strategy_name, graph, OutputSlicer(self.backend.share_outputs(leaves), spec), seconds)
+        entry = Entry(key, strategy_name, graph, OutputSlicer(self.backend.share_outputs(leaves), spec), seconds)
+        if background:
+            entry.buffers = tuple(buffers.values())  # in the registry's input order, as routes copy them
+        return entry
 
     def _check_outputs(self, leaves: list[torch.Tensor], spec: Any, key: BatchDescriptor) -> None:
         if not leaves:
@@ -144,5 +163,21 @@ def frozen_gc() -> Iterator[None]:
     finally:
         if freeze:
             gc.unfreeze()
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No garbage collection while one entry is captured beside a serving thread.
+
+    ``frozen_gc`` collects first, which would hold the GIL (and stall the serving
+    thread) for as long as a full collection takes; this only pauses the collector.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
         if enabled:
             gc.enable()

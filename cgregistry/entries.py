@@ -23,7 +23,7 @@ class Entry:
 
     __slots__ = (
         "key", "strategy", "graph", "replay", "slicer", "capture_seconds", "memory_bytes",
-        "replays", "padded_tokens", "graph_tokens", "last_step", "key_class", "has_breaks",
+        "replays", "padded_tokens", "graph_tokens", "last_step", "key_class", "has_breaks", "buffers",
     )
 
     def __init__(self, key: BatchDescriptor, strategy: str, graph: Any, slicer: OutputSlicer, seconds: float) -> None:
@@ -40,6 +40,7 @@ class Entry:
         self.last_step = 0
         self.key_class = key_class(key, strategy)
         self.has_breaks = bool(getattr(graph, "breaks", 0))  # eager breaks read current_batch() at replay
+        self.buffers: tuple[Any, ...] | None = None  # static inputs of its own (captured in the background), else shared
 
     @property
     def pair(self) -> Pair:
@@ -52,6 +53,7 @@ class EntryStore:
     __slots__ = (
         "entries", "pending", "failures", "memory_budget", "_retired", "clock", "misses", "eager_fallbacks",
         "eager_tokens", "bad_batches", "misses_by_kind", "misses_by_reason", "lazy_captures", "evictions",
+        "background_captures",
     )
 
     def __init__(self, memory_budget: int | None) -> None:
@@ -71,7 +73,7 @@ class EntryStore:
         self.misses = self.eager_fallbacks = self.eager_tokens = self.bad_batches = 0
         self.misses_by_kind = {"uniform": 0, "mixed": 0}
         self.misses_by_reason = dict.fromkeys(MISS_REASONS, 0)
-        self.lazy_captures = self.evictions = 0
+        self.lazy_captures = self.evictions = self.background_captures = 0
 
     def count_miss(self, actual: BatchDescriptor, reason: str | None) -> None:
         """A batch no graph served: counted by kind, and by reason (a ``MISS_REASONS`` key) when one is known."""
@@ -179,4 +181,5 @@ class EntryStore:
             lazy_captures=self.lazy_captures,
             evictions=self.evictions,
             misses_by_reason=dict(self.misses_by_reason),
+            background_captures=self.background_captures,
         )

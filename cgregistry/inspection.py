@@ -78,6 +78,7 @@ MISS_REASONS = {
     "failed": "the key that would serve it failed (at capture or replay) and was removed",
     "excluded": "every key covering it belongs to a strategy the call excluded (run(..., exclude=...))",
     "padding_cap": "keys cover it, but each allowed strategy's best key pads more than the registry's padding cap",
+    "capturing": "a key that covers it is still being captured in the background (capture(..., background=True))",
 }
 
 
@@ -99,6 +100,7 @@ class Stats:
     lazy_captures: int = 0  # entries captured on a first miss
     evictions: int = 0  # entries dropped to stay under the memory budget
     misses_by_reason: Mapping[str, int] = attrs.field(factory=dict)  # MISS_REASONS: why each miss ran eagerly
+    background_captures: int = 0  # entries captured beside the serving thread and installed
 
     @property
     def hit_rate(self) -> float:
@@ -302,6 +304,7 @@ class Snapshot:
     schema: int = SNAPSHOT_SCHEMA
     max_padding_tokens: int | None = None  # the registry's padding cap, so explain() refuses what it refused
     max_padding_ratio: float | None = None
+    capturing: tuple[tuple[BatchDescriptor, str], ...] = ()  # keys queued or being captured in the background
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -318,6 +321,7 @@ class Snapshot:
             "failures": dict(self.failures),
             "max_padding_tokens": self.max_padding_tokens,
             "max_padding_ratio": self.max_padding_ratio,
+            "capturing": [{"key": attrs.asdict(k), "strategy": s} for k, s in self.capturing],
         }
 
     @classmethod

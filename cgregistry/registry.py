@@ -15,6 +15,7 @@ import _thread
 import gc
 import itertools
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
@@ -23,8 +24,9 @@ from typing import Any
 import torch
 
 from cgregistry import runtime
+from cgregistry.background import CaptureWorker
 from cgregistry.buffers import InputError, StaticBuffer, StaticInput
-from cgregistry.capture import CaptureError, EntryCapture, frozen_gc
+from cgregistry.capture import CaptureError, EntryCapture, frozen_gc, paused_gc
 from cgregistry.compiler import (
     DEFAULT_MAX_TRACES,
     PiecewiseCompiler,
@@ -143,6 +145,9 @@ class GraphRegistry:
             self._addresses.watch(owner, prefix="step.")  # a model as the step: its weights are what graphs read
         self._run_clock = [0]  # run() count, for debug mode's stale-output check
         self._running = _thread.allocate_lock()
+        self._capture_lock = threading.Lock()  # one capture at a time: the serving thread's or the background worker's
+        self._worker: CaptureWorker | None = None  # created by the first capture(..., background=True)
+        self._background: CaptureWorker | None = None  # the worker while it has work or results to install (run() checks)
         self._warned: set[str] = set()  # miss reasons already warned about
         self._miss_observed = self.plugins.observed("cgregistry_miss")  # an unobserved miss costs nothing
         self.plugins.notify("cgregistry_registry_created", registry=self)
@@ -196,6 +201,7 @@ class GraphRegistry:
         progress: bool | None = None,
         lazy: bool = False,
         context: Any = None,
+        background: bool = False,
     ) -> list[EntryInfo]:
         """Capture every entry of ``plan`` not yet captured, in plan order (largest first).
 
@@ -206,12 +212,25 @@ class GraphRegistry:
         match for (counted in ``stats().lazy_captures``).  ``context`` is the payload
         eager breaks see through ``current_batch()`` while capturing: it must describe
         the all-padding batch capture runs on (see docs/integration.md).
+
+        With ``background=True`` it returns at once and a capture thread takes the entries
+        one by one (the largest key of each kind first, then the rest from the smallest up),
+        while ``run()`` serves every batch (from the graphs already installed, else
+        eagerly, counted as a ``capturing`` miss); each entry goes live at the start of the
+        first ``run()`` after its capture.  ``wait_captured()`` waits for all of them.  What
+        the engine must not do meanwhile: docs/background.md.
         """
-        self._capture_payload = context
+        if lazy and background:
+            raise ValueError("capture(lazy=True, background=True): choose one; lazy captures a key at its first use, background ahead of it")
         todo = [_plan_entry(e) for e in plan]
         for entry in todo:
             self.plugins.strategy(entry.strategy)
             self._capturer.check_fits(entry.descriptor)
+        if background:
+            self._submit(todo, context)
+            return []
+        self._capture_payload = context
+        self._install_finished()
         pairs = [(e.descriptor, e.strategy) for e in dict.fromkeys(todo) if (e.descriptor, e.strategy) not in self._store.entries]
         if lazy:
             self._store.add_pending(pairs)
@@ -253,16 +272,24 @@ class GraphRegistry:
     def _capture_observed(self, pair: Pair) -> EntryInfo:
         """Capture one entry between the capture_started and capture_finished hooks, then keep the budget."""
         key, strategy = pair
-        self.plugins.notify("cgregistry_capture_started", registry=self, key=key, strategy=strategy)
-        if not self._store.entries:
-            self._capturer.new_pool()  # no live graph holds the old pool
-            if self.debug:
-                self._addresses.rebase()  # no graph reads the old addresses
+        worker = self._background
+        if worker is not None:
+            worker.quiet.set()  # a lazy capture inside run(): let a paused background capture finish first
         try:
-            entry = self._capturer.capture(key, strategy, self.plugins.strategy(strategy), self._capture_payload)
-        except CaptureError as error:
-            self.plugins.notify("cgregistry_capture_finished", registry=self, key=key, strategy=strategy, entry=None, error=error)
-            raise
+            with self._capture_lock:
+                self.plugins.notify("cgregistry_capture_started", registry=self, key=key, strategy=strategy)
+                if not self._store.entries and (worker is None or not worker.busy):
+                    self._capturer.new_pool()  # no live graph holds the old pool
+                    if self.debug:
+                        self._addresses.rebase()  # no graph reads the old addresses
+                try:
+                    entry = self._capturer.capture(key, strategy, self.plugins.strategy(strategy), self._capture_payload)
+                except CaptureError as error:
+                    self.plugins.notify("cgregistry_capture_finished", registry=self, key=key, strategy=strategy, entry=None, error=error)
+                    raise
+        finally:
+            if worker is not None and self._running.locked():
+                worker.quiet.clear()
         self._store.add(entry)
         info = self._info(entry)
         self.plugins.notify("cgregistry_capture_finished", registry=self, key=key, strategy=strategy, entry=info, error=None)
@@ -287,6 +314,93 @@ class GraphRegistry:
         else:
             self._store.lazy_captures += 1
         self._routes.rebuild(self._store.pairs())
+
+    # ------------------------------------------------------------------ background capture
+
+    def _submit(self, todo: list[PlanEntry], payload: Any) -> None:
+        """Queue plan entries for the capture thread (see ``capture(background=True)``)."""
+        _refuse_background_with_collectives()
+        worker = self._worker
+        if worker is None:
+            worker = self._worker = CaptureWorker(self._capture_in_background, self.name)
+        self._install_finished()
+        held = set(self._store.entries)
+        pairs = [(e.descriptor, e.strategy) for e in dict.fromkeys(todo) if (e.descriptor, e.strategy) not in held]
+        worker.submit(_background_order(pairs), payload)
+        if worker.busy:
+            self._background = worker
+        self._routes.capturing = tuple(worker.queued())
+        self._routes.rebuild(self._store.pairs())  # eager routes cached before now get their new miss reason
+
+    def _capture_in_background(self, pair: Pair, payload: Any) -> Entry:
+        """One entry, on the capture thread: own static inputs, hooks told, the store untouched."""
+        key, strategy = pair
+        with self._capture_lock:
+            self.plugins.notify("cgregistry_capture_started", registry=self, key=key, strategy=strategy)
+            try:
+                with paused_gc():
+                    entry = self._capturer.capture(key, strategy, self.plugins.strategy(strategy), payload, background=True)
+            except CaptureError as error:
+                self.plugins.notify("cgregistry_capture_finished", registry=self, key=key, strategy=strategy, entry=None, error=error)
+                raise
+        self.plugins.notify("cgregistry_capture_finished", registry=self, key=key, strategy=strategy, entry=self._info(entry), error=None)
+        return entry
+
+    def _install_finished(self) -> None:
+        """Install what the capture thread finished (on the serving thread, between steps): entries go live, failures are kept."""
+        worker = self._background
+        if worker is None:
+            return
+        changed = False
+        while worker.ready:
+            pair, entry, error = worker.ready.popleft()
+            changed = True
+            if entry is None:
+                self._store.failures[pair] = error  # type: ignore[assignment]
+                warnings.warn(
+                    f"cgregistry: background {error}; the key is dropped and its batches go to the next best key "
+                    "(or run eagerly); reg.failures() keeps the error",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                continue
+            if pair in self._store.entries:  # captured in the foreground meanwhile
+                continue
+            self._store.add(entry)
+            self._store.background_captures += 1
+            for victim in self._store.evict_over_budget(keep=pair):
+                self.plugins.notify(
+                    "cgregistry_evicted", registry=self, key=victim.key, strategy=victim.strategy, memory_bytes=victim.memory_bytes
+                )
+        capturing = tuple(worker.queued())
+        if changed or capturing != self._routes.capturing:
+            self._routes.capturing = capturing
+            self._routes.rebuild(self._store.pairs())
+        if not worker.busy and not worker.ready:
+            self._background = None
+
+    def wait_captured(self, timeout: float | None = None) -> bool:
+        """Wait for every background capture to finish and install them; False if ``timeout`` seconds passed first.
+
+        Call it from the thread that calls ``run()``, never from inside a step or a hook.
+        """
+        worker = self._background
+        if worker is None:
+            return True
+        if worker.thread_id == threading.get_ident():
+            raise RuntimeError("wait_captured() from the registry's capture thread (a hook or the step) would wait for itself")
+        if self._running.locked():
+            raise RuntimeError("wait_captured() while a run() is in progress (from the step or a hook) would wait for itself")
+        done = worker.wait(timeout)
+        self._install_finished()
+        return done
+
+    def capturing(self) -> list[Pair]:
+        """Keys queued for, or in, background capture, in capture order (not served by a graph yet)."""
+        worker = self._worker
+        if worker is None:
+            return []
+        return worker.queued() + [pair for pair, entry, _ in list(worker.ready) if entry is not None]
 
     # ------------------------------------------------------------------ run
 
@@ -316,6 +430,8 @@ class GraphRegistry:
                 "and graph outputs serve one step at a time; give each thread its own registry or serialise the calls"
             )
         try:
+            if self._background is not None:
+                return self._run_beside_capture(actual, context, group, exclude, inputs)
             if group is not None or exclude is not None:
                 skip = NO_EXCLUSION if exclude is None else self._exclusion(exclude)
                 if group is None and not skip:
@@ -330,6 +446,27 @@ class GraphRegistry:
             return self._run(actual, context, inputs)
         finally:
             self._running.release()
+
+    def _run_beside_capture(self, actual: BatchDescriptor, context: Any, group: Any, exclude: Any, inputs: dict[str, torch.Tensor]) -> Any:
+        """``run()`` while a capture thread works: install what it finished, and keep it paused during the step."""
+        worker = self._background
+        if worker.thread_id == threading.get_ident():  # type: ignore[union-attr]
+            raise RuntimeError(
+                f"run() on registry {self.name!r} from its own capture thread (a hook or the step called it while capturing)"
+            )
+        self._install_finished()
+        worker.quiet.clear()  # type: ignore[union-attr]
+        try:
+            variant = None
+            if group is not None or exclude is not None:
+                skip = NO_EXCLUSION if exclude is None else self._exclusion(exclude)
+                if group is not None or skip:
+                    variant = Variant(None if group is None else agree(actual, group), skip)
+            if self.debug:
+                return self._run_debug(actual, context, inputs, variant)
+            return self._run(actual, context, inputs, variant)
+        finally:
+            worker.quiet.set()  # type: ignore[union-attr]
 
     def _exclusion(self, exclude: Any) -> frozenset[str]:
         """``run(exclude=...)`` checked once per distinct value: a collection of registered strategy names."""
@@ -509,14 +646,35 @@ class GraphRegistry:
         """
         if not isinstance(key, BatchDescriptor):
             raise TypeError(f"release() needs a BatchDescriptor, got {key!r}")
+        self._install_finished()
+        queued = [p for p in self.capturing() if p[0] == key and (strategy is None or p[1] == strategy)]
+        if queued:  # not captured yet: dropped from the queue (one in flight is discarded when it finishes)
+            self._worker.discard(queued)  # type: ignore[union-attr]
+            self._install_finished()
+            self._routes.capturing = tuple(self._worker.queued())  # type: ignore[union-attr]
+            if not any(p[0] == key and (strategy is None or p[1] == strategy) for p in self._store.pairs()):
+                self._routes.rebuild(self._store.pairs())
+                return len(queued)
         removed, count = self._store.release(key, strategy)
         self._after_release(removed)
-        return count
+        return count + len(queued)
 
     def clear(self) -> int:
         """Remove every entry and pending key; return how many.  The pool goes back to the
-        allocator (and to the driver on ``torch.cuda.empty_cache()``); counters are kept."""
+        allocator (and to the driver on ``torch.cuda.empty_cache()``); counters are kept.
+        Background captures queued are dropped (the one in flight is waited for, then discarded)."""
+        self._install_finished()
+        worker = self._background
+        dropped = 0
+        if worker is not None:
+            dropped = len(self.capturing())
+            worker.cancel()
+            worker.wait()
+            worker.ready.clear()
+            self._routes.capturing = ()
+            self._background = None
         removed, count = self._store.clear()
+        count += dropped
         self._after_release(removed)
         return count
 
@@ -622,6 +780,7 @@ class GraphRegistry:
             failures={f"{k} [{s}]": f"{type(e).__name__}: {e}" for (k, s), e in self._store.failures.items()},
             max_padding_tokens=self._routes.cap.max_tokens,
             max_padding_ratio=self._routes.cap.max_ratio,
+            capturing=tuple(self.capturing()),
         ).to_dict()
 
     def table(self, *, used_only: bool = False, sort: str = "key") -> str:
@@ -629,6 +788,37 @@ class GraphRegistry:
         lines = entries_table(self.entries(used=True if used_only else None, sort=sort))
         lines.append(stats_line(self.stats(), len(self), self.backend.name, self.memory_bytes()))
         return "\n".join(lines)
+
+
+def _background_order(pairs: list[Pair]) -> list[Pair]:
+    """Capture order beside a serving thread: the largest key of each kind first, so that every batch a kind
+    can serve gets a graph soon (padded, but a padded replay beats an eager step), then the others from the
+    smallest up, so the padding of the small, frequent batches falls first."""
+
+    def size(pair: Pair) -> tuple[int, int]:
+        return (pair[0].num_tokens, pair[0].num_reqs or 0)
+
+    largest: dict[tuple, Pair] = {}
+    for pair in pairs:
+        key, strategy = pair
+        kind = (strategy, key.uniform, key.spec_depth, key.num_active_loras)
+        if kind not in largest or size(pair) > size(largest[kind]):
+            largest[kind] = pair
+    first = sorted(largest.values(), key=size)
+    chosen = set(first)
+    return first + sorted((p for p in pairs if p not in chosen), key=size)
+
+
+def _refuse_background_with_collectives() -> None:
+    """Background capture runs the step's warm-up on another thread: its collectives would interleave with the serving thread's."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            "capture(background=True) with torch.distributed initialized (world size "
+            f"{dist.get_world_size()}): the capture thread runs the step's warm-up, and its collectives would "
+            "interleave with the serving thread's on the same communicator (ranks would hang); capture in the foreground"
+        )
 
 
 def _check_budget(value: object) -> None:

@@ -79,7 +79,7 @@ class RouteTable:
 
     __slots__ = (
         "_buffers", "_entries", "_failures", "_pairs", "_output_axes", "_chooser", "_chooser_names", "preference", "cap", "matcher", "cache",
-        "variant_cache",
+        "variant_cache", "capturing",
     )
 
     def __init__(
@@ -99,6 +99,7 @@ class RouteTable:
         self._pairs: list[Pair] = []  # every (key, strategy) the matcher chooses from (captured or pending)
         self.cache: dict[BatchDescriptor, Route] = {}  # plain runs, by actual batch
         self.variant_cache: dict[tuple[BatchDescriptor, Variant], Route] = {}  # other runs, by (actual, variant)
+        self.capturing: tuple[Pair, ...] = ()  # keys being captured in the background (not served yet)
 
     def _matcher(self, pairs: Sequence[Pair]) -> Matcher:
         return Matcher(pairs, self.preference, max_padding_tokens=self.cap.max_tokens, max_padding_ratio=self.cap.max_ratio)
@@ -130,6 +131,8 @@ class RouteTable:
         fits = self.too_large(actual) is None  # more requests than a relaxed key's buffers hold: eager
         match = self.choose(target, exclude) if fits else None
         entry = self._entries.get((match.key, match.strategy)) if match is not None else None
+        if entry is not None and entry.buffers is not None:  # captured in the background: its own static inputs
+            copies = [(own, rows) for own, (_, rows) in zip(entry.buffers, copies)]
         reason = None if match is not None else self.miss_reason(target, exclude)
         route = Route(actual, entry, match, tuple(copies), out_rows, reason)
         cache, cache_key = (self.cache, actual) if variant is None else (self.variant_cache, (actual, variant))
@@ -154,7 +157,9 @@ class RouteTable:
         """
         if self.too_large(actual) is not None:
             return "above_capacity"
-        pairs = self._pairs
+        if any(key.covers(actual) and strategy not in exclude for key, strategy in self.capturing):
+            return "capturing"
+        pairs = [*self._pairs, *self.capturing]  # keys being captured count as keys for the reasons below
         if not pairs:
             return "no_graphs" if not self._failures else "failed"
         covering = {strategy for key, strategy in pairs if key.covers(actual)}

@@ -207,8 +207,13 @@ def decoder(model: LlamaForCausalLM) -> Any:
     return forward
 
 
-def build_registry(model: LlamaForCausalLM, shape: EngineShape, mode: str, backend: str = "auto") -> cg.GraphRegistry | None:
-    """A registry for ``mode`` with its plan captured (None for mode 'none': the engine runs eagerly)."""
+def build_registry(
+    model: LlamaForCausalLM, shape: EngineShape, mode: str, backend: str = "auto", background: bool = False
+) -> cg.GraphRegistry | None:
+    """A registry for ``mode`` with its plan captured (None for mode 'none': the engine runs eagerly).
+
+    ``background``: capture on the registry's capture thread while the engine serves (graphs go live one by one).
+    """
     if mode == "none":
         return None
     preference = ("full", "piecewise", "breakable")
@@ -226,7 +231,7 @@ def build_registry(model: LlamaForCausalLM, shape: EngineShape, mode: str, backe
         max_num_seqs=shape.max_num_seqs, max_num_tokens=shape.max_num_tokens, max_capture_size=shape.max_num_tokens, mode=mode
     )
     with torch.inference_mode():
-        reg.capture(plan)
+        reg.capture(plan, background=background)
     return reg
 
 

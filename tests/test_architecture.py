@@ -78,7 +78,7 @@ def test_leaf_modules_import_nothing_of_the_package(leaf: str) -> None:
     assert GRAPH[leaf] == set(), f"{leaf} imports {GRAPH[leaf]}"
 
 
-@pytest.mark.parametrize("collaborator", ["cgregistry.entries", "cgregistry.routing", "cgregistry.capture"])
+@pytest.mark.parametrize("collaborator", ["cgregistry.entries", "cgregistry.routing", "cgregistry.capture", "cgregistry.background"])
 def test_the_registrys_collaborators_never_call_back_into_it(collaborator: str) -> None:
     assert "cgregistry.registry" not in GRAPH[collaborator]
 

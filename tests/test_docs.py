@@ -32,7 +32,7 @@ def test_docs_exist() -> None:
     assert {
         "README.md", "concepts.md", "integration.md", "cpu-emulator.md", "performance.md", "strategies.md",
         "inspection.md", "troubleshooting.md", "hooks.md", "writing-plugins.md", "plans-and-workloads.md",
-        "reliability.md", "distributed.md", "architecture.md",
+        "reliability.md", "distributed.md", "architecture.md", "background.md",
     } <= names
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cgregistry import runtime
 from cgregistry.markers import hookimpl
 
 if TYPE_CHECKING:
@@ -104,6 +106,57 @@ def _clear_cublas_workspaces() -> None:
     torch._C._cuda_clearCublasWorkspaces()
 
 
+class _BackgroundSegments:
+    """Capture segments open on background capture threads, so that device-wide calls of other threads wait for them.
+
+    In thread-local mode another thread's eager work, allocations and stream syncs stay legal
+    during a capture, but a device-wide ``torch.cuda.synchronize()`` (or ``empty_cache()``, which
+    frees memory and so syncs the device) fails with "operation not permitted when stream is
+    capturing".  From the first background segment on, those two functions are wrapped (a lock
+    and a counter test when no segment is open): a call from another thread opens the capture
+    threads' gates (a capture paused for a running step finishes its segment), waits for the
+    segments to close, and runs with none open.
+    """
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.open = 0
+        self.originals: dict[str, Callable[..., Any]] = {}
+
+    def opened(self) -> None:
+        with self.cond:
+            if not self.originals:
+                for name in ("synchronize", "empty_cache"):
+                    original = getattr(torch.cuda, name)
+                    self.originals[name] = original
+                    setattr(torch.cuda, name, self._waiting(original))
+            self.open += 1
+
+    def closed(self) -> None:
+        with self.cond:
+            self.open -= 1
+            self.cond.notify_all()
+
+    def _waiting(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.cond:
+                if self.open and not runtime.background_capture.get():
+                    reopened = [gate for gate in list(runtime.background_gates) if not gate.is_set()]
+                    for gate in reopened:
+                        gate.set()  # a capture paused for this thread's step must be able to finish its segment
+                    self.cond.wait_for(lambda: not self.open)
+                    for gate in reopened:
+                        gate.clear()
+                return original(*args, **kwargs)  # no segment opens while this runs: opening needs the lock
+
+        call.__wrapped__ = original  # type: ignore[attr-defined]
+        call.__doc__ = original.__doc__
+        return call
+
+
+_background_segments = _BackgroundSegments()
+
+
 class CudaSegment:
     """One capture in progress: ``end()`` finishes it, ``abort()`` abandons it after an error."""
 
@@ -113,7 +166,18 @@ class CudaSegment:
         self.before = _reserved_bytes()
         self.graph = torch.cuda.CUDAGraph()
         _clear_cublas_workspaces()  # this capture allocates its own, in the pool
-        self.graph.capture_begin(pool=pool)
+        # Beside a serving thread, only this thread's CUDA calls are checked (the other's eager steps,
+        # allocations and stream syncs stay legal); the allocator sends only this stream's allocations to the pool.
+        self.background = runtime.background_capture.get()
+        if self.background:
+            _background_segments.opened()
+            try:
+                self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            except BaseException:
+                _background_segments.closed()
+                raise
+        else:
+            self.graph.capture_begin(pool=pool)
 
     def end(self) -> CudaGraph:
         tracker = _tracker.get()
@@ -131,6 +195,7 @@ class CudaSegment:
             self.backend._poisoned.add(self.pool)
             raise
         finally:
+            self._closed()
             _clear_cublas_workspaces()  # eager work after the capture must not use a block of the pool
         # The allocator may give cached blocks back to the driver mid-capture (retrying an allocation): never below 0.
         return CudaGraph(self.graph, max(0, _reserved_bytes() - self.before))
@@ -144,7 +209,13 @@ class CudaSegment:
         except Exception:  # invalidated by the step's own error, which is the news
             self.backend._poisoned.add(self.pool)
         finally:
+            self._closed()
             _clear_cublas_workspaces()
+
+    def _closed(self) -> None:
+        if self.background:
+            self.background = False
+            _background_segments.closed()
 
 
 class CudaBackend:

@@ -1,0 +1,171 @@
+"""Background capture: a thread that captures queued keys one at a time while the engine serves.
+
+The worker only captures.  A finished capture (an entry, or its error) waits in ``ready``
+until the serving thread installs it between two steps (the registry does so at the start
+of ``run()`` and in ``wait_captured()``), so the entries and routes the hot path reads only
+ever change on the thread that runs it.  Two things keep a step from waiting on a capture:
+while a ``run()`` is in progress the worker pauses at its next Python call or return
+(``quiet``), and while the worker has work the interpreter's switch interval is shortened,
+so the serving thread gets the GIL back within a fraction of a millisecond between steps.
+Knows nothing of the registry.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from cgregistry import runtime
+from cgregistry.descriptor import BatchDescriptor
+from cgregistry.entries import Entry
+
+__all__ = ["SWITCH_INTERVAL_S", "CaptureWorker", "Finished"]
+
+Pair = tuple[BatchDescriptor, str]
+
+# The interpreter's switch interval while a worker has work (CPython's default is 5 ms): how long the
+# serving thread may wait for the GIL when the worker holds it.  None leaves the interval alone.
+SWITCH_INTERVAL_S: float | None = 2e-4
+
+Finished = tuple[Pair, "Entry | None", "BaseException | None"]  # (key, strategy), the entry or the error
+
+_workers: weakref.WeakSet[CaptureWorker] = weakref.WeakSet()
+_switch_lock = threading.Lock()
+_switch_state: list[Any] = [0, None]  # capture threads running, the interval before the first lowered it
+
+
+def _shorten_switch_interval() -> None:
+    with _switch_lock:
+        _switch_state[0] += 1
+        if _switch_state[0] == 1 and SWITCH_INTERVAL_S is not None and SWITCH_INTERVAL_S < sys.getswitchinterval():
+            _switch_state[1] = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
+def _restore_switch_interval() -> None:
+    with _switch_lock:
+        _switch_state[0] -= 1
+        if _switch_state[0] == 0 and _switch_state[1] is not None:
+            if sys.getswitchinterval() == SWITCH_INTERVAL_S:  # unless someone else changed it meanwhile
+                sys.setswitchinterval(_switch_state[1])
+            _switch_state[1] = None
+
+
+class CaptureWorker:
+    """Captures queued (key, strategy) pairs on one thread, started when there is work and ended when there is none."""
+
+    def __init__(self, capture_one: Callable[[Pair, Any], Entry], name: str) -> None:
+        self._capture_one = capture_one
+        self._name = name
+        self._queue: deque[tuple[Pair, Any]] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._dropped: set[Pair] = set()
+        self.in_flight: Pair | None = None
+        self.ready: deque[Finished] = deque()  # filled by the worker, emptied by the serving thread
+        self.quiet = threading.Event()  # set while no run() is in progress: the worker may run Python
+        self.quiet.set()
+        self.thread_id: int | None = None  # the capture thread's ident while it runs
+        _workers.add(self)
+
+    # ---------------------------------------------------------------- the serving thread's side
+
+    def submit(self, pairs: Iterable[Pair], payload: Any) -> None:
+        """Queue pairs not already queued or in flight; start the thread if it is not running."""
+        with self._cond:
+            known = {p for p, _ in self._queue} | ({self.in_flight} if self.in_flight else set())
+            for pair in pairs:
+                if pair not in known:
+                    self._queue.append((pair, payload))
+                    known.add(pair)
+                    self._dropped.discard(pair)
+            if self._queue and self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"cgregistry-capture-{self._name}", daemon=True)
+                self._thread.start()
+
+    def queued(self) -> list[Pair]:
+        """Pairs waiting or being captured now, in capture order."""
+        with self._cond:
+            head = [self.in_flight] if self.in_flight is not None and self.in_flight not in self._dropped else []
+            return head + [p for p, _ in self._queue]
+
+    @property
+    def busy(self) -> bool:
+        """Work queued or in flight."""
+        return bool(self._queue) or self.in_flight is not None
+
+    def discard(self, pairs: Iterable[Pair]) -> None:
+        """Forget these pairs: unqueued, and the one in flight (if among them) never reaches ``ready``."""
+        drop = set(pairs)
+        with self._cond:
+            self._queue = deque(item for item in self._queue if item[0] not in drop)
+            if self.in_flight in drop:
+                self._dropped.add(self.in_flight)
+
+    def cancel(self) -> None:
+        """Drop everything queued and the capture in flight (it finishes, then is discarded)."""
+        with self._cond:
+            self._queue.clear()
+            if self.in_flight is not None:
+                self._dropped.add(self.in_flight)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or in flight (True), or ``timeout`` seconds pass (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self.busy, timeout)
+
+    # ---------------------------------------------------------------- the capture thread
+
+    def _pause(self, frame: Any, event: str, arg: Any) -> None:
+        """Profile function of the capture thread: wait while a step is running (a GIL-free wait)."""
+        if not self.quiet.is_set():
+            self.quiet.wait()
+
+    def _loop(self) -> None:
+        self.thread_id = threading.get_ident()
+        _shorten_switch_interval()
+        runtime.background_gates.add(self.quiet)
+        try:
+            while True:
+                with self._cond:
+                    if not self._queue:
+                        self.in_flight = None
+                        self._thread = None
+                        self._cond.notify_all()
+                        return
+                    pair, payload = self._queue.popleft()
+                    self.in_flight = pair
+                entry: Entry | None = None
+                error: BaseException | None = None
+                sys.setprofile(self._pause)
+                try:
+                    entry = self._capture_one(pair, payload)
+                except BaseException as exc:  # reported to the serving thread, never lost in this one
+                    error = exc
+                finally:
+                    sys.setprofile(None)
+                with self._cond:
+                    if pair in self._dropped:
+                        self._dropped.discard(pair)
+                    else:
+                        self.ready.append((pair, entry, error))
+                    self.in_flight = None
+                    self._cond.notify_all()
+        finally:
+            runtime.background_gates.discard(self.quiet)
+            _restore_switch_interval()
+            self.thread_id = None
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At interpreter exit, drop queued captures and let the one in flight finish (no capture left open)."""
+    for worker in list(_workers):
+        worker.cancel()
+        worker.quiet.set()
+        worker.wait(timeout=60)
