@@ -32,7 +32,8 @@ Pair = tuple[BatchDescriptor, str]
 # serving thread may wait for the GIL when the worker holds it.  None leaves the interval alone.
 SWITCH_INTERVAL_S: float | None = 2e-4
 
-Finished = tuple[Pair, "Entry | None", "BaseException | None"]  # (key, strategy), the entry or the error
+# (key, strategy), the entry or the error; for a task (``submit_task``): (None, its result, its error)
+Finished = tuple["Pair | None", Any, "BaseException | None"]
 
 _workers: weakref.WeakSet[CaptureWorker] = weakref.WeakSet()
 _switch_lock = threading.Lock()
@@ -62,10 +63,11 @@ class CaptureWorker:
     def __init__(self, capture_one: Callable[[Pair, Any], Entry], name: str) -> None:
         self._capture_one = capture_one
         self._name = name
-        self._queue: deque[tuple[Pair, Any]] = deque()
+        self._queue: deque[tuple[Pair | None, Any]] = deque()  # (pair, payload), or (None, task)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._dropped: set[Pair] = set()
+        self._tasks = 0  # tasks queued or running
         self.in_flight: Pair | None = None
         self.ready: deque[Finished] = deque()  # filled by the worker, emptied by the serving thread
         self.quiet = threading.Event()  # set while no run() is in progress: the worker may run Python
@@ -88,28 +90,39 @@ class CaptureWorker:
                 self._thread = threading.Thread(target=self._loop, name=f"cgregistry-capture-{self._name}", daemon=True)
                 self._thread.start()
 
+    def submit_task(self, task: Callable[[], Any]) -> None:
+        """Run ``task()`` on the capture thread after what is queued (paused during steps like a capture);
+        its result (or error) reaches ``ready`` as ``(None, result, error)``."""
+        with self._cond:
+            self._queue.append((None, task))
+            self._tasks += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"cgregistry-capture-{self._name}", daemon=True)
+                self._thread.start()
+
     def queued(self) -> list[Pair]:
         """Pairs waiting or being captured now, in capture order."""
         with self._cond:
             head = [self.in_flight] if self.in_flight is not None and self.in_flight not in self._dropped else []
-            return head + [p for p, _ in self._queue]
+            return head + [p for p, _ in self._queue if p is not None]
 
     @property
     def busy(self) -> bool:
-        """Work queued or in flight."""
-        return bool(self._queue) or self.in_flight is not None
+        """Work queued or in flight (a task included)."""
+        return bool(self._queue) or self.in_flight is not None or self._tasks > 0
 
     def discard(self, pairs: Iterable[Pair]) -> None:
         """Forget these pairs: unqueued, and the one in flight (if among them) never reaches ``ready``."""
         drop = set(pairs)
         with self._cond:
-            self._queue = deque(item for item in self._queue if item[0] not in drop)
+            self._queue = deque(item for item in self._queue if item[0] is None or item[0] not in drop)
             if self.in_flight in drop:
                 self._dropped.add(self.in_flight)
 
     def cancel(self) -> None:
         """Drop everything queued and the capture in flight (it finishes, then is discarded)."""
         with self._cond:
+            self._tasks -= sum(1 for pair, _ in self._queue if pair is None)
             self._queue.clear()
             if self.in_flight is not None:
                 self._dropped.add(self.in_flight)
@@ -140,20 +153,23 @@ class CaptureWorker:
                         return
                     pair, payload = self._queue.popleft()
                     self.in_flight = pair
-                entry: Entry | None = None
+                result: Any = None
                 error: BaseException | None = None
                 sys.setprofile(self._pause)
                 try:
-                    entry = self._capture_one(pair, payload)
+                    result = payload() if pair is None else self._capture_one(pair, payload)
                 except BaseException as exc:  # reported to the serving thread, never lost in this one
                     error = exc
                 finally:
                     sys.setprofile(None)
                 with self._cond:
-                    if pair in self._dropped:
+                    if pair is None:
+                        self._tasks -= 1
+                        self.ready.append((None, result, error))
+                    elif pair in self._dropped:
                         self._dropped.discard(pair)
                     else:
-                        self.ready.append((pair, entry, error))
+                        self.ready.append((pair, result, error))
                     self.in_flight = None
                     self._cond.notify_all()
         finally:

@@ -53,7 +53,7 @@ class EntryStore:
     __slots__ = (
         "entries", "pending", "failures", "memory_budget", "_retired", "clock", "misses", "eager_fallbacks",
         "eager_tokens", "bad_batches", "misses_by_kind", "misses_by_reason", "lazy_captures", "evictions",
-        "background_captures",
+        "background_captures", "plan_changes",
     )
 
     def __init__(self, memory_budget: int | None) -> None:
@@ -73,7 +73,7 @@ class EntryStore:
         self.misses = self.eager_fallbacks = self.eager_tokens = self.bad_batches = 0
         self.misses_by_kind = {"uniform": 0, "mixed": 0}
         self.misses_by_reason = dict.fromkeys(MISS_REASONS, 0)
-        self.lazy_captures = self.evictions = self.background_captures = 0
+        self.lazy_captures = self.evictions = self.background_captures = self.plan_changes = 0
 
     def count_miss(self, actual: BatchDescriptor, reason: str | None) -> None:
         """A batch no graph served: counted by kind, and by reason (a ``MISS_REASONS`` key) when one is known."""
@@ -182,4 +182,5 @@ class EntryStore:
             evictions=self.evictions,
             misses_by_reason=dict(self.misses_by_reason),
             background_captures=self.background_captures,
+            plan_changes=self.plan_changes,
         )

@@ -1,6 +1,8 @@
 """Plans against workloads: how a plan serves a stream of steps, and the plan that serves it best.
 
-``evaluate`` replays actual batch shapes through a plan's matcher: hit rate,
+A workload is a stream of actual batch shapes, or a histogram of them
+(``{descriptor: steps}``, ``Workload``): both count the same, so a million-step
+histogram is never expanded.  ``evaluate`` replays a workload through a plan's matcher: hit rate,
 eager fallbacks, padded tokens overall and by token count.  ``fit_families``
 chooses the sizes that minimise padded tokens for a workload under a graph
 budget, exactly: a dynamic programme per key family over the observed sizes,
@@ -12,6 +14,7 @@ uniform batch of each spec depth and the max capture size remain keys.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -25,7 +28,10 @@ from cgregistry.matcher import DEFAULT_PREFERENCE, Matcher
 if TYPE_CHECKING:  # plans build on this module, never the other way round
     from cgregistry.plan import CapturePlan, PlanSettings
 
-__all__ = ["PlanReport", "evaluate", "fit_families", "fit_sizes"]
+__all__ = ["PlanReport", "Workload", "evaluate", "fit_families", "fit_sizes", "workload_counts"]
+
+# Actual batch shapes, one per step, or a histogram {shape: steps} (the same workload, not expanded).
+Workload = Iterable[BatchDescriptor] | Mapping[BatchDescriptor, int]
 
 # Columns of the dynamic programme's cost matrix computed at once (bounds memory for large sizes).
 _BLOCK = 512
@@ -57,15 +63,46 @@ class PlanReport:
         return self.padded_tokens / total if total else 0.0
 
 
+def workload_counts(steps: Workload, caller: str = "fit()") -> Counter[BatchDescriptor]:
+    """``steps`` as ``{shape: steps}``: a mapping's counts (ints >= 0, checked), or each item of a stream counted once.
+
+    A zero count is dropped.  Errors name ``caller`` and the bad item.
+    """
+    counts: Counter[BatchDescriptor] = Counter()
+    if isinstance(steps, Mapping):
+        for step, n in steps.items():
+            if not isinstance(step, BatchDescriptor):
+                raise TypeError(f"{caller} takes BatchDescriptors; the workload has a key {step!r} ({type(step).__name__})")
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+                raise ValueError(f"{caller}: a workload mapping holds step counts (ints >= 0); {step} has {n!r}")
+            if n:
+                counts[step] += int(n)
+        return counts
+    for i, step in enumerate(steps):
+        if not isinstance(step, BatchDescriptor):
+            raise TypeError(f"{caller} takes BatchDescriptors; steps[{i}] is {step!r} ({type(step).__name__})")
+        counts[step] += 1
+    return counts
+
+
 def evaluate(
     plan: CapturePlan,
-    steps: Iterable[BatchDescriptor],
+    steps: Workload,
     preference: Sequence[str] = DEFAULT_PREFERENCE,
     memory_bytes: int | None = None,
+    *,
+    max_padding_tokens: int | None = None,
+    max_padding_ratio: float | None = None,
 ) -> PlanReport:
-    """Replay ``steps`` through ``plan``'s matcher and count what graphs would serve."""
-    matcher = Matcher(((e.descriptor, e.strategy) for e in plan), preference)
-    shapes = Counter(steps)
+    """Replay ``steps`` (a stream or a ``{shape: steps}`` histogram) through ``plan``'s matcher and count what graphs would serve.
+
+    ``max_padding_tokens`` and ``max_padding_ratio`` are a registry's padding cap (a capped batch runs eagerly).
+    """
+    matcher = Matcher(
+        ((e.descriptor, e.strategy) for e in plan), preference,
+        max_padding_tokens=max_padding_tokens, max_padding_ratio=max_padding_ratio,
+    )
+    shapes = workload_counts(steps, "evaluate()")
     graph_steps = eager_steps = real = padded = eager_tokens = 0
     by_tokens: dict[int, list[int]] = {}
     for actual, n in shapes.items():
@@ -106,6 +143,9 @@ def fit_sizes(weights: Mapping[int, int], top: int, unit: int = 1, max_sizes: in
     bad = [v for v in weights if v < 1 or v > top]
     if bad:
         raise ValueError(f"sizes {sorted(bad)[:5]} lie outside 1..{top}")
+    inf = torch.iinfo(torch.int64).max // 4
+    if sum(weights.values()) * top * unit >= inf:  # any padding total must stay below the programme's infinity
+        raise ValueError(f"{sum(weights.values())} steps are too many to fit exactly (at most {inf // (top * unit) - 1} here); scale the counts down")
     candidates = sorted(set(weights) | {top})
     m = len(candidates)
     limit = m if max_sizes is None else min(max_sizes, m)
@@ -115,7 +155,6 @@ def fit_sizes(weights: Mapping[int, int], top: int, unit: int = 1, max_sizes: in
     cum_w = torch.cat([zero, w.cumsum(0)])
     cum_wv = torch.cat([zero, (w * values).cumsum(0)])
     rows = torch.arange(m + 1)[:, None]  # row r: the previous size is candidate r - 1 (r = 0: none)
-    inf = torch.iinfo(torch.int64).max // 4
 
     def segments(cols: torch.Tensor) -> torch.Tensor:
         """Padding when the candidates after the previous size, up to ``cols``, are served by ``cols``."""
@@ -151,8 +190,11 @@ def fit_sizes(weights: Mapping[int, int], top: int, unit: int = 1, max_sizes: in
     return out
 
 
-def fit_families(steps: Iterable[BatchDescriptor], max_graphs: int, settings: PlanSettings) -> tuple[dict[int, list[int]], list[int]]:
+def fit_families(steps: Workload, max_graphs: int, settings: PlanSettings) -> tuple[dict[int, list[int]], list[int]]:
     """The sizes ``CapturePlan.fit`` captures: request counts per spec depth, and mixed token counts.
+
+    ``steps`` is a stream of actual shapes or a ``{shape: steps}`` histogram; the two give the
+    same sizes (the histogram is never expanded).
 
     Each key family gets an exact padding-versus-size-count curve (``fit_sizes``) over the
     steps it serves, and the budget is split between families exactly (``_split_budget``).
@@ -176,17 +218,15 @@ def fit_families(steps: Iterable[BatchDescriptor], max_graphs: int, settings: Pl
         }
     steps_of: dict[int, int] = {d: m // math.gcd(m, 1 + d) for d in decode_hist}  # request counts a key may have
     mixed_hist: Counter[int] = Counter()
-    for i, step in enumerate(steps):
-        if not isinstance(step, BatchDescriptor):
-            raise TypeError(f"fit() takes BatchDescriptors; steps[{i}] is {step!r} ({type(step).__name__})")
+    for step, n in workload_counts(steps).items():
         depth = step.spec_depth
         if (
             step.uniform and depth in decode_hist and step.num_reqs <= settings.widest[depth]  # type: ignore[operator]
             and not (settings.folded and step.num_tokens <= top)
         ):
-            decode_hist[depth][_round_up(step.num_reqs, steps_of[depth])] += 1  # type: ignore[arg-type]
+            decode_hist[depth][_round_up(step.num_reqs, steps_of[depth])] += n  # type: ignore[arg-type]
         elif settings.mixed_strategy is not None and step.num_tokens <= top:
-            mixed_hist[_round_up(step.num_tokens, m)] += 1
+            mixed_hist[_round_up(step.num_tokens, m)] += n
     families: list[tuple[str, int, dict[int, tuple[int, list[int]]]]] = []
     budget = max_graphs // per_size
     for depth, hist in decode_hist.items():

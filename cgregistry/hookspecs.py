@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from cgregistry.markers import PROJECT, hookimpl, hookspec
 
 if TYPE_CHECKING:  # annotations only: hook specifications import nothing of the registry at run time
+    from cgregistry.adaptive import PlanChange
     from cgregistry.descriptor import BatchDescriptor
     from cgregistry.matcher import Match
     from cgregistry.plugins import BackendRegistrar, StrategyRegistrar
@@ -176,4 +177,19 @@ def cgregistry_released(registry: GraphRegistry, key: BatchDescriptor, strategy:
     :param memory_bytes: the measured memory the entry accounted for.
     :return: ignored.  With ``evicted`` and ``entry_failed``, every way an entry
         goes is observed.  Since 0.1.
+    """
+
+
+@hookspec
+def cgregistry_plan_changed(registry: GraphRegistry, change: PlanChange) -> None:
+    """Adaptation (``GraphRegistry(adapt=...)``) changed the plan to follow the traffic.
+
+    Called on the serving thread, at the start of the ``run()`` that installs the refit (the
+    fit itself ran on the capture thread), after the removed keys were released (each also
+    reported by ``cgregistry_released``) and the added ones queued for background capture.
+
+    :param registry: the registry.
+    :param change: what changed and why (``cgregistry.adaptive.PlanChange``: keys added and
+        removed, padding before and after on the observed traffic, the reason).
+    :return: ignored.  Since 0.2.
     """

@@ -101,6 +101,7 @@ class Stats:
     evictions: int = 0  # entries dropped to stay under the memory budget
     misses_by_reason: Mapping[str, int] = attrs.field(factory=dict)  # MISS_REASONS: why each miss ran eagerly
     background_captures: int = 0  # entries captured beside the serving thread and installed
+    plan_changes: int = 0  # plan changes made by adaptation (GraphRegistry(adapt=...))
 
     @property
     def hit_rate(self) -> float:
@@ -305,6 +306,7 @@ class Snapshot:
     max_padding_tokens: int | None = None  # the registry's padding cap, so explain() refuses what it refused
     max_padding_ratio: float | None = None
     capturing: tuple[tuple[BatchDescriptor, str], ...] = ()  # keys queued or being captured in the background
+    plan_changes: tuple[str, ...] = ()  # the last plan changes adaptation made, one line each
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -322,6 +324,7 @@ class Snapshot:
             "max_padding_tokens": self.max_padding_tokens,
             "max_padding_ratio": self.max_padding_ratio,
             "capturing": [{"key": attrs.asdict(k), "strategy": s} for k, s in self.capturing],
+            "plan_changes": list(self.plan_changes),
         }
 
     @classmethod

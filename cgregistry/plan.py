@@ -15,7 +15,7 @@ from typing import Any, Literal
 import attrs
 
 from cgregistry.descriptor import BatchDescriptor
-from cgregistry.fitting import fit_families
+from cgregistry.fitting import Workload, fit_families
 from cgregistry.matcher import Matcher
 
 __all__ = [
@@ -512,8 +512,11 @@ class CapturePlan:
         return plan_settings.plan(plan_settings.decode_reqs, plan_settings.mixed_sizes)
 
     @classmethod
-    def fit(cls, steps: Iterable[BatchDescriptor], max_graphs: int, *settings: Any, **fields: Any) -> CapturePlan:
+    def fit(cls, steps: Workload, max_graphs: int, *settings: Any, **fields: Any) -> CapturePlan:
         """The plan with at most ``max_graphs`` graphs that pads ``steps`` least (exactly).
+
+        ``steps``: the actual shapes, one per step, or a histogram ``{shape: steps}``
+        (the same plan as the expanded stream, without expanding it).
 
         Takes the settings of ``build``; keeps its covering guarantees: the widest uniform
         batch of each spec depth and the max capture size stay keys.  Key families: one per

@@ -16,6 +16,7 @@ import gc
 import itertools
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from cgregistry import runtime
+from cgregistry.adaptive import Adaptation, PlanChange, TrafficHistogram, propose
 from cgregistry.background import CaptureWorker
 from cgregistry.buffers import InputError, StaticBuffer, StaticInput
 from cgregistry.capture import CaptureError, EntryCapture, frozen_gc, paused_gc
@@ -99,6 +101,7 @@ class GraphRegistry:
         debug: bool = False,
         max_padding_tokens: int | None = None,
         max_padding_ratio: float | None = None,
+        adapt: Adaptation | None = None,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable, got {step!r}")
@@ -150,6 +153,18 @@ class GraphRegistry:
         self._background: CaptureWorker | None = None  # the worker while it has work or results to install (run() checks)
         self._warned: set[str] = set()  # miss reasons already warned about
         self._miss_observed = self.plugins.observed("cgregistry_miss")  # an unobserved miss costs nothing
+        if adapt is not None and not isinstance(adapt, Adaptation):
+            raise TypeError(f"adapt must be a cgregistry.Adaptation, got {adapt!r}")
+        self._adapt = adapt
+        self._traffic = TrafficHistogram()  # what refits fit to (adapt=...)
+        self._observed: dict[BatchDescriptor, int] = {}  # steps per shape since the last harvest
+        self._unharvested = 0
+        self._refit_running = False
+        self.plan_changes: list[PlanChange] = []  # every change adaptation made, oldest first
+        self._background_payload: Any = None  # the context of the last capture(background=True), for refits' captures
+        if adapt is not None:
+            self._worker = CaptureWorker(self._capture_in_background, self.name)
+            self._background = self._worker  # run() takes the observing path from the first step
         self.plugins.notify("cgregistry_registry_created", registry=self)
 
     @property
@@ -320,6 +335,7 @@ class GraphRegistry:
     def _submit(self, todo: list[PlanEntry], payload: Any) -> None:
         """Queue plan entries for the capture thread (see ``capture(background=True)``)."""
         _refuse_background_with_collectives()
+        self._background_payload = payload
         worker = self._worker
         if worker is None:
             worker = self._worker = CaptureWorker(self._capture_in_background, self.name)
@@ -354,6 +370,13 @@ class GraphRegistry:
         changed = False
         while worker.ready:
             pair, entry, error = worker.ready.popleft()
+            if pair is None:  # a refit finished
+                self._refit_running = False
+                if error is not None:
+                    warnings.warn(f"cgregistry: registry {self.name!r}: refit failed: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
+                elif entry is not None:
+                    changed = self._apply(entry) or changed
+                continue
             changed = True
             if entry is None:
                 self._store.failures[pair] = error  # type: ignore[assignment]
@@ -376,8 +399,49 @@ class GraphRegistry:
         if changed or capturing != self._routes.capturing:
             self._routes.capturing = capturing
             self._routes.rebuild(self._store.pairs())
-        if not worker.busy and not worker.ready:
+        if not worker.busy and not worker.ready and self._adapt is None:
             self._background = None
+
+    def _observe(self, actual: BatchDescriptor) -> None:
+        """Count a step for adaptation; every ``every_steps`` steps harvest, and when due queue a refit on the capture thread."""
+        observed = self._observed
+        observed[actual] = observed.get(actual, 0) + 1
+        self._unharvested += 1
+        adapt = self._adapt
+        if self._unharvested < min(adapt.every_steps, 4096):  # type: ignore[union-attr]
+            return
+        self._traffic.add(observed)
+        self._observed = {}
+        self._unharvested = 0
+        if self._refit_running or not adapt.due(self._traffic):  # type: ignore[union-attr]
+            return
+        weights = self._traffic.steps()
+        self._traffic.decay(adapt.decay)  # type: ignore[union-attr]
+        current = [*self._store.entries, *self.capturing()]
+        cap = self._routes.cap
+        self._refit_running = True
+        self._worker.submit_task(  # type: ignore[union-attr]
+            lambda: propose(weights, current, adapt, preference=self._routes.matcher.preference,  # type: ignore[arg-type]
+                            max_padding_tokens=cap.max_tokens, max_padding_ratio=cap.max_ratio)
+        )
+
+    def _apply(self, change: PlanChange) -> bool:
+        """A refit's change, on the serving thread: cold keys released, new ones queued for background capture."""
+        for key, strategy in change.removed:
+            if (key, strategy) in self._store.entries or (key, strategy) in self._store.pending:
+                removed, _ = self._store.release(key, strategy)
+                for entry in removed:
+                    self.plugins.notify(
+                        "cgregistry_released", registry=self, key=entry.key, strategy=entry.strategy, memory_bytes=entry.memory_bytes
+                    )
+        self._worker.discard(change.removed)  # type: ignore[union-attr]
+        held = set(self._store.entries)
+        self._worker.submit(_background_order([p for p in change.added if p not in held]), self._background_payload)  # type: ignore[union-attr]
+        self.plan_changes.append(change)
+        self._store.plan_changes += 1
+        self._routes.capturing = tuple(self._worker.queued())  # type: ignore[union-attr]
+        self.plugins.notify("cgregistry_plan_changed", registry=self, change=change)
+        return True
 
     def wait_captured(self, timeout: float | None = None) -> bool:
         """Wait for every background capture to finish and install them; False if ``timeout`` seconds passed first.
@@ -391,9 +455,13 @@ class GraphRegistry:
             raise RuntimeError("wait_captured() from the registry's capture thread (a hook or the step) would wait for itself")
         if self._running.locked():
             raise RuntimeError("wait_captured() while a run() is in progress (from the step or a hook) would wait for itself")
-        done = worker.wait(timeout)
-        self._install_finished()
-        return done
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:  # installing a refit queues its new keys: wait for those too
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done = worker.wait(left)
+            self._install_finished()
+            if not done or not worker.busy:
+                return done
 
     def capturing(self) -> list[Pair]:
         """Keys queued for, or in, background capture, in capture order (not served by a graph yet)."""
@@ -454,6 +522,8 @@ class GraphRegistry:
             raise RuntimeError(
                 f"run() on registry {self.name!r} from its own capture thread (a hook or the step called it while capturing)"
             )
+        if self._adapt is not None and type(actual) is BatchDescriptor:
+            self._observe(actual)
         self._install_finished()
         worker.quiet.clear()  # type: ignore[union-attr]
         try:
@@ -781,6 +851,7 @@ class GraphRegistry:
             max_padding_tokens=self._routes.cap.max_tokens,
             max_padding_ratio=self._routes.cap.max_ratio,
             capturing=tuple(self.capturing()),
+            plan_changes=tuple(str(c) for c in self.plan_changes[-64:]),
         ).to_dict()
 
     def table(self, *, used_only: bool = False, sort: str = "key") -> str:

@@ -290,3 +290,48 @@ def test_the_serving_threads_cuda_calls_stay_legal_while_a_capture_segment_is_op
     out = reg.run(batch, **inputs)
     assert reg.stats().hits == 1
     torch.testing.assert_close(out, eager(engine, batch, inputs), atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- adaptation
+
+
+def trace_steps(max_seqs: int, max_tokens: int, n: int, start: int = 0) -> list[B]:
+    from cgregistry.workload import SchedulerConfig, read_trace, schedule
+
+    sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens)
+    return list(schedule(read_trace(), sched, max_steps=start + n))[start:]
+
+
+def test_adaptation_refits_to_the_traffic_in_the_background_and_reports_each_change() -> None:
+    from cgregistry.adaptive import Adaptation
+    from cgregistry.fitting import evaluate
+
+    engine = Engine()
+    changes: list[object] = []
+
+    class Watcher:
+        @cg.plugin.hookimpl
+        def cgregistry_plan_changed(self, registry, change):  # noqa: ANN001
+            changes.append(change)
+
+    settings = dict(max_num_seqs=MAX_SEQS, max_num_tokens=MAX_TOKENS, mode="full", max_capture_size=MAX_TOKENS)
+    budget = 6
+    adapt = Adaptation(max_graphs=budget, settings=settings, every_steps=100, min_steps=100, decay=1.0, min_gain=0.0)
+    reg = make(engine, adapt=adapt, plugins=make_plugins(Watcher()))
+    start = cg.CapturePlan.build(**settings, capture_sizes=[MAX_TOKENS])  # one graph: everything pads to 64
+    reg.capture(start)
+    steps = trace_steps(MAX_SEQS, MAX_TOKENS, 400)
+    for i, batch in enumerate(steps):
+        n = batch.num_tokens
+        inputs = {"input_ids": torch.randint(0, 100, (n,)), "slot_mapping": torch.randint(0, SCRATCH, (n,))}
+        out = reg.run(batch, **inputs)
+        assert torch.allclose(out, eager(engine, batch, inputs), atol=1e-5)
+    assert reg.wait_captured(timeout=60)
+    assert changes and reg.stats().plan_changes == len(changes) == len(reg.plan_changes)
+    assert len(reg) <= budget
+    offline = cg.CapturePlan.fit(steps, budget, **settings)
+    adapted = evaluate(cg.CapturePlan.of((e.key, e.strategy) for e in reg.entries()), steps)
+    fitted = evaluate(offline, steps)
+    assert adapted.padded_tokens <= 1.5 * fitted.padded_tokens, (adapted, fitted)
+    snap = cg.load_snapshot(reg.snapshot())
+    assert snap.stats.plan_changes == len(changes) and len(snap.plan_changes) == len(changes)

@@ -1,0 +1,317 @@
+"""Adaptation: when and how a registry's plan follows the batch shapes it actually serves.
+
+The registry counts the actual shapes it runs into a ``TrafficHistogram``; when
+``Adaptation.due`` says so, ``propose`` fits a plan to the counts with the exact
+fitter (``CapturePlan.fit``) under the graph budget and compares it with the keys
+the registry holds; a ``PlanChange`` (keys to capture, keys to release) comes back
+only when it serves more steps from graphs, brings the plan within its budget, or
+saves at least ``min_gain`` of the padded tokens.  Pure policy: no registry, no
+capture, no torch graphs.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from cgregistry.descriptor import BatchDescriptor
+from cgregistry.fitting import PlanReport, Workload, evaluate, workload_counts
+from cgregistry.matcher import DEFAULT_PREFERENCE
+from cgregistry.plan import CapturePlan, PlanSettings
+
+__all__ = ["REASONS", "Adaptation", "PlanChange", "PlanScore", "TrafficHistogram", "propose", "refit"]
+
+Pair = tuple[BatchDescriptor, str]
+
+# Why a change is proposed, in the order ``propose`` checks them.
+REASONS: dict[str, str] = {
+    "budget": "the current keys exceed max_graphs",
+    "coverage": "the fitted plan serves more observed steps from graphs",
+    "padding": "the fitted plan saves at least min_gain of the padded tokens",
+}
+
+
+def _count(name: str, minimum: int) -> Any:
+    def check(instance: Any, attribute: Any, value: object) -> None:
+        if type(value) is not int or value < minimum:
+            raise ValueError(f"Adaptation.{name} must be an int >= {minimum}, got {value!r}")
+
+    return check
+
+
+def _fraction(name: str, low: float, high: float, closed_low: bool, closed_high: bool) -> Any:
+    bounds = f"{'[' if closed_low else '('}{low}, {high}{']' if closed_high else ')'}"
+
+    def check(instance: Any, attribute: Any, value: object) -> None:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        if ok:
+            v = float(value)  # type: ignore[arg-type]
+            ok = (low <= v if closed_low else low < v) and (v <= high if closed_high else v < high)
+        if not ok:
+            raise ValueError(f"Adaptation.{name} must be a number in {bounds}, got {value!r}")
+
+    return check
+
+
+def _as_settings(value: object) -> PlanSettings:
+    """A ``PlanSettings``, or one built from a mapping of its fields (whose errors name the setting)."""
+    if isinstance(value, PlanSettings):
+        return value
+    if isinstance(value, Mapping):
+        return PlanSettings(**value)
+    raise ValueError(
+        f"Adaptation.settings must be a PlanSettings or a mapping of its fields (max_num_seqs, max_num_tokens, mode, ...), got {value!r}"
+    )
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Adaptation:
+    """How a registry adapts its plan: the budget, the settings to fit with, and how eagerly to change.
+
+    ``max_graphs``: graphs the plan may hold.  ``settings``: what ``CapturePlan.fit`` takes (a
+    ``PlanSettings`` or a mapping of its fields).  ``every_steps``: refit after this many
+    observed steps since the last refit; ``min_steps``: none before this many in all.
+    ``decay`` in (0, 1]: counts are multiplied by it at each refit, so old traffic fades
+    (1: never).  ``min_gain`` in [0, 1): change the plan for padding only when it saves at
+    least this fraction of the padded tokens on the observed traffic (hysteresis against noise).
+
+    No memory budget: every fitted plan keeps the max capture size, so the shared pool (about
+    the largest graph) is the same for every refit; what differs is the driver's per-graph
+    memory, which the allocator cannot measure and ``max_graphs`` bounds.
+    """
+
+    max_graphs: int = attrs.field(validator=_count("max_graphs", 1))
+    settings: PlanSettings = attrs.field(converter=_as_settings)
+    every_steps: int = attrs.field(default=10_000, validator=_count("every_steps", 1))
+    min_steps: int = attrs.field(default=20_000, validator=_count("min_steps", 0))
+    decay: float = attrs.field(default=0.5, validator=_fraction("decay", 0, 1, False, True))
+    min_gain: float = attrs.field(default=0.05, validator=_fraction("min_gain", 0, 1, True, False))
+
+    def __attrs_post_init__(self) -> None:
+        try:  # the budget must hold the keys every fitted plan keeps: fail here, not at the first refit
+            CapturePlan.fit({}, self.max_graphs, self.settings)
+        except ValueError as exc:
+            raise ValueError(f"Adaptation: {exc}") from None
+
+    def due(self, histogram: TrafficHistogram) -> bool:
+        """Whether a refit is due: ``min_steps`` observed in all and ``every_steps`` since the last refit."""
+        return histogram.observed >= self.min_steps and histogram.fresh >= self.every_steps
+
+
+class TrafficHistogram(Mapping[BatchDescriptor, float]):
+    """Steps per actual shape, older ones decayed: the traffic a refit fits to.
+
+    Counts are floats so decay is exact; a shape whose count falls below one half (no
+    step, once rounded) is dropped.  ``steps()`` gives the rounded counts the fitter
+    takes.  ``observed`` counts every step added, ``fresh`` those since the last
+    ``decay``.  Not thread-safe: one thread adds, decays and proposes.
+    """
+
+    __slots__ = ("_counts", "fresh", "observed")
+
+    def __init__(self, counts: Workload | None = None) -> None:
+        self._counts: dict[BatchDescriptor, float] = {}
+        self.observed = 0
+        self.fresh = 0
+        if counts is not None:
+            self.add(counts)
+
+    def add(self, counts: Workload) -> None:
+        """Count steps: a ``{shape: steps}`` harvest (ints >= 0) or a stream of shapes."""
+        harvest = workload_counts(counts, "TrafficHistogram.add()")
+        for shape, n in harvest.items():
+            self._counts[shape] = self._counts.get(shape, 0.0) + n
+        n = sum(harvest.values())
+        self.observed += n
+        self.fresh += n
+
+    def decay(self, factor: float) -> None:
+        """Multiply every count by ``factor`` in (0, 1] (older traffic weighs less) and start a new refit period."""
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
+            raise ValueError(f"decay factor must be a number in (0, 1], got {factor!r}")
+        self._counts = {s: c * factor for s, c in self._counts.items() if c * factor >= 0.5}
+        self.fresh = 0
+
+    @property
+    def total(self) -> float:
+        """The decayed step count: the weight of the traffic a refit sees."""
+        return sum(self._counts.values())
+
+    def steps(self) -> dict[BatchDescriptor, int]:
+        """Counts rounded to whole steps (half up), the workload ``CapturePlan.fit`` takes."""
+        return {s: math.floor(c + 0.5) for s, c in self._counts.items()}
+
+    def __getitem__(self, shape: BatchDescriptor) -> float:
+        return self._counts[shape]
+
+    def __iter__(self) -> Iterator[BatchDescriptor]:
+        return iter(self._counts)
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def __repr__(self) -> str:
+        return f"TrafficHistogram({len(self)} shapes, total {self.total:.1f}, observed {self.observed}, fresh {self.fresh})"
+
+
+@attrs.frozen(slots=True)
+class PlanScore:
+    """How a set of keys serves the observed traffic: the numbers a change is judged on."""
+
+    graphs: int
+    steps: int
+    graph_steps: int
+    real_tokens: int  # tokens of graph-served steps
+    padded_tokens: int
+
+    @classmethod
+    def of(cls, report: PlanReport) -> PlanScore:
+        return cls(report.graphs, report.steps, report.graph_steps, report.real_tokens, report.padded_tokens)
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padded tokens over all tokens computed by graphs (``PlanReport.padding_ratio``)."""
+        total = self.real_tokens + self.padded_tokens
+        return self.padded_tokens / total if total else 0.0
+
+
+def _pair_dict(pair: Pair) -> dict[str, Any]:
+    return {"key": attrs.asdict(pair[0]), "strategy": pair[1]}
+
+
+def _pair_of(data: Mapping[str, Any]) -> Pair:
+    return BatchDescriptor(**data["key"]), data["strategy"]
+
+
+@attrs.frozen(slots=True)
+class PlanChange:
+    """One refit's outcome: keys to capture (largest first), keys to release, and why.
+
+    ``before`` and ``after`` score the current and the new keys on the traffic the refit
+    saw; ``observed`` is the registry's step count when it was proposed; ``reason`` is a
+    ``REASONS`` name.
+    """
+
+    added: tuple[Pair, ...]
+    removed: tuple[Pair, ...]
+    before: PlanScore
+    after: PlanScore
+    observed: int
+    reason: str
+
+    @property
+    def gain(self) -> float:
+        """The fraction of padded tokens saved (negative when a budget cut costs padding; 0 with none before)."""
+        b = self.before.padded_tokens
+        return (b - self.after.padded_tokens) / b if b else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The change as JSON-serialisable data (``from_dict`` reads it back)."""
+        return {
+            "reason": self.reason,
+            "observed": self.observed,
+            "added": [_pair_dict(p) for p in self.added],
+            "removed": [_pair_dict(p) for p in self.removed],
+            "before": attrs.asdict(self.before),
+            "after": attrs.asdict(self.after),
+            "gain": self.gain,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlanChange:
+        """A change from ``to_dict``'s form (``gain`` is derived, so it is not read)."""
+        return cls(
+            added=tuple(_pair_of(p) for p in data["added"]),
+            removed=tuple(_pair_of(p) for p in data["removed"]),
+            before=PlanScore(**data["before"]),
+            after=PlanScore(**data["after"]),
+            observed=data["observed"],
+            reason=data["reason"],
+        )
+
+    def __str__(self) -> str:
+        b, a = self.before, self.after
+        return (
+            f"plan change ({self.reason}: {REASONS[self.reason]}) after {self.observed} steps: +{len(self.added)} -{len(self.removed)} keys, "
+            f"{b.graphs} -> {a.graphs} graphs, graph-served steps {b.graph_steps} -> {a.graph_steps} of {a.steps}, "
+            f"padding {b.padding_ratio:.2%} -> {a.padding_ratio:.2%}"
+        )
+
+
+def _pairs(current: Sequence[Pair]) -> list[Pair]:
+    out: list[Pair] = []
+    for i, pair in enumerate(current):
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], BatchDescriptor) and isinstance(pair[1], str)):
+            raise TypeError(f"propose() takes the current keys as (BatchDescriptor, strategy) pairs; current[{i}] is {pair!r}")
+        out.append(pair)
+    return list(dict.fromkeys(out))
+
+
+def propose(
+    histogram: TrafficHistogram | Workload,
+    current: Sequence[Pair],
+    adaptation: Adaptation,
+    *,
+    preference: Sequence[str] = DEFAULT_PREFERENCE,
+    max_padding_tokens: int | None = None,
+    max_padding_ratio: float | None = None,
+) -> PlanChange | None:
+    """The change from ``current`` keys to the plan fitted to ``histogram``, or None when it is not worth making.
+
+    Both key sets are scored on the histogram through the matcher with ``preference`` and the
+    padding cap (the registry's).  A change is proposed when the current keys exceed
+    ``max_graphs`` ("budget"), when the fitted plan serves more steps from graphs
+    ("coverage"), or when it pads at least ``min_gain`` fewer tokens ("padding"); never when
+    it would serve fewer steps from graphs (a current key beyond the settings' max capture
+    size, say), nor when the keys are the same.  The fitted plan keeps ``build``'s covering
+    keys, so they are never removed.
+    """
+    if isinstance(histogram, TrafficHistogram):
+        weights, observed = histogram.steps(), histogram.observed
+    else:
+        weights = dict(workload_counts(histogram, "propose()"))
+        observed = sum(weights.values())
+    if not weights:
+        return None
+    pairs = _pairs(current)
+    fitted = CapturePlan.fit(weights, adaptation.max_graphs, adaptation.settings)
+    cap = {"max_padding_tokens": max_padding_tokens, "max_padding_ratio": max_padding_ratio}
+    before = PlanScore.of(evaluate(CapturePlan.of(pairs), weights, preference, **cap))
+    after = PlanScore.of(evaluate(fitted, weights, preference, **cap))
+    new = [(e.descriptor, e.strategy) for e in fitted]
+    held, kept = set(pairs), set(new)
+    added = tuple(p for p in new if p not in held)  # largest first, the order to capture them in
+    removed = tuple((e.descriptor, e.strategy) for e in CapturePlan.of(pairs) if (e.descriptor, e.strategy) not in kept)
+    if (not added and not removed) or after.graph_steps < before.graph_steps:
+        return None
+    if len(pairs) > adaptation.max_graphs:
+        reason = "budget"
+    elif after.graph_steps > before.graph_steps:
+        reason = "coverage"
+    elif after.padded_tokens < before.padded_tokens and before.padded_tokens - after.padded_tokens >= adaptation.min_gain * before.padded_tokens:
+        reason = "padding"
+    else:
+        return None
+    return PlanChange(added, removed, before, after, observed, reason)
+
+
+def refit(
+    histogram: TrafficHistogram,
+    current: Sequence[Pair],
+    adaptation: Adaptation,
+    **matching: Any,
+) -> PlanChange | None:
+    """One step of the adaptation loop: when due, ``propose``, then decay the histogram.
+
+    Returns None when no refit is due or the refit proposes nothing; ``matching`` goes to
+    ``propose`` (``preference``, the padding cap).  The registry calls it after each harvest.
+    """
+    if not adaptation.due(histogram):
+        return None
+    change = propose(histogram, current, adaptation, **matching)
+    histogram.decay(adaptation.decay)
+    return change
