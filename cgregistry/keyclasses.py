@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from cgregistry.descriptor import BatchDescriptor
 
-__all__ = ["KEY_CLASSES", "class_of", "declared_unsupported", "key_classes"]
+__all__ = ["KEY_CLASSES", "check_serves", "class_of", "declared_unsupported", "key_classes"]
 
 # Nested like an attention backend's graph support levels: a strategy that cannot serve spec decode cannot
 # serve mixed batches either (a mixed key serves uniform batches too), and one that cannot serve plain decode
@@ -62,3 +62,16 @@ def class_of(key: BatchDescriptor) -> str:
     if not key.uniform:
         return "mixed"
     return "spec_decode" if key.spec_depth > 0 else "decode"
+
+
+def check_serves(key: BatchDescriptor, strategy: object) -> None:
+    """Refuse a plan entry whose key is of a class its strategy declares it cannot serve (a ValueError naming both)."""
+    cls = class_of(key)
+    declared = declared_unsupported(strategy)
+    if cls in declared:
+        name = getattr(strategy, "name", strategy)
+        raise ValueError(
+            f"plan entry {key} [{name}] is a {cls} key, but strategy {name!r} cannot serve {KEY_CLASSES[cls]} "
+            f"(its unsupported_classes: {', '.join(sorted(declared))}); give the key to a strategy that serves "
+            "it, or drop it (CapturePlan.build with these plugins leaves such keys out)"
+        )

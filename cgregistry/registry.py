@@ -44,6 +44,7 @@ from cgregistry.inspection import (
     filter_entries,
     stats_line,
 )
+from cgregistry.keyclasses import check_serves
 from cgregistry.matcher import (
     DEFAULT_PREFERENCE,
     Explanation,
@@ -199,19 +200,21 @@ class GraphRegistry:
     ) -> list[EntryInfo]:
         """Capture every entry of ``plan`` not yet captured, in plan order (largest first).
 
-        All entries are checked before any is captured.  If one fails, the
-        entries captured before it stay, it is absent, and ``CaptureError``
+        All entries are checked before any is captured (or planned lazily): the strategy is
+        registered, the key fits the static inputs, and the strategy serves the key's class
+        (its ``unsupported_classes``); a refused plan leaves the registry as it was.  If a
+        capture fails, the entries captured before it stay, it is absent, and ``CaptureError``
         names its descriptor and strategy.  With ``lazy=True`` nothing is
         captured now: each key is captured by the first ``run`` it is the best
         match for (counted in ``stats().lazy_captures``).  ``context`` is the payload
         eager breaks see through ``current_batch()`` while capturing: it must describe
         the all-padding batch capture runs on (see docs/integration.md).
         """
-        self._capture_payload = context
         todo = [_plan_entry(e) for e in plan]
         for entry in todo:
-            self.plugins.strategy(entry.strategy)
+            check_serves(entry.descriptor, self.plugins.strategy(entry.strategy))
             self._capturer.check_fits(entry.descriptor)
+        self._capture_payload = context
         pairs = [(e.descriptor, e.strategy) for e in dict.fromkeys(todo) if (e.descriptor, e.strategy) not in self._store.entries]
         if lazy:
             self._store.add_pending(pairs)
