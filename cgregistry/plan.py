@@ -549,8 +549,10 @@ class CapturePlan:
         ``folded`` plan (one strategy for both, no ``separate_decode``) fits uniform batches up
         to the max capture size in the mixed family, as its shared keys serve them; with
         ``separate_decode`` the matcher may serve a uniform batch from a mixed key when that
-        pads less, so the fitted padding is an upper bound there.  With ``size_multiple``
-        every size is a multiple of it.  Sizes are shared by all LoRA counts: each size costs
+        pads less, so the fitted padding is an upper bound there.  Downgrades (``unsupported``,
+        the strategies' own ``unsupported_classes``) split the steps as ``build`` splits the
+        keys: a class moved off a strategy is fitted with the keys of the strategy it moved
+        to, or left eager.  With ``size_multiple`` every size is a multiple of it.  Sizes are shared by all LoRA counts: each size costs
         one graph per LoRA count.
         """
         plan_settings = _settings(settings, fields)

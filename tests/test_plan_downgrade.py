@@ -4,7 +4,9 @@ mode's other strategy, or leaves them eager."""
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 import cgregistry as cg
 from cgregistry import BatchDescriptor, CapturePlan, Matcher
 from cgregistry.cli import main
+from cgregistry.fitting import evaluate
 from cgregistry.keyclasses import declared_unsupported
 from cgregistry.plan import MODES, Downgrade
 from cgregistry.testing import make_plugins
@@ -272,3 +275,95 @@ def test_cli_plan_says_a_strategy_declared_it(monkeypatch: pytest.MonkeyPatch, c
     assert doc["settings"]["strategy_unsupported"] == {"vfull": ["mixed", "spec_decode"]}
     assert doc["settings"]["unsupported"] == {"vfull": ["mixed"]}
     assert [(d["key_class"], d["declared_by"]) for d in doc["settings"]["downgrades"]] == [("spec_decode", "strategy")]
+
+
+# ---------------------------------------------------------------------------- fit under downgrades
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    max_num_seqs=st.integers(1, 40),
+    max_num_tokens=st.sampled_from([32, 64, 256]),
+    mode=st.sampled_from([m for m in MODES if m != "none"]),
+    depths=st.sampled_from([(0,), (0, 1), (0, 3), (2,)]),
+    levels=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+    separate=st.booleans(),
+    size_multiple=st.sampled_from([1, 1, 2]),
+    data=st.data(),
+)
+def test_fit_splits_classes_as_build_does_and_pads_no_more_at_its_graph_count(
+    max_num_seqs: int, max_num_tokens: int, mode: str, depths: tuple[int, ...], levels: tuple[int, int], separate: bool,
+    size_multiple: int, data: st.DataObject,
+) -> None:
+    others = {"piecewise", "breakable"} & set(MODES[mode])
+    cannot = {"full": LEVELS[levels[0]], **{name: LEVELS[levels[1]] for name in others}}
+    kw = dict(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, mode=mode, spec_depths=depths,
+              separate_decode=separate, size_multiple=size_multiple, unsupported=cannot)
+    try:
+        s = cg.PlanSettings(**kw)
+    except ValueError as exc:
+        assert "size_multiple" in str(exc)
+        return
+    built = CapturePlan.build(s)
+    if not len(built):
+        return
+    steps = []
+    for _ in range(data.draw(st.integers(1, 30))):
+        if data.draw(st.booleans()):
+            depth = data.draw(st.sampled_from(depths))
+            steps.append(B.decode(data.draw(st.integers(1, s.widest[depth])), depth))
+        else:
+            t = data.draw(st.integers(1, max_num_tokens))
+            steps.append(B(t, data.draw(st.integers(1, min(t, max_num_seqs)))))
+    fitted = CapturePlan.fit(steps, len(built), s)
+    assert len(fitted) <= len(built)
+    for e in fitted:
+        assert batch_class(e.descriptor) not in cannot.get(e.strategy, ()), f"fit put {e.descriptor} on {e.strategy}"
+    assert {(batch_class(e.descriptor), e.strategy) for e in fitted} == {(batch_class(e.descriptor), e.strategy) for e in built}
+    assert fitted.downgrades == built.downgrades
+    rb, rf = evaluate(built, steps), evaluate(fitted, steps)
+    assert rf.graph_steps == rb.graph_steps, "the fitted plan serves every step the built one does, no more"
+    if not (separate and s.decode_strategy == s.mixed_strategy):  # there the fitted padding is an upper bound (documented)
+        assert rf.padded_tokens <= rb.padded_tokens
+
+
+def downgraded_plans(budget: int) -> Iterator[CapturePlan]:
+    """Every full_and_piecewise plan (4 sequences, 8 tokens, spec depths 0 and 1) with full unable to serve
+    mixed or spec-decode batches, within ``budget`` graphs, that keeps the covering keys (4 requests, 8 tokens)."""
+    for nd in range(budget - 1):
+        for decode in itertools.combinations(range(1, 4), nd):
+            for nm in range(budget - 1 - nd):
+                for mixed in itertools.combinations(range(1, 8), nm):
+                    yield CapturePlan.of([(B.decode(r), "full") for r in (*decode, 4)] + [(B(t), "piecewise") for t in (*mixed, 8)])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    steps=st.lists(
+        st.one_of(
+            st.builds(B.decode, st.integers(1, 4), st.sampled_from([0, 1])),
+            st.integers(1, 8).flatmap(lambda t: st.builds(B, st.just(t), st.integers(1, min(t, 4)))),
+        ),
+        min_size=1, max_size=12,
+    ),
+    budget=st.integers(2, 5),
+)
+def test_fit_under_a_downgrade_is_optimal_against_exhaustive_search(steps: list[BatchDescriptor], budget: int) -> None:
+    fitted = CapturePlan.fit(steps, budget, max_num_seqs=4, max_num_tokens=8, mode="full_and_piecewise", spec_depths=(0, 1),
+                             max_capture_size=8, unsupported={"full": ["mixed", "spec_decode"]})
+    assert len(fitted) <= budget
+    assert all(e.strategy == "piecewise" or (e.descriptor.uniform and e.descriptor.spec_depth == 0) for e in fitted)
+    best = min(evaluate(p, steps).padded_tokens for p in downgraded_plans(budget))
+    report = evaluate(fitted, steps)
+    assert report.padded_tokens == best and report.eager_steps == 0
+
+
+def test_fit_takes_a_strategys_own_declaration_as_the_engines() -> None:
+    steps = [B.decode(r, 1) for r in (1, 3, 5, 9)] + [B.decode(r) for r in (2, 7)] + [B(t, min(t, 8)) for t in (20, 40, 60)]
+    kw = dict(max_num_seqs=16, max_num_tokens=256, mode=("vfull", "vpw"), spec_depths=(0, 1))
+    declaring = make_plugins(Registers(vendor("vfull", False, {"mixed", "spec_decode"}), vendor("vpw", True)))
+    silent = make_plugins(Registers(vendor("vfull", False), vendor("vpw", True)))
+    own = CapturePlan.fit(steps, 12, **kw, plugins=declaring)
+    told = CapturePlan.fit(steps, 12, **kw, plugins=silent, unsupported={"vfull": ["mixed", "spec_decode"]})
+    assert pairs(own) == pairs(told) and not any(e.strategy == "vfull" and e.descriptor.spec_depth > 0 for e in own)
+    assert [d.declared_by for d in own.downgrades] == ["strategy"]
