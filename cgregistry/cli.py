@@ -176,6 +176,7 @@ def _settings_dict(s: PlanSettings) -> dict[str, Any]:
         "separate_decode": s.separate_decode, "size_multiple": s.size_multiple, "uniform_keys": _uniform_keys(s),
         "decode_reqs": {str(d): list(r) for d, r in s.decode_reqs.items()}, "mixed_sizes": list(s.mixed_sizes),
         "unsupported": {name: sorted(classes) for name, classes in s.unsupported.items()},
+        "strategy_unsupported": {name: sorted(classes) for name, classes in s.strategy_unsupported.items()},
         "downgrades": [{**attrs.asdict(d), "reason": str(d)} for d in s.downgrades],
     }
 
@@ -217,6 +218,9 @@ def _settings_lines(s: PlanSettings, args: argparse.Namespace) -> list[str]:
         ("--unsupported", ", ".join(f"{n}:{c}" for n, cs in s.unsupported.items() for c in sorted(cs)) or "none", origin("unsupported")),
         ("uniform keys", _uniform_keys(s), ""),
     ]
+    if s.strategy_unsupported:  # what the mode's strategies declare themselves (their unsupported_classes)
+        own = ", ".join(f"{n}:{c}" for n, cs in s.strategy_unsupported.items() for c in sorted(cs))
+        rows.insert(-1, ("strategy-declared", f"{own} (the strategies' own unsupported_classes)", ""))
     rows += [("downgraded", str(d), "") for d in s.downgrades]
     widths = sorted(set(s.mixed_sizes) - set(s.used_capture_sizes))
     if widths and s.mixed_strategy is not None:

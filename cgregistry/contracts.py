@@ -88,6 +88,8 @@ class Strategy(Protocol):
     relaxes_num_reqs: bool  # True when attention metadata is built eagerly, so keys need no request count
     # Optional ``whole_graph = True``: the step is captured as one graph with nothing eager inside, so a
     # piecewise-compiled model runs unsplit for it (read with getattr; not part of the protocol's members).
+    # Optional ``unsupported_classes = frozenset({...})``: key classes ("mixed", "spec_decode", "decode")
+    # it cannot serve; plans downgrade them and the registry refuses such keys (read with getattr too).
 
     def capture(self, body: Callable[[], Any], backend: Backend, pool: object) -> tuple[Graph, Any]:
         """Capture ``body`` (the step on static views) into ``pool``; return the graph and its outputs."""

@@ -201,7 +201,9 @@ def fit_families(steps: Workload, max_graphs: int, settings: PlanSettings) -> tu
     With ``size_multiple`` a step's size is first rounded up to the nearest size a key may
     have (the padding to it is the same for every plan), so every fitted size is allowed.
     A folded plan (``settings.folded``) fits uniform batches up to the max capture size in
-    the mixed family, exactly as the matcher serves them.
+    the mixed family, exactly as the matcher serves them.  Downgrades are already in the
+    settings' strategies: a spec depth outside ``uniform_depths`` has no family of its own
+    (its batches are mixed steps), and a kind without a strategy is not fitted (eager).
     """
     if type(max_graphs) is not int or max_graphs < 1:
         raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")

@@ -42,7 +42,8 @@ def cgregistry_register_strategies(register: StrategyRegistrar) -> None:
         :class:`cgregistry.contracts.Strategy`: ``name: str``, ``relaxes_num_reqs: bool``
         and ``capture(body, backend, pool) -> (graph, outputs)``, where ``graph``
         is a :class:`cgregistry.contracts.Graph` (``replay()``, ``memory_bytes``,
-        optionally ``num_segments`` and ``breaks``).  A name already registered by another plugin is a
+        optionally ``num_segments`` and ``breaks``); optionally ``unsupported_classes``
+        (key classes it cannot serve), checked here.  A name already registered by another plugin is a
         ``PluginError`` naming both plugins; a missing attribute is a
         ``PluginError`` naming the plugin.
     :return: ignored.

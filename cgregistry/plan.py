@@ -16,6 +16,7 @@ import attrs
 
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.fitting import Workload, fit_families
+from cgregistry.keyclasses import KEY_CLASSES, declared_unsupported, key_classes
 from cgregistry.matcher import Matcher
 
 __all__ = [
@@ -38,32 +39,37 @@ MODES: dict[str, tuple[str | None, str | None]] = {
     "full_and_breakable": ("full", "breakable"),
 }
 
-# Batch classes a strategy may be unable to serve (``PlanSettings.unsupported``), nested like an attention
-# backend's graph support levels: a strategy that cannot serve spec decode cannot serve mixed batches either
-# (a mixed key serves uniform batches too), and one that cannot serve plain decode can serve none of them.
-KEY_CLASSES: dict[str, str] = {
-    "mixed": "mixed batches (prefill, chunked prefill, decode mixed with prefill)",
-    "spec_decode": "uniform spec-decode batches (spec depth > 0)",
-    "decode": "uniform single-token decode batches",
-}
-_IMPLIES = {"spec_decode": "mixed", "decode": "spec_decode"}
+_DECLARERS = ("engine", "strategy", "both")
 
 
 @attrs.frozen(slots=True)
 class Downgrade:
-    """A key class moved off a strategy that declared it cannot serve it (``PlanSettings.unsupported``).
+    """A key class moved off a strategy that cannot serve it, and who said so.
 
     ``to`` is the strategy that serves the class instead (the mode's other strategy, when
-    it can), or None: those batches get no graph and run eagerly.
+    it can), or None: those batches get no graph and run eagerly.  ``declared_by`` is
+    "engine" (``PlanSettings.unsupported``), "strategy" (the strategy's own
+    ``unsupported_classes``) or "both".
     """
 
     key_class: str  # a KEY_CLASSES name
     strategy: str
     to: str | None
+    declared_by: str = "engine"
+
+    def __attrs_post_init__(self) -> None:
+        if self.declared_by not in _DECLARERS:
+            raise ValueError(f"Downgrade.declared_by must be one of {', '.join(_DECLARERS)}, got {self.declared_by!r}")
 
     def __str__(self) -> str:
         to = "no graph (eager)" if self.to is None else f"{self.to} keys"
-        return f"{self.key_class} batches: {self.strategy} -> {to}, because {self.strategy} cannot serve {KEY_CLASSES[self.key_class]}"
+        who = {
+            "engine": "the engine (unsupported)",
+            "strategy": f"strategy {self.strategy!r} itself (unsupported_classes)",
+            "both": f"the engine (unsupported) and strategy {self.strategy!r} itself (unsupported_classes)",
+        }[self.declared_by]
+        return (f"{self.key_class} batches: {self.strategy} -> {to}, because {self.strategy} cannot serve "
+                f"{KEY_CLASSES[self.key_class]}; declared by {who}")
 
 
 def _unsupported(value: object) -> dict[str, frozenset[str]]:
@@ -76,23 +82,14 @@ def _unsupported(value: object) -> dict[str, frozenset[str]]:
     for strategy, classes in value.items():
         if not isinstance(strategy, str):
             raise ValueError(f"unsupported: keys are strategy names, got {strategy!r}")
-        if isinstance(classes, str):
-            classes = (classes,)
-        if not isinstance(classes, Iterable):
-            raise ValueError(f"unsupported[{strategy!r}] must be key class names, got {classes!r}")
-        names = frozenset(classes)
-        bad = sorted(map(repr, names - KEY_CLASSES.keys()))
-        if bad:
-            raise ValueError(f"unsupported[{strategy!r}]: unknown key class {', '.join(bad)}; expected some of {', '.join(KEY_CLASSES)}")
-        for name in names:
-            implied = _IMPLIES.get(name)
-            if implied is not None and implied not in names:
-                raise ValueError(
-                    f"unsupported[{strategy!r}] = {sorted(names)}: a strategy that cannot serve {name!r} cannot serve "
-                    f"{implied!r} either (key classes nest: mixed, then spec_decode, then decode); add {implied!r}"
-                )
-        out[strategy] = names
+        out[strategy] = key_classes(classes, f"unsupported[{strategy!r}]")
     return out
+
+
+def _declarer(key_class: str, engine: frozenset[str] | None, strategy: frozenset[str] | None) -> str:
+    """Who declared that a strategy cannot serve ``key_class``: "engine", "strategy" or "both"."""
+    by_engine, by_strategy = key_class in (engine or ()), key_class in (strategy or ())
+    return "both" if by_engine and by_strategy else "strategy" if by_strategy else "engine"
 
 
 # Spec depths for every batch size, or a schedule {largest request count: depths allowed up to it}.
@@ -234,8 +231,11 @@ class PlanSettings:
     declares ``{"full": ["mixed"]}``).  Such a class moves to the mode's other strategy when
     that one can serve it (full to piecewise or breakable), else it gets no graph (runs
     eagerly); each move is a ``Downgrade`` in ``downgrades`` (and the plan's), which
-    ``cgregistry plan`` prints with its reason.  ``decode_strategy``, ``mixed_strategy`` and
-    ``uniform_depths`` (spec depths with uniform keys) are the strategies after the moves.
+    ``cgregistry plan`` prints with its reason.  A strategy may declare the same itself
+    (its ``unsupported_classes``, looked up like ``relaxes_num_reqs``): the mode's
+    strategies' declarations are in ``strategy_unsupported`` and count as the engine's do.
+    ``decode_strategy``, ``mixed_strategy`` and ``uniform_depths`` (spec depths with
+    uniform keys) are the strategies after the moves.
 
     The settings stay as given; what follows from them is in ``used_capture_sizes`` (the
     ladder of mixed token counts), ``used_max_capture_size``, ``used_lora_counts``,
@@ -269,12 +269,16 @@ class PlanSettings:
     decode_reqs: Mapping[int, tuple[int, ...]] = attrs.field(init=False)  # spec depth -> request counts of uniform widths
     mixed_sizes: tuple[int, ...] = attrs.field(init=False)  # token counts of the mixed keys ``build`` captures
     uniform_depths: frozenset[int] = attrs.field(init=False)  # spec depths whose uniform batches get uniform keys
+    strategy_unsupported: Mapping[str, frozenset[str]] = attrs.field(init=False)  # the mode's strategies' own declarations
     downgrades: tuple[Downgrade, ...] = attrs.field(init=False)  # classes moved off a strategy by ``unsupported``
+    _installed: Any = attrs.field(init=False, default=None, eq=False, repr=False)  # Plugins(), made once when needed
 
     def __attrs_post_init__(self) -> None:
         fix = functools.partial(object.__setattr__, self)
         decode, mixed = self._strategies()
         widest = _depth_widest(self.spec_depths, self.max_num_seqs, self.max_num_tokens)
+        declared = {name: self._declared(name) for name in dict.fromkeys((decode, mixed)) if name is not None}
+        fix("strategy_unsupported", {name: classes for name, classes in declared.items() if classes})
         decode, mixed, spec_to_mixed, downgrades = self._downgraded(decode, mixed, widest)
         fix("downgrades", downgrades)
         fix("uniform_depths", frozenset() if decode is None else frozenset(d for d in widest if d == 0 or not spec_to_mixed))
@@ -370,24 +374,27 @@ class PlanSettings:
     def _downgraded(
         self, decode: str | None, mixed: str | None, widest: Mapping[int, int]
     ) -> tuple[str | None, str | None, bool, tuple[Downgrade, ...]]:
-        """The mode's strategies after ``unsupported``: (decode, mixed, spec decode served by mixed keys, downgrades).
+        """The mode's strategies after ``unsupported`` and their own ``strategy_unsupported``: (decode, mixed,
+        spec decode served by mixed keys, downgrades).
 
         A class a strategy cannot serve goes to the mode's other strategy when that one can
         serve it (``full_and_piecewise``: full to piecewise), else it gets no graph.  Mixed
         first: a ``full`` mode whose full graphs cannot take mixed batches keeps full decode keys.
         """
-        cannot = self.unsupported
-        for name in cannot:
+        engine = self.unsupported
+        for name in engine:
             if name not in BUILTIN_RELAXES or self.plugins is not None:
                 try:
-                    self._relaxes(name)
-                except ValueError:
+                    self._registered(name)
+                except KeyError:
                     raise ValueError(f"unsupported names strategy {name!r}, which is not registered (a typo?)") from None
+        declared = self.strategy_unsupported
+        cannot = {name: engine.get(name, frozenset()) | declared.get(name, frozenset()) for name in {*engine, *declared}}
         found: list[Downgrade] = []
 
         def other(strategy: str, key_class: str, candidate: str | None) -> str | None:
             to = candidate if candidate != strategy and candidate is not None and key_class not in cannot.get(candidate, ()) else None
-            found.append(Downgrade(key_class, strategy, to))
+            found.append(Downgrade(key_class, strategy, to, _declarer(key_class, engine.get(strategy), declared.get(strategy))))
             return to
 
         if mixed is not None and "mixed" in cannot.get(mixed, ()):
@@ -396,7 +403,7 @@ class PlanSettings:
             was = decode
             decode = other(decode, "decode", mixed)
             if any(d > 0 for d in widest):  # spec decode moves with plain decode (the classes nest)
-                found.append(Downgrade("spec_decode", was, decode))
+                found.append(Downgrade("spec_decode", was, decode, _declarer("spec_decode", engine.get(was), declared.get(was))))
         spec_to_mixed = False
         if decode is not None and "spec_decode" in cannot.get(decode, ()) and any(d > 0 for d in widest):
             to = other(decode, "spec_decode", mixed)
@@ -404,22 +411,40 @@ class PlanSettings:
             assert to is None or to == mixed
         return decode, mixed, spec_to_mixed, tuple(found)
 
+    def _registered(self, strategy: str) -> Any:
+        """The registered strategy object: from ``plugins``, else from the installed plugins (made once).
+
+        Raises KeyError naming the registered strategies when there is none of that name.
+        """
+        plugins = self.plugins
+        if plugins is None:
+            plugins = self._installed
+            if plugins is None:
+                from cgregistry.plugins import (
+                    Plugins,  # only for strategies that are not built in (see architecture.md)
+                )
+
+                plugins = Plugins()
+                object.__setattr__(self, "_installed", plugins)
+        return plugins.strategy(strategy)
+
     def _relaxes(self, strategy: str) -> bool:
         """The strategy's own ``relaxes_num_reqs``."""
         if self.plugins is None and strategy in BUILTIN_RELAXES:
             return BUILTIN_RELAXES[strategy]
-        if self.plugins is not None:
-            plugins = self.plugins
-        else:
-            from cgregistry.plugins import (
-                Plugins,  # only for strategies that are not built in (see architecture.md)
-            )
-
-            plugins = Plugins()
         try:
-            return bool(plugins.strategy(strategy).relaxes_num_reqs)
+            return bool(self._registered(strategy).relaxes_num_reqs)
         except KeyError as exc:
             raise ValueError(f"mode {self.mode!r}: {exc.args[0]}") from None
+
+    def _declared(self, strategy: str) -> frozenset[str]:
+        """The key classes the strategy declares it cannot serve (its own ``unsupported_classes``).
+
+        The built-ins declare none, so plans of built-in modes need no plugin manager.
+        """
+        if self.plugins is None and strategy in BUILTIN_RELAXES:
+            return frozenset()
+        return declared_unsupported(self._registered(strategy))
 
     def plan(self, decode_reqs: Mapping[int, Sequence[int]], mixed_tokens: Sequence[int]) -> CapturePlan:
         """Keys from chosen sizes: request counts per spec depth, token counts for mixed batches.
@@ -527,8 +552,10 @@ class CapturePlan:
         ``folded`` plan (one strategy for both, no ``separate_decode``) fits uniform batches up
         to the max capture size in the mixed family, as its shared keys serve them; with
         ``separate_decode`` the matcher may serve a uniform batch from a mixed key when that
-        pads less, so the fitted padding is an upper bound there.  With ``size_multiple``
-        every size is a multiple of it.  Sizes are shared by all LoRA counts: each size costs
+        pads less, so the fitted padding is an upper bound there.  Downgrades (``unsupported``,
+        the strategies' own ``unsupported_classes``) split the steps as ``build`` splits the
+        keys: a class moved off a strategy is fitted with the keys of the strategy it moved
+        to, or left eager.  With ``size_multiple`` every size is a multiple of it.  Sizes are shared by all LoRA counts: each size costs
         one graph per LoRA count.
         """
         plan_settings = _settings(settings, fields)

@@ -20,6 +20,7 @@ import pluggy
 from cgregistry import hookspecs
 from cgregistry.contracts import Backend, Strategy, protocol_members
 from cgregistry.errors import CgregistryError
+from cgregistry.keyclasses import declared_unsupported
 from cgregistry.version import __version__
 
 __all__ = [
@@ -162,7 +163,14 @@ def _problem(obj: Any, protocol: type) -> str | None:
             missing.append(member)
     if len(missing) == 1 and protocol is Strategy:
         return f"it needs a method {missing[0]}(body, backend, pool)"
-    return f"it lacks {', '.join(missing)}" if missing else None
+    if missing:
+        return f"it lacks {', '.join(missing)}"
+    if protocol is Strategy:
+        try:
+            declared_unsupported(obj)  # optional; checked here so that a bad one is the registering plugin's error
+        except ValueError as exc:
+            return str(exc)
+    return None
 
 
 class Plugins:

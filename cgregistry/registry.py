@@ -48,6 +48,7 @@ from cgregistry.inspection import (
     filter_entries,
     stats_line,
 )
+from cgregistry.keyclasses import check_serves
 from cgregistry.matcher import (
     DEFAULT_PREFERENCE,
     Explanation,
@@ -220,8 +221,10 @@ class GraphRegistry:
     ) -> list[EntryInfo]:
         """Capture every entry of ``plan`` not yet captured, in plan order (largest first).
 
-        All entries are checked before any is captured.  If one fails, the
-        entries captured before it stay, it is absent, and ``CaptureError``
+        All entries are checked before any is captured (or planned lazily): the strategy is
+        registered, the key fits the static inputs, and the strategy serves the key's class
+        (its ``unsupported_classes``); a refused plan leaves the registry as it was.  If a
+        capture fails, the entries captured before it stay, it is absent, and ``CaptureError``
         names its descriptor and strategy.  With ``lazy=True`` nothing is
         captured now: each key is captured by the first ``run`` it is the best
         match for (counted in ``stats().lazy_captures``).  ``context`` is the payload
@@ -239,7 +242,7 @@ class GraphRegistry:
             raise ValueError("capture(lazy=True, background=True): choose one; lazy captures a key at its first use, background ahead of it")
         todo = [_plan_entry(e) for e in plan]
         for entry in todo:
-            self.plugins.strategy(entry.strategy)
+            check_serves(entry.descriptor, self.plugins.strategy(entry.strategy))
             self._capturer.check_fits(entry.descriptor)
         if background:
             self._submit(todo, context)

@@ -183,6 +183,7 @@ class BreakableStrategy:
 
     name = "breakable"
     relaxes_num_reqs = True
+    unsupported_classes: frozenset[str] = frozenset()  # serves every key class (plans of built-in modes rely on it)
 
     def __init__(self, barrier: Callable[[], None] | None = None) -> None:
         self.barrier = barrier

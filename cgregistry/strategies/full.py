@@ -24,6 +24,7 @@ class FullStrategy:
     name = "full"
     relaxes_num_reqs = False
     whole_graph = True  # a piecewise-compiled model runs unsplit for it (one Inductor graph, or the model itself)
+    unsupported_classes: frozenset[str] = frozenset()  # serves every key class (plans of built-in modes rely on it)
 
     def capture(self, body: Callable[[], Any], backend: Backend, pool: object) -> tuple[Graph, Any]:
         return backend.capture(body, pool)
