@@ -745,7 +745,7 @@ class GraphRegistry:
             worker.wait()
             worker.ready.clear()
             self._routes.capturing = ()
-            self._background = None
+            self._background = worker if self._adapt is not None else None  # adaptation keeps observing
         removed, count = self._store.clear()
         count += dropped
         self._after_release(removed)
