@@ -370,13 +370,20 @@ class GraphRegistry:
         worker = self._background
         if worker is None:
             return
+        if worker.ready:  # else nothing changed: submit, release and clear keep routes.capturing up to date
+            self._install_ready(worker)
+        if not worker.busy and not worker.ready and self._adapt is None:
+            self._background = None
+
+    def _install_ready(self, worker: CaptureWorker) -> None:
+        """Everything in ``worker.ready``: entries added, failures kept, refits applied; then the routes rebuilt."""
         changed = False
         while worker.ready:
             pair, entry, error = worker.ready.popleft()
             if pair is None:  # a refit finished
                 self._refit_running = False
                 if error is not None:
-                    warnings.warn(f"cgregistry: registry {self.name!r}: refit failed: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
+                    warnings.warn(f"cgregistry: registry {self.name!r}: refit failed: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=4)
                 elif entry is not None:
                     changed = self._apply(entry) or changed
                 continue
@@ -387,7 +394,7 @@ class GraphRegistry:
                     f"cgregistry: background {error}; the key is dropped and its batches go to the next best key "
                     "(or run eagerly); reg.failures() keeps the error",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
                 continue
             if pair in self._store.entries:  # captured in the foreground meanwhile
@@ -402,8 +409,6 @@ class GraphRegistry:
         if changed or capturing != self._routes.capturing:
             self._routes.capturing = capturing
             self._routes.rebuild(self._store.pairs())
-        if not worker.busy and not worker.ready and self._adapt is None:
-            self._background = None
 
     def _observe(self, actual: BatchDescriptor) -> None:
         """Count a step for adaptation; every ``every_steps`` steps harvest, and when due queue a refit on the capture thread."""
@@ -422,9 +427,10 @@ class GraphRegistry:
         self._traffic.decay(adapt.decay)  # type: ignore[union-attr]
         current = [*self._store.entries, *self.capturing()]
         cap = self._routes.cap
+        preference = self._routes.matcher.preference  # read here: the task runs on the capture thread
         self._refit_running = True
         self._worker.submit_task(  # type: ignore[union-attr]
-            lambda: propose(weights, current, adapt, preference=self._routes.matcher.preference,  # type: ignore[arg-type]
+            lambda: propose(weights, current, adapt, preference=preference,  # type: ignore[arg-type]
                             max_padding_tokens=cap.max_tokens, max_padding_ratio=cap.max_ratio)
         )
 
@@ -528,7 +534,9 @@ class GraphRegistry:
         if self._adapt is not None and type(actual) is BatchDescriptor:
             self._observe(actual)
         self._install_finished()
-        worker.quiet.clear()  # type: ignore[union-attr]
+        pause = worker.busy  # type: ignore[union-attr]  # an idle worker (adaptation between refits) needs no pause
+        if pause:
+            worker.quiet.clear()  # type: ignore[union-attr]
         try:
             variant = None
             if group is not None or exclude is not None:
@@ -539,7 +547,8 @@ class GraphRegistry:
                 return self._run_debug(actual, context, inputs, variant)
             return self._run(actual, context, inputs, variant)
         finally:
-            worker.quiet.set()  # type: ignore[union-attr]
+            if pause:
+                worker.quiet.set()  # type: ignore[union-attr]
 
     def _exclusion(self, exclude: Any) -> frozenset[str]:
         """``run(exclude=...)`` checked once per distinct value: a collection of registered strategy names."""
