@@ -130,6 +130,29 @@ def test_capture_in_the_background_never_writes_a_live_cache_slot(backend: str) 
     assert torch.equal(engine.cache[live], torch.full((40, HIDDEN), 7.0, device=engine.device)), "capture wrote a live request's slot"
 
 
+def test_background_capture_runs_the_step_on_fill_values_and_writes_only_the_scratch_slot(backend: str) -> None:
+    engine = Engine(backend)
+    engine.cache.copy_(torch.arange(SLOTS * HIDDEN, dtype=torch.float32, device=engine.device).view(SLOTS, HIDDEN))
+    before = engine.cache.clone()
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    step = engine.step
+
+    def recording(batch: B, input_ids: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        if backend == "cpu" and threading.current_thread() is not threading.main_thread():
+            seen.append((input_ids.clone(), slot_mapping.clone()))  # the cpu emulator runs every call for real
+        return step(batch, input_ids, slot_mapping)
+
+    engine.step = recording  # type: ignore[method-assign]
+    reg = make(engine)
+    reg.capture(PLAN, background=True)
+    assert reg.wait_captured(timeout=60) and len(reg) == len(PLAN.entries)
+    changed = (engine.cache != before).any(dim=1).nonzero().flatten().tolist()
+    assert changed == [SCRATCH], f"background capture wrote cache rows {changed}; only the scratch slot {SCRATCH} may change"
+    if backend == "cpu":
+        assert len(seen) >= 2 * len(PLAN.entries)  # warm-up and capture of every key
+        assert all(bool((ids == 0).all()) and bool((slots == SCRATCH).all()) for ids, slots in seen), "a capture saw non-fill inputs"
+
+
 def test_replays_of_background_entries_read_their_own_inputs_not_a_later_batch(backend: str) -> None:
     engine = Engine(backend)
     reg = make(engine)
