@@ -24,13 +24,17 @@ from cgregistry import runtime
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry
 
-__all__ = ["SWITCH_INTERVAL_S", "CaptureWorker", "Finished"]
+__all__ = ["PAUSE_LIMIT_S", "SWITCH_INTERVAL_S", "CaptureWorker", "Finished"]
 
 Pair = tuple[BatchDescriptor, str]
 
 # The interpreter's switch interval while a worker has work (CPython's default is 5 ms): how long the
 # serving thread may wait for the GIL when the worker holds it.  None leaves the interval alone.
 SWITCH_INTERVAL_S: float | None = 2e-4
+# The longest the capture thread stays paused for one step.  A step may be waiting for something the
+# paused thread holds (dynamo's compile lock, a logging or import lock, an engine's own lock); after this
+# long the thread runs on until the step ends, so such a step waits for that, never forever.
+PAUSE_LIMIT_S = 0.05
 
 # (key, strategy), the entry or the error; for a task (``submit_task``): (None, its result, its error)
 Finished = tuple["Pair | None", Any, "BaseException | None"]
@@ -72,6 +76,8 @@ class CaptureWorker:
         self.ready: deque[Finished] = deque()  # filled by the worker, emptied by the serving thread
         self.quiet = threading.Event()  # set while no run() is in progress: the worker may run Python
         self.quiet.set()
+        self._steps = 0  # steps begun (step_started)
+        self._released = -1  # the step during which the pause gave up (PAUSE_LIMIT_S)
         self.thread_id: int | None = None  # the capture thread's ident while it runs
         _workers.add(self)
 
@@ -82,6 +88,9 @@ class CaptureWorker:
         with self._cond:
             known = {p for p, _ in self._queue} | ({self.in_flight} if self.in_flight else set())
             for pair in pairs:
+                if pair == self.in_flight and pair in self._dropped:
+                    self._dropped.discard(pair)  # wanted again: the capture in flight is kept after all
+                    continue
                 if pair not in known:
                     self._queue.append((pair, payload))
                     known.add(pair)
@@ -134,10 +143,20 @@ class CaptureWorker:
 
     # ---------------------------------------------------------------- the capture thread
 
+    def step_started(self) -> None:
+        """The serving thread begins a step: the capture thread pauses at its next Python call or return."""
+        self._steps += 1
+        self.quiet.clear()
+
+    def step_ended(self) -> None:
+        self.quiet.set()
+
     def _pause(self, frame: Any, event: str, arg: Any) -> None:
-        """Profile function of the capture thread: wait while a step is running (a GIL-free wait)."""
-        if not self.quiet.is_set():
-            self.quiet.wait()
+        """Profile function of the capture thread: wait while a step is running (a GIL-free wait), at most
+        ``PAUSE_LIMIT_S`` per step."""
+        if not self.quiet.is_set() and self._released != self._steps:
+            if not self.quiet.wait(PAUSE_LIMIT_S):
+                self._released = self._steps
 
     def _loop(self) -> None:
         self.thread_id = threading.get_ident()

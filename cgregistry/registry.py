@@ -240,6 +240,7 @@ class GraphRegistry:
         """
         if lazy and background:
             raise ValueError("capture(lazy=True, background=True): choose one; lazy captures a key at its first use, background ahead of it")
+        self._refuse_on_capture_thread("capture()")
         todo = [_plan_entry(e) for e in plan]
         for entry in todo:
             check_serves(entry.descriptor, self.plugins.strategy(entry.strategy))
@@ -250,6 +251,9 @@ class GraphRegistry:
         self._capture_payload = context
         self._install_finished()
         pairs = [(e.descriptor, e.strategy) for e in dict.fromkeys(todo) if (e.descriptor, e.strategy) not in self._store.entries]
+        if self._background is not None:  # captured here instead: no longer the capture thread's to do
+            self._background.discard(pairs)
+            self._routes.capturing = tuple(self._background.queued())
         if lazy:
             self._store.add_pending(pairs)
             self._routes.rebuild(self._store.pairs())
@@ -291,23 +295,17 @@ class GraphRegistry:
         """Capture one entry between the capture_started and capture_finished hooks, then keep the budget."""
         key, strategy = pair
         worker = self._background
-        if worker is not None:
-            worker.quiet.set()  # a lazy capture inside run(): let a paused background capture finish first
-        try:
-            with self._capture_lock:
-                self.plugins.notify("cgregistry_capture_started", registry=self, key=key, strategy=strategy)
-                if not self._store.entries and (worker is None or not worker.busy):
-                    self._capturer.new_pool()  # no live graph holds the old pool
-                    if self.debug:
-                        self._addresses.rebase()  # no graph reads the old addresses
-                try:
-                    entry = self._capturer.capture(key, strategy, self.plugins.strategy(strategy), self._capture_payload)
-                except CaptureError as error:
-                    self.plugins.notify("cgregistry_capture_finished", registry=self, key=key, strategy=strategy, entry=None, error=error)
-                    raise
-        finally:
-            if worker is not None and self._running.locked():
-                worker.quiet.clear()
+        with self._capture_lock:  # a capture in flight on the capture thread finishes first
+            self.plugins.notify("cgregistry_capture_started", registry=self, key=key, strategy=strategy)
+            if not self._store.entries and (worker is None or not worker.busy):
+                self._capturer.new_pool()  # no live graph holds the old pool
+                if self.debug:
+                    self._addresses.rebase()  # no graph reads the old addresses
+            try:
+                entry = self._capturer.capture(key, strategy, self.plugins.strategy(strategy), self._capture_payload)
+            except CaptureError as error:
+                self.plugins.notify("cgregistry_capture_finished", registry=self, key=key, strategy=strategy, entry=None, error=error)
+                raise
         self._store.add(entry)
         info = self._info(entry)
         self.plugins.notify("cgregistry_capture_finished", registry=self, key=key, strategy=strategy, entry=info, error=None)
@@ -318,7 +316,18 @@ class GraphRegistry:
         return info
 
     def _capture_lazily(self, pair: Pair) -> None:
-        """Capture a pending key on its first use; on failure drop it (the batch then runs eagerly)."""
+        """Capture a pending key on its first use; on failure drop it (the batch then runs eagerly).
+
+        With the capture thread at work, the key goes to its queue instead: capturing it here would wait
+        for the capture in flight, and no step waits on a capture.
+        """
+        worker = self._background
+        if worker is not None and worker.busy:
+            self._store.pending.pop(pair, None)
+            worker.submit([pair], self._capture_payload)
+            self._routes.capturing = tuple(worker.queued())
+            self._routes.rebuild(self._store.pairs())
+            return
         try:
             with frozen_gc():
                 self._capture_observed(pair)
@@ -346,10 +355,18 @@ class GraphRegistry:
         held = set(self._store.entries)
         pairs = [(e.descriptor, e.strategy) for e in dict.fromkeys(todo) if (e.descriptor, e.strategy) not in held]
         worker.submit(_background_order(pairs), payload)
-        if worker.busy:
-            self._background = worker
+        self._background = worker  # even if the capture already finished: its entry waits in ready
         self._routes.capturing = tuple(worker.queued())
         self._routes.rebuild(self._store.pairs())  # eager routes cached before now get their new miss reason
+
+    def _refuse_on_capture_thread(self, call: str) -> None:
+        """``call`` from a hook or the step running on the capture thread would wait for that thread itself."""
+        worker = self._worker
+        if worker is not None and worker.thread_id == threading.get_ident():
+            raise RuntimeError(
+                f"{call} on registry {self.name!r} from its own capture thread (a hook or the step called it while "
+                "capturing) would wait for itself"
+            )
 
     def _capture_in_background(self, pair: Pair, payload: Any) -> Entry:
         """One entry, on the capture thread: own static inputs, hooks told, the store untouched."""
@@ -460,8 +477,7 @@ class GraphRegistry:
         worker = self._background
         if worker is None:
             return True
-        if worker.thread_id == threading.get_ident():
-            raise RuntimeError("wait_captured() from the registry's capture thread (a hook or the step) would wait for itself")
+        self._refuse_on_capture_thread("wait_captured()")
         if self._running.locked():
             raise RuntimeError("wait_captured() while a run() is in progress (from the step or a hook) would wait for itself")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -527,16 +543,13 @@ class GraphRegistry:
     def _run_beside_capture(self, actual: BatchDescriptor, context: Any, group: Any, exclude: Any, inputs: dict[str, torch.Tensor]) -> Any:
         """``run()`` while a capture thread works: install what it finished, and keep it paused during the step."""
         worker = self._background
-        if worker.thread_id == threading.get_ident():  # type: ignore[union-attr]
-            raise RuntimeError(
-                f"run() on registry {self.name!r} from its own capture thread (a hook or the step called it while capturing)"
-            )
+        self._refuse_on_capture_thread("run()")
         if self._adapt is not None and type(actual) is BatchDescriptor:
             self._observe(actual)
         self._install_finished()
         pause = worker.busy  # type: ignore[union-attr]  # an idle worker (adaptation between refits) needs no pause
         if pause:
-            worker.quiet.clear()  # type: ignore[union-attr]
+            worker.step_started()  # type: ignore[union-attr]
         try:
             variant = None
             if group is not None or exclude is not None:
@@ -548,7 +561,7 @@ class GraphRegistry:
             return self._run(actual, context, inputs, variant)
         finally:
             if pause:
-                worker.quiet.set()  # type: ignore[union-attr]
+                worker.step_ended()  # type: ignore[union-attr]
 
     def _exclusion(self, exclude: Any) -> frozenset[str]:
         """``run(exclude=...)`` checked once per distinct value: a collection of registered strategy names."""
@@ -745,9 +758,11 @@ class GraphRegistry:
         """Remove every entry and pending key; return how many.  The pool goes back to the
         allocator (and to the driver on ``torch.cuda.empty_cache()``); counters are kept.
         Background captures queued are dropped (the one in flight is waited for, then discarded)."""
+        self._refuse_on_capture_thread("clear()")
         self._install_finished()
         worker = self._background
         dropped = 0
+        self._refit_running = False  # a refit queued or running is dropped with the rest
         if worker is not None:
             dropped = len(self.capturing())
             worker.cancel()
