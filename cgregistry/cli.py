@@ -218,6 +218,8 @@ def _settings_lines(s: PlanSettings, args: argparse.Namespace) -> list[str]:
         ("--unsupported", ", ".join(f"{n}:{c}" for n, cs in s.unsupported.items() for c in sorted(cs)) or "none", origin("unsupported")),
         ("uniform keys", _uniform_keys(s), ""),
     ]
+    capped = _cap_text(args)
+    rows.insert(-1, ("padding cap", capped or "none (--max-padding-tokens, --max-padding-ratio)", "" if capped else "  (default)"))
     if s.strategy_unsupported:  # what the mode's strategies declare themselves (their unsupported_classes)
         own = ", ".join(f"{n}:{c}" for n, cs in s.strategy_unsupported.items() for c in sorted(cs))
         rows.insert(-1, ("strategy-declared", f"{own} (the strategies' own unsupported_classes)", ""))
@@ -245,10 +247,11 @@ def _plan(args: argparse.Namespace) -> int:
     plan = CapturePlan.build(settings)
     if args.trace is not None:
         return _plan_on_trace(args, plan, settings)
-    gaps = plan.uncovered()
+    gaps = plan.uncovered(**_cap(args))
     if args.json:
         print(json.dumps({
             "settings": _settings_dict(settings),
+            "padding_cap": _cap(args),
             "entries": [{"key": attrs.asdict(e.descriptor), "strategy": e.strategy} for e in plan],
             "graphs_by_class": _class_counts(plan),
             "uncovered": [attrs.asdict(g) for g in gaps],
@@ -262,8 +265,19 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"{len(plan)} graphs: " + ", ".join(f"{n} {name}" for name, n in _class_counts(plan).items()))
     for g in gaps:
         depth = "" if g.spec_depth is None else f" spec depth {g.spec_depth}"
-        print(f"uncovered (runs eagerly): {g.kind}{depth} batches of {g.min_tokens}..{g.max_tokens} tokens, {g.num_active_loras} LoRA")
+        why = f", over the padding cap: every covering key pads more ({_cap_text(args)})" if g.reason == "padding_cap" else ""
+        print(f"uncovered (runs eagerly): {g.kind}{depth} batches of {g.min_tokens}..{g.max_tokens} tokens, {g.num_active_loras} LoRA{why}")
     return 0
+
+
+def _cap(args: argparse.Namespace) -> dict[str, Any]:
+    """The padding cap flags as ``uncovered`` and ``evaluate`` take them (None: no cap of that kind)."""
+    return {"max_padding_tokens": args.max_padding_tokens, "max_padding_ratio": args.max_padding_ratio}
+
+
+def _cap_text(args: argparse.Namespace) -> str:
+    """The padding cap flags given, as the user wrote them (empty: no cap)."""
+    return ", ".join(f"{_flag(dest)}={value:g}" for dest, value in _cap(args).items() if value is not None)
 
 
 def _scheduler(args: argparse.Namespace) -> SchedulerConfig:
@@ -306,7 +320,7 @@ def _plan_on_trace(args: argparse.Namespace, plan: CapturePlan, settings: PlanSe
     else:
         judge_on = list(schedule(requests, config))
         scope = f"{len(requests)} requests, {len(judge_on)} steps"
-    reports = {name: evaluate(p, judge_on) for name, p in plans.items()}
+    reports = {name: evaluate(p, judge_on, **_cap(args)) for name, p in plans.items()}
     if args.plot:
         _plot(reports, args.plot)
     if args.json:
@@ -334,7 +348,9 @@ def _print_trace_json(
     plans: dict[str, CapturePlan], reports: dict[str, Any],
 ) -> None:
     """The ``plan --trace --json`` document: settings, scheduler, scope, one report per plan (and the plot's path)."""
-    out: dict[str, Any] = {"settings": _settings_dict(settings), "scheduler": _scheduler_dict(config, args, requests), "scope": scope}
+    out: dict[str, Any] = {
+        "settings": _settings_dict(settings), "padding_cap": _cap(args), "scheduler": _scheduler_dict(config, args, requests), "scope": scope,
+    }
     out["plans"] = {}
     for name, r in reports.items():
         report = {k: v for k, v in attrs.asdict(r).items() if k != "by_tokens"}
@@ -678,6 +694,12 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
                       help="key classes (mixed, spec_decode, decode) a strategy cannot serve, e.g. full:mixed for an "
                            "attention backend without full graphs of mixed batches; those classes go to the mode's other "
                            "strategy, else run eagerly, and plan prints each downgrade (default: none)")
+    cap = plan.add_argument_group("padding cap (GraphRegistry's max_padding_tokens and max_padding_ratio)")
+    cap.add_argument("--max-padding-tokens", type=_at_least(0), default=None, metavar="N",
+                     help="a batch whose every covering key pads more than N tokens runs eagerly: listed as uncovered, "
+                          "and counted as eager on a --trace (default: no cap)")
+    cap.add_argument("--max-padding-ratio", type=_non_negative_float, default=None, metavar="R",
+                     help="the same for more than R padding tokens per real token (default: no cap)")
     trace = plan.add_argument_group("judging on a trace (each option here needs --trace)")
     trace.add_argument("--trace", default=None, metavar="FILE",
                        help="Azure-format request trace, or 'bundled' (default: none: list the plan's keys instead)")

@@ -127,10 +127,13 @@ class PlanEntry:
 
 @attrs.frozen(slots=True)
 class UncoveredRange:
-    """A run of actual batch shapes that no key in a plan covers (they run eagerly).
+    """A run of actual batch shapes that no key in a plan serves (they run eagerly).
 
     ``kind`` is "decode" (uniform batches of ``spec_depth``) or "mixed" (any
     batch, checked at its worst-case request count ``min(tokens, max_num_seqs)``).
+    ``reason`` is "no_key" (no key covers them) or "padding_cap" (keys cover them, but
+    each pads more than the padding cap ``uncovered`` was given: the registry's
+    ``padding_cap`` miss).
     """
 
     kind: str
@@ -138,6 +141,7 @@ class UncoveredRange:
     spec_depth: int | None
     min_tokens: int
     max_tokens: int
+    reason: str = "no_key"
 
 
 def _entry_order(entry: PlanEntry) -> tuple[int, int, int, int, int, str]:
@@ -572,15 +576,20 @@ class CapturePlan:
         """The keys in capture order."""
         return [e.descriptor for e in self.entries]
 
-    def uncovered(self) -> list[UncoveredRange]:
-        """Actual batch shapes up to the plan's maxima that no key covers.
+    def uncovered(self, *, max_padding_tokens: int | None = None, max_padding_ratio: float | None = None) -> list[UncoveredRange]:
+        """Actual batch shapes up to the plan's maxima that no key serves, each run with its reason.
 
         Checks every uniform decode batch (each spec depth and LoRA count seen in
-        the plan) and every mixed batch at its worst-case request count.
+        the plan) and every mixed batch at its worst-case request count.  With a padding
+        cap (``GraphRegistry``'s ``max_padding_tokens`` / ``max_padding_ratio``), shapes whose
+        every covering key pads more than it are uncovered too, as a registry with that cap
+        runs them eagerly (reason "padding_cap").
         """
         if self.max_num_seqs is None or self.max_num_tokens is None:
             raise ValueError("uncovered() needs a plan built with max_num_seqs and max_num_tokens")
-        matcher = Matcher((e.descriptor, e.strategy) for e in self.entries)
+        pairs = [(e.descriptor, e.strategy) for e in self.entries]
+        matcher = Matcher(pairs, max_padding_tokens=max_padding_tokens, max_padding_ratio=max_padding_ratio)
+        uncapped = Matcher(pairs) if matcher.cap else matcher
         widest = self.decode_widest
         if widest is None:
             depths = {e.descriptor.spec_depth for e in self.entries} | {0}
@@ -591,12 +600,12 @@ class CapturePlan:
             for depth, reqs_max in sorted(widest.items()):
                 q = 1 + depth
                 shapes = [(r * q, BatchDescriptor.decode(r, depth, n_loras)) for r in range(1, reqs_max + 1)]
-                gaps += _runs("decode", n_loras, depth, shapes, matcher)
+                gaps += _runs("decode", n_loras, depth, shapes, matcher, uncapped)
             shapes = [
                 (t, BatchDescriptor(t, min(t, self.max_num_seqs), n_loras))
                 for t in range(1, self.max_num_tokens + 1)
             ]
-            gaps += _runs("mixed", n_loras, None, shapes, matcher)
+            gaps += _runs("mixed", n_loras, None, shapes, matcher, uncapped)
         return gaps
 
 
@@ -644,19 +653,20 @@ def _depth_widest(spec_depths: SpecDepths, max_num_seqs: int, max_num_tokens: in
 
 
 def _runs(
-    kind: str, n_loras: int, depth: int | None, shapes: list[tuple[int, BatchDescriptor]], matcher: Matcher
+    kind: str, n_loras: int, depth: int | None, shapes: list[tuple[int, BatchDescriptor]], matcher: Matcher, uncapped: Matcher
 ) -> list[UncoveredRange]:
+    """Consecutive shapes ``matcher`` serves no key for, split where the reason changes."""
     out: list[UncoveredRange] = []
     start: int | None = None
+    reason: str | None = None
     last = 0
     for tokens, actual in shapes:
-        missing = matcher.match(actual) is None
-        if missing and start is None:
-            start = tokens
-        if not missing and start is not None:
-            out.append(UncoveredRange(kind, n_loras, depth, start, last))
-            start = None
+        now = None if matcher.match(actual) is not None else "no_key" if uncapped.match(actual) is None else "padding_cap"
+        if now != reason:
+            if reason is not None:
+                out.append(UncoveredRange(kind, n_loras, depth, start, last, reason))  # type: ignore[arg-type]
+            start, reason = tokens, now
         last = tokens
-    if start is not None:
-        out.append(UncoveredRange(kind, n_loras, depth, start, last))
+    if reason is not None:
+        out.append(UncoveredRange(kind, n_loras, depth, start, last, reason))  # type: ignore[arg-type]
     return out

@@ -52,7 +52,9 @@ def test_plan_json() -> None:
     r = cli("plan", "--max-num-seqs", "4", "--max-num-tokens", "16", "--mode", "piecewise", "--json")
     data = json.loads(r.stdout)
     assert [e["key"]["num_tokens"] for e in data["entries"]] == [8, 4, 2, 1]
-    assert data["uncovered"] == [{"kind": "mixed", "num_active_loras": 0, "spec_depth": None, "min_tokens": 9, "max_tokens": 16}]
+    assert data["uncovered"] == [
+        {"kind": "mixed", "num_active_loras": 0, "spec_depth": None, "min_tokens": 9, "max_tokens": 16, "reason": "no_key"}
+    ]
 
 
 def test_plan_takes_a_strategy_pair_as_mode() -> None:
