@@ -218,11 +218,11 @@ def _settings_lines(s: PlanSettings, args: argparse.Namespace) -> list[str]:
         ("--unsupported", ", ".join(f"{n}:{c}" for n, cs in s.unsupported.items() for c in sorted(cs)) or "none", origin("unsupported")),
         ("uniform keys", _uniform_keys(s), ""),
     ]
-    capped = _cap_text(args)
-    rows.insert(-1, ("padding cap", capped or "none (--max-padding-tokens, --max-padding-ratio)", "" if capped else "  (default)"))
     if s.strategy_unsupported:  # what the mode's strategies declare themselves (their unsupported_classes)
         own = ", ".join(f"{n}:{c}" for n, cs in s.strategy_unsupported.items() for c in sorted(cs))
         rows.insert(-1, ("strategy-declared", f"{own} (the strategies' own unsupported_classes)", ""))
+    capped = _cap_text(args)
+    rows.insert(-1, ("padding cap", capped or "none (--max-padding-tokens, --max-padding-ratio)", "" if capped else "  (default)"))
     rows += [("downgraded", str(d), "") for d in s.downgrades]
     widths = sorted(set(s.mixed_sizes) - set(s.used_capture_sizes))
     if widths and s.mixed_strategy is not None:
