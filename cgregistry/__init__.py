@@ -10,6 +10,7 @@ the contracts, the registrars).
 # Describe batches and plan what to capture
 from cgregistry.descriptor import BatchDescriptor, Padding
 from cgregistry.plan import MODES, CapturePlan, Downgrade, PlanEntry, PlanSettings, UncoveredRange
+from cgregistry.adaptive import Adaptation, PlanChange
 
 # The registry and its static inputs
 from cgregistry.buffers import REPEAT_LAST, StaticInput
@@ -57,7 +58,8 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     # batches and plans
-    "MODES", "BatchDescriptor", "CapturePlan", "Downgrade", "Padding", "PlanEntry", "PlanSettings", "UncoveredRange",
+    "MODES", "Adaptation", "BatchDescriptor", "CapturePlan", "Downgrade", "Padding", "PlanChange", "PlanEntry", "PlanSettings",
+    "UncoveredRange",
     # the registry
     "GraphRegistry", "REPEAT_LAST", "StaticInput",
     # eager parts

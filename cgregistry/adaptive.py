@@ -87,9 +87,9 @@ class Adaptation:
     max_graphs: int = attrs.field(validator=_count("max_graphs", 1))
     settings: PlanSettings = attrs.field(converter=_as_settings)
     every_steps: int = attrs.field(default=10_000, validator=_count("every_steps", 1))
-    min_steps: int = attrs.field(default=20_000, validator=_count("min_steps", 0))
-    decay: float = attrs.field(default=0.5, validator=_fraction("decay", 0, 1, False, True))
-    min_gain: float = attrs.field(default=0.05, validator=_fraction("min_gain", 0, 1, True, False))
+    min_steps: int = attrs.field(default=10_000, validator=_count("min_steps", 0))
+    decay: float = attrs.field(default=0.9, validator=_fraction("decay", 0, 1, False, True))
+    min_gain: float = attrs.field(default=0.1, validator=_fraction("min_gain", 0, 1, True, False))
 
     def __attrs_post_init__(self) -> None:
         try:  # the budget must hold the keys every fitted plan keeps: fail here, not at the first refit
@@ -278,14 +278,15 @@ def propose(
     if not weights:
         return None
     pairs = _pairs(current)
+    held_plan = CapturePlan.of(pairs)
     fitted = CapturePlan.fit(weights, adaptation.max_graphs, adaptation.settings)
     cap = {"max_padding_tokens": max_padding_tokens, "max_padding_ratio": max_padding_ratio}
-    before = PlanScore.of(evaluate(CapturePlan.of(pairs), weights, preference, **cap))
+    before = PlanScore.of(evaluate(held_plan, weights, preference, **cap))
     after = PlanScore.of(evaluate(fitted, weights, preference, **cap))
     new = [(e.descriptor, e.strategy) for e in fitted]
     held, kept = set(pairs), set(new)
     added = tuple(p for p in new if p not in held)  # largest first, the order to capture them in
-    removed = tuple((e.descriptor, e.strategy) for e in CapturePlan.of(pairs) if (e.descriptor, e.strategy) not in kept)
+    removed = tuple((e.descriptor, e.strategy) for e in held_plan if (e.descriptor, e.strategy) not in kept)
     if (not added and not removed) or after.graph_steps < before.graph_steps:
         return None
     if len(pairs) > adaptation.max_graphs:
@@ -303,15 +304,20 @@ def refit(
     histogram: TrafficHistogram,
     current: Sequence[Pair],
     adaptation: Adaptation,
-    **matching: Any,
+    *,
+    preference: Sequence[str] = DEFAULT_PREFERENCE,
+    max_padding_tokens: int | None = None,
+    max_padding_ratio: float | None = None,
 ) -> PlanChange | None:
-    """One step of the adaptation loop: when due, ``propose``, then decay the histogram.
+    """One step of the adaptation loop, after each harvest: when due, ``propose``, then decay the histogram.
 
-    Returns None when no refit is due or the refit proposes nothing; ``matching`` goes to
-    ``propose`` (``preference``, the padding cap).  The registry calls it after each harvest.
+    None when no refit is due or the refit proposes nothing; the matching arguments go to ``propose``.
     """
     if not adaptation.due(histogram):
         return None
-    change = propose(histogram, current, adaptation, **matching)
+    change = propose(
+        histogram, current, adaptation,
+        preference=preference, max_padding_tokens=max_padding_tokens, max_padding_ratio=max_padding_ratio,
+    )
     histogram.decay(adaptation.decay)
     return change
