@@ -10,9 +10,10 @@
 2. The engine of examples/hf_llama.py (Llama-3.2-1B shape, random weights, bf16) serves trace
    requests eagerly, then with ``full_and_breakable`` captured in the background; per-step
    latency the same way, and every logit checked against Hugging Face's own forward.
-3. Adaptation (``--adapt``): see the section's docstring.
+3. Adaptation (``--adapt``): the demo decoder adapting from vLLM's default ladder; see ``adaptation``.
+   ``--hf-adapt``: the same for the HF Llama engine; see ``hf_adaptation``.
 
-    PYTHONPATH=. python3 benchmarks/gpu_adaptive.py [--steps 600] [--ablate] [--hf] [--adapt]
+    PYTHONPATH=. python3 benchmarks/gpu_adaptive.py [--steps 600] [--ablate] [--hf] [--adapt [--adapt-steps 8000]] [--hf-adapt] [--no-demo]
 """
 
 from __future__ import annotations
@@ -45,12 +46,17 @@ def summary(lat_ms: list[float]) -> str:
     return f"n={len(lat_ms):4d}  p50 {statistics.median(lat_ms):7.3f}  p99 {percentile(lat_ms, 0.99):7.3f}  worst {max(lat_ms):7.3f} ms"
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
+
+
 def timed_steps(run: Callable[[Any, dict], Any], steps: list[tuple[Any, dict]]) -> list[float]:
     out = []
     for batch, inputs in steps:
         t = time.perf_counter()
         run(batch, inputs)
-        torch.cuda.current_stream().synchronize()  # what an engine reading its samples waits for
+        sync()  # what an engine reading its samples waits for
         out.append((time.perf_counter() - t) * 1e3)
     return out
 
@@ -155,14 +161,174 @@ def background_run(model: Any, cfg: DemoConfig, plan: cg.CapturePlan, steps: lis
     return first if first is not None else float("nan"), window, in_window, worst, mismatches
 
 
+# ----------------------------------------------------------------------------- 3. adaptation
+
+
+def adaptation(n_steps: int, every: int, rows: list[tuple[str, str]]) -> None:
+    """The demo decoder serves ``n_steps`` trace steps from vLLM's default ladder ('full', 51 graphs) with
+    ``adapt=Adaptation(max_graphs=51, ...)``: refits on the capture thread, new keys captured in the background.
+
+    Reported: the refits (changes, keys added, seconds each on the capture thread), step latency while the
+    capture thread works (a refit or its captures) against the same steps served by a registry that keeps the
+    default plan (its graphs), every 10th output against eager, and padding over all the steps of the default
+    plan, the adapted keys, and a plan fitted offline to the same steps at the same budget.
+    """
+    from cgregistry import registry as registry_module
+    from cgregistry.fitting import evaluate
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a smoke run of the logic
+    cfg = DemoConfig.for_device(device)
+    model = DemoDecoder(cfg, device, seed=0)
+    settings = dict(max_num_seqs=cfg.max_num_seqs, max_num_tokens=cfg.max_num_tokens, mode="full")
+    start = cg.CapturePlan.build(**settings)
+    budget = len(start)
+    sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_tokens)
+    batches = list(schedule(read_trace(), sched, max_steps=n_steps))
+    gen = torch.Generator().manual_seed(1)
+    # Inputs are drawn for a pool of batches and reused by shape: the trace's steps, the memory of a few hundred.
+    pool: dict[Any, dict] = {}
+    steps = [(b, pool.setdefault(b, random_batch(cfg, b, device, gen))) for b in batches]
+    print(f"adaptation: demo decoder, {len(steps)} trace steps, start: default 'full' plan ({budget} graphs), budget {budget}, "
+          f"a refit due every {every} steps")
+
+    refit_s: list[float] = []
+    real_propose = registry_module.propose
+
+    def timed_propose(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return real_propose(*a, **k)
+        finally:
+            refit_s.append(time.perf_counter() - t)
+
+    registry_module.propose = timed_propose
+    try:
+        with torch.inference_mode():
+            static = cg.GraphRegistry(model, demo_inputs(cfg), name="static")
+            static.capture(start)
+            timed_steps(lambda b, i: static.run(b, **i), steps[:50])
+            base = timed_steps(lambda b, i: static.run(b, **i), steps)
+            static.clear()
+
+            adapt = cg.Adaptation(max_graphs=budget, settings=settings, every_steps=every, min_steps=every)
+            reg = cg.GraphRegistry(model, demo_inputs(cfg), adapt=adapt, name="adapting")
+            reg.capture(start)
+            lat: list[float] = []
+            working: list[bool] = []
+            worst, mismatches = 0.0, 0
+            for k, (batch, inputs) in enumerate(steps):
+                busy = bool(reg.capturing()) or reg._refit_running  # the capture thread has work
+                t = time.perf_counter()
+                out = reg.run(batch, **inputs)
+                sync()
+                lat.append((time.perf_counter() - t) * 1e3)
+                working.append(busy)
+                if k % 10 == 0:
+                    want = model(batch, **inputs).float()
+                    err = (out.float() - want).abs().max().item()
+                    worst = max(worst, err)
+                    mismatches += err > 5e-2 * max(1.0, want.abs().max().item())
+            reg.wait_captured()
+    finally:
+        registry_module.propose = real_propose
+
+    held = cg.CapturePlan.of((e.key, e.strategy) for e in reg.entries())
+    offline = cg.CapturePlan.fit(batches, budget, **settings)
+
+    def padding(plan: cg.CapturePlan) -> float:
+        r = evaluate(plan, batches)
+        return r.padded_tokens / max(1, r.padded_tokens + r.real_tokens) * 100
+
+    changes = reg.plan_changes
+    added = sum(len(c.added) for c in changes)
+    removed = sum(len(c.removed) for c in changes)
+    window = [ms for ms, busy in zip(lat, working) if busy]
+    same = [ms for ms, busy in zip(base, working) if busy]
+    ratio = percentile(window, 0.99) / percentile(same, 0.99) if window else float("nan")
+    p_default, p_adapted, p_offline = padding(start), padding(held), padding(offline)
+    print(f"  refits run {len(refit_s)}, changes {len(changes)} ({added} keys added, {removed} released), "
+          f"refit seconds on the capture thread: median {statistics.median(refit_s) if refit_s else 0:.2f}, "
+          f"max {max(refit_s, default=0):.2f}; graphs held at the end {len(reg)}; failures {len(reg.failures())}")
+    print(f"  steps while the capture thread worked   {summary(window)}")
+    print(f"  default plan's graphs on those steps    {summary(same)}   p99 ratio {ratio:.2f}")
+    print(f"  all steps: adapting {summary(lat)}")
+    print(f"  all steps: default  {summary(base)}")
+    print(f"  every 10th step vs eager: {mismatches} mismatches, max abs error {worst:.3g}")
+    print(f"  padding over all {len(batches)} steps (padded / graph tokens): default {p_default:.2f}%, adapted {p_adapted:.2f}%, "
+          f"fitted offline {p_offline:.2f}%; adapted / offline {p_adapted / p_offline:.2f}")
+    stats = reg.stats()
+    print(f"  served: {stats.hits} graph steps, {stats.misses} eager ({dict(stats.misses_by_reason)}), "
+          f"{stats.background_captures} background captures, {stats.plan_changes} plan changes")
+    rows.append(("adapt: refits / changes / keys added", f"{len(refit_s)} / {len(changes)} / {added}"))
+    rows.append(("adapt: refit on the capture thread (max)", f"{max(refit_s, default=0):.2f} s"))
+    rows.append(("adapt: p99 while working / default plan", f"{ratio:.2f} ({summary(window)})"))
+    rows.append(("adapt: every 10th step vs eager", f"{mismatches} mismatches, max abs error {worst:.3g}"))
+    rows.append(("adapt: padding default / adapted / offline", f"{p_default:.2f}% / {p_adapted:.2f}% / {p_offline:.2f}% "
+                 f"(adapted/offline {p_adapted / p_offline:.2f}, target <= 1.5)"))
+    reg.clear()
+
+
+def hf_adaptation(requests: int, every: int, budget: int, rows: list[tuple[str, str]]) -> None:
+    """The Hugging Face Llama engine serves trace requests with ``adapt``: mode 'full' from its default plan,
+    ``budget`` graphs (fewer than the plan's: the first refit brings it under), a refit due every ``every`` steps.  Padding of the default, adapted and offline-fitted keys over the steps
+    it served, and every logit checked against Hugging Face's own forward."""
+    from cgregistry.fitting import evaluate
+
+    hf = _load_hf()
+    shape = hf.EngineShape(max_num_seqs=64, max_num_tokens=512, block_size=16, max_blocks_per_req=64)
+    gpu = torch.cuda.is_available()  # cpu: a smoke run of the logic on the tiny config
+    device = torch.device("cuda" if gpu else "cpu")
+    model = hf.build_model("llama-3.2-1b" if gpu else "tiny", device, shape)
+    settings = dict(max_num_seqs=shape.max_num_seqs, max_num_tokens=shape.max_num_tokens,
+                    max_capture_size=shape.max_num_tokens, mode="full")
+    start = cg.CapturePlan.build(**settings)
+    served: list[cg.BatchDescriptor] = []
+
+    class Recorded(hf.Engine):
+        def _run(self, batch: Any) -> torch.Tensor:
+            served.append(cg.BatchDescriptor(sum(n for _, n in batch), len(batch), uniform=all(n == 1 for _, n in batch)))
+            return super()._run(batch)
+
+    adapt = cg.Adaptation(max_graphs=budget, settings=settings, every_steps=every, min_steps=every)
+    reg = hf.build_registry(model, shape, "full", adapt=adapt)
+    eng = Recorded(model, shape, reg, keep_logits=True)
+    res = eng.serve(hf.trace_requests(requests, shape, model.config.vocab_size, 96, 48))
+    reg.wait_captured()
+    err = hf.check_against_hf(model, res.finished)
+    held = cg.CapturePlan.of((e.key, e.strategy) for e in reg.entries())
+    offline = cg.CapturePlan.fit(served, budget, **settings)
+
+    def padding(plan: cg.CapturePlan) -> float:
+        r = evaluate(plan, served)
+        return r.padded_tokens / max(1, r.padded_tokens + r.real_tokens) * 100
+
+    p_default, p_adapted, p_offline = padding(start), padding(held), padding(offline)
+    changes = reg.plan_changes
+    print(f"hf llama adaptation: {res.steps} steps, {len(changes)} plan changes ({sum(len(c.added) for c in changes)} keys added), "
+          f"{len(reg)} graphs held (budget {budget}), failures {len(reg.failures())}; max|logit - HF| {err:.3g}")
+    print(f"  padding over the {len(served)} steps served: default {p_default:.2f}%, adapted {p_adapted:.2f}%, "
+          f"fitted offline {p_offline:.2f}%; adapted / offline "
+          + (f"{p_adapted / p_offline:.2f}" if p_offline else "n/a (the offline plan pads nothing)"))
+    rows.append(("hf adapt: steps / changes / max |logit - HF|", f"{res.steps} / {len(changes)} / {err:.3g}"))
+    rows.append(("hf adapt: padding default / adapted / offline", f"{p_default:.2f}% / {p_adapted:.2f}% / {p_offline:.2f}%"))
+
+
 # ----------------------------------------------------------------------------- 2. HF Llama engine
 
 
-def hf_llama(requests: int, rows: list[tuple[str, str]]) -> None:
+def _load_hf() -> Any:
+    """examples/hf_llama.py as a module."""
+    if "hf_llama" in sys.modules:
+        return sys.modules["hf_llama"]
     spec = importlib.util.spec_from_file_location("hf_llama", Path(__file__).parent.parent / "examples" / "hf_llama.py")
     hf = importlib.util.module_from_spec(spec)
     sys.modules["hf_llama"] = hf
-    spec.loader.exec_module(hf)
+    spec.loader.exec_module(hf)  # type: ignore[union-attr]
+    return hf
+
+
+def hf_llama(requests: int, rows: list[tuple[str, str]]) -> None:
+    hf = _load_hf()
     shape = hf.EngineShape(max_num_seqs=64, max_num_tokens=512, block_size=16, max_blocks_per_req=64)
     device = torch.device("cuda")
     model = hf.build_model("llama-3.2-1b", device, shape)
@@ -224,12 +390,25 @@ def main() -> None:
     parser.add_argument("--ablate", action="store_true")
     parser.add_argument("--hf", action="store_true")
     parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--adapt", action="store_true")
+    parser.add_argument("--adapt-steps", type=int, default=8000)
+    parser.add_argument("--adapt-every", type=int, default=1000)
+    parser.add_argument("--hf-adapt", action="store_true")
+    parser.add_argument("--hf-adapt-requests", type=int, default=1024)
+    parser.add_argument("--hf-adapt-graphs", type=int, default=12)
+    parser.add_argument("--hf-adapt-every", type=int, default=100)
+    parser.add_argument("--no-demo", action="store_true", help="skip part 1")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
     rows: list[tuple[str, str]] = []
-    demo(args.steps, args.ablate, rows)
+    if not args.no_demo:
+        demo(args.steps, args.ablate, rows)
+    if args.adapt:
+        adaptation(args.adapt_steps, args.adapt_every, rows)
     if args.hf:
         hf_llama(args.requests, rows)
+    if args.hf_adapt:
+        hf_adaptation(args.hf_adapt_requests, args.hf_adapt_every, args.hf_adapt_graphs, rows)
     print("\nsummary")
     for name, value in rows:
         print(f"  {name:55s} {value}")

@@ -208,11 +208,13 @@ def decoder(model: LlamaForCausalLM) -> Any:
 
 
 def build_registry(
-    model: LlamaForCausalLM, shape: EngineShape, mode: str, backend: str = "auto", background: bool = False
+    model: LlamaForCausalLM, shape: EngineShape, mode: str, backend: str = "auto", background: bool = False,
+    adapt: cg.Adaptation | None = None,
 ) -> cg.GraphRegistry | None:
     """A registry for ``mode`` with its plan captured (None for mode 'none': the engine runs eagerly).
 
     ``background``: capture on the registry's capture thread while the engine serves (graphs go live one by one).
+    ``adapt``: refit the plan to the steps served (``docs/background.md``).
     """
     if mode == "none":
         return None
@@ -226,7 +228,7 @@ def build_registry(
         holder["compiled"] = reg.compile(forward)
     else:
         reg = cg.GraphRegistry(make_step(model, forward), static_inputs(shape), backend=backend,
-                               output_axis=OUTPUT_AXES, preference=preference, name=f"hf-{mode}")
+                               output_axis=OUTPUT_AXES, preference=preference, name=f"hf-{mode}", adapt=adapt)
     plan = cg.CapturePlan.build(
         max_num_seqs=shape.max_num_seqs, max_num_tokens=shape.max_num_tokens, max_capture_size=shape.max_num_tokens, mode=mode
     )
