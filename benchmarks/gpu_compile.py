@@ -15,6 +15,8 @@ workspaces; the registry's graphs must keep working, and are checked again after
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -23,7 +25,13 @@ import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs, random_batch
+from cgregistry.demo_model import (
+    DemoConfig,
+    DemoDecoder,
+    attention_kernel_into,
+    demo_inputs,
+    random_batch,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from timing import per_call_us, reduce_overhead_warmed  # noqa: E402
@@ -37,6 +45,8 @@ def main() -> None:
                         help="only check: reduce-overhead warms up and records first, then the registry captures and replays")
     parser.add_argument("--unprotected", action="store_true",
                         help="with --ro-first: leave cuBLAS's workspaces alone around captures (the backend's old behaviour)")
+    parser.add_argument("--profile", action="store_true", help="cProfile the registry's start-up (top 45 by cumulative time)")
+    parser.add_argument("--skip-ro", action="store_true", help="the registry's start-up and steps only")
     args = parser.parse_args()
     if args.unprotected:
         from cgregistry.backends import cuda as cuda_backend
@@ -58,11 +68,19 @@ def main() -> None:
     reg = cg.GraphRegistry(lambda batch, **inputs: compiled(**inputs), demo_inputs(cfg), backend="cuda")
     compiled = reg.compile(fn, inductor=True)
     torch.cuda.synchronize()
+    profiler = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
     with torch.inference_mode():
+        if profiler is not None:
+            profiler.enable()
         reg.capture(plan, progress=False)
+        if profiler is not None:
+            profiler.disable()
     torch.cuda.synchronize()
     reg_startup = time.perf_counter() - start
+    startup_breakdown(reg, reg_startup)
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
 
     def per_step(run: object, batch: B, inputs: dict) -> tuple[float, float]:
         with torch.inference_mode():
@@ -78,6 +96,10 @@ def main() -> None:
         strategy = reg.match(batch).strategy
         us, err = per_step(lambda b=batch, i=inputs[label]: reg.run(b, **i), batch, inputs[label])
         reg_rows[label] = (strategy, us, err)
+    if args.skip_ro:
+        for label, (strategy, us, err) in reg_rows.items():
+            print(f"{label:16} {strategy:10} {us:9.1f} us  err {err:.2g}")
+        return
 
     ro, ro_startup = reduce_overhead_warmed(fn, cfg, sizes, gen)
     ro_rows = {label: per_step(lambda i=inputs[label]: ro(**i), batch, inputs[label]) for label, batch in batches.items()}
@@ -96,6 +118,20 @@ def main() -> None:
     print(f"piecewise (mixed 64 tokens) / full (decode 64): {reg_rows['mixed 64 tokens'][1] / full64:.3f}")
     print(f"start-up over {len(sizes)} token sizes: registry {reg_startup:.1f} s ({len(plan)} graphs), "
           f"reduce-overhead {ro_startup:.1f} s, ratio {ro_startup / reg_startup:.2f}x")
+
+
+def startup_breakdown(reg: cg.GraphRegistry, total: float) -> None:
+    """Where the registry's start-up went: each entry's capture seconds (the first of a kind pays its compile)."""
+    entries = sorted(reg.entries(), key=lambda e: -e.capture_seconds)
+    by_strategy: dict[str, list[float]] = {}
+    for e in entries:
+        by_strategy.setdefault(e.strategy, []).append(e.capture_seconds)
+    print(f"registry start-up {total:.2f} s: " + "; ".join(
+        f"{name} {len(secs)} keys {sum(secs):.2f} s" for name, secs in by_strategy.items()))
+    print("  slowest entries: " + ", ".join(f"{e.strategy} {e.key.num_tokens}t {e.capture_seconds:.2f} s" for e in entries[:6]))
+    rest = sorted(e.capture_seconds for e in entries[6:])
+    if rest:
+        print(f"  the other {len(rest)}: median {rest[len(rest) // 2] * 1e3:.0f} ms, max {rest[-1] * 1e3:.0f} ms")
 
 
 def ro_first_check(args: argparse.Namespace, cfg: DemoConfig, model: DemoDecoder, fn: object, plan: cg.CapturePlan,
