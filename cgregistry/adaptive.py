@@ -92,6 +92,8 @@ class Adaptation:
     min_gain: float = attrs.field(default=0.1, validator=_fraction("min_gain", 0, 1, True, False))
 
     def __attrs_post_init__(self) -> None:
+        if self.settings.mode == "none":
+            raise ValueError("Adaptation.settings: mode 'none' captures no graphs, so there is nothing to adapt; use a mode with a strategy")
         try:  # the budget must hold the keys every fitted plan keeps: fail here, not at the first refit
             CapturePlan.fit({}, self.max_graphs, self.settings)
         except ValueError as exc:
@@ -224,6 +226,10 @@ class PlanChange:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PlanChange:
         """A change from ``to_dict``'s form (``gain`` is derived, so it is not read)."""
+        if data.get("reason") not in REASONS:
+            raise ValueError(f"PlanChange reason must be one of {', '.join(REASONS)}, got {data.get('reason')!r}")
+        if type(data.get("observed")) is not int or data["observed"] < 0:
+            raise ValueError(f"PlanChange observed must be an int >= 0 (steps), got {data.get('observed')!r}")
         return cls(
             added=tuple(_pair_of(p) for p in data["added"]),
             removed=tuple(_pair_of(p) for p in data["removed"]),
@@ -259,6 +265,7 @@ def propose(
     preference: Sequence[str] = DEFAULT_PREFERENCE,
     max_padding_tokens: int | None = None,
     max_padding_ratio: float | None = None,
+    observed: int | None = None,
 ) -> PlanChange | None:
     """The change from ``current`` keys to the plan fitted to ``histogram``, or None when it is not worth making.
 
@@ -268,13 +275,16 @@ def propose(
     ("coverage"), or when it pads at least ``min_gain`` fewer tokens ("padding"); never when
     it would serve fewer steps from graphs (a current key beyond the settings' max capture
     size, say), nor when the keys are the same.  The fitted plan keeps ``build``'s covering
-    keys, so they are never removed.
+    keys, so they are never removed.  ``observed`` (steps served so far, for the record)
+    defaults to the histogram's own count.
     """
     if isinstance(histogram, TrafficHistogram):
-        weights, observed = histogram.steps(), histogram.observed
+        weights, seen = histogram.steps(), histogram.observed
     else:
         weights = dict(workload_counts(histogram, "propose()"))
-        observed = sum(weights.values())
+        seen = sum(weights.values())
+    if observed is None:
+        observed = seen
     if not weights:
         return None
     pairs = _pairs(current)
@@ -313,6 +323,8 @@ def refit(
 
     None when no refit is due or the refit proposes nothing; the matching arguments go to ``propose``.
     """
+    if not isinstance(histogram, TrafficHistogram):
+        raise TypeError(f"refit() takes a TrafficHistogram (it decays it), got {type(histogram).__name__}; propose() takes a plain workload")
     if not adaptation.due(histogram):
         return None
     change = propose(

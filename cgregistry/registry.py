@@ -12,6 +12,7 @@ outputs.  A batch no key covers runs ``step`` eagerly on the live inputs and is 
 from __future__ import annotations
 
 import _thread
+import collections
 import gc
 import itertools
 import sys
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+import attrs
 import torch
 
 from cgregistry import runtime
@@ -66,6 +68,7 @@ __all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "
 
 _names = itertools.count(1)  # default registry names: registry-1, registry-2, ...
 _RESERVED_INPUT_NAMES = ("context", "group", "exclude")  # keyword arguments of run() itself
+PLAN_CHANGES_KEPT = 256  # GraphRegistry.plan_changes keeps the last this many (stats().plan_changes counts them all)
 _WARN_ONCE = ("no_graphs", "above_capacity")  # misses that mean the engine is set up wrong, warned about once
 
 
@@ -152,16 +155,29 @@ class GraphRegistry:
         self._capture_lock = threading.Lock()  # one capture at a time: the serving thread's or the background worker's
         self._worker: CaptureWorker | None = None  # created by the first capture(..., background=True)
         self._background: CaptureWorker | None = None  # the worker while it has work or results to install (run() checks)
-        self._warned: set[str] = set()  # miss reasons already warned about
+        self._warned: set[str] = set()  # miss reasons (and keys a refit could not add) already warned about
         self._miss_observed = self.plugins.observed("cgregistry_miss")  # an unobserved miss costs nothing
         if adapt is not None and not isinstance(adapt, Adaptation):
             raise TypeError(f"adapt must be a cgregistry.Adaptation, got {adapt!r}")
+        if adapt is not None:
+            _refuse_background_with_collectives("GraphRegistry(adapt=...)")
+            for entry in CapturePlan.fit({}, adapt.max_graphs, adapt.settings):  # the widest keys any refit keeps
+                try:
+                    self._capturer.check_fits(entry.descriptor)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"adapt: its settings make refits keep the key {entry.descriptor}, which does not fit the static inputs "
+                        f"({exc}); lower the settings' max_num_tokens / max_capture_size / max_num_seqs or enlarge the inputs"
+                    ) from None
         self._adapt = adapt
         self._traffic = TrafficHistogram()  # what refits fit to (adapt=...)
         self._observed: dict[BatchDescriptor, int] = {}  # steps per shape since the last harvest
         self._unharvested = 0
+        self._harvest_at = _next_harvest(adapt, self._traffic, False) if adapt is not None else 0
+        self._served = 0  # steps observed in all, harvested or not (PlanChange.observed)
         self._refit_running = False
-        self.plan_changes: list[PlanChange] = []  # every change adaptation made, oldest first
+        # The changes adaptation made, oldest first: the last PLAN_CHANGES_KEPT (a server runs for days).
+        self.plan_changes: collections.deque[PlanChange] = collections.deque(maxlen=PLAN_CHANGES_KEPT)
         self._background_payload: Any = None  # the context of the last capture(background=True), for refits' captures
         if adapt is not None:
             self._worker = CaptureWorker(self._capture_in_background, self.name)
@@ -428,44 +444,76 @@ class GraphRegistry:
             self._routes.rebuild(self._store.pairs())
 
     def _observe(self, actual: BatchDescriptor) -> None:
-        """Count a step for adaptation; every ``every_steps`` steps harvest, and when due queue a refit on the capture thread."""
+        """Count a step for adaptation; harvest when a refit may be due (or every 4096 steps), then queue it on the capture thread."""
         observed = self._observed
         observed[actual] = observed.get(actual, 0) + 1
         self._unharvested += 1
-        adapt = self._adapt
-        if self._unharvested < min(adapt.every_steps, 4096):  # type: ignore[union-attr]
+        if self._unharvested < self._harvest_at:
             return
-        self._traffic.add(observed)
+        adapt = self._adapt
+        traffic = self._traffic
+        traffic.add(observed)
+        self._served += self._unharvested
         self._observed = {}
         self._unharvested = 0
-        if self._refit_running or not adapt.due(self._traffic):  # type: ignore[union-attr]
+        due = not self._refit_running and adapt.due(traffic)  # type: ignore[union-attr]
+        self._harvest_at = _next_harvest(adapt, traffic, due or self._refit_running)  # type: ignore[arg-type]
+        if not due:
             return
-        weights = self._traffic.steps()
-        self._traffic.decay(adapt.decay)  # type: ignore[union-attr]
-        current = [*self._store.entries, *self.capturing()]
+        try:
+            _refuse_background_with_collectives("adaptation (GraphRegistry(adapt=...))")
+        except RuntimeError as exc:  # initialized after the registry was made: stop adapting, say so once
+            self._adapt = None
+            warnings.warn(f"cgregistry: registry {self.name!r}: {exc}; adaptation is off from now on", RuntimeWarning, stacklevel=4)
+            return
+        weights = traffic.steps()
+        traffic.decay(adapt.decay)  # type: ignore[union-attr]
+        current = [*self._store.entries, *self._store.pending, *self.capturing()]
         cap = self._routes.cap
         preference = self._routes.matcher.preference  # read here: the task runs on the capture thread
+        served = self._served
         self._refit_running = True
         self._worker.submit_task(  # type: ignore[union-attr]
-            lambda: propose(weights, current, adapt, preference=preference,  # type: ignore[arg-type]
+            lambda: propose(weights, current, adapt, preference=preference, observed=served,  # type: ignore[arg-type]
                             max_padding_tokens=cap.max_tokens, max_padding_ratio=cap.max_ratio)
         )
 
     def _apply(self, change: PlanChange) -> bool:
-        """A refit's change, on the serving thread: cold keys released, new ones queued for background capture."""
-        for key, strategy in change.removed:
-            if (key, strategy) in self._store.entries or (key, strategy) in self._store.pending:
-                removed, _ = self._store.release(key, strategy)
-                for entry in removed:
-                    self.plugins.notify(
-                        "cgregistry_released", registry=self, key=entry.key, strategy=entry.strategy, memory_bytes=entry.memory_bytes
-                    )
+        """A refit's change, on the serving thread: cold keys released, new ones queued for background capture.
+
+        Keys whose capture failed before, or that this registry cannot capture (a key wider than the static
+        inputs, a class its strategy declares it cannot serve), are left out of the change; a change with
+        nothing left is dropped (not recorded, no hook).  Hooks see the routes after the change.
+        """
+        added = []
+        for pair in change.added:
+            if pair in self._store.failures or pair in self._store.entries:
+                continue
+            try:
+                self._capturer.check_fits(pair[0])
+                check_serves(pair[0], self.plugins.strategy(pair[1]))
+            except (ValueError, KeyError) as exc:
+                if f"refit {pair}" not in self._warned:
+                    self._warned.add(f"refit {pair}")
+                    warnings.warn(f"cgregistry: registry {self.name!r}: a refit proposed {pair[0]} ({pair[1]}), which this registry "
+                                  f"cannot capture ({exc}); the key is left out", RuntimeWarning, stacklevel=5)
+                continue
+            added.append(pair)
+        removed = [p for p in change.removed if p in self._store.entries or p in self._store.pending]
+        if not added and not removed:
+            return False
+        change = attrs.evolve(change, added=tuple(added), removed=tuple(removed))
+        released = []
+        for key, strategy in removed:
+            released += self._store.release(key, strategy)[0]
         self._worker.discard(change.removed)  # type: ignore[union-attr]
-        held = set(self._store.entries)
-        self._worker.submit(_background_order([p for p in change.added if p not in held]), self._background_payload)  # type: ignore[union-attr]
+        self._worker.submit(_background_order(added), self._background_payload)  # type: ignore[union-attr]
         self.plan_changes.append(change)
         self._store.plan_changes += 1
         self._routes.capturing = tuple(self._worker.queued())  # type: ignore[union-attr]
+        self._routes.rebuild(self._store.pairs())
+        for entry in released:
+            self.plugins.notify("cgregistry_released", registry=self, key=entry.key, strategy=entry.strategy, memory_bytes=entry.memory_bytes)
         self.plugins.notify("cgregistry_plan_changed", registry=self, change=change)
         return True
 
@@ -878,7 +926,7 @@ class GraphRegistry:
             max_padding_tokens=self._routes.cap.max_tokens,
             max_padding_ratio=self._routes.cap.max_ratio,
             capturing=tuple(self.capturing()),
-            plan_changes=tuple(str(c) for c in self.plan_changes[-64:]),
+            plan_changes=tuple(str(c) for c in list(self.plan_changes)[-64:]),
         ).to_dict()
 
     def table(self, *, used_only: bool = False, sort: str = "key") -> str:
@@ -907,16 +955,26 @@ def _background_order(pairs: list[Pair]) -> list[Pair]:
     return first + sorted((p for p in pairs if p not in chosen), key=size)
 
 
-def _refuse_background_with_collectives() -> None:
-    """Background capture runs the step's warm-up on another thread: its collectives would interleave with the serving thread's."""
+def _refuse_background_with_collectives(what: str = "capture(background=True)") -> None:
+    """Background capture runs the step's warm-up on another thread: its collectives would interleave with the serving
+    thread's.  Adaptation captures in the background, and each rank would refit to its own traffic (different keys)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError(
-            "capture(background=True) with torch.distributed initialized (world size "
+            f"{what} with torch.distributed initialized (world size "
             f"{dist.get_world_size()}): the capture thread runs the step's warm-up, and its collectives would "
             "interleave with the serving thread's on the same communicator (ranks would hang); capture in the foreground"
+            + ("" if what.startswith("capture") else ", and without adaptation (each rank would refit to its own traffic)")
         )
+
+
+def _next_harvest(adapt: Adaptation, traffic: TrafficHistogram, busy: bool) -> int:
+    """Steps until the next harvest: when a refit next falls due (every_steps since the last one, min_steps in all),
+    at most 4096 (the histogram stays small); while a refit runs, every_steps (capped) again."""
+    if busy:
+        return min(adapt.every_steps, 4096)
+    return max(1, min(4096, max(adapt.every_steps - traffic.fresh, adapt.min_steps - traffic.observed)))
 
 
 def _check_budget(value: object) -> None:
