@@ -499,13 +499,15 @@ class GraphRegistry:
                                   f"cannot capture ({exc}); the key is left out", RuntimeWarning, stacklevel=5)
                 continue
             added.append(pair)
-        removed = [p for p in change.removed if p in self._store.entries or p in self._store.pending]
+        queued = set(self._worker.queued())  # type: ignore[union-attr]
+        removed = [p for p in change.removed if p in self._store.entries or p in self._store.pending or p in queued]
         if not added and not removed:
             return False
         change = attrs.evolve(change, added=tuple(added), removed=tuple(removed))
         released = []
         for key, strategy in removed:
-            released += self._store.release(key, strategy)[0]
+            if (key, strategy) in self._store.entries or (key, strategy) in self._store.pending:
+                released += self._store.release(key, strategy)[0]
         self._worker.discard(change.removed)  # type: ignore[union-attr]
         self._worker.submit(_background_order(added), self._background_payload)  # type: ignore[union-attr]
         self.plan_changes.append(change)
