@@ -160,7 +160,7 @@ class GraphRegistry:
         if adapt is not None and not isinstance(adapt, Adaptation):
             raise TypeError(f"adapt must be a cgregistry.Adaptation, got {adapt!r}")
         if adapt is not None:
-            _refuse_background_with_collectives("GraphRegistry(adapt=...)")
+            _refuse_background_with_collectives("GraphRegistry(adapt=...)", _RANKS_WOULD_DIVERGE)
             for entry in CapturePlan.fit({}, adapt.max_graphs, adapt.settings):  # the widest keys any refit keeps
                 try:
                     self._capturer.check_fits(entry.descriptor)
@@ -174,7 +174,6 @@ class GraphRegistry:
         self._observed: dict[BatchDescriptor, int] = {}  # steps per shape since the last harvest
         self._unharvested = 0
         self._harvest_at = _next_harvest(adapt, self._traffic, False) if adapt is not None else 0
-        self._served = 0  # steps observed in all, harvested or not (PlanChange.observed)
         self._refit_running = False
         # The changes adaptation made, oldest first: the last PLAN_CHANGES_KEPT (a server runs for days).
         self.plan_changes: collections.deque[PlanChange] = collections.deque(maxlen=PLAN_CHANGES_KEPT)
@@ -453,7 +452,6 @@ class GraphRegistry:
         adapt = self._adapt
         traffic = self._traffic
         traffic.add(observed)
-        self._served += self._unharvested
         self._observed = {}
         self._unharvested = 0
         due = not self._refit_running and adapt.due(traffic)  # type: ignore[union-attr]
@@ -461,7 +459,7 @@ class GraphRegistry:
         if not due:
             return
         try:
-            _refuse_background_with_collectives("adaptation (GraphRegistry(adapt=...))")
+            _refuse_background_with_collectives("adaptation (GraphRegistry(adapt=...))", _RANKS_WOULD_DIVERGE)
         except RuntimeError as exc:  # initialized after the registry was made: stop adapting, say so once
             self._adapt = None
             warnings.warn(f"cgregistry: registry {self.name!r}: {exc}; adaptation is off from now on", RuntimeWarning, stacklevel=4)
@@ -471,7 +469,7 @@ class GraphRegistry:
         current = [*self._store.entries, *self._store.pending, *self.capturing()]
         cap = self._routes.cap
         preference = self._routes.matcher.preference  # read here: the task runs on the capture thread
-        served = self._served
+        served = traffic.observed  # every step harvested (the histogram is never replaced): PlanChange.observed
         self._refit_running = True
         self._worker.submit_task(  # type: ignore[union-attr]
             lambda: propose(weights, current, adapt, preference=preference, observed=served,  # type: ignore[arg-type]
@@ -957,7 +955,10 @@ def _background_order(pairs: list[Pair]) -> list[Pair]:
     return first + sorted((p for p in pairs if p not in chosen), key=size)
 
 
-def _refuse_background_with_collectives(what: str = "capture(background=True)") -> None:
+_RANKS_WOULD_DIVERGE = ", and without adaptation (each rank would refit to its own traffic)"
+
+
+def _refuse_background_with_collectives(what: str = "capture(background=True)", more: str = "") -> None:
     """Background capture runs the step's warm-up on another thread: its collectives would interleave with the serving
     thread's.  Adaptation captures in the background, and each rank would refit to its own traffic (different keys)."""
     import torch.distributed as dist
@@ -966,8 +967,7 @@ def _refuse_background_with_collectives(what: str = "capture(background=True)") 
         raise RuntimeError(
             f"{what} with torch.distributed initialized (world size "
             f"{dist.get_world_size()}): the capture thread runs the step's warm-up, and its collectives would "
-            "interleave with the serving thread's on the same communicator (ranks would hang); capture in the foreground"
-            + ("" if what.startswith("capture") else ", and without adaptation (each rank would refit to its own traffic)")
+            f"interleave with the serving thread's on the same communicator (ranks would hang); capture in the foreground{more}"
         )
 
 
