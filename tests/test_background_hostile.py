@@ -13,38 +13,14 @@ import torch
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry.testing import make_plugins
-
-HIDDEN, MAX_TOKENS, SLOTS = 8, 32, 64
-SCRATCH = SLOTS - 1
+from tests.test_background import HIDDEN, MAX_TOKENS, Engine, make
 
 
-class Engine:
-    """A step writing a KV cache at its slots; a capture of ``hold_tokens`` on a non-main thread can be held."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.weight = torch.randn(HIDDEN, HIDDEN, generator=g)
-        self.embed = torch.randn(100, HIDDEN, generator=g)
-        self.cache = torch.zeros(SLOTS, HIDDEN)
-        self.hold_tokens: int | None = None
-        self.hold = threading.Event()
-        self.holding = threading.Event()
-
-    def step(self, batch: B, input_ids: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-        if batch.num_tokens == self.hold_tokens and threading.current_thread() is not threading.main_thread():
-            self.holding.set()
-            assert self.hold.wait(30)
-        h = self.embed[input_ids] @ self.weight
-        self.cache.index_copy_(0, slot_mapping, h)
-        return torch.tanh(h)
-
-
-def make(engine: Engine, **kwargs: object) -> cg.GraphRegistry:
-    inputs = {
-        "input_ids": cg.StaticInput((MAX_TOKENS,), torch.long, fill=0),
-        "slot_mapping": cg.StaticInput((MAX_TOKENS,), torch.long, fill=SCRATCH),
-    }
-    return cg.GraphRegistry(engine.step, inputs, backend="cpu", **kwargs)
+def held_engine() -> Engine:
+    """test_background's engine with an event to hold the capture of ``hold_tokens`` on."""
+    engine = Engine()
+    engine.hold = threading.Event()
+    return engine
 
 
 def inputs_for(n: int) -> dict[str, torch.Tensor]:
@@ -69,7 +45,7 @@ def run_in_thread(fn, timeout: float) -> tuple[bool, dict]:
 
 def test_recapturing_a_released_in_flight_key_captures_it() -> None:
     """A key released while in flight and requested again is captured (the capture in flight is kept)."""
-    engine = Engine()
+    engine = held_engine()
     engine.hold_tokens = 8
     reg = make(engine)
     key = B.decode(8)
@@ -183,7 +159,7 @@ def test_clear_from_a_capture_hook_is_refused_not_a_hung_capture_thread() -> Non
 
 def test_capturing_does_not_list_a_key_already_live() -> None:
     """A key captured in the foreground while queued leaves the queue: capturing() lists only keys not live."""
-    engine = Engine()
+    engine = held_engine()
     engine.hold_tokens = 16
     reg = make(engine)
     reg.capture([(B.decode(16), "full"), (B.decode(4), "full")], background=True)
@@ -198,7 +174,7 @@ def test_capturing_does_not_list_a_key_already_live() -> None:
 def test_a_step_does_not_wait_on_a_background_capture_after_an_eviction() -> None:
     """An evicted (pending) key met by a step while a capture is in flight goes to the capture thread's
     queue; the step runs eagerly instead of waiting."""
-    engine = Engine()
+    engine = held_engine()
     engine.hold_tokens = 8
     reg = make(engine, memory_budget=1)  # room for one entry: each install evicts the others
     reg.capture([(B.decode(16), "full"), (B.decode(4), "full"), (B.decode(8), "full")], background=True)
