@@ -17,14 +17,16 @@ function marked with ``@eager_break`` is a splitting op.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
 import torch
 from torch import fx, nn
+from torch.utils._sympy.value_ranges import ValueRanges
 
 from cgregistry import breaks, runtime
 from cgregistry.descriptor import BatchDescriptor
@@ -216,12 +218,18 @@ def _which_ops(ops: SplittingOps) -> str:
     return "No op was named: mark the attention (or any uncapturable) function with @cgregistry.eager_break, or name ops."
 
 
+def _fakes_of(gm: fx.GraphModule) -> tuple[list[Any], Any]:
+    """The trace's own example inputs (fake tensors with symbolic sizes, SymInts) and their fake mode."""
+    fake_args = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = next((a.fake_mode for a in fake_args if isinstance(a, torch._subclasses.FakeTensor)), None)
+    return fake_args, fake_mode
+
+
 def _compile_pieces_with_inductor(split: fx.GraphModule, pieces: Sequence[str], gm: fx.GraphModule) -> None:
     """Replace each piece by its Inductor compilation, once, for the symbolic shapes of the trace."""
     from torch._inductor.compile_fx import compile_fx
 
-    fake_args = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
-    fake_mode = next((a.fake_mode for a in fake_args if isinstance(a, torch._subclasses.FakeTensor)), None)
+    fake_args, fake_mode = _fakes_of(gm)
     names = set(pieces)
 
     class _Propagate(fx.Interpreter):
@@ -234,8 +242,51 @@ def _compile_pieces_with_inductor(split: fx.GraphModule, pieces: Sequence[str], 
             return out
 
     ctx = fake_mode if fake_mode is not None else torch.no_grad()
-    with ctx:
+    with ctx, _sizes_kept_general(getattr(fake_mode, "shape_env", None)):
         _Propagate(split).run(*fake_args)
+
+
+@contextlib.contextmanager
+def _sizes_kept_general(shape_env: Any) -> Iterator[None]:
+    """Undo what Inductor's code generation assumes of a symbolic size only to rule out 0 and 1.
+
+    Inductor asks questions such as "is this size 1?" (for strides, 32-bit indexing) with guards,
+    so a size that the trace left general (``backed_size_oblivious``: any size >= 0) comes out as
+    ``2 <= size``, and the key of size 1 would make dynamo trace and compile the model again.  The
+    kernels generated for a general size serve size 1 as well (the trace already assumes Python
+    code does not branch on a size being 1), so the lower bound goes back to what the trace had and
+    the guards implied by ``size >= 2`` (with the upper bound) alone are dropped.  Every other
+    refinement (an upper bound, a relation between sizes) stays, and becomes a guard as usual.  Torch internals: where they are
+    not as expected, nothing is undone (size 1 then traces once more, as before).
+    """
+    ranges = getattr(shape_env, "var_to_range", None)
+    guards = getattr(shape_env, "guards", None)
+    evaluate = getattr(shape_env, "_maybe_evaluate_static", None)
+    changed = getattr(shape_env, "_update_version_counter", None)
+    if not (isinstance(ranges, dict) and isinstance(guards, list) and callable(evaluate) and callable(changed)):
+        yield
+        return
+    before, first_new = dict(ranges), len(guards)
+    yield
+    try:
+        general = {
+            symbol: ValueRanges(old.lower, now.upper)  # an upper bound (32-bit indexing, say) stays
+            for symbol, old in before.items()
+            if (now := ranges.get(symbol)) is not None and old.lower <= 1 and now.lower == 2
+        }
+        implied = {
+            id(g)
+            for g in guards[first_new:]
+            if general and g.expr.free_symbols and g.expr.free_symbols <= general.keys()
+            and bool(evaluate(g.expr, axioms=()))  # true for every size from 2 up to the upper bound: it rules out 0 and 1
+        }
+    except Exception:  # an internal changed shape: keep whatever Inductor recorded (one more trace for size 1)
+        return
+    if not general:
+        return
+    ranges.update(general)
+    guards[:] = [g for g in guards if id(g) not in implied]
+    changed()
 
 
 class _Compiled(nn.Module):
@@ -289,10 +340,12 @@ class PiecewiseCompiler:
                 "TORCH_LOGS=recompiles for the failing guard"
             )
         split, report, pieces = split_graph(gm, self.ops)
+        whole = None
         if self.inductor:
             _compile_pieces_with_inductor(split, pieces, gm)
+            whole = _WholeGraph(gm)
         self.traces.append(report)
-        return _Runner(split)
+        return _Runner(split, whole)
 
     @property
     def pieces(self) -> int:
@@ -300,15 +353,58 @@ class PiecewiseCompiler:
         return self.traces[-1].pieces if self.traces else 0
 
 
-class _Runner:
-    """What dynamo calls for a trace: the split graph, noting to a piecewise capture that it ran."""
+class _WholeUnavailable(Exception):
+    """Inductor could not compile this trace unsplit (a trace made at size 1, say): the full key falls back."""
 
-    __slots__ = ("split",)
 
-    def __init__(self, split: fx.GraphModule) -> None:
-        self.split = split
+class _WholeGraph:
+    """The same trace compiled by Inductor as one graph, no splits, for full keys: nothing to trace again,
+    and fused across what the pieces split at.  Compiled on first use (a full key's warm-up)."""
+
+    __slots__ = ("gm", "fn", "failed")
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.fn: Callable[..., Any] | None = None
+        self.failed = False
 
     def __call__(self, *args: Any) -> Any:
+        if self.fn is None:
+            if self.failed:
+                raise _WholeUnavailable()
+            try:
+                self.fn = self._compile()
+            except Exception as exc:
+                self.failed = True
+                raise _WholeUnavailable() from exc
+        return self.fn(*args)
+
+    def _compile(self) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        # The graph's own fakes, under a tracing context of their fake mode: dynamo has finished with the
+        # trace, and real example inputs would compile for one size.  Its guards are already installed:
+        # what this compile assumes of the sizes (not 0 or 1, see _sizes_kept_general) adds none, and its
+        # view arithmetic needs sizes that may be 1 ruled out, as a full compile of the model would.
+        fake_args, fake_mode = _fakes_of(self.gm)
+        context = torch._guards.TracingContext(fake_mode)
+        with torch._guards.tracing(context), fake_mode, fx.experimental._config.patch(backed_size_oblivious=False):
+            return compile_fx(self.gm, fake_args)
+
+
+class _Runner:
+    """What dynamo calls for a trace: the split graph (noting to a piecewise capture that it ran), or
+    the unsplit compilation of the same trace while a full key is warmed up or captured."""
+
+    __slots__ = ("split", "whole")
+
+    def __init__(self, split: fx.GraphModule, whole: _WholeGraph | None) -> None:
+        self.split = split
+        self.whole = whole
+
+    def __call__(self, *args: Any) -> Any:
+        if self.whole is not None and getattr(runtime.capture_strategy.get(), "whole_graph", False):
+            return self.whole(*args)
         site = runtime.site.get()
         if site is not None and hasattr(site, "compiled_runs"):  # a piecewise capture is watching
             site.compiled_runs += 1  # type: ignore[attr-defined]
@@ -332,15 +428,13 @@ class PiecewiseModel:
         # (argument, dimension) pairs sized like the key of the first traced call: marked on every call
         # alike, since a marking that appears later would make dynamo trace again.
         self._batch_axes: list[tuple[int | str, int]] | None = None
-        self._whole: Callable[..., Any] | None = None  # Inductor's unsplit compilation, for full keys
+        self._whole_alone: Callable[..., Any] | None = None  # full keys' own compile, where a trace's unsplit one failed
         functools.update_wrapper(self, model, updated=())  # type: ignore[arg-type]
 
-    def _whole_compiled(self) -> Callable[..., Any]:
-        """The model compiled by Inductor as one graph, no splits (compiled on first use: a full key's capture),
-        so a full entry fuses across what piecewise entries split at."""
-        if self._whole is None:
-            self._whole = torch.compile(self.model, fullgraph=True, dynamic=None)
-        return self._whole
+    def _whole_model(self) -> Callable[..., Any]:
+        if self._whole_alone is None:
+            self._whole_alone = torch.compile(self.model, fullgraph=True, dynamic=None)
+        return self._whole_alone
 
     def _register_modules(self) -> None:
         """Handles for the modules the model reaches (itself, a bound method's owner, a closure's modules),
@@ -374,13 +468,16 @@ class PiecewiseModel:
         token = runtime.site.set(breaks.TRACING_SITE) if runtime.site.get() is None else None
         try:
             # Python floats of the model (eps, say) stay constants instead of becoming 0-d tensor
-            # inputs read with .item(): one trace still serves every size.
-            compiled = self._whole_compiled() if whole else self._compiled
-            # Inductor's whole graph specialises size 1 (its view arithmetic cannot split a symbolic size that
-            # may be 1): at most one more compile, for the size-1 key.
-            shapes = {**self._shape_config, "backed_size_oblivious": False} if whole else self._shape_config
-            with torch._dynamo.config.patch(specialize_float=True), fx.experimental._config.patch(**shapes):
-                return compiled(*args, **kwargs)
+            # inputs read with .item(): one trace still serves every size, full keys' too (see _Runner).
+            with torch._dynamo.config.patch(specialize_float=True):
+                try:
+                    with fx.experimental._config.patch(**self._shape_config):
+                        return self._compiled(*args, **kwargs)
+                except _WholeUnavailable:
+                    # Inductor refused this trace unsplit (its view arithmetic cannot split a size traced at 1):
+                    # the model compiled whole on its own, size 1 specialised as a plain torch.compile does.
+                    with fx.experimental._config.patch(**{**self._shape_config, "backed_size_oblivious": False}):
+                        return self._whole_model()(*args, **kwargs)
         except PiecewiseError:
             raise
         except torch._dynamo.exc.BackendCompilerFailed as exc:

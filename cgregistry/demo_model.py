@@ -21,7 +21,7 @@ from torch import nn
 from cgregistry.buffers import StaticInput
 from cgregistry.descriptor import BatchDescriptor
 
-__all__ = ["DemoConfig", "DemoDecoder", "attention_core", "attention_kernel_into", "demo_inputs", "random_batch"]
+__all__ = ["DemoConfig", "DemoDecoder", "attention_bias", "attention_core", "attention_kernel_into", "demo_inputs", "random_batch"]
 
 
 @attrs.frozen(slots=True)
@@ -72,14 +72,29 @@ def attention_core(
 
 
 def attention_kernel_into(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, out: torch.Tensor
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, out: torch.Tensor
 ) -> None:
     """The attention kernel alone, written into ``out``: the part an engine runs eagerly.
 
-    ``q`` is [T, H, 1, D], ``keys``/``values`` [T, H, C + 1, D], ``valid`` [T, 1, 1, C + 1].
+    ``q`` is [T, H, 1, D], ``keys``/``values`` [T, H, C + 1, D], ``bias`` [T, 1, 1, C + 1]: additive
+    (0 or -inf), built once per step like an engine's attention metadata (see ``attention_bias``).
     The out-argument form is what an eager break of either library can take.
     """
-    out.copy_(nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=valid)[:, :, 0])
+    out.copy_(nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias)[:, :, 0])
+
+
+def attention_bias(lens: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of the cached keys (``positions < lens``) and each token's own key, [T, 1, 1, C + 1].
+
+    Its rows are padded to a multiple of 8 elements (a view of the first C + 1), as fused attention
+    kernels want them aligned: SDPA then uses it as given, instead of converting and padding it per call.
+    """
+    context = positions.shape[0]
+    cached = torch.where(positions[None, :] < lens[:, None], 0.0, float("-inf")).to(dtype)  # [T, C]
+    own_and_padding = cached.new_zeros(cached.shape[0], (context + 1 + 7) // 8 * 8 - context)  # column C: the token itself
+    padded = torch.cat([cached, own_and_padding], dim=1)
+    width = context + 1
+    return padded[:, None, None, :width]
 
 
 class _Layer(nn.Module):
@@ -98,22 +113,23 @@ class _Layer(nn.Module):
         self.register_buffer("v_cache", torch.randn(shape) * 0.5, persistent=False)
         self.core: Callable[..., None] | None = None
 
-    def attention(self, x: torch.Tensor, req_idx: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, req_idx: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv(x).view(t, 3, self.heads, self.head_dim).unbind(1)
-        if self.core is None:
+        if self.core is None or bias is None:
             out = attention_core(q, k, v, self.k_cache, self.v_cache, req_idx, lens, positions)
         else:
-            # Gather and mask in the graph; only the attention kernel runs in ``core`` (an eager break, say).
+            # Gather in the graph; only the attention kernel runs in ``core`` (an eager break, say).
             keys = torch.cat([self.k_cache[req_idx], k[:, None]], dim=1).transpose(1, 2)  # [T, H, C + 1, D]
             values = torch.cat([self.v_cache[req_idx], v[:, None]], dim=1).transpose(1, 2)
-            valid = torch.cat([positions[None, :] < lens[:, None], torch.ones_like(lens[:, None], dtype=torch.bool)], dim=1)
             out = torch.empty_like(q)
-            self.core(q[:, :, None], keys, values, valid[:, None, None, :], out)
+            self.core(q[:, :, None], keys, values, bias, out)
         return self.out(out.reshape(t, -1))
 
-    def forward(self, x: torch.Tensor, req_idx: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.norm1(x), req_idx, lens, positions)
+    def forward(self, x: torch.Tensor, req_idx: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x), req_idx, lens, positions, bias)
         gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
         return x + self.down(nn.functional.silu(gate) * up)
 
@@ -146,8 +162,10 @@ class DemoDecoder(nn.Module):
     def forward(self, batch: BatchDescriptor, input_ids: torch.Tensor, req_idx: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         lens = seq_lens[req_idx]
         x = self.embed(input_ids)
+        # The attention kernel's mask, once per step for every layer (as an engine builds its attention metadata).
+        bias = attention_bias(lens, self.positions, x.dtype) if self.layers[0].core is not None else None
         for layer in self.layers:
-            x = layer(x, req_idx, lens, self.positions)
+            x = layer(x, req_idx, lens, self.positions, bias)
         return self.head(self.norm(x))
 
 

@@ -244,9 +244,9 @@ def test_inductor_pieces_on_cuda_match_eager() -> None:
         for batch in (B(13, 4), B.decode(1), B(32, 8)):
             inputs = random_batch(CFG, batch, "cuda", g)
             torch.testing.assert_close(reg.run(batch, **inputs), inline(batch, **inputs), rtol=1e-3, atol=1e-3)
-    # Inductor's code generation may add a size guard of its own (32-bit indexing, strides), which
-    # costs one more trace for size 1; graphs of eager kernels need one trace.
-    assert len(compiled.compiler.traces) <= 2
+    # Inductor's code generation assumes sizes are not 1 (32-bit indexing, strides); those assumptions are
+    # not guards, so size 1 runs the same kernels: one trace.
+    assert len(compiled.compiler.traces) == 1
 
 
 class _RotaryLike(nn.Module):
@@ -364,3 +364,64 @@ def test_unreachable_module_is_a_clear_error() -> None:
     compiled = reg.compile(lambda x: lookup()(x))
     with pytest.raises(cg.CaptureError, match="nn.Module the piecewise compiler cannot reach.*register_modules"):
         reg.capture([(B(8), "piecewise")])
+
+
+def _warm_up_as(compiled: cg.PiecewiseModel, strategy: object, key: B, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Call ``compiled`` as the registry's warm-up of ``key`` with ``strategy`` does (no capture: Inductor's kernels
+    can run on the cpu, which the emulator cannot record)."""
+    from cgregistry import runtime
+
+    tokens = (
+        runtime.batch.set(runtime.BreakContext(key, key)),
+        runtime.axis_rows.set(frozenset(v.shape[0] for v in inputs.values()) | {key.num_tokens}),
+        runtime.capture_strategy.set(strategy),
+    )
+    try:
+        with torch.inference_mode():
+            return compiled(**{name: value.clone() for name, value in inputs.items()})  # like static buffers: one kind of tensor
+    finally:
+        for var, token in zip((runtime.capture_strategy, runtime.axis_rows, runtime.batch), reversed(tokens)):
+            var.reset(token)
+
+
+def test_one_inductor_trace_serves_full_and_piecewise_keys_of_every_size() -> None:
+    """Full keys run the same trace compiled unsplit, and size 1 runs the general kernels: one trace, no recompile."""
+    from cgregistry.strategies.full import FullStrategy
+    from cgregistry.strategies.piecewise import PiecewiseStrategy
+
+    _, inline, _, compiled = demo_registry("cpu", inductor=True)
+    full, piecewise = FullStrategy(), PiecewiseStrategy()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    runner_calls = []
+    g = torch.Generator().manual_seed(4)
+    for batch, strategy in ((B.decode(8), piecewise), (B.decode(8), full), (B.decode(1), full), (B(1, 1, uniform=False), piecewise),
+                            (B(13, 4), piecewise), (B.decode(5), full)):
+        inputs = random_batch(CFG, batch, "cpu", g)
+        got = _warm_up_as(compiled, strategy, batch, inputs)
+        with torch.inference_mode():
+            torch.testing.assert_close(got, inline(batch, **inputs), rtol=1e-4, atol=1e-4)
+        runner_calls.append(len(compiled.compiler.traces))
+    assert runner_calls == [1] * 6, f"traces after each call: {runner_calls}"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1, "full keys traced the model again"
+
+
+def test_a_trace_inductor_cannot_compile_unsplit_falls_back_to_the_models_own_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where Inductor refuses the shared trace unsplit (CantSplit on a trace made at size 1, on the GPU), full keys
+    compile the model whole on their own, as before the trace was shared; piecewise keys keep the trace."""
+    from cgregistry import compiler
+    from cgregistry.strategies.full import FullStrategy
+    from cgregistry.strategies.piecewise import PiecewiseStrategy
+
+    def refuse(self: object) -> None:
+        raise RuntimeError("CantSplit: 1024 not divisible by 1024*s42")
+
+    monkeypatch.setattr(compiler._WholeGraph, "_compile", refuse)
+    _, inline, _, compiled = demo_registry("cpu", inductor=True)
+    g = torch.Generator().manual_seed(5)
+    for batch, strategy in ((B.decode(4), FullStrategy()), (B.decode(4), FullStrategy()), (B(6, 2), PiecewiseStrategy())):
+        inputs = random_batch(CFG, batch, "cpu", g)
+        got = _warm_up_as(compiled, strategy, batch, inputs)
+        with torch.inference_mode():
+            torch.testing.assert_close(got, inline(batch, **inputs), rtol=1e-4, atol=1e-4)
+    assert compiled._whole_alone is not None, "full keys used the model's own compile"
+    assert len(compiled.compiler.traces) == 1
