@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import types
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -361,22 +363,25 @@ class _WholeGraph:
     """The same trace compiled by Inductor as one graph, no splits, for full keys: nothing to trace again,
     and fused across what the pieces split at.  Compiled on first use (a full key's warm-up)."""
 
-    __slots__ = ("gm", "fn", "failed")
+    __slots__ = ("gm", "fn", "failed", "lock")
 
     def __init__(self, gm: fx.GraphModule) -> None:
         self.gm = gm
         self.fn: Callable[..., Any] | None = None
         self.failed = False
+        self.lock = threading.Lock()  # one compile, even with a capture thread beside the serving one
 
     def __call__(self, *args: Any) -> Any:
         if self.fn is None:
-            if self.failed:
-                raise _WholeUnavailable()
-            try:
-                self.fn = self._compile()
-            except Exception as exc:
-                self.failed = True
-                raise _WholeUnavailable() from exc
+            with self.lock:
+                if self.fn is None:
+                    if self.failed:
+                        raise _WholeUnavailable()
+                    try:
+                        self.fn = self._compile()
+                    except Exception as exc:
+                        self.failed = True
+                        raise _WholeUnavailable() from exc
         return self.fn(*args)
 
     def _compile(self) -> Callable[..., Any]:
@@ -473,9 +478,16 @@ class PiecewiseModel:
                 try:
                     with fx.experimental._config.patch(**self._shape_config):
                         return self._compiled(*args, **kwargs)
-                except _WholeUnavailable:
+                except _WholeUnavailable as exc:
                     # Inductor refused this trace unsplit (its view arithmetic cannot split a size traced at 1):
                     # the model compiled whole on its own, size 1 specialised as a plain torch.compile does.
+                    if self._whole_alone is None:
+                        warnings.warn(
+                            f"full keys of {_label(self.model)}: Inductor could not compile the piecewise trace as one "
+                            f"graph ({_first_line(exc.__cause__ or exc)}); they use a separate torch.compile of the "
+                            "model (a second trace and compile)",
+                            stacklevel=2,
+                        )
                     with fx.experimental._config.patch(**{**self._shape_config, "backed_size_oblivious": False}):
                         return self._whole_model()(*args, **kwargs)
         except PiecewiseError:
