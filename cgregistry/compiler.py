@@ -258,8 +258,9 @@ def _sizes_kept_general(shape_env: Any) -> Iterator[None]:
     kernels generated for a general size serve size 1 as well (the trace already assumes Python
     code does not branch on a size being 1), so the lower bound goes back to what the trace had and
     the guards implied by ``size >= 2`` (with the upper bound) alone are dropped.  Every other
-    refinement (an upper bound, a relation between sizes) stays, and becomes a guard as usual.  Torch internals: where they are
-    not as expected, nothing is undone (size 1 then traces once more, as before).
+    refinement (an upper bound, a relation between sizes) stays, and becomes a guard as usual.
+    These are torch internals: where they are not as expected, nothing is undone (size 1 then
+    traces once more, as before).
     """
     ranges = getattr(shape_env, "var_to_range", None)
     guards = getattr(shape_env, "guards", None)
