@@ -26,8 +26,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
+import sympy
 import torch
 from torch import fx, nn
+from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.value_ranges import ValueRanges
 
 from cgregistry import breaks, runtime
@@ -244,12 +246,12 @@ def _compile_pieces_with_inductor(split: fx.GraphModule, pieces: Sequence[str], 
             return out
 
     ctx = fake_mode if fake_mode is not None else torch.no_grad()
-    with ctx, _sizes_kept_general(getattr(fake_mode, "shape_env", None)):
+    with ctx, _sizes_kept_general(getattr(fake_mode, "shape_env", None), _sizes_safe_at_one(gm)):
         _Propagate(split).run(*fake_args)
 
 
 @contextlib.contextmanager
-def _sizes_kept_general(shape_env: Any) -> Iterator[None]:
+def _sizes_kept_general(shape_env: Any, allowed: frozenset[Any]) -> Iterator[None]:
     """Undo what Inductor's code generation assumes of a symbolic size only to rule out 0 and 1.
 
     Inductor asks questions such as "is this size 1?" (for strides, 32-bit indexing) with guards,
@@ -259,8 +261,10 @@ def _sizes_kept_general(shape_env: Any) -> Iterator[None]:
     code does not branch on a size being 1), so the lower bound goes back to what the trace had and
     the guards implied by ``size >= 2`` (with the upper bound) alone are dropped.  Every other
     refinement (an upper bound, a relation between sizes) stays, and becomes a guard as usual.
-    These are torch internals: where they are not as expected, nothing is undone (size 1 then
-    traces once more, as before).
+    Only sizes in ``allowed`` are kept general: those at which the trace's own shapes agree with
+    the symbolic ones at size 1 (see ``_sizes_safe_at_one``; a ``squeeze`` of a batch axis, say,
+    makes them differ, and then the guard stays).  These are torch internals: where they are not
+    as expected, nothing is undone (size 1 then traces once more, as before).
     """
     ranges = getattr(shape_env, "var_to_range", None)
     guards = getattr(shape_env, "guards", None)
@@ -271,25 +275,129 @@ def _sizes_kept_general(shape_env: Any) -> Iterator[None]:
         return
     before, first_new = dict(ranges), len(guards)
     yield
+    now = {
+        symbol: ranges[symbol]
+        for symbol in allowed
+        if symbol in ranges and symbol in before and before[symbol].lower <= 1 and ranges[symbol].lower <= 2 <= ranges[symbol].upper
+    }
+    if not now:
+        return
     try:
-        general = {
-            symbol: ValueRanges(old.lower, now.upper)  # an upper bound (32-bit indexing, say) stays
-            for symbol, old in before.items()
-            if (now := ranges.get(symbol)) is not None and old.lower <= 1 and now.lower == 2
-        }
+        # Which new guards hold for every size from 2 up to the upper bound: those only rule out 0 and 1.
+        for symbol, current in now.items():
+            ranges[symbol] = ValueRanges(2, current.upper)
+        changed()
         implied = {
             id(g)
             for g in guards[first_new:]
-            if general and g.expr.free_symbols and g.expr.free_symbols <= general.keys()
-            and bool(evaluate(g.expr, axioms=()))  # true for every size from 2 up to the upper bound: it rules out 0 and 1
+            if g.expr.free_symbols and g.expr.free_symbols <= now.keys() and bool(evaluate(g.expr, axioms=()))
         }
     except Exception:  # an internal changed shape: keep whatever Inductor recorded (one more trace for size 1)
+        ranges.update(now)
+        changed()
         return
-    if not general:
-        return
-    ranges.update(general)
+    for symbol, current in now.items():
+        ranges[symbol] = ValueRanges(before[symbol].lower, current.upper)  # an upper bound (32-bit indexing) stays
     guards[:] = [g for g in guards if id(g) not in implied]
     changed()
+
+
+def _symbol_of(size: Any) -> Any:
+    """The sympy symbol behind a SymInt that is a plain symbol (a batch axis of the trace), else None."""
+    expr = getattr(getattr(size, "node", None), "expr", None) if isinstance(size, torch.SymInt) else None
+    return expr if isinstance(expr, sympy.Symbol) else None
+
+
+def _placeholder_symbols(gm: fx.GraphModule) -> list[list[tuple[int, Any]] | Any]:
+    """Per placeholder: the (dimension, symbol) pairs of a tensor's symbolic sizes, or a SymInt's symbol."""
+    found: list[list[tuple[int, Any]] | Any] = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            found.append([(d, sym) for d, size in enumerate(value.shape) if (sym := _symbol_of(size)) is not None])
+        else:
+            found.append(_symbol_of(value))
+    return found
+
+
+def _symbol_values(symbols: list[list[tuple[int, Any]] | Any], args: Sequence[Any]) -> dict[Any, int]:
+    """The sizes a call gives the trace's symbols (from its tensors' shapes and its SymInt arguments)."""
+    values: dict[Any, int] = {}
+    for where, arg in zip(symbols, args):
+        if isinstance(where, list):
+            if isinstance(arg, torch.Tensor):
+                for dim, sym in where:
+                    values[sym] = int(arg.shape[dim])
+        elif where is not None and isinstance(arg, int):
+            values[where] = arg
+    return values
+
+
+def _sizes_safe_at_one(gm: fx.GraphModule) -> frozenset[Any]:
+    """The trace's batch-axis symbols at which every node's shape, rerun with that size (and all of them) at 1,
+    is the symbolic shape at 1: no op in the trace behaves differently at size 1 (a squeeze of that axis, a
+    broadcast against it), so kernels generated for a general size serve size 1.  Empty where unsure."""
+    fake_args, fake_mode = _fakes_of(gm)
+    shape_env = getattr(fake_mode, "shape_env", None)
+    hints = getattr(shape_env, "backed_var_to_val", None) or getattr(shape_env, "var_to_val", None)
+    if not isinstance(hints, dict):
+        return frozenset()
+    candidates = {sym for where in _placeholder_symbols(gm) for sym in ([s for _, s in where] if isinstance(where, list) else [where])
+                  if sym is not None and shape_env.var_to_range.get(sym) is not None and shape_env.var_to_range[sym].lower <= 1}
+    safe = frozenset(sym for sym in candidates if _shapes_agree(gm, fake_args, hints, {sym}))
+    if len(safe) > 1 and not _shapes_agree(gm, fake_args, hints, safe):
+        return frozenset()
+    return safe
+
+
+def _shapes_agree(gm: fx.GraphModule, fake_args: list[Any], hints: dict[Any, Any], at_one: set[Any] | frozenset[Any]) -> bool:
+    """Rerun ``gm`` on static fake tensors with the ``at_one`` symbols at 1 (the others at their hints) and compare
+    every tensor's shape with its symbolic shape at those values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    values = {sym: sympy.Integer(int(v)) for sym, v in hints.items()}
+    values.update({sym: sympy.Integer(1) for sym in at_one})
+
+    def concrete(size: Any) -> int:
+        if isinstance(size, torch.SymInt):
+            return int(size.node.expr.xreplace(values))
+        return int(size)
+
+    static = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        inputs: list[Any] = []
+        with static:
+            for a in fake_args:
+                if isinstance(a, torch.Tensor):
+                    shape = [concrete(d) for d in a.shape]
+                    inputs.append(torch.empty(shape, dtype=a.dtype, device=a.device))
+                elif isinstance(a, torch.SymInt):
+                    inputs.append(concrete(a))
+                else:
+                    inputs.append(a)
+
+        mismatch: list[bool] = []
+
+        class _Compare(fx.Interpreter):
+            def run_node(self, node: fx.Node) -> Any:
+                out = super().run_node(node)
+                want = node.meta.get("example_value")
+                if isinstance(want, torch.Tensor) and isinstance(out, torch.Tensor):
+                    if [concrete(d) for d in want.shape] != list(out.shape):
+                        mismatch.append(True)
+                return out
+
+        token = runtime.site.set(breaks.TRACING_SITE)
+        try:
+            with static, torch.no_grad():
+                _Compare(gm).run(*inputs)
+        finally:
+            runtime.site.reset(token)
+        return not mismatch
+    except Exception:  # anything unexpected: size 1 keeps its own trace
+        return False
 
 
 class _Compiled(nn.Module):
@@ -357,45 +465,82 @@ class PiecewiseCompiler:
 
 
 class _WholeUnavailable(Exception):
-    """Inductor could not compile this trace unsplit (a trace made at size 1, say): the full key falls back."""
+    """This trace's one-graph compile cannot serve this call (it failed, or assumed other sizes): the full key
+    falls back to a separate compile of the model."""
 
 
 class _WholeGraph:
     """The same trace compiled by Inductor as one graph, no splits, for full keys: nothing to trace again,
-    and fused across what the pieces split at.  Compiled on first use (a full key's warm-up)."""
+    and fused across what the pieces split at.  Compiled on first use (a full key's warm-up).
 
-    __slots__ = ("gm", "fn", "failed", "lock")
+    Dynamo installed the trace's guards before this compile ran, so what the compile itself assumes of
+    the sizes (AOT tracing through an eager break's host-side branch, Inductor's view arithmetic) is
+    recorded here and checked on every call: a call it does not hold for falls back (``_WholeUnavailable``).
+    """
+
+    __slots__ = ("gm", "fn", "failed", "lock", "conditions", "symbols")
 
     def __init__(self, gm: fx.GraphModule) -> None:
         self.gm = gm
         self.fn: Callable[..., Any] | None = None
         self.failed = False
         self.lock = threading.Lock()  # one compile, even with a capture thread beside the serving one
+        self.conditions: list[Any] = []
+        self.symbols = _placeholder_symbols(gm)
 
     def __call__(self, *args: Any) -> Any:
         if self.fn is None:
             with self.lock:
                 if self.fn is None:
                     if self.failed:
-                        raise _WholeUnavailable()
+                        raise _WholeUnavailable("an earlier compile of this trace as one graph failed")
                     try:
-                        self.fn = self._compile()
+                        self.fn, self.conditions = self._compile()
                     except Exception as exc:
                         self.failed = True
-                        raise _WholeUnavailable() from exc
+                        raise _WholeUnavailable(_first_line(exc)) from exc
+        broken = self._broken(args)
+        if broken is not None:
+            raise _WholeUnavailable(f"the one-graph compile assumed {broken}, which this call's sizes break")
         return self.fn(*args)
 
-    def _compile(self) -> Callable[..., Any]:
+    def _broken(self, args: Sequence[Any]) -> str | None:
+        if not self.conditions:
+            return None
+        values = _symbol_values(self.symbols, args)
+        for condition in self.conditions:
+            try:
+                if bool(condition.xreplace(values)):
+                    continue
+            except TypeError:  # a symbol this call does not give: unsure, so not served
+                pass
+            return str(condition)
+        return None
+
+    def _compile(self) -> tuple[Callable[..., Any], list[Any]]:
         from torch._inductor.compile_fx import compile_fx
 
         # The graph's own fakes, under a tracing context of their fake mode: dynamo has finished with the
-        # trace, and real example inputs would compile for one size.  Its guards are already installed:
-        # what this compile assumes of the sizes (not 0 or 1, see _sizes_kept_general) adds none, and its
-        # view arithmetic needs sizes that may be 1 ruled out, as a full compile of the model would.
+        # trace, and real example inputs would compile for one size.  Its view arithmetic needs sizes that
+        # may be 1 ruled out, as a full compile of the model would (kept general where safe, as for pieces).
         fake_args, fake_mode = _fakes_of(self.gm)
+        shape_env = fake_mode.shape_env
+        ranges, replacements, first = dict(shape_env.var_to_range), dict(shape_env.replacements), len(shape_env.guards)
         context = torch._guards.TracingContext(fake_mode)
-        with torch._guards.tracing(context), fake_mode, fx.experimental._config.patch(backed_size_oblivious=False):
-            return compile_fx(self.gm, fake_args)
+        with torch._guards.tracing(context), fake_mode, fx.experimental._config.patch(backed_size_oblivious=False), \
+                _sizes_kept_general(shape_env, _sizes_safe_at_one(self.gm)):
+            fn = compile_fx(self.gm, fake_args)
+        conditions = [g.expr for g in shape_env.guards[first:]]
+        for symbol, now in shape_env.var_to_range.items():
+            if ranges.get(symbol) != now:
+                if now.lower not in (-sympy.oo, -int_oo):
+                    conditions.append(sympy.Le(now.lower, symbol))
+                if now.upper not in (sympy.oo, int_oo):
+                    conditions.append(sympy.Le(symbol, now.upper))
+        for symbol, value in shape_env.replacements.items():
+            if replacements.get(symbol) != value:
+                conditions.append(sympy.Eq(symbol, value))
+        return fn, conditions
 
 
 class _Runner:
@@ -480,13 +625,14 @@ class PiecewiseModel:
                     with fx.experimental._config.patch(**self._shape_config):
                         return self._compiled(*args, **kwargs)
                 except _WholeUnavailable as exc:
-                    # Inductor refused this trace unsplit (its view arithmetic cannot split a size traced at 1):
-                    # the model compiled whole on its own, size 1 specialised as a plain torch.compile does.
+                    # The one-graph compile of this trace failed (Inductor cannot split a size traced at 1, say), or
+                    # assumed sizes this key breaks (an eager break's host-side branch): the model compiled whole on
+                    # its own, with dynamo's guards for all of that, size 1 specialised as a plain torch.compile does.
                     if self._whole_alone is None:
                         warnings.warn(
-                            f"full keys of {_label(self.model)}: Inductor could not compile the piecewise trace as one "
-                            f"graph ({_first_line(exc.__cause__ or exc)}); they use a separate torch.compile of the "
-                            "model (a second trace and compile)",
+                            f"a full key of {_label(self.model)} cannot run the piecewise trace compiled as one graph "
+                            f"({exc}); full keys it cannot serve use a separate torch.compile of the model (a second "
+                            "trace and compile)",
                             stacklevel=2,
                         )
                     with fx.experimental._config.patch(**{**self._shape_config, "backed_size_oblivious": False}):

@@ -421,7 +421,7 @@ def test_a_trace_inductor_cannot_compile_unsplit_falls_back_to_the_models_own_co
     for i, (batch, strategy) in enumerate(((B.decode(4), FullStrategy()), (B.decode(4), FullStrategy()), (B(6, 2), PiecewiseStrategy()))):
         inputs = random_batch(CFG, batch, "cpu", g)
         if i == 0:
-            with pytest.warns(UserWarning, match=r"could not compile the piecewise trace as one graph \(CantSplit"):
+            with pytest.warns(UserWarning, match=r"cannot run the piecewise trace compiled as one graph \(CantSplit"):
                 got = _warm_up_as(compiled, strategy, batch, inputs)
         else:
             got = _warm_up_as(compiled, strategy, batch, inputs)
@@ -429,3 +429,67 @@ def test_a_trace_inductor_cannot_compile_unsplit_falls_back_to_the_models_own_co
             torch.testing.assert_close(got, inline(batch, **inputs), rtol=1e-4, atol=1e-4)
     assert compiled._whole_alone is not None, "full keys used the model's own compile"
     assert len(compiled.compiler.traces) == 1
+
+
+@cg.eager_break
+def _branching_attention(q: torch.Tensor, req_idx: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor) -> None:
+    """A backend's host-side dispatch: decode (one token per request) and varlen paths, chosen by sizes."""
+    if q.shape[0] == seq_lens.shape[0]:
+        out.copy_(q * seq_lens[:, None])
+    else:
+        out.copy_(q * seq_lens[req_idx][:, None])
+
+
+@cg.eager_break
+def _doubling(q: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(q * 2)
+
+
+class _Branching(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, req_idx: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        h = self.w1(x)
+        out = torch.empty_like(h)
+        _branching_attention(h, req_idx, seq_lens, out)
+        return self.w2(out)
+
+
+class _Squeezing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(h := self.w(x))
+        _doubling(h, out)
+        return out.squeeze(0).softmax(0).reshape(-1)  # one token: softmax over features; more: over tokens
+
+
+def test_full_keys_never_run_a_one_graph_compile_made_for_other_sizes() -> None:
+    """The one-graph compile traces through eager breaks after dynamo's guards are installed: a key whose sizes
+    take another host-side branch (spec decode after decode) must not run it, and a model that behaves
+    differently at size 1 (a squeeze of the token axis) must not run general kernels at size 1."""
+    from cgregistry.strategies.full import FullStrategy
+    from cgregistry.strategies.piecewise import PiecewiseStrategy
+
+    torch.manual_seed(0)
+    branching = _Branching().eval()
+    compiled = cg.compile_piecewise(branching, inductor=True)
+    with pytest.warns(UserWarning, match="cannot run the piecewise trace compiled as one graph"):
+        for key, strategy in ((B.decode(8), PiecewiseStrategy()), (B.decode(8), FullStrategy()),
+                              (B.decode(4, spec_depth=1), PiecewiseStrategy()), (B.decode(4, spec_depth=1), FullStrategy())):
+            t, r = key.num_tokens, key.num_reqs
+            inputs = {"x": torch.randn(t, D), "req_idx": torch.arange(r).repeat_interleave(t // r), "seq_lens": torch.arange(1.0, r + 1)}
+            got = _warm_up_as(compiled, strategy, key, inputs)
+            with torch.inference_mode():
+                torch.testing.assert_close(got, branching(**inputs), msg=f"{key} {strategy.name}")
+    squeezing = _Squeezing().eval()
+    compiled = cg.compile_piecewise(squeezing, inductor=True)
+    for key, strategy in ((B.decode(8), PiecewiseStrategy()), (B.decode(8), FullStrategy()), (B.decode(1), FullStrategy())):
+        x = torch.randn(key.num_tokens, D)
+        got = _warm_up_as(compiled, strategy, key, {"x": x})
+        with torch.inference_mode():
+            torch.testing.assert_close(got, squeezing(x), msg=f"{key} {strategy.name}")
