@@ -18,6 +18,7 @@ function marked with ``@eager_break`` is a splitting op.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import threading
 import types
@@ -464,6 +465,10 @@ class PiecewiseCompiler:
         return self.traces[-1].pieces if self.traces else 0
 
 
+# Set while PiecewiseModel calls its compiled model: it catches _WholeUnavailable and compiles the model whole itself.
+_model_falls_back: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_model_falls_back", default=False)
+
+
 class _WholeUnavailable(Exception):
     """This trace's one-graph compile cannot serve this call (it failed, or assumed other sizes): the full key
     falls back to a separate compile of the model."""
@@ -555,7 +560,12 @@ class _Runner:
 
     def __call__(self, *args: Any) -> Any:
         if self.whole is not None and getattr(runtime.capture_strategy.get(), "whole_graph", False):
-            return self.whole(*args)
+            try:
+                return self.whole(*args)
+            except _WholeUnavailable:
+                if _model_falls_back.get():
+                    raise  # PiecewiseModel compiles the model whole on its own
+                # The bare backend (torch.compile(..., backend=reg.compile_backend())): the split graph, splits inline.
         site = runtime.site.get()
         if site is not None and hasattr(site, "compiled_runs"):  # a piecewise capture is watching
             site.compiled_runs += 1  # type: ignore[attr-defined]
@@ -621,6 +631,7 @@ class PiecewiseModel:
             # Python floats of the model (eps, say) stay constants instead of becoming 0-d tensor
             # inputs read with .item(): one trace still serves every size, full keys' too (see _Runner).
             with torch._dynamo.config.patch(specialize_float=True):
+                falls_back = _model_falls_back.set(True)
                 try:
                     with fx.experimental._config.patch(**self._shape_config):
                         return self._compiled(*args, **kwargs)
@@ -637,6 +648,8 @@ class PiecewiseModel:
                         )
                     with fx.experimental._config.patch(**{**self._shape_config, "backed_size_oblivious": False}):
                         return self._whole_model()(*args, **kwargs)
+                finally:
+                    _model_falls_back.reset(falls_back)
         except PiecewiseError:
             raise
         except torch._dynamo.exc.BackendCompilerFailed as exc:

@@ -493,3 +493,23 @@ def test_full_keys_never_run_a_one_graph_compile_made_for_other_sizes() -> None:
         got = _warm_up_as(compiled, strategy, key, {"x": x})
         with torch.inference_mode():
             torch.testing.assert_close(got, squeezing(x), msg=f"{key} {strategy.name}")
+
+
+def test_the_bare_backend_runs_the_split_graph_where_the_one_graph_compile_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile(..., backend=reg.compile_backend(inductor=True)) has no model to compile on its own: a full key
+    whose one-graph compile fails runs the split graph inline, as before the trace was shared."""
+    from cgregistry import compiler
+    from cgregistry.strategies.full import FullStrategy
+
+    def refuse(self: object) -> None:
+        raise RuntimeError("CantSplit: 1024 not divisible by 1024*s42")
+
+    monkeypatch.setattr(compiler._WholeGraph, "_compile", refuse)
+    torch.manual_seed(0)
+    model = _Branching().eval()
+    reg = cg.GraphRegistry(lambda b, **i: model(**i), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
+    bare = torch.compile(model, backend=reg.compile_backend(inductor=True), dynamic=True, fullgraph=True)
+    inputs = {"x": torch.randn(8, D), "req_idx": torch.arange(8), "seq_lens": torch.arange(1.0, 9)}
+    got = _warm_up_as(bare, FullStrategy(), B.decode(8), inputs)
+    with torch.inference_mode():
+        torch.testing.assert_close(got, model(**inputs))
