@@ -339,7 +339,14 @@ def _symbol_values(symbols: list[list[tuple[int, Any]] | Any], args: Sequence[An
 def _sizes_safe_at_one(gm: fx.GraphModule) -> frozenset[Any]:
     """The trace's batch-axis symbols at which every node's shape, rerun with that size (and all of them) at 1,
     is the symbolic shape at 1: no op in the trace behaves differently at size 1 (a squeeze of that axis, a
-    broadcast against it), so kernels generated for a general size serve size 1.  Empty where unsure."""
+    broadcast against it), so kernels generated for a general size serve size 1.  Empty where unsure.
+    Worked out once per trace (the pieces' compile and the one-graph compile both ask)."""
+    if "cgregistry_safe_at_one" not in gm.meta:
+        gm.meta["cgregistry_safe_at_one"] = _work_out_sizes_safe_at_one(gm)
+    return gm.meta["cgregistry_safe_at_one"]
+
+
+def _work_out_sizes_safe_at_one(gm: fx.GraphModule) -> frozenset[Any]:
     fake_args, fake_mode = _fakes_of(gm)
     shape_env = getattr(fake_mode, "shape_env", None)
     hints = getattr(shape_env, "backed_var_to_val", None) or getattr(shape_env, "var_to_val", None)
