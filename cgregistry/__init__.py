@@ -40,6 +40,7 @@ from cgregistry.inspection import SnapshotError
 from cgregistry.outputs import OutputError
 from cgregistry.plugins import PluginError
 from cgregistry.registry import ConcurrentRunError
+from cgregistry.serving_state import ServingStateError
 from cgregistry.strategies.breakable import BreakError
 
 from cgregistry.version import __version__
@@ -71,6 +72,6 @@ __all__ = [
     "Plugins", "make_plugin_manager", "plugin",
     # errors
     "BreakError", "CaptureError", "CgregistryError", "ConcurrentRunError", "DebugError", "GraphUnsafeOpError",
-    "InputError", "OutputError", "PiecewiseError", "PluginError", "SnapshotError", "StaleOutputError",
+    "InputError", "OutputError", "PiecewiseError", "PluginError", "ServingStateError", "SnapshotError", "StaleOutputError",
     "__version__",
 ]

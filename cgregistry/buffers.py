@@ -140,9 +140,9 @@ class StaticInput:
     sees zeros).  Integer inputs must give it: an index input (slot mapping,
     block table) fills with a scratch slot no request owns, so padded rows and
     capture write only there; token ids or positions may fill with 0.
-    ``REPEAT_LAST`` (the default on ``reqs+1``, and only allowed there) repeats the last live row into
-    the padded rows, so the padded requests of an offsets input are empty;
-    capture then runs on zeros (a batch of empty requests).
+    ``REPEAT_LAST`` (the default on ``reqs+1``, and the only fill allowed there) repeats the last live
+    row into the padded rows, so the padded requests of an offsets input are empty (a constant would
+    make the offsets decrease); capture then runs on zeros (a batch of empty requests).
     """
 
     shape: tuple[int, ...] = attrs.field(converter=_shape)
@@ -163,6 +163,14 @@ class StaticInput:
                     "slot) and capture would run on zeros; give a fill"
                 )
             return
+        if self.axis == "reqs+1":
+            raise ValueError(
+                f"StaticInput(shape={self.shape}, dtype={self.dtype}, axis='reqs+1') fill={fill!r}: padded rows would "
+                f"hold {'whatever an earlier batch left' if fill is None else fill!r} after the batch's last offset, so the "
+                "offsets would decrease (..., 6, 0, 0) and padded requests get negative lengths; an offsets input "
+                "(cu_seqlens, query_start_loc) takes fill=cgregistry.REPEAT_LAST, its default: padded rows repeat the "
+                "last live offset, so padded requests are empty"
+            )
         if fill is UNSET:
             if _is_integer(self.dtype):
                 raise ValueError(

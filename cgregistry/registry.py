@@ -63,6 +63,7 @@ from cgregistry.plan import CapturePlan, PlanEntry
 from cgregistry.plugins import Plugins
 from cgregistry.routing import NO_EXCLUSION, RouteTable, Variant, not_a_descriptor
 from cgregistry.runtime import BreakContext
+from cgregistry.serving_state import ServingState, ServingStateError
 
 __all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "Stats"]  # records re-exported
 
@@ -143,7 +144,8 @@ class GraphRegistry:
         )
         self._exclusions: dict[Any, frozenset[str]] = {}  # exclude= values already checked, to their strategy sets
         self._route_cache = self._routes.cache  # the hot path's first lookup (cleared in place, never replaced)
-        self._capture_payload: Any = None
+        self._capture_context: CaptureContext | None = None  # what every capture runs under (see _record_context)
+        self._state_ok: Callable[[], bool] = _always  # the hot path's test of the caller's state against it
         self.debug = bool(debug)
         self._addresses = AddressWatch()
         self._addresses.watch((f"static input {name!r}", buf.tensor) for name, buf in self._buffers.items())
@@ -177,7 +179,6 @@ class GraphRegistry:
         self._refit_running = False
         # The changes adaptation made, oldest first: the last PLAN_CHANGES_KEPT (a server runs for days).
         self.plan_changes: collections.deque[PlanChange] = collections.deque(maxlen=PLAN_CHANGES_KEPT)
-        self._background_payload: Any = None  # the context of the last capture(background=True), for refits' captures
         if adapt is not None:
             self._worker = CaptureWorker(self._capture_in_background, self.name)
             self._background = self._worker  # run() takes the observing path from the first step
@@ -187,6 +188,12 @@ class GraphRegistry:
     def padding_cap(self) -> PaddingCap:
         """The most token padding a key may add to a batch (``max_padding_tokens``, ``max_padding_ratio``)."""
         return self._routes.cap
+
+    @property
+    def capture_context(self) -> CaptureContext | None:
+        """What every capture runs under, whichever path captures (foreground, lazy, background, refit): the payload
+        of the latest ``capture(context=...)`` and the state of the thread that called it; None before any."""
+        return self._capture_context
 
     @property
     def memory_budget(self) -> int | None:
@@ -244,7 +251,11 @@ class GraphRegistry:
         captured now: each key is captured by the first ``run`` it is the best
         match for (counted in ``stats().lazy_captures``).  ``context`` is the payload
         eager breaks see through ``current_batch()`` while capturing: it must describe
-        the all-padding batch capture runs on (see docs/integration.md).
+        the all-padding batch capture runs on (see docs/integration.md).  It and the calling
+        thread's state (autocast, default dtype and device, CUDA device, context variables)
+        become ``capture_context``, which every later capture runs under, whichever path
+        captures (``context=None`` keeps the payload recorded before); a replay under another
+        state is refused with ``ServingStateError``.
 
         With ``background=True`` it returns at once and a capture thread takes the entries
         one by one (the largest key of each kind first, then the rest from the smallest up),
@@ -263,7 +274,7 @@ class GraphRegistry:
         if background:
             self._submit(todo, context)
             return []
-        self._capture_payload = context
+        self._record_context(context)
         self._install_finished()
         pairs = [(e.descriptor, e.strategy) for e in dict.fromkeys(todo) if (e.descriptor, e.strategy) not in self._store.entries]
         if self._background is not None:  # captured here instead: no longer the capture thread's to do
@@ -288,6 +299,29 @@ class GraphRegistry:
                 bar.close()
         self._warn_shadowed()
         return captured
+
+    def _record_context(self, payload: Any) -> None:
+        """A capture() call: the calling thread's state, and ``payload`` (None keeps the current one), become what every
+        later capture runs under; refused while graphs captured under a state that computes otherwise are held."""
+        state = ServingState.current(self.device.type)
+        held = self._capture_context
+        if held is not None and (self._store.entries or self._store.pending or self.capturing()):
+            found = held.state.differences()
+            if found:
+                raise ServingStateError(
+                    f"capture() on registry {self.name!r} under another state than the graphs it holds were captured under: "
+                    f"{'; '.join(found)}; a registry's graphs share one state: reg.clear() first, or capture under the held one"
+                )
+        if payload is None and held is not None:
+            payload = held.payload
+        self._capture_context = CaptureContext(payload, state)
+        self._state_ok = state.checker()
+
+    def _context(self) -> CaptureContext:
+        """The one context every capture runs under (recorded now, on the serving thread, if no capture() gave one)."""
+        if self._capture_context is None:
+            self._record_context(None)
+        return self._capture_context  # type: ignore[return-value]
 
     def _warn_shadowed(self) -> None:
         """Warn when a strategy's uniform keys rank after a relaxed strategy's: those graphs may never replay."""
@@ -317,7 +351,8 @@ class GraphRegistry:
                 if self.debug:
                     self._addresses.rebase()  # no graph reads the old addresses
             try:
-                entry = self._capturer.capture(key, strategy, self.plugins.strategy(strategy), self._capture_payload)
+                ctx = self._context()
+                entry = ctx.state.run(self._capturer.capture, key, strategy, self.plugins.strategy(strategy), ctx.payload)
             except CaptureError as error:
                 self.plugins.notify("cgregistry_capture_finished", registry=self, key=key, strategy=strategy, entry=None, error=error)
                 raise
@@ -339,7 +374,7 @@ class GraphRegistry:
         worker = self._background
         if worker is not None and worker.busy:
             self._store.pending.pop(pair, None)
-            worker.submit([pair], self._capture_payload)
+            worker.submit([pair], self._context())
             self._routes.capturing = tuple(worker.queued())
             self._routes.rebuild(self._store.pairs())
             return
@@ -362,14 +397,14 @@ class GraphRegistry:
     def _submit(self, todo: list[PlanEntry], payload: Any) -> None:
         """Queue plan entries for the capture thread (see ``capture(background=True)``)."""
         _refuse_background_with_collectives()
-        self._background_payload = payload
+        self._record_context(payload)
         worker = self._worker
         if worker is None:
             worker = self._worker = CaptureWorker(self._capture_in_background, self.name)
         self._install_finished()
         held = set(self._store.entries)
         pairs = [(e.descriptor, e.strategy) for e in dict.fromkeys(todo) if (e.descriptor, e.strategy) not in held]
-        worker.submit(_background_order(pairs), payload)
+        worker.submit(_background_order(pairs), self._context())
         self._background = worker  # even if the capture already finished: its entry waits in ready
         self._routes.capturing = tuple(worker.queued())
         self._routes.rebuild(self._store.pairs())  # eager routes cached before now get their new miss reason
@@ -383,14 +418,14 @@ class GraphRegistry:
                 "capturing) would wait for itself"
             )
 
-    def _capture_in_background(self, pair: Pair, payload: Any) -> Entry:
-        """One entry, on the capture thread: own static inputs, hooks told, the store untouched."""
+    def _capture_in_background(self, pair: Pair, ctx: CaptureContext) -> Entry:
+        """One entry, on the capture thread: own static inputs, the serving thread's state, hooks told, the store untouched."""
         key, strategy = pair
         with self._capture_lock:
             self.plugins.notify("cgregistry_capture_started", registry=self, key=key, strategy=strategy)
             try:
                 with paused_gc():
-                    entry = self._capturer.capture(key, strategy, self.plugins.strategy(strategy), payload, background=True)
+                    entry = ctx.state.run(self._capturer.capture, key, strategy, self.plugins.strategy(strategy), ctx.payload, background=True)
             except CaptureError as error:
                 self.plugins.notify("cgregistry_capture_finished", registry=self, key=key, strategy=strategy, entry=None, error=error)
                 raise
@@ -507,7 +542,7 @@ class GraphRegistry:
             if (key, strategy) in self._store.entries or (key, strategy) in self._store.pending:
                 released += self._store.release(key, strategy)[0]
         self._worker.discard(change.removed)  # type: ignore[union-attr]
-        self._worker.submit(_background_order(added), self._background_payload)  # type: ignore[union-attr]
+        self._worker.submit(_background_order(added), self._context())  # type: ignore[union-attr]
         self.plan_changes.append(change)
         self._store.plan_changes += 1
         self._routes.capturing = tuple(self._worker.queued())  # type: ignore[union-attr]
@@ -655,6 +690,8 @@ class GraphRegistry:
         if entry is None:
             if route.pending is not None:
                 # Capture resets the static buffers (and may reuse pool memory) an input can alias: keep copies.
+                if not self._state_ok():
+                    self._context().state.check(self.name)
                 inputs = {name: value.clone() for name, value in inputs.items()}
                 while route.pending is not None:  # a failed lazy capture drops its key: the next best may be pending too
                     self._capture_lazily(route.pending)
@@ -662,6 +699,8 @@ class GraphRegistry:
                 entry = route.entry
             if entry is None:
                 return self._miss(actual, inputs, context, route.miss_reason)
+        if not self._state_ok():  # a graph computes what it computed at capture: refuse another autocast or dtype
+            self._context().state.check(self.name)
         for buf, rows in route.copies:
             buf.write(inputs[buf.name], rows)
         try:
@@ -819,6 +858,7 @@ class GraphRegistry:
             self._routes.capturing = ()
             self._background = worker if self._adapt is not None else None  # adaptation keeps observing
         removed, count = self._store.clear()
+        self._capture_context, self._state_ok = None, _always  # the next capture request records them anew
         count += dropped
         self._after_release(removed)
         return count
@@ -934,6 +974,19 @@ class GraphRegistry:
         lines = entries_table(self.entries(used=True if used_only else None, sort=sort))
         lines.append(stats_line(self.stats(), len(self), self.backend.name, self.memory_bytes()))
         return "\n".join(lines)
+
+
+@attrs.frozen(slots=True)
+class CaptureContext:
+    """What every capture of a registry runs under, whichever path captures: the payload eager breaks see
+    (``capture(context=...)``) and the serving thread's state."""
+
+    payload: Any
+    state: ServingState
+
+
+def _always() -> bool:
+    return True
 
 
 def _background_order(pairs: list[Pair]) -> list[Pair]:

@@ -39,7 +39,7 @@ def registry(*strategies: object, observer: Observer | None = None) -> cg.GraphR
 
 def state(reg: cg.GraphRegistry) -> tuple[Any, ...]:
     """What a refused capture must leave as it was."""
-    return ({(e.key, e.strategy) for e in reg.entries()}, reg.pending(), reg._capture_payload, reg.stats())
+    return ({(e.key, e.strategy) for e in reg.entries()}, reg.pending(), reg.capture_context, reg.stats())
 
 
 @pytest.mark.parametrize("lazy", [False, True])

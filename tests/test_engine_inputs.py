@@ -53,9 +53,17 @@ def live_batch(lens: list[int], device: torch.device) -> tuple[B, torch.Tensor, 
 def test_reqs_plus_one_defaults_to_repeat_last() -> None:
     spec = cg.StaticInput((9,), torch.int32, axis="reqs+1")
     assert spec.fill is cg.REPEAT_LAST and spec.capture_fill == 0
-    assert cg.StaticInput((9,), torch.int32, axis="reqs+1", fill=-1).fill == -1
     with pytest.raises(ValueError, match="needs an explicit fill"):
         cg.StaticInput((9,), torch.int32, axis="reqs")
+
+
+@pytest.mark.parametrize("fill", [0, -1, 7, 1 << 20, None, 0.0])
+def test_reqs_plus_one_refuses_every_fill_that_can_make_offsets_decrease(fill: object) -> None:
+    """A constant fill puts (..., 6, 0, 0) after a batch's last offset: the offsets decrease, and a kernel reading
+    them gets negative request lengths (wrong logits on the HF engine).  Only REPEAT_LAST keeps them monotonic."""
+    dtype = torch.float32 if isinstance(fill, float) or fill is None else torch.int32
+    with pytest.raises(ValueError, match=r"axis='reqs\+1'.*offsets would decrease.*REPEAT_LAST"):
+        cg.StaticInput((9,), dtype, axis="reqs+1", fill=fill)
 
 
 def test_reqs_plus_one_shape_error_names_rows(backend: str) -> None:
@@ -95,26 +103,17 @@ def test_varlen_on_each_backend(backend: str) -> None:
     assert reg.stats().hits == 5
 
 
-def offsets_registry(**cu_kw: object) -> cg.GraphRegistry:
+def offsets_registry() -> cg.GraphRegistry:
     """Returns the offsets and, per token, the sum of every offset row the key reads (padding included)."""
 
     def step(batch: B, cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cu.float(), cu.float().sum().expand(batch.num_tokens)
 
     reg = cg.GraphRegistry(
-        step, {"cu": cg.StaticInput((9,), torch.long, axis="reqs+1", **cu_kw)}, backend="cpu", output_axis=("reqs+1", "tokens")
+        step, {"cu": cg.StaticInput((9,), torch.long, axis="reqs+1")}, backend="cpu", output_axis=("reqs+1", "tokens")
     )
     reg.capture([(B(8, 8), "full"), (B(8, 4), "full")])
     return reg
-
-
-def test_explicit_fill_pads_with_it() -> None:
-    """fill=0 on an offsets input is honoured: the padded offsets read 0."""
-    reg = offsets_registry(fill=0)
-    reg.run(B(8, 8), cu=torch.arange(9))
-    offsets, total = reg.run(B(3, 2), cu=torch.tensor([0, 1, 3]))
-    assert offsets.tolist() == [0, 1, 3] and total.shape == (3,)
-    assert total[0].item() == 0 + 1 + 3 + 0 + 0  # key B(8, 4) reads 5 offsets
 
 
 def test_repeat_last_pads_every_row_the_key_reads() -> None:

@@ -1,0 +1,131 @@
+"""The serving thread's state a step's result depends on: taken when a capture is asked for, put back on
+whichever thread captures, and checked where graphs are replayed.
+
+A capture runs the engine's step, and what the step computes depends on state of the thread
+running it: autocast (on or off, and its dtype), the default device, the current CUDA device and
+the context variables.  A capture thread starts with none of the serving thread's (a key captured
+there under ``torch.autocast`` in the serving thread returned float32 where eager returned
+bfloat16), and an engine may serve under another state than the one it captured under.  So a
+registry records one ``ServingState`` (at ``capture()``, or at the first refit of a registry that
+only adapts), every capture path runs the step under it, and a replay under a state whose results
+would differ is refused with :class:`ServingStateError`.  Grad mode is not part of it: captures
+always run under ``torch.inference_mode()`` (a replay records no autograd graph), and grad mode
+does not change what a replayed graph computes.  Imports nothing of the package but ``errors``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import torch
+
+from cgregistry.errors import CgregistryError
+
+__all__ = ["AUTOCAST_DEVICE_TYPES", "ServingState", "ServingStateError"]
+
+# The device types whose autocast state is recorded (the registry's own device type is added).
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+
+_any_autocast: Callable[[], bool] = torch._C._is_any_autocast_enabled
+_default_dtype = torch.get_default_dtype
+
+
+class ServingStateError(CgregistryError, RuntimeError):
+    """A graph would be replayed under another thread state (autocast, default dtype) than it was captured under."""
+
+
+def _autocast_now(device_types: tuple[str, ...]) -> tuple[tuple[str, torch.dtype], ...]:
+    """The device types autocast is on for in this thread, each with its dtype."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in device_types if torch.is_autocast_enabled(d))
+
+
+def _describe(autocast: tuple[tuple[str, torch.dtype], ...]) -> str:
+    return ", ".join(f"autocast({d}, {dtype})" for d, dtype in autocast) or "no autocast"
+
+
+@attrs.frozen(slots=True)
+class ServingState:
+    """One thread's state that changes what a step computes, and the context variables it sees."""
+
+    device_types: tuple[str, ...]
+    autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) for each device type autocast is on for
+    autocast_cache: bool
+    default_dtype: torch.dtype
+    default_device: torch.device
+    cuda_device: int | None  # the current CUDA device where CUDA is initialized, else None
+    context: contextvars.Context = attrs.field(eq=False, repr=False)
+
+    @classmethod
+    def current(cls, device_type: str = "cpu") -> ServingState:
+        """The calling thread's state (``device_type``: the registry's device, whose autocast is recorded too)."""
+        types = tuple(dict.fromkeys((*AUTOCAST_DEVICE_TYPES, device_type)))
+        return cls(
+            device_types=types,
+            autocast=_autocast_now(types),
+            autocast_cache=torch.is_autocast_cache_enabled(),
+            default_dtype=torch.get_default_dtype(),
+            default_device=torch.get_default_device(),
+            cuda_device=torch.cuda.current_device() if torch.cuda.is_initialized() else None,
+            context=contextvars.copy_context(),
+        )
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """Run the block on this thread under this state (its autocast, default device, CUDA device).
+
+        The default dtype is process-wide, so it is only checked (``differences``), never set here.
+        """
+        with contextlib.ExitStack() as stack:
+            if self.cuda_device is not None:
+                stack.enter_context(torch.cuda.device(self.cuda_device))
+            if torch.get_default_device() != self.default_device:
+                stack.enter_context(torch.device(self.default_device))
+            for device_type in self.device_types:
+                dtype = dict(self.autocast).get(device_type)
+                if dtype is not None:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
+                elif torch.is_autocast_enabled(device_type):
+                    stack.enter_context(torch.autocast(device_type, enabled=False))
+            yield
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` under this state, in a copy of the context variables it was taken with."""
+
+        def body() -> Any:
+            with self.applied():
+                return fn(*args, **kwargs)
+
+        return self.context.copy().run(body)
+
+    def differences(self) -> list[str]:
+        """How the calling thread's state differs from this one in what a replay computes (empty: it does not)."""
+        found = []
+        now = _autocast_now(self.device_types)
+        if now != self.autocast:
+            found.append(f"{_describe(now)} now, {_describe(self.autocast)} at capture")
+        if torch.get_default_dtype() is not self.default_dtype:
+            found.append(f"default dtype {torch.get_default_dtype()} now, {self.default_dtype} at capture")
+        return found
+
+    def checker(self) -> Callable[[], bool]:
+        """A cheap test, for the hot path, that the calling thread would compute what graphs captured under this state
+        compute: one or two C calls when no autocast was on at capture (the usual case)."""
+        dtype = self.default_dtype
+        if not self.autocast:
+            return lambda: not _any_autocast() and _default_dtype() is dtype
+        return lambda: not self.differences()
+
+    def check(self, registry: str) -> None:
+        """Raise ``ServingStateError`` naming what differs, if the calling thread's state differs from this one."""
+        found = self.differences()
+        if found:
+            raise ServingStateError(
+                f"run() on registry {registry!r} under another state than its graphs were captured under: "
+                f"{'; '.join(found)}. A graph keeps the precision it was captured with, so it would return what eager "
+                "does not; call capture() under the state you serve with (inside the same torch.autocast block), or "
+                "reg.clear() and capture again under this one"
+            )
