@@ -45,6 +45,10 @@ from cgregistry.strategies.breakable import BreakError
 
 from cgregistry.version import __version__
 
+from cgregistry.plan import use_installed_plugins
+
+use_installed_plugins(Plugins)  # plans find installed plugin strategies without importing the plugin manager
+
 def __getattr__(name: str) -> object:
     """``cgregistry.hookimpl`` / ``hookspec`` of 0.1 plugins still work, with a warning: they live in cgregistry.plugin."""
     if name in ("hookimpl", "hookspec"):

@@ -1,13 +1,20 @@
-"""Background capture: a thread that captures queued keys one at a time while the engine serves.
+"""Background capture: a capture thread that takes queued keys one at a time while the engine serves, and the
+serving thread's side of it (installing what it finished between steps, waiting for it).
 
-The worker only captures.  A finished capture (an entry, or its error) waits in ``ready``
-until the serving thread installs it between two steps (the registry does so at the start
-of ``run()`` and in ``wait_captured()``), so the entries and routes the hot path reads only
-ever change on the thread that runs it.  Two things keep a step from waiting on a capture:
-while a ``run()`` is in progress the worker pauses at its next Python call or return
-(``quiet``), and while the worker has work the interpreter's switch interval is shortened,
-so the serving thread gets the GIL back within a fraction of a millisecond between steps.
-Knows nothing of the registry.
+The capture thread only captures, through the capturer's one capture sequence and under the
+registry's capture context.  What it finishes waits, as a record (``Captured``, ``TaskDone``),
+until the serving thread installs it between two steps (at the start of ``run()``, and in
+``wait_captured()``, ``capture()``, ``release()`` and ``clear()``), so the entries and routes the
+hot path reads only ever change on the thread that runs it.
+
+Progress under a busy serving loop: the capture thread is never paused for a step.  An engine
+whose eager step is host-bound calls ``run()`` back to back, so a thread that only ran between
+steps would never run.  Instead a step whose batch no live graph serves, but a key being
+captured would, waits for that key (moved to the front of the queue, at most ``WAIT_LIMIT_S``)
+and then replays it: the eager step is the slow path the capture ends, so the first graph
+arrives within one key's capture.  Once graphs serve, a replay leaves the GIL free while the
+GPU works, which is when the capture thread takes the rest; the interpreter's switch interval is
+shortened meanwhile (``SWITCH_INTERVAL_S``) so the serving thread gets the GIL back quickly.
 """
 
 from __future__ import annotations
@@ -15,33 +22,285 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+import time
+import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from cgregistry import runtime
+import attrs
+
+from cgregistry.capture import CaptureError
+from cgregistry.catalog import Catalog
 from cgregistry.descriptor import BatchDescriptor
-from cgregistry.entries import Entry
+from cgregistry.entries import Entry, Pair
+from cgregistry.events import Events
 
-__all__ = ["PAUSE_LIMIT_S", "SWITCH_INTERVAL_S", "CaptureWorker", "Finished"]
+__all__ = ["SWITCH_INTERVAL_S", "WAIT_LIMIT_S", "BackgroundCapture", "Captured", "TaskDone", "background_order"]
 
-Pair = tuple[BatchDescriptor, str]
-
-# The interpreter's switch interval while a worker has work (CPython's default is 5 ms): how long the
-# serving thread may wait for the GIL when the worker holds it.  None leaves the interval alone.
+# The interpreter's switch interval while a capture thread runs (CPython's default is 5 ms): how long the serving
+# thread may wait for the GIL when the capture thread holds it.  None leaves the interval alone.
 SWITCH_INTERVAL_S: float | None = 2e-4
-# The longest the capture thread stays paused for one step.  A step may be waiting for something the
-# paused thread holds (dynamo's compile lock, a logging or import lock, an engine's own lock); after this
-# long the thread runs on until the step ends, so such a step waits for that, never forever.
-PAUSE_LIMIT_S = 0.05
+# The longest a step waits for the key being captured that would serve it; past it the step runs eagerly, and
+# steps do not wait again while the same capture is in flight (a slow compile, say).
+WAIT_LIMIT_S = 0.5
 
-# (key, strategy), the entry or the error; for a task (``submit_task``): (None, its result, its error)
-Finished = tuple["Pair | None", Any, "BaseException | None"]
+CaptureKey = Callable[..., Entry]  # (pair, context, background=True) -> the entry, or raises CaptureError
 
-_workers: weakref.WeakSet[CaptureWorker] = weakref.WeakSet()
+
+@attrs.frozen(slots=True)
+class Captured:
+    """A key the capture thread finished: its entry, or the ``CaptureError`` that stopped it."""
+
+    pair: Pair
+    entry: Entry | None
+    error: BaseException | None
+
+
+@attrs.frozen(slots=True)
+class TaskDone:
+    """A task the capture thread ran (a refit): its result or error, for ``on_done`` on the serving thread."""
+
+    result: Any
+    error: BaseException | None
+    on_done: Callable[[Any, BaseException | None], None]
+
+
+@attrs.frozen(slots=True)
+class _Task:
+    run: Callable[[], Any]
+    on_done: Callable[[Any, BaseException | None], None]
+
+
+_thread_owner = threading.local()  # .owner: the BackgroundCapture whose capture thread this is
+_instances: weakref.WeakSet[BackgroundCapture] = weakref.WeakSet()
 _switch_lock = threading.Lock()
 _switch_state: list[Any] = [0, None]  # capture threads running, the interval before the first lowered it
+
+
+def background_order(pairs: Iterable[Pair]) -> list[Pair]:
+    """Capture order beside a serving thread: the largest key of each kind first, so that every batch a kind
+    can serve gets a graph soon (padded, but a padded replay beats an eager step), then the others from the
+    smallest up, so the padding of the small, frequent batches falls first."""
+
+    def size(pair: Pair) -> tuple[int, int]:
+        return (pair[0].num_tokens, pair[0].num_reqs or 0)
+
+    pairs = list(pairs)
+    largest: dict[tuple, Pair] = {}
+    for pair in pairs:
+        key, strategy = pair
+        kind = (strategy, key.uniform, key.spec_depth, key.num_active_loras)
+        if kind not in largest or size(pair) > size(largest[kind]):
+            largest[kind] = pair
+    first = sorted(largest.values(), key=size)
+    chosen = set(first)
+    return first + sorted((p for p in pairs if p not in chosen), key=size)
+
+
+class BackgroundCapture:
+    """One registry's capture thread (started when there is work, ended when there is none) and its results."""
+
+    def __init__(self, capture_key: CaptureKey, catalog: Catalog, events: Events, name: str) -> None:
+        self._capture_key = capture_key
+        self._catalog = catalog
+        self._events = events
+        self._name = name
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[Pair, Any] | _Task] = deque()  # (pair, capture context) or a task
+        self._thread: threading.Thread | None = None
+        self._in_flight: Pair | _Task | None = None
+        self._dropped: set[Pair] = set()  # in flight but no longer wanted: its result is discarded
+        self._ready: deque[Captured | TaskDone] = deque()  # filled by the capture thread, emptied by the serving thread
+        self._started = 0  # items the capture thread began
+        self._gave_up = -1  # the item in flight when a step last waited in vain (steps do not wait on it again)
+        self.active = False  # work queued or in flight, or results not installed: run() installs between steps
+        _instances.add(self)
+
+    # ---------------------------------------------------------------- reading
+
+    @property
+    def busy(self) -> bool:
+        """Work queued or in flight (a task included)."""
+        return bool(self._queue) or self._in_flight is not None
+
+    def queued(self) -> list[Pair]:
+        """Keys waiting or being captured now, in capture order."""
+        with self._cond:
+            flight = self._in_flight
+            head = [flight] if isinstance(flight, tuple) and flight not in self._dropped else []
+            return head + [item[0] for item in self._queue if isinstance(item, tuple)]
+
+    def capturing(self) -> list[Pair]:
+        """Keys queued, in flight, or captured and not installed yet (not served by a graph yet)."""
+        return self.queued() + [r.pair for r in list(self._ready) if isinstance(r, Captured) and r.entry is not None]
+
+    def on_capture_thread(self) -> bool:
+        """Whether the caller runs on this registry's capture thread (a hook or the step during a capture)."""
+        return getattr(_thread_owner, "owner", None) is self
+
+    def refuse_on_capture_thread(self, call: str) -> None:
+        """``call`` from a hook or the step running on the capture thread would wait for that thread itself."""
+        if self.on_capture_thread():
+            raise RuntimeError(
+                f"{call} on registry {self._name!r} from its own capture thread (a hook or the step called it while "
+                "capturing) would wait for itself"
+            )
+
+    # ---------------------------------------------------------------- the serving thread's side
+
+    def submit(self, pairs: Iterable[Pair], context: Any) -> None:
+        """Queue keys not already queued or in flight, in ``background_order``; start the thread if it is idle."""
+        with self._cond:
+            known = {item[0] for item in self._queue if isinstance(item, tuple)}
+            for pair in background_order(pairs):
+                if pair == self._in_flight and pair in self._dropped:
+                    self._dropped.discard(pair)  # wanted again: the capture in flight is kept after all
+                elif pair != self._in_flight and pair not in known:
+                    self._queue.append((pair, context))
+                    known.add(pair)
+            self._start()
+        self._catalog.set_capturing(self.capturing())
+
+    def submit_task(self, task: Callable[[], Any], on_done: Callable[[Any, BaseException | None], None]) -> None:
+        """Run ``task()`` on the capture thread after what is queued; ``on_done(result, error)`` runs on the serving
+        thread when it is installed (never, if the task is cancelled)."""
+        with self._cond:
+            self._queue.append(_Task(task, on_done))
+            self._start()
+
+    def discard(self, pairs: Iterable[Pair]) -> None:
+        """Forget these keys: unqueued, and the one in flight (if among them) never installed."""
+        drop = set(pairs)
+        with self._cond:
+            self._queue = deque(item for item in self._queue if not (isinstance(item, tuple) and item[0] in drop))
+            if self._in_flight in drop:
+                self._dropped.add(self._in_flight)  # type: ignore[arg-type]
+            self._ready = deque(r for r in self._ready if not (isinstance(r, Captured) and r.pair in drop))
+        self._catalog.set_capturing(self.capturing())
+
+    def cancel(self) -> int:
+        """Drop everything queued, finished or in flight (tasks too: their ``on_done`` never runs), wait for the capture
+        in flight to end, and return how many keys were dropped."""
+        with self._cond:
+            dropped = len(self.capturing())
+            self._queue.clear()
+            if isinstance(self._in_flight, tuple):
+                self._dropped.add(self._in_flight)
+        self.wait()
+        with self._cond:
+            self._ready.clear()
+        self._catalog.set_capturing(())
+        self.active = False
+        return dropped
+
+    def install(self) -> None:
+        """Between steps, on the serving thread: finished entries go live, failures are kept, tasks' results handed on."""
+        tasks = []
+        with self._catalog.batch():
+            while self._ready:
+                done = self._ready.popleft()
+                if isinstance(done, TaskDone):
+                    tasks.append(done)  # handed on once the routes are rebuilt: their hooks see the routes as they are
+                elif done.entry is None:
+                    self._catalog.fail_capture(done.pair, done.error)  # type: ignore[arg-type]
+                    warnings.warn(
+                        f"cgregistry: background {done.error}; the key is dropped and its batches go to the next best "
+                        "key (or run eagerly); reg.failures() keeps the error",
+                        RuntimeWarning,
+                        stacklevel=5,
+                    )
+                elif done.pair not in self._catalog.entries:  # else captured in the foreground meanwhile
+                    self._events.evicted(self._catalog.add(done.entry, background=True))
+            self._catalog.set_capturing(self.capturing())
+        for task in tasks:
+            task.on_done(task.result, task.error)
+        if not self.busy and not self._ready:
+            self.active = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or in flight (True), or ``timeout`` seconds pass (False); installs nothing."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self.busy, timeout)
+
+    def await_cover(self, actual: BatchDescriptor, exclude: Sequence[str] | frozenset[str]) -> bool:
+        """For a step no live graph serves: wait for the key being captured that would serve ``actual`` (moved to the
+        front of the queue), at most ``WAIT_LIMIT_S``, then install what finished.  False without waiting when no
+        such key is queued, or a step already waited in vain while the capture in flight now ran."""
+        with self._cond:
+            if self._gave_up == self._started:
+                return False
+            flight = self._in_flight if isinstance(self._in_flight, tuple) and self._in_flight not in self._dropped else None
+            covering = [
+                p for p in ([flight] if flight else []) + [i[0] for i in self._queue if isinstance(i, tuple)]
+                if p[0].covers(actual) and p[1] not in exclude
+            ]
+            if not covering:
+                return False
+            target = flight if flight in covering else min(covering, key=lambda p: (p[0].num_tokens, p[0].num_reqs or 0))
+            if target is not flight:
+                at = next(i for i, item in enumerate(self._queue) if isinstance(item, tuple) and item[0] == target)
+                item = self._queue[at]
+                del self._queue[at]
+                self._queue.appendleft(item)
+            done = self._cond.wait_for(lambda: self._in_flight != target and not self._queued(target), WAIT_LIMIT_S)
+            if not done:
+                self._gave_up = self._started
+        self.install()
+        return done
+
+    # ---------------------------------------------------------------- the capture thread
+
+    def _queued(self, pair: Pair) -> bool:
+        return any(isinstance(item, tuple) and item[0] == pair for item in self._queue)
+
+    def _start(self) -> None:
+        """Start the capture thread if there is work and none runs (under the condition's lock)."""
+        if self._queue:
+            self.active = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"cgregistry-capture-{self._name}", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        _thread_owner.owner = self
+        _shorten_switch_interval()
+        try:
+            while True:
+                with self._cond:
+                    if not self._queue:
+                        self._thread = None
+                        self._cond.notify_all()
+                        return
+                    item = self._queue.popleft()
+                    self._in_flight = item if isinstance(item, _Task) else item[0]
+                    self._started += 1
+                self._finish(item, *self._run(item))
+        finally:
+            _restore_switch_interval()
+            _thread_owner.owner = None
+
+    def _run(self, item: tuple[Pair, Any] | _Task) -> tuple[Any, BaseException | None]:
+        try:
+            if isinstance(item, _Task):
+                return item.run(), None
+            return self._capture_key(item[0], item[1], background=True), None
+        except BaseException as exc:  # reported to the serving thread, never lost in this one
+            return None, exc
+
+    def _finish(self, item: tuple[Pair, Any] | _Task, result: Any, error: BaseException | None) -> None:
+        with self._cond:
+            if isinstance(item, _Task):
+                self._ready.append(TaskDone(result, error, item.on_done))
+            elif item[0] in self._dropped:
+                self._dropped.discard(item[0])
+            else:
+                if error is not None and not isinstance(error, CaptureError):
+                    error = CaptureError(item[0][0], item[0][1], error)
+                self._ready.append(Captured(item[0], result, error))
+            self._in_flight = None
+            self._cond.notify_all()
 
 
 def _shorten_switch_interval() -> None:
@@ -61,146 +320,11 @@ def _restore_switch_interval() -> None:
             _switch_state[1] = None
 
 
-class CaptureWorker:
-    """Captures queued (key, strategy) pairs on one thread, started when there is work and ended when there is none."""
-
-    def __init__(self, capture_one: Callable[[Pair, Any], Entry], name: str) -> None:
-        self._capture_one = capture_one
-        self._name = name
-        self._queue: deque[tuple[Pair | None, Any]] = deque()  # (pair, payload), or (None, task)
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._dropped: set[Pair] = set()
-        self._tasks = 0  # tasks queued or running
-        self.in_flight: Pair | None = None
-        self.ready: deque[Finished] = deque()  # filled by the worker, emptied by the serving thread
-        self.quiet = threading.Event()  # set while no run() is in progress: the worker may run Python
-        self.quiet.set()
-        self._steps = 0  # steps begun (step_started)
-        self._released = -1  # the step during which the pause gave up (PAUSE_LIMIT_S)
-        self.thread_id: int | None = None  # the capture thread's ident while it runs
-        _workers.add(self)
-
-    # ---------------------------------------------------------------- the serving thread's side
-
-    def submit(self, pairs: Iterable[Pair], payload: Any) -> None:
-        """Queue pairs not already queued or in flight; start the thread if it is not running."""
-        with self._cond:
-            known = {p for p, _ in self._queue} | ({self.in_flight} if self.in_flight else set())
-            for pair in pairs:
-                if pair == self.in_flight and pair in self._dropped:
-                    self._dropped.discard(pair)  # wanted again: the capture in flight is kept after all
-                    continue
-                if pair not in known:
-                    self._queue.append((pair, payload))
-                    known.add(pair)
-                    self._dropped.discard(pair)
-            if self._queue and self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"cgregistry-capture-{self._name}", daemon=True)
-                self._thread.start()
-
-    def submit_task(self, task: Callable[[], Any]) -> None:
-        """Run ``task()`` on the capture thread after what is queued (paused during steps like a capture);
-        its result (or error) reaches ``ready`` as ``(None, result, error)``."""
-        with self._cond:
-            self._queue.append((None, task))
-            self._tasks += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"cgregistry-capture-{self._name}", daemon=True)
-                self._thread.start()
-
-    def queued(self) -> list[Pair]:
-        """Pairs waiting or being captured now, in capture order."""
-        with self._cond:
-            head = [self.in_flight] if self.in_flight is not None and self.in_flight not in self._dropped else []
-            return head + [p for p, _ in self._queue if p is not None]
-
-    @property
-    def busy(self) -> bool:
-        """Work queued or in flight (a task included)."""
-        return bool(self._queue) or self.in_flight is not None or self._tasks > 0
-
-    def discard(self, pairs: Iterable[Pair]) -> None:
-        """Forget these pairs: unqueued, and the one in flight (if among them) never reaches ``ready``."""
-        drop = set(pairs)
-        with self._cond:
-            self._queue = deque(item for item in self._queue if item[0] is None or item[0] not in drop)
-            if self.in_flight in drop:
-                self._dropped.add(self.in_flight)
-
-    def cancel(self) -> None:
-        """Drop everything queued and the capture in flight (it finishes, then is discarded)."""
-        with self._cond:
-            self._tasks -= sum(1 for pair, _ in self._queue if pair is None)
-            self._queue.clear()
-            if self.in_flight is not None:
-                self._dropped.add(self.in_flight)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until nothing is queued or in flight (True), or ``timeout`` seconds pass (False)."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self.busy, timeout)
-
-    # ---------------------------------------------------------------- the capture thread
-
-    def step_started(self) -> None:
-        """The serving thread begins a step: the capture thread pauses at its next Python call or return."""
-        self._steps += 1
-        self.quiet.clear()
-
-    def step_ended(self) -> None:
-        self.quiet.set()
-
-    def _pause(self, frame: Any, event: str, arg: Any) -> None:
-        """Profile function of the capture thread: wait while a step is running (a GIL-free wait), at most
-        ``PAUSE_LIMIT_S`` per step."""
-        if not self.quiet.is_set() and self._released != self._steps:
-            if not self.quiet.wait(PAUSE_LIMIT_S):
-                self._released = self._steps
-
-    def _loop(self) -> None:
-        self.thread_id = threading.get_ident()
-        _shorten_switch_interval()
-        runtime.background_gates.add(self.quiet)
-        try:
-            while True:
-                with self._cond:
-                    if not self._queue:
-                        self.in_flight = None
-                        self._thread = None
-                        self._cond.notify_all()
-                        return
-                    pair, payload = self._queue.popleft()
-                    self.in_flight = pair
-                result: Any = None
-                error: BaseException | None = None
-                sys.setprofile(self._pause)
-                try:
-                    result = payload() if pair is None else self._capture_one(pair, payload)
-                except BaseException as exc:  # reported to the serving thread, never lost in this one
-                    error = exc
-                finally:
-                    sys.setprofile(None)
-                with self._cond:
-                    if pair is None:
-                        self._tasks -= 1
-                        self.ready.append((None, result, error))
-                    elif pair in self._dropped:
-                        self._dropped.discard(pair)
-                    else:
-                        self.ready.append((pair, result, error))
-                    self.in_flight = None
-                    self._cond.notify_all()
-        finally:
-            runtime.background_gates.discard(self.quiet)
-            _restore_switch_interval()
-            self.thread_id = None
-
-
 @atexit.register
 def _stop_all() -> None:
     """At interpreter exit, drop queued captures and let the one in flight finish (no capture left open)."""
-    for worker in list(_workers):
-        worker.cancel()
-        worker.quiet.set()
-        worker.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    for background in list(_instances):
+        with background._cond:
+            background._queue.clear()
+        background.wait(timeout=max(0.0, deadline - time.monotonic()))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import numbers
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -27,7 +28,7 @@ from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry
 from cgregistry.errors import CgregistryError
 from cgregistry.outputs import OutputAxes, OutputError, OutputSlicer, flatten
-from cgregistry.plugins import PluginError
+from cgregistry.registrars import PluginError
 from cgregistry.runtime import BreakContext
 
 __all__ = ["CaptureError", "EntryCapture", "frozen_gc", "paused_gc"]
@@ -49,7 +50,7 @@ class EntryCapture:
         self, step: Callable[..., Any], buffers: Mapping[str, StaticBuffer], backend: Backend, output_axes: OutputAxes, warmup_runs: int,
     ) -> None:
         self._step = step
-        self._buffers = buffers
+        self.buffers = buffers
         self.backend = backend
         self.device = backend.device()
         self._output_axes = output_axes
@@ -64,7 +65,7 @@ class EntryCapture:
 
     def check_fits(self, key: BatchDescriptor) -> None:
         """Refuse a key larger than a static input, before anything is captured."""
-        for buf in self._buffers.values():
+        for buf in self.buffers.values():
             rows = self._key_rows(buf, key)
             if rows > buf.capacity:
                 raise ValueError(
@@ -85,7 +86,7 @@ class EntryCapture:
         and a strategy that runs eager code during capture (breaks) gets a pool of its own, since
         that code really executes and could write memory a graph being replayed now is using.
         """
-        buffers = self._buffers
+        buffers = self.buffers
         pool = self.pool
         if background:
             buffers = {name: buf.sized(self._key_rows(buf, key)) for name, buf in buffers.items()}
@@ -118,9 +119,11 @@ class EntryCapture:
                 self._check_outputs(leaves, spec, key)
                 _check_memory_bytes(graph, strategy_name)
             self.backend.synchronize()
-        except Exception as exc:
+        except BaseException as exc:  # a KeyboardInterrupt too leaves the pool to recover
             if pool is self.pool:
                 self.pool = self.backend.recover_pool(self.pool)
+            if not isinstance(exc, Exception):
+                raise
             raise CaptureError(key, strategy_name, exc) from exc
         finally:
             runtime.background_capture.reset(background_token)
@@ -156,28 +159,35 @@ def frozen_gc() -> Iterator[None]:
     if freeze:
         gc.collect()
         gc.freeze()
-    enabled = gc.isenabled()
-    gc.disable()
     try:
-        yield
+        with paused_gc():
+            yield
     finally:
         if freeze:
             gc.unfreeze()
-        if enabled:
-            gc.enable()
+
+
+_gc_lock = threading.Lock()
+_gc_pauses = [0, False]  # pauses in force (any thread), and whether the collector was on before the first
 
 
 @contextlib.contextmanager
 def paused_gc() -> Iterator[None]:
-    """No garbage collection while one entry is captured beside a serving thread.
+    """No garbage collection while one entry is captured, on any thread: the collector comes back on when the
+    last pause ends (a capture thread's pause ending must not turn it on under a foreground capture).
 
-    ``frozen_gc`` collects first, which would hold the GIL (and stall the serving
-    thread) for as long as a full collection takes; this only pauses the collector.
+    ``frozen_gc`` collects first, which would hold the GIL (and stall a serving thread) for as
+    long as a full collection takes; this only pauses the collector.
     """
-    enabled = gc.isenabled()
-    gc.disable()
+    with _gc_lock:
+        if _gc_pauses[0] == 0:
+            _gc_pauses[1] = gc.isenabled()
+            gc.disable()
+        _gc_pauses[0] += 1
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _gc_lock:
+            _gc_pauses[0] -= 1
+            if _gc_pauses[0] == 0 and _gc_pauses[1]:
+                gc.enable()

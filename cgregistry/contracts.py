@@ -1,4 +1,4 @@
-"""The plugin contract, typed: what a graph, a backend and a strategy provide.
+"""The plugin contract, typed: what a graph, a backend and a strategy provide, and what plugins see of a registry.
 
 Plugin authors implement these protocols; the plugin manager checks registered
 objects against them (the lists of required members are derived from the
@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Backend", "Graph", "Segment", "SegmentedBackend", "Strategy", "protocol_members"]
+__all__ = ["Backend", "Graph", "RegistryView", "Segment", "SegmentedBackend", "Strategy", "StrategyLookup", "protocol_members"]
 
 
 @runtime_checkable
@@ -93,6 +93,43 @@ class Strategy(Protocol):
 
     def capture(self, body: Callable[[], Any], backend: Backend, pool: object) -> tuple[Graph, Any]:
         """Capture ``body`` (the step on static views) into ``pool``; return the graph and its outputs."""
+
+
+@runtime_checkable
+class StrategyLookup(Protocol):
+    """Where plans look up strategies that are not built in (a ``Plugins``)."""
+
+    def strategy(self, name: str) -> Any:
+        """The registered strategy called ``name`` (KeyError naming the registered ones if none)."""
+
+
+@runtime_checkable
+class RegistryView(Protocol):
+    """What hooks and policy plugins are given of a registry: its name and its inspection calls.
+
+    A ``GraphRegistry`` is one; hooks should read it, not drive it (a hook that captures, runs or
+    clears from inside a capture or a step is refused).
+    """
+
+    name: str
+
+    def match(self, actual: Any, *, group: Any = None, exclude: Any = None) -> Any: ...
+
+    def explain(self, actual: Any, *, exclude: Any = None) -> Any: ...
+
+    def entries(self, **filters: Any) -> list[Any]: ...
+
+    def pending(self) -> list[Any]: ...
+
+    def capturing(self) -> list[Any]: ...
+
+    def failures(self) -> dict[Any, BaseException]: ...
+
+    def stats(self) -> Any: ...
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+    def memory_bytes(self) -> int: ...
 
 
 def protocol_members(protocol: type) -> tuple[str, ...]:

@@ -16,17 +16,14 @@ from __future__ import annotations
 import math
 import numbers
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Protocol
 
 import attrs
 import torch
 
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.matcher import DEFAULT_PREFERENCE, Matcher
-
-if TYPE_CHECKING:  # plans build on this module, never the other way round
-    from cgregistry.plan import CapturePlan, PlanSettings
 
 __all__ = ["PlanReport", "Workload", "evaluate", "fit_families", "fit_sizes", "workload_counts"]
 
@@ -35,6 +32,44 @@ Workload = Iterable[BatchDescriptor] | Mapping[BatchDescriptor, int]
 
 # Columns of the dynamic programme's cost matrix computed at once (bounds memory for large sizes).
 _BLOCK = 512
+
+
+class PlannedKey(Protocol):
+    """One entry of a plan as ``evaluate`` reads it (a ``PlanEntry``; plans build on this module, not the reverse)."""
+
+    @property
+    def descriptor(self) -> BatchDescriptor: ...
+
+    @property
+    def strategy(self) -> str: ...
+
+
+class FitSettings(Protocol):
+    """What ``fit_families`` reads of a ``PlanSettings``: its strategies, depths, widths and sizes."""
+
+    @property
+    def used_lora_counts(self) -> Sequence[int]: ...
+
+    @property
+    def used_max_capture_size(self) -> int: ...
+
+    @property
+    def size_multiple(self) -> int: ...
+
+    @property
+    def decode_strategy(self) -> str | None: ...
+
+    @property
+    def mixed_strategy(self) -> str | None: ...
+
+    @property
+    def widest(self) -> Mapping[int, int]: ...
+
+    @property
+    def uniform_depths(self) -> Collection[int]: ...
+
+    @property
+    def folded(self) -> bool: ...
 
 
 @attrs.frozen(slots=True)
@@ -86,7 +121,7 @@ def workload_counts(steps: Workload, caller: str = "fit()") -> Counter[BatchDesc
 
 
 def evaluate(
-    plan: CapturePlan,
+    plan: Collection[PlannedKey],
     steps: Workload,
     preference: Sequence[str] = DEFAULT_PREFERENCE,
     memory_bytes: int | None = None,
@@ -190,7 +225,7 @@ def fit_sizes(weights: Mapping[int, int], top: int, unit: int = 1, max_sizes: in
     return out
 
 
-def fit_families(steps: Workload, max_graphs: int, settings: PlanSettings) -> tuple[dict[int, list[int]], list[int]]:
+def fit_families(steps: Workload, max_graphs: int, settings: FitSettings) -> tuple[dict[int, list[int]], list[int]]:
     """The sizes ``CapturePlan.fit`` captures: request counts per spec depth, and mixed token counts.
 
     ``steps`` is a stream of actual shapes or a ``{shape: steps}`` histogram; the two give the

@@ -23,10 +23,11 @@ from cgregistry.markers import PROJECT, hookimpl, hookspec
 
 if TYPE_CHECKING:  # annotations only: hook specifications import nothing of the registry at run time
     from cgregistry.adaptive import PlanChange
+    from cgregistry.contracts import RegistryView
     from cgregistry.descriptor import BatchDescriptor
+    from cgregistry.inspection import EntryInfo
     from cgregistry.matcher import Match
-    from cgregistry.plugins import BackendRegistrar, StrategyRegistrar
-    from cgregistry.registry import EntryInfo, GraphRegistry
+    from cgregistry.registrars import BackendRegistrar, StrategyRegistrar
 
 __all__ = ["PROJECT", "hookimpl", "hookspec"]
 
@@ -73,7 +74,7 @@ def cgregistry_register_backends(register: BackendRegistrar) -> None:
 
 
 @hookspec(firstresult=True)
-def cgregistry_choose_match(registry: GraphRegistry, actual: BatchDescriptor, candidates: Sequence[Match]) -> Match | None:
+def cgregistry_choose_match(registry: RegistryView, actual: BatchDescriptor, candidates: Sequence[Match]) -> Match | None:
     """Choose which captured key serves ``actual``, overriding the matcher's ranking.
 
     :param registry: the registry asking.
@@ -95,7 +96,7 @@ def cgregistry_choose_match(registry: GraphRegistry, actual: BatchDescriptor, ca
 
 
 @hookspec
-def cgregistry_registry_created(registry: GraphRegistry) -> None:
+def cgregistry_registry_created(registry: RegistryView) -> None:
     """A registry was constructed (telemetry plugins attach here).
 
     :param registry: the new registry; hold it weakly.
@@ -104,7 +105,7 @@ def cgregistry_registry_created(registry: GraphRegistry) -> None:
 
 
 @hookspec
-def cgregistry_capture_started(registry: GraphRegistry, key: BatchDescriptor, strategy: str) -> None:
+def cgregistry_capture_started(registry: RegistryView, key: BatchDescriptor, strategy: str) -> None:
     """Capture of one entry is about to start (after the plan was checked).
 
     :param registry: the capturing registry.
@@ -116,7 +117,7 @@ def cgregistry_capture_started(registry: GraphRegistry, key: BatchDescriptor, st
 
 @hookspec
 def cgregistry_capture_finished(
-    registry: GraphRegistry, key: BatchDescriptor, strategy: str, entry: EntryInfo | None, error: BaseException | None
+    registry: RegistryView, key: BatchDescriptor, strategy: str, entry: EntryInfo | None, error: BaseException | None
 ) -> None:
     """Capture of one entry ended, successfully (``entry``) or not (``error``).
 
@@ -130,7 +131,7 @@ def cgregistry_capture_finished(
 
 
 @hookspec
-def cgregistry_miss(registry: GraphRegistry, actual: BatchDescriptor) -> None:
+def cgregistry_miss(registry: RegistryView, actual: BatchDescriptor) -> None:
     """``run`` found no covering key and is about to run the step eagerly.
 
     :param registry: the registry.
@@ -140,7 +141,7 @@ def cgregistry_miss(registry: GraphRegistry, actual: BatchDescriptor) -> None:
 
 
 @hookspec
-def cgregistry_entry_failed(registry: GraphRegistry, key: BatchDescriptor, strategy: str, error: BaseException) -> None:
+def cgregistry_entry_failed(registry: RegistryView, key: BatchDescriptor, strategy: str, error: BaseException) -> None:
     """An entry's replay raised where the same batch ran eagerly: the entry was removed, the eager result returned.
 
     A replay that raises where eager raises too is a bad batch, not a broken entry: nothing is
@@ -155,7 +156,7 @@ def cgregistry_entry_failed(registry: GraphRegistry, key: BatchDescriptor, strat
 
 
 @hookspec
-def cgregistry_evicted(registry: GraphRegistry, key: BatchDescriptor, strategy: str, memory_bytes: int) -> None:
+def cgregistry_evicted(registry: RegistryView, key: BatchDescriptor, strategy: str, memory_bytes: int) -> None:
     """An entry was evicted to keep the registry under its ``memory_budget``.
 
     :param registry: the registry.
@@ -168,7 +169,7 @@ def cgregistry_evicted(registry: GraphRegistry, key: BatchDescriptor, strategy: 
 
 
 @hookspec
-def cgregistry_released(registry: GraphRegistry, key: BatchDescriptor, strategy: str, memory_bytes: int) -> None:
+def cgregistry_released(registry: RegistryView, key: BatchDescriptor, strategy: str, memory_bytes: int) -> None:
     """An entry was removed on request, by ``release(key)`` or ``clear()``.
 
     :param registry: the registry.
@@ -182,7 +183,7 @@ def cgregistry_released(registry: GraphRegistry, key: BatchDescriptor, strategy:
 
 
 @hookspec
-def cgregistry_plan_changed(registry: GraphRegistry, change: PlanChange) -> None:
+def cgregistry_plan_changed(registry: RegistryView, change: PlanChange) -> None:
     """Adaptation (``GraphRegistry(adapt=...)``) changed the plan to follow the traffic.
 
     Called on the serving thread, at the start of the ``run()`` that installs the refit (the

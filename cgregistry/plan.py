@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import attrs
 
+from cgregistry.contracts import StrategyLookup
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.fitting import Workload, fit_families
 from cgregistry.keyclasses import KEY_CLASSES, declared_unsupported, key_classes
@@ -21,7 +22,7 @@ from cgregistry.matcher import Matcher
 
 __all__ = [
     "BUILTIN_RELAXES", "KEY_CLASSES", "MODES", "CapturePlan", "Downgrade", "PlanEntry", "PlanSettings", "UncoveredRange",
-    "default_ladder", "lora_ladder",
+    "default_ladder", "lora_ladder", "use_installed_plugins",
 ]
 
 Mode = Literal[
@@ -40,6 +41,17 @@ MODES: dict[str, tuple[str | None, str | None]] = {
 }
 
 _DECLARERS = ("engine", "strategy", "both")
+
+# Where settings that name no plugins look up strategies that are not built in: the installed plugins, made by
+# the factory the package wires in when it is imported (``use_installed_plugins``), so that plans import nothing
+# of the plugin machinery.
+_installed_plugins: Callable[[], StrategyLookup] | None = None
+
+
+def use_installed_plugins(factory: Callable[[], StrategyLookup]) -> None:
+    """Set what makes the installed plugins for settings that name none (``cgregistry`` passes ``Plugins``)."""
+    global _installed_plugins
+    _installed_plugins = factory
 
 
 @attrs.frozen(slots=True)
@@ -424,11 +436,9 @@ class PlanSettings:
         if plugins is None:
             plugins = self._installed
             if plugins is None:
-                from cgregistry.plugins import (
-                    Plugins,  # only for strategies that are not built in (see architecture.md)
-                )
-
-                plugins = Plugins()
+                if _installed_plugins is None:
+                    raise KeyError(f"strategy {strategy!r} is not built in, and these settings name no plugins to find it in")
+                plugins = _installed_plugins()
                 object.__setattr__(self, "_installed", plugins)
         return plugins.strategy(strategy)
 

@@ -23,10 +23,10 @@ from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry, Pair
 from cgregistry.matcher import Explanation, Match, Matcher, PaddingCap
 from cgregistry.outputs import OutputAxes
-from cgregistry.plugins import PluginError
+from cgregistry.registrars import PluginError
 from cgregistry.runtime import BreakContext
 
-__all__ = ["NO_EXCLUSION", "ROUTE_CACHE_LIMIT", "Route", "RouteTable", "Variant", "not_a_descriptor"]
+__all__ = ["NO_EXCLUSION", "ROUTE_CACHE_LIMIT", "Chooser", "Route", "RouteTable", "Variant", "not_a_descriptor"]
 
 # Distinct actual shapes remembered per cache before it starts over.
 ROUTE_CACHE_LIMIT = 1 << 16
@@ -104,10 +104,12 @@ class RouteTable:
     def _matcher(self, pairs: Sequence[Pair]) -> Matcher:
         return Matcher(pairs, self.preference, max_padding_tokens=self.cap.max_tokens, max_padding_ratio=self.cap.max_ratio)
 
-    def rebuild(self, pairs: Sequence[Pair]) -> None:
-        """A new matcher over ``pairs``; every cached route is dropped (the caches are cleared in place)."""
+    def rebuild(self, pairs: Sequence[Pair], capturing: Sequence[Pair] = ()) -> None:
+        """A new matcher over ``pairs`` (``capturing``: keys not served yet, for miss reasons); every cached route is
+        dropped (the caches are cleared in place)."""
         self.matcher = self._matcher(pairs)
         self._pairs = list(pairs)
+        self.capturing = tuple(capturing)
         self.cache.clear()
         self.variant_cache.clear()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -20,7 +19,7 @@ import attrs
 from cgregistry.descriptor import BatchDescriptor
 
 __all__ = [
-    "BreakContext", "BreakSite", "axis_rows", "background_capture", "background_gates", "barrier", "batch", "capture_strategy", "cpu_capturing", "current_batch", "eager_batch", "marked",
+    "BreakContext", "BreakSite", "axis_rows", "background_capture", "barrier", "batch", "capture_strategy", "cpu_capturing", "current_batch", "eager_batch", "marked",
     "on_mark", "see_compiled", "site",
 ]
 
@@ -57,9 +56,6 @@ axis_rows: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("cgre
 # The entry being captured is captured beside a serving thread (the cuda backend then captures in
 # thread-local mode, so that thread's CUDA calls stay legal).
 background_capture: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_background_capture", default=False)
-# Gates of the background capture threads running now: a set gate lets its thread run Python
-# (cleared while a run() is in progress); the cuda backend opens them to let a capture finish.
-background_gates: set[threading.Event] = set()
 # The cpu emulator records compiled code's ops (a piecewise capture) instead of running models uncompiled.
 see_compiled: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_cpu_see_compiled", default=False)
 

@@ -9,7 +9,7 @@ import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry import registry as registry_module
+from cgregistry import adapter as registry_module
 from cgregistry.adaptive import Adaptation
 from cgregistry.testing import make_plugins
 

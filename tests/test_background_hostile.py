@@ -87,7 +87,7 @@ def test_a_step_using_torch_compile_does_not_deadlock_beside_a_background_captur
 
 def test_clear_during_a_refit_does_not_stop_adaptation_for_good(monkeypatch: pytest.MonkeyPatch) -> None:
     """clear() while a refit is queued or running drops it, and adaptation refits again afterwards."""
-    from cgregistry import registry as registry_module
+    from cgregistry import adapter as registry_module
     from cgregistry.adaptive import Adaptation
 
     settings = dict(max_num_seqs=MAX_TOKENS, max_num_tokens=MAX_TOKENS, mode="full", max_capture_size=MAX_TOKENS)
@@ -118,18 +118,18 @@ def test_clear_during_a_refit_does_not_stop_adaptation_for_good(monkeypatch: pyt
 
 def test_a_capture_finished_before_submit_returns_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A capture that finishes before capture(background=True) returns is still installed."""
-    from cgregistry.background import CaptureWorker
+    from cgregistry.background import BackgroundCapture
 
-    submit = CaptureWorker.submit
+    submit = BackgroundCapture.submit
 
     def submit_then_preempted(self, pairs, payload):  # the OS deschedules the serving thread here
         submit(self, pairs, payload)
         self.wait(30)
 
-    monkeypatch.setattr(CaptureWorker, "submit", submit_then_preempted)
+    monkeypatch.setattr(BackgroundCapture, "submit", submit_then_preempted)
     reg = make(Engine())
     reg.capture([(B.decode(8), "full")], background=True)
-    monkeypatch.setattr(CaptureWorker, "submit", submit)
+    monkeypatch.setattr(BackgroundCapture, "submit", submit)
     assert reg.wait_captured(timeout=10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -96,16 +96,29 @@ def test_failed_lazy_capture_falls_to_the_next_pending_key() -> None:
 def test_a_broken_entry_counts_its_eager_step_as_a_failed_miss() -> None:
     calls = {"n": 0}
 
-    reg = registry()
-    reg.capture([(B(8, 8), "full")])
-    entry = next(iter(reg._store.entries.values()))
+    class BrokenGraph:
+        memory_bytes = 0
 
-    def boom() -> None:
-        calls["n"] += 1
-        raise RuntimeError("replay broke")
+        def replay(self) -> None:
+            calls["n"] += 1
+            raise RuntimeError("replay broke")
 
-    entry.replay = boom
-    reg._routes.rebuild(reg._store.pairs())
+    class Breaks:
+        """A strategy whose graphs capture fine and then break at every replay."""
+
+        name, relaxes_num_reqs = "breaks", False
+
+        def capture(self, body: object, backend: object, pool: object) -> tuple[BrokenGraph, object]:
+            return BrokenGraph(), body()  # type: ignore[operator]
+
+    class Plugin:
+        @cg.plugin.hookimpl
+        def cgregistry_register_strategies(self, register: object) -> None:
+            register(Breaks())  # type: ignore[operator]
+
+    plugins = cg.Plugins(cg.make_plugin_manager([Plugin()]))
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((64,), torch.float32)}, backend="cpu", plugins=plugins, preference=("breaks",))
+    reg.capture([(B(8, 8), "breaks")])
     with pytest.warns(RuntimeWarning, match="entry was removed"):
         reg.run(B(4, 4), x=torch.ones(4))
     s = reg.stats()

@@ -114,7 +114,7 @@ def test_padded_rows_are_refilled_after_a_larger_batch(backend: str) -> None:
     reg.run(B(8, 8), scale=torch.arange(8.0, device=dev))
     out = reg.run(B(3, 3), scale=torch.ones(3, device=dev))
     assert out.tolist() == [1.0, 1.0, 1.0]
-    full = reg._buffers["scale"].tensor  # the padded tail the graph read
+    full = reg.static_inputs["scale"]  # the padded tail the graph read
     assert full.tolist() == [1, 1, 1, -1, -1, -1, -1, -1]
 
 

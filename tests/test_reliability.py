@@ -74,13 +74,13 @@ def test_bad_live_input_is_named_before_anything_is_copied(backend: str, case: s
     reg.capture([(B(8, 8, uniform=False), "full")])
     good = live(B(5, 5, uniform=False), reg.device)
     reg.run(B(5, 5, uniform=False), **good)
-    before = {name: buf.tensor.clone() for name, buf in reg._buffers.items()}
+    before = {name: tensor.clone() for name, tensor in reg.static_inputs.items()}
     corrupt, message = BAD_INPUTS[case]
     bad = corrupt(live(B(5, 5, uniform=False), reg.device, seed=1))
     with pytest.raises(cg.InputError, match=re.escape(message)):
         reg.run(B(5, 5, uniform=False), **bad)
-    for name, buf in reg._buffers.items():
-        assert torch.equal(buf.tensor, before[name]), f"static input {name!r} changed by a refused run()"
+    for name, tensor in reg.static_inputs.items():
+        assert torch.equal(tensor, before[name]), f"static input {name!r} changed by a refused run()"
     assert reg.stats().hits == 1
 
 
@@ -198,9 +198,13 @@ def test_clear_gives_the_pool_back_and_release_frees_the_last_entry() -> None:
         torch.cuda.empty_cache()
         return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(pool)) >> 20
 
+    def graph_pools() -> set[tuple[int, int]]:
+        return {tuple(s["segment_pool_id"]) for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) != (0, 0)}
+
     reg = cg.GraphRegistry(step, {"x": cg.StaticInput((128,), torch.float32)}, backend="cuda", plugins=make_plugins())
+    before = graph_pools()
     reg.capture([(B(n), "full") for n in (128, 64, 32)])
-    pool = reg._capturer.pool
+    (pool,) = graph_pools() - before  # the registry's one shared pool
     assert pool_mib(pool) >= 32
     reg.release(B(32))
     reg.release(B(64))
@@ -210,7 +214,7 @@ def test_clear_gives_the_pool_back_and_release_frees_the_last_entry() -> None:
     reg.capture([(B(64), "full")])
     x = torch.rand(64, device="cuda")
     torch.testing.assert_close(reg.run(B(64), x=x), step(B(64), x))
-    assert reg._capturer.pool != pool
+    assert pool not in graph_pools(), "the capture after clear() went to a fresh pool"
 
 
 # ---------------------------------------------------------------- debug mode

@@ -195,7 +195,7 @@ def test_an_input_that_requires_grad_leaves_no_autograd_history(backend: str) ->
     x = torch.randn(5, 3, device=reg.device, requires_grad=True)
     for _ in range(3):
         out = reg.run(B(5), x=x)  # outside inference mode
-    buffer = reg._buffers["x"].tensor
+    buffer = reg.static_inputs["x"]
     assert buffer.grad_fn is None and not buffer.requires_grad, "the static buffer joined the caller's autograd graph"
     torch.testing.assert_close(out, x.detach() * 2)
 
@@ -217,7 +217,7 @@ def test_the_eager_fallback_checks_inputs_like_the_graph_path(backend: str) -> N
 def test_non_strided_inputs_are_refused_before_any_copy(kind: str) -> None:
     reg = matrix_registry("cpu")
     reg.run(B(5), x=torch.ones(5, 3))
-    before = reg._buffers["x"].tensor.clone()
+    before = reg.static_inputs["x"].clone()
     dense = torch.arange(15.0).reshape(5, 3)
     if kind == "nested":
         with warnings.catch_warnings():
@@ -229,7 +229,7 @@ def test_non_strided_inputs_are_refused_before_any_copy(kind: str) -> None:
         label = kind
     with pytest.raises(cg.InputError, match=f"input 'x' is a {label} tensor; expected a dense"):
         reg.run(B(5), x=bad)
-    assert torch.equal(reg._buffers["x"].tensor, before)
+    assert torch.equal(reg.static_inputs["x"], before)
 
 
 # ---------------------------------------------------------------- 4. bad batches, broken entries, plugins
@@ -789,7 +789,7 @@ def test_a_live_input_aliasing_a_static_buffer_survives_a_lazy_capture(backend: 
 
 
 def test_a_refused_group_run_does_not_leave_the_agreed_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    import cgregistry.registry as registry_module
+    import cgregistry.server as registry_module
 
     monkeypatch.setattr(registry_module, "agree", lambda actual, group: B(12, 6) if actual.num_tokens <= 12 else actual)
     reg = cg.GraphRegistry(lambda b, x: x * 2, {"x": cg.StaticInput((16,), torch.float32)}, backend="cpu", plugins=make_plugins())

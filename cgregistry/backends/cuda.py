@@ -113,8 +113,7 @@ class _BackgroundSegments:
     during a capture, but a device-wide ``torch.cuda.synchronize()`` (or ``empty_cache()``, which
     frees memory and so syncs the device) fails with "operation not permitted when stream is
     capturing".  From the first background segment on, those two functions are wrapped (a lock
-    and a counter test when no segment is open): a call from another thread opens the capture
-    threads' gates (a capture paused for a running step finishes its segment), waits for the
+    and a counter test when no segment is open): a call from another thread waits for the
     segments to close, and runs with none open.
     """
 
@@ -141,12 +140,7 @@ class _BackgroundSegments:
         def call(*args: Any, **kwargs: Any) -> Any:
             with self.cond:
                 if self.open and not runtime.background_capture.get():
-                    reopened = [gate for gate in list(runtime.background_gates) if not gate.is_set()]
-                    for gate in reopened:
-                        gate.set()  # a capture paused for this thread's step must be able to finish its segment
                     self.cond.wait_for(lambda: not self.open)
-                    for gate in reopened:
-                        gate.clear()
                 return original(*args, **kwargs)  # no segment opens while this runs: opening needs the lock
 
         call.__wrapped__ = original  # type: ignore[attr-defined]

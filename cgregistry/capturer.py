@@ -1,0 +1,218 @@
+"""The capturer: which keys a registry may capture, and capturing them.
+
+Plan checks (the strategy is registered, serves the key's class, the key fits the static inputs),
+the one capture context every capture runs under (the ``context=`` payload and the serving
+thread's state, see :mod:`cgregistry.serving_state`), a whole plan now (``capture_all``), a lazy
+key at its first use (``capture_lazily``), and the one sequence every path captures a key with
+(``capture_key``: the capture lock, the hooks, the context, a failure as ``CaptureError``), on
+the serving thread or the capture thread alike.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+
+from cgregistry.capture import CaptureError, EntryCapture, frozen_gc, paused_gc
+from cgregistry.catalog import Catalog
+from cgregistry.debug import AddressWatch
+from cgregistry.descriptor import BatchDescriptor
+from cgregistry.entries import Entry, Pair
+from cgregistry.events import Events
+from cgregistry.inspection import EntryInfo
+from cgregistry.keyclasses import check_serves
+from cgregistry.plan import PlanEntry
+from cgregistry.plugins import Plugins
+from cgregistry.serving_state import ServingState, ServingStateError
+
+__all__ = ["CaptureContext", "Capturer"]
+
+
+@attrs.frozen(slots=True)
+class CaptureContext:
+    """What every capture of a registry runs under, whichever path captures: the payload eager breaks see
+    (``capture(context=...)``) and the serving thread's state."""
+
+    payload: Any
+    state: ServingState
+
+
+def _always() -> bool:
+    return True
+
+
+class Capturer:
+    """Checks and captures keys into one catalog, under one capture context."""
+
+    def __init__(self, one: EntryCapture, catalog: Catalog, events: Events, plugins: Plugins, name: str) -> None:
+        self._one = one
+        self._catalog = catalog
+        self._events = events
+        self._plugins = plugins
+        self._name = name
+        self.lock = threading.Lock()  # one capture at a time: the serving thread's or the capture thread's
+        self.context: CaptureContext | None = None
+        self.state_ok: Callable[[], bool] = _always  # the hot path's test of the caller's state against the context's
+        self.buffers = one.buffers  # the shared static inputs (an entry captured in the background has its own)
+        self.watch = AddressWatch()  # addresses graphs read (debug mode checks them): recorded again on a fresh pool
+        self.watch.watch((f"static input {n!r}", buf.tensor) for n, buf in one.buffers.items())
+
+    # ---------------------------------------------------------------- checks
+
+    def check(self, plan: Iterable[object]) -> list[PlanEntry]:
+        """Every entry of ``plan`` checked before any is captured (a refused plan changes nothing)."""
+        todo = [_plan_entry(e) for e in plan]
+        for entry in todo:
+            self.check_key(entry.descriptor, entry.strategy)
+        return todo
+
+    def strategy_names(self) -> list[str]:
+        """The registered strategies, sorted (for error messages)."""
+        return sorted(self._plugins.strategies)
+
+    def check_key(self, key: BatchDescriptor, strategy: str) -> None:
+        """KeyError for a strategy not registered, ValueError for a class it does not serve or a key too large."""
+        check_serves(key, self._plugins.strategy(strategy))
+        self._one.check_fits(key)
+
+    def warn_shadowed(self) -> None:
+        """Warn when a strategy's uniform keys rank after a relaxed strategy's: those graphs may never replay."""
+        pairs = self._catalog.pairs()
+        order = self._catalog.routes.matcher.preference
+        with_keys = {s for _, s in pairs}
+        relaxed = [s for s in order if s in with_keys and self._plugins.strategy(s).relaxes_num_reqs]
+        for strategy in sorted({s for k, s in pairs if k.uniform}):
+            first = next((r for r in relaxed if order.index(r) < order.index(strategy)), None)
+            if first is not None:
+                warnings.warn(
+                    f"cgregistry: uniform keys of strategy {strategy!r} rank after {first!r} in this registry's "
+                    f"preference {tuple(order)}; {first!r} keys cover those batches first, so {strategy!r} graphs may "
+                    f"never replay. Put it first: GraphRegistry(..., preference=({strategy!r}, {first!r}, ...))",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+
+    # ---------------------------------------------------------------- the capture context
+
+    def record(self, payload: Any) -> None:
+        """The calling thread's state, and ``payload`` (None keeps the one recorded before), become what every later
+        capture runs under; refused while the catalog holds keys captured under a state that computes otherwise."""
+        state = ServingState.current(self._one.device.type)
+        held = self.context
+        if held is not None and (self._catalog.entries or self._catalog.pending or self._catalog.capturing):
+            found = held.state.differences()
+            if found:
+                raise ServingStateError(
+                    f"capture() on registry {self._name!r} under another state than the graphs it holds were captured "
+                    f"under: {'; '.join(found)}; a registry's graphs share one state: reg.clear() first, or capture under "
+                    "the held one"
+                )
+        if payload is None and held is not None:
+            payload = held.payload
+        self.context = CaptureContext(payload, state)
+        self.state_ok = state.checker()
+
+    def current(self) -> CaptureContext:
+        """The context every capture runs under (recorded now, on the calling thread, if no capture() gave one)."""
+        if self.context is None:
+            self.record(None)
+        return self.context  # type: ignore[return-value]
+
+    def forget(self) -> None:
+        """No context (after ``clear()``): the next capture request records one."""
+        self.context = None
+        self.state_ok = _always
+
+    def refuse_other_state(self) -> None:
+        """Raise ``ServingStateError`` naming how the caller's state differs from the capture context's."""
+        if self.context is not None:
+            self.context.state.check(self._name)
+
+    # ---------------------------------------------------------------- capturing
+
+    def renew_if_unused(self) -> None:
+        """A fresh pool, and debug mode's addresses recorded again, when no graph holds or will hold the pool
+        (on CUDA a pool whose graphs all died takes no new capture)."""
+        if not self._catalog.entries and not self._catalog.capturing:
+            self._one.new_pool()
+            self.watch.rebase()
+
+    def capture_key(self, pair: Pair, ctx: CaptureContext, *, background: bool = False) -> Entry:
+        """Capture one key: between the capture_started and capture_finished hooks, under ``ctx``, one capture at a time.
+
+        In the foreground the entry goes live in the catalog (evictions reported); in the background
+        (on the capture thread) it is returned for the serving thread to install.  Whatever the step
+        raises is a ``CaptureError`` naming the key (a KeyboardInterrupt in the foreground stays one).
+        """
+        key, name = pair
+        strategy = self._plugins.strategy(name)
+        with self.lock, paused_gc():
+            self._events.capture_started(key, name)
+            try:
+                entry = ctx.state.run(self._one.capture, key, name, strategy, ctx.payload, background=background)
+            except BaseException as exc:
+                error = exc if isinstance(exc, CaptureError) else CaptureError(key, name, exc)
+                self._events.capture_finished(key, name, None, error)
+                if error is exc:
+                    raise
+                if background or isinstance(exc, Exception):
+                    raise error from exc
+                raise
+        evicted = [] if background else self._catalog.add(entry)
+        self._events.capture_finished(key, name, entry, None)
+        self._events.evicted(evicted)
+        return entry
+
+    def capture_all(self, pairs: list[Pair], progress: bool | None) -> list[EntryInfo]:
+        """Capture ``pairs`` in order, now; the first failure raises (the entries before it stay)."""
+        if progress is None:
+            progress = len(pairs) > 1 and sys.stderr.isatty()
+        ctx = self.current()
+        bar = _progress(pairs, progress)
+        captured = []
+        self.renew_if_unused()
+        try:
+            with frozen_gc(), self._catalog.batch():
+                for pair in bar:
+                    captured.append(self.capture_key(pair, ctx).info(self._one.backend.name))
+        finally:
+            if hasattr(bar, "close"):
+                bar.close()
+        return captured
+
+    def capture_lazily(self, pair: Pair) -> None:
+        """Capture a lazy key on its first use; a failure drops it (its batches go to the next best key, or run eagerly)."""
+        self.renew_if_unused()
+        try:
+            with frozen_gc():
+                self.capture_key(pair, self.current())
+        except CaptureError as exc:
+            self._catalog.fail_capture(pair, exc)
+            warnings.warn(
+                f"cgregistry: lazy {exc}; the key is dropped and the step goes on to the next best key (or runs eagerly)",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+        else:
+            self._catalog.counters.lazy_captures += 1
+
+
+def _plan_entry(e: object) -> PlanEntry:
+    if isinstance(e, PlanEntry):
+        return e
+    if isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], BatchDescriptor) and isinstance(e[1], str):
+        return PlanEntry(e[0], e[1])
+    raise TypeError(f"a plan holds PlanEntry or (BatchDescriptor, strategy name) pairs, got {e!r}")
+
+
+def _progress(items: list[Pair], enabled: bool) -> Iterable[Pair]:
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc="capturing graphs", unit="graph", leave=False)

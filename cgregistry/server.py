@@ -1,0 +1,316 @@
+"""The server: the hot path, ``run()`` and ``match()``, written once.
+
+One ``run()``: the route of the batch's shape (one dict lookup once the shape was seen), every
+input checked before anything is touched, then the graph (a lazy key captured first, or the key
+being captured in the background waited for) or the eager step; the state check, copy in,
+replay, counters, outputs.  Debug mode is a subclass chosen at construction (the way pluggy
+swaps its call executor), so the plain path pays nothing for it.  Work beside the step
+(installing background captures, counting steps for adaptation) is one flag test when there is
+none.
+"""
+
+from __future__ import annotations
+
+import _thread
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from cgregistry import runtime
+from cgregistry.adapter import Adapter
+from cgregistry.background import BackgroundCapture
+from cgregistry.buffers import InputError
+from cgregistry.capturer import Capturer
+from cgregistry.catalog import Catalog
+from cgregistry.debug import AddressWatch, checked, plain
+from cgregistry.descriptor import BatchDescriptor
+from cgregistry.distributed import agree
+from cgregistry.entries import Entry
+from cgregistry.errors import CgregistryError
+from cgregistry.events import Events
+from cgregistry.matcher import Match, excluded
+from cgregistry.routing import NO_EXCLUSION, Route, Variant, not_a_descriptor
+from cgregistry.runtime import BreakContext
+
+__all__ = ["ConcurrentRunError", "DebugServer", "Server"]
+
+_WARN_ONCE = ("no_graphs", "above_capacity")  # misses that mean the engine is set up wrong, warned about once
+
+
+class ConcurrentRunError(CgregistryError, RuntimeError):
+    """``run()`` was called while another ``run()`` on the same registry was in progress."""
+
+
+class Server:
+    """Serves batches from a catalog's routes: replay, or the eager step."""
+
+    def __init__(
+        self, step: Callable[..., Any], catalog: Catalog, capturer: Capturer, background: BackgroundCapture,
+        adapter: Adapter | None, events: Events, input_names: frozenset[str], name: str,
+    ) -> None:
+        self._step = step
+        self._catalog = catalog
+        self._routes = catalog.routes
+        self._cache = catalog.routes.cache  # the hot path's first lookup (cleared in place, never replaced)
+        self._variants = catalog.routes.variant_cache
+        self._counters = catalog.counters
+        self._capturer = capturer
+        self._background = background
+        self._adapter = adapter
+        self._events = events
+        self._input_names = input_names
+        self._name = name
+        self._running = _thread.allocate_lock()
+        self._exclusions: dict[Any, frozenset[str]] = {}  # exclude= values already checked, to their strategy sets
+        self._warned: set[str] = set()  # miss reasons already warned about
+
+    # ---------------------------------------------------------------- run
+
+    def running(self) -> bool:
+        """Whether a ``run()`` is in progress (a step or a hook calling back would wait for itself)."""
+        return self._running.locked()
+
+    def run(self, actual: BatchDescriptor, context: Any, group: Any, exclude: Any, inputs: dict[str, torch.Tensor]) -> Any:
+        if not self._running.acquire(False):
+            raise ConcurrentRunError(
+                f"run() on registry {self._name!r} while another run() is in progress: a registry's static buffers "
+                "and graph outputs serve one step at a time; give each thread its own registry or serialise the calls"
+            )
+        try:
+            if self._adapter is not None or self._background.active:
+                self._between_steps(actual)
+            if group is None and exclude is None:
+                try:
+                    route = self._cache.get(actual)
+                except TypeError:  # unhashable: not a descriptor
+                    raise not_a_descriptor(actual) from None
+                if route is None:
+                    route = self._routes.route(actual)
+                return self._serve(actual, route, None, context, inputs)
+            variant = self._variant(actual, group, exclude)
+            return self._serve(actual, self._route(actual, variant), variant, context, inputs)
+        finally:
+            self._running.release()
+
+    def _between_steps(self, actual: BatchDescriptor) -> None:
+        """Before a step: finished background captures go live, and adaptation counts the step."""
+        background = self._background
+        background.refuse_on_capture_thread("run()")
+        if self._adapter is not None and type(actual) is BatchDescriptor:
+            self._adapter.observe(actual)
+        if background.active:
+            background.install()
+
+    def _serve(self, actual: BatchDescriptor, route: Route, variant: Variant | None, context: Any, inputs: dict[str, torch.Tensor]) -> Any:
+        """Check, (find a graph,) copy in, replay, count, hand out."""
+        # Every input is checked before anything is touched, on the graph and the eager path alike.
+        if len(inputs) != len(route.copies):
+            raise self._bad_names(inputs)
+        try:
+            for buf, rows in route.copies:
+                buf.check(inputs[buf.name], rows)
+        except KeyError:
+            raise self._bad_names(inputs) from None
+        entry = route.entry
+        if entry is None:
+            if route.pending is not None or route.miss_reason == "capturing":
+                route, inputs = self._graph_for(actual, route, variant, inputs)
+                entry = route.entry
+                for buf, rows in route.copies:  # a background entry's own inputs: checked (and their views made) too
+                    buf.check(inputs[buf.name], rows)
+            if entry is None:
+                return self._miss(actual, inputs, context, route.miss_reason)
+        if not self._capturer.state_ok():  # a graph computes what it computed at capture: refuse another autocast or dtype
+            self._capturer.refuse_other_state()
+        for buf, rows in route.copies:
+            buf.write(inputs[buf.name], rows)
+        try:
+            if entry.has_breaks:
+                batch = route.batch_context if context is None else BreakContext(actual, entry.key, context)
+                token = runtime.batch.set(batch)
+                try:
+                    entry.replay()
+                finally:
+                    runtime.batch.reset(token)
+            else:
+                entry.replay()
+        except Exception as exc:
+            return self._replay_failed(entry, exc, actual, inputs, context)
+        entry.replays += 1
+        entry.padded_tokens += route.pad_tokens
+        entry.graph_tokens += route.real_tokens
+        entry.last_step = next(self._counters.clock)
+        out = route.single_output
+        if out is not None:
+            return out.detach()  # a fresh view per run: a caller's unsqueeze_() or t_() stays with the caller
+        return entry.slicer.sliced(route.out_rows)
+
+    def _graph_for(
+        self, actual: BatchDescriptor, route: Route, variant: Variant | None, inputs: dict[str, torch.Tensor]
+    ) -> tuple[Route, dict[str, torch.Tensor]]:
+        """No live graph serves the batch: capture its lazy key now, or wait for the key the capture thread is taking."""
+        if route.pending is not None:
+            if not self._capturer.state_ok():
+                self._capturer.refuse_other_state()
+            # Capture resets the static buffers (and may reuse pool memory) an input can alias: keep copies.
+            inputs = {name: value.clone() for name, value in inputs.items()}
+            while route.pending is not None:  # a failed lazy capture drops its key: the next best may be lazy too
+                if self._background.busy:  # a capture in flight: the capture thread takes this key too
+                    self._catalog.unplan(route.pending)
+                    self._background.submit([route.pending], self._capturer.current())
+                else:
+                    self._capturer.capture_lazily(route.pending)
+                route = self._route(actual, variant)
+        if route.entry is None and route.miss_reason == "capturing":
+            target = actual if variant is None or variant.agreed is None else variant.agreed
+            if self._background.await_cover(target, NO_EXCLUSION if variant is None else variant.exclude):
+                route = self._route(actual, variant)
+        return route, inputs
+
+    def _miss(self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any, reason: str | None) -> Any:
+        self._counters.count_miss(actual, reason)
+        if reason in _WARN_ONCE and reason not in self._warned:
+            self._warned.add(reason)  # type: ignore[arg-type]
+            self._warn_miss(actual, reason)  # type: ignore[arg-type]
+        self._events.miss(actual)
+        return self._eager(actual, inputs, context)
+
+    def _warn_miss(self, actual: BatchDescriptor, reason: str) -> None:
+        """The first miss of a kind an engine should not meet in steady serving (shown once per registry)."""
+        if reason == "no_graphs":
+            what = (
+                f"run({actual}) with no graph captured or planned (before any capture, after clear() or the release "
+                "of every key, or an empty plan): every batch runs eagerly until reg.capture(plan)"
+            )
+        else:
+            why = self._routes.too_large(actual) or "another rank's batch does not fit a static input"
+            what = f"{actual} runs eagerly: {why}; enlarge that StaticInput to serve such batches"
+        warnings.warn(
+            f"cgregistry: registry {self._name!r}: {what} (shown once; stats().misses_by_reason counts every such miss)",
+            RuntimeWarning,
+            stacklevel=6,
+        )
+
+    def _eager(self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any = None) -> Any:
+        counters = self._counters
+        counters.eager_fallbacks += 1
+        counters.eager_tokens += actual.num_tokens
+        token = runtime.batch.set(BreakContext(actual, None, context))
+        try:
+            return self._step(actual, **inputs)
+        except Exception:
+            counters.bad_batches += 1  # the step itself refused this batch
+            raise
+        finally:
+            runtime.batch.reset(token)
+
+    def _replay_failed(self, entry: Entry, error: Exception, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any) -> Any:
+        """A replay raised: eager, the oracle, tells a bad batch from a broken entry.
+
+        If the step raises on this batch eagerly too, the batch is at fault (an out-of-range
+        token id, say): its error goes to the caller and the entry stays.  If eager succeeds,
+        the entry is broken: it is removed, and the eager result is returned.
+        """
+        out = self._eager(actual, inputs, context)  # raises (and counts) when the batch is at fault
+        self._counters.count_miss(actual, "failed")  # the step ran eagerly: a miss, for the broken entry
+        self._catalog.fail_replay(entry, error)
+        warnings.warn(
+            f"cgregistry: replay of {entry.key} [{entry.strategy}] raised {type(error).__name__}: {error}, while the "
+            "same batch ran eagerly; the entry was removed and the step's eager result returned",
+            RuntimeWarning,
+            stacklevel=6,
+        )
+        self._events.entry_failed(entry, error)
+        return out
+
+    def _bad_names(self, inputs: Mapping[str, Any]) -> InputError:
+        missing = sorted(self._input_names - inputs.keys())
+        extra = sorted(inputs.keys() - self._input_names)
+        parts = []
+        if missing:
+            parts.append(f"missing {missing}")
+        if extra:
+            parts.append(f"unexpected {extra}")
+        return InputError(f"run() inputs do not match the static inputs: {'; '.join(parts)}; expected {sorted(self._input_names)}")
+
+    # ---------------------------------------------------------------- routes of other runs, and match
+
+    def match(self, actual: BatchDescriptor, group: Any, exclude: Any) -> Match | None:
+        """The match ``run`` would use for ``actual``; with ``group``, for the batch every rank's fits in (padding relative to it)."""
+        skip = self.exclusion(exclude)
+        if group is not None:
+            actual = agree(actual, group)
+        return self._route(actual, Variant(None, skip) if skip else None).match
+
+    def exclusion(self, exclude: Any) -> frozenset[str]:
+        """``exclude=`` checked once per distinct value: a collection of registered strategy names (None: none)."""
+        if exclude is None:
+            return NO_EXCLUSION
+        try:
+            return self._exclusions[exclude]
+        except (KeyError, TypeError):  # not seen yet, or unhashable (a list): check it
+            pass
+        strategies = self._capturer.strategy_names()
+        if not isinstance(exclude, (tuple, list, set, frozenset)):
+            raise TypeError(
+                f"exclude must be a tuple, list or set of strategy names, e.g. exclude=('full',); got {exclude!r}"
+                f" ({type(exclude).__name__}); strategies: {', '.join(strategies)}"
+            )
+        names = excluded(exclude)
+        unknown = sorted(n for n in names if n not in strategies)
+        if unknown:
+            raise ValueError(
+                f"exclude={exclude!r} names {', '.join(map(repr, unknown))}, not a registered strategy; "
+                f"strategies: {', '.join(strategies)}"
+            )
+        if isinstance(exclude, (tuple, frozenset)):
+            if len(self._exclusions) >= 256:
+                self._exclusions.clear()
+            self._exclusions[exclude] = names
+        return names
+
+    def _variant(self, actual: BatchDescriptor, group: Any, exclude: Any) -> Variant | None:
+        """What makes a run other than a plain ``run(actual)`` (None when nothing does: ``exclude=()``)."""
+        skip = self.exclusion(exclude)
+        if group is None and not skip:
+            return None
+        return Variant(None if group is None else agree(actual, group), skip)
+
+    def _route(self, actual: BatchDescriptor, variant: Variant | None) -> Route:
+        try:
+            route = self._cache.get(actual) if variant is None else self._variants.get((actual, variant))
+        except TypeError:  # unhashable: not a descriptor
+            raise not_a_descriptor(actual) from None
+        return route if route is not None else self._routes.route(actual, variant)
+
+
+class DebugServer(Server):
+    """``Server`` with debug mode's checks: moved tensors before a replay, stale outputs after.
+
+    An output passed back as the next input is read before this run overwrites it; a run
+    refused for its batch or inputs overwrites nothing; eager outputs are the caller's own.
+    """
+
+    def __init__(self, *args: Any, watch: AddressWatch) -> None:
+        super().__init__(*args)
+        self._watch = watch
+        self._clock = [0]  # run() count, for the stale-output check
+
+    def _serve(self, actual: BatchDescriptor, route: Route, variant: Variant | None, context: Any, inputs: dict[str, torch.Tensor]) -> Any:
+        if self._catalog.entries:  # with no graph, nothing reads the watched addresses yet
+            self._watch.check()
+        inputs = {name: plain(value) for name, value in inputs.items()}
+        clock = self._clock
+        clock[0] += 1
+        eager_before = self._counters.eager_fallbacks
+        try:
+            out = super()._serve(actual, route, variant, context, inputs)
+        except Exception as exc:
+            if isinstance(exc, InputError) or (route.entry is None and route.pending is None):
+                clock[0] -= 1  # refused before anything ran, or refused by the eager step: nothing was overwritten
+            raise
+        if self._counters.eager_fallbacks != eager_before:
+            return out
+        return checked(out, clock[0], clock)
