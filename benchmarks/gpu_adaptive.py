@@ -1,19 +1,18 @@
 """Background capture and adaptation on the GPU, one process: start-up, step latency while capturing, padding.
 
-1. The demo decoder (12 x 1024 bf16) serves bundled-trace steps from the moment the registry is
-   created.  Foreground: ``capture(plan)``, then serve.  Background: ``capture(plan, background=True)``
-   and serve at once.  Reported: time from registry creation to the first graph-served step, the
-   capture window, and step latency (run + a sync of the serving stream) inside it (p50 / p99 / worst) against
-   eager's on the same steps.  ``--ablate`` adds a background run without the pause during
-   ``run()`` and with the interpreter's default switch interval, to show what they are worth.
-   Every output of the background run is checked against eager, during the window and after.
+1. The demo decoder (12 x 1024 bf16), ``CapturePlan.build(max_num_seqs=64, max_num_tokens=256,
+   mode="full")`` (19 keys), decode batches of 1..64 requests with ``run()`` called back to back in
+   two loops: a sync of the serving stream after each step (a sampler reading tokens), and no host
+   sync at all (async scheduling).  Reported against the foreground capture time and eager's p99
+   in the same loop: the first graph-served step, every key captured, p99 step latency while
+   capturing; every graph then checked against eager.
 2. The engine of examples/hf_llama.py (Llama-3.2-1B shape, random weights, bf16) serves trace
-   requests eagerly, then with ``full_and_breakable`` captured in the background; per-step
-   latency the same way, and every logit checked against Hugging Face's own forward.
+   requests eagerly, then with ``full_and_breakable`` captured in the background; the same figures,
+   and every logit checked against Hugging Face's own forward.
 3. Adaptation (``--adapt``): the demo decoder adapting from vLLM's default ladder; see ``adaptation``.
    ``--hf-adapt``: the same for the HF Llama engine; see ``hf_adaptation``.
 
-    PYTHONPATH=. python3 benchmarks/gpu_adaptive.py [--steps 600] [--ablate] [--hf] [--adapt [--adapt-steps 8000]] [--hf-adapt] [--no-demo]
+    PYTHONPATH=. python3 benchmarks/gpu_adaptive.py [--steps 4000] [--hf] [--adapt [--adapt-steps 8000]] [--hf-adapt] [--no-demo]
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from typing import Any
 import torch
 
 import cgregistry as cg
-from cgregistry import background
 from cgregistry.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
 from cgregistry.workload import SchedulerConfig, read_trace, schedule
 
@@ -61,104 +59,103 @@ def timed_steps(run: Callable[[Any, dict], Any], steps: list[tuple[Any, dict]]) 
     return out
 
 
-# ----------------------------------------------------------------------------- 1. demo decoder
+# ----------------------------------------------------------------------------- 1. demo decoder, two engine loops
 
 
-def demo(n_steps: int, ablate: bool, rows: list[tuple[str, str]]) -> None:
+class MissCounter:
+    """Counts misses (a cgregistry_miss hook): a step with no miss was served by a graph."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    @cg.plugin.hookimpl
+    def cgregistry_miss(self, registry: Any, actual: Any) -> None:
+        self.n += 1
+
+
+def loop_latencies(run: Callable[[Any, dict], Any], steps: list[tuple[Any, dict]], synced: bool) -> list[float]:
+    """Per-step ms of ``run`` called back to back: with a sync of the serving stream after each (a sampler reading
+    tokens), or host time alone (async scheduling: nothing between steps)."""
+    out = []
+    for batch, inputs in steps:
+        t = time.perf_counter()
+        run(batch, inputs)
+        if synced:
+            sync()
+        out.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    return out
+
+
+def demo(n_steps: int, rows: list[tuple[str, str]]) -> None:
+    """Issue 24, item 1: the demo decoder, a 19-key 'full' plan, decode batches run back to back in two loops."""
     device = torch.device("cuda")
     cfg = DemoConfig.for_device(device)
     model = DemoDecoder(cfg, device, seed=0)
-    plan = cg.CapturePlan.build(max_num_seqs=cfg.max_num_seqs, max_num_tokens=cfg.max_num_tokens, mode="full")
-    sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_tokens)
-    batches = list(schedule(read_trace(), sched, max_steps=n_steps))
+    plan = cg.CapturePlan.build(max_num_seqs=64, max_num_tokens=256, mode="full")
     gen = torch.Generator().manual_seed(0)
-    steps = [(b, random_batch(cfg, b, device, gen)) for b in batches]
-    print(f"demo: {cfg.layers} x {cfg.hidden} {cfg.dtype}, plan 'full' {len(plan)} graphs, {len(steps)} trace steps")
+    sizes = torch.randint(1, 65, (n_steps,), generator=gen).tolist()
+    pool = {n: random_batch(cfg, cg.BatchDescriptor.decode(n), device, gen) for n in set(sizes)}
+    steps = [(cg.BatchDescriptor.decode(n), pool[n]) for n in sizes]
+    print(f"demo: {cfg.layers} x {cfg.hidden} {cfg.dtype}, plan 'full' {len(plan)} keys, decode batches of 1..64")
 
     with torch.inference_mode():
-        timed_steps(lambda b, i: model(b, **i), steps[:50])  # warm the allocator and kernels
-        eager = timed_steps(lambda b, i: model(b, **i), steps)
-        print(f"  eager                          {summary(eager)}")
-        rows.append(("demo eager step", summary(eager)))
-
-        # Foreground: capture everything, then serve.
+        loop_latencies(lambda b, i: model(b, **i), steps[:200], True)  # warm kernels and the allocator
+        fg = cg.GraphRegistry(model, demo_inputs(cfg), name="fg")
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        reg = cg.GraphRegistry(model, demo_inputs(cfg), name="fg")
-        reg.capture(plan)
-        b, i = steps[0]
-        reg.run(b, **i)
+        fg.capture(plan)
         torch.cuda.synchronize()
-        fg_first = time.perf_counter() - t0
-        served = timed_steps(lambda b, i: reg.run(b, **i), steps)
-        print(f"  foreground: first graph step {fg_first * 1e3:8.1f} ms after creation; then {summary(served)}")
-        rows.append(("demo foreground: creation -> first graph step", f"{fg_first * 1e3:.1f} ms"))
-        rows.append(("demo graphs, all captured", summary(served)))
-        reg.clear()
-
-        variants = [("background", True)] + ([("background, no pause, 5 ms switch", False)] if ablate else [])
-        for label, yielding in variants:
-            saved = (background.SWITCH_INTERVAL_S, background.CaptureWorker._pause)
-            if not yielding:
-                background.SWITCH_INTERVAL_S = None
-                background.CaptureWorker._pause = lambda self, frame, event, arg: None  # type: ignore[method-assign]
-            try:
-                first, window_s, in_window, _, _ = background_run(model, cfg, plan, steps, check=False)
-            finally:
-                background.SWITCH_INTERVAL_S, background.CaptureWorker._pause = saved  # type: ignore[method-assign]
-            same = eager[: len(in_window)]  # eager on the same steps (the window is a prefix of the trace)
-            ratio = percentile(in_window, 0.99) / percentile(same, 0.99) if in_window else float("nan")
-            ratio_all = percentile(in_window, 0.99) / percentile(eager, 0.99) if in_window else float("nan")
-            print(f"  {label}: first graph step {first * 1e3:8.1f} ms after creation; capture window {window_s * 1e3:.0f} ms")
-            print(f"    steps in the window          {summary(in_window)}")
-            print(f"    eager on those steps         {summary(same)}   p99 ratio {ratio:.2f} (vs eager p99 over all: {ratio_all:.2f})")
-            rows.append((f"demo {label}: creation -> first graph step", f"{first * 1e3:.1f} ms (window {window_s * 1e3:.0f} ms)"))
-            rows.append((f"demo {label}: steps while capturing", f"{summary(in_window)}"))
-            rows.append((f"demo {label}: p99 / eager p99 same steps (all)", f"{ratio:.2f} ({ratio_all:.2f})"))
-        # Correctness while capturing: every output against the eager forward (a separate, untimed run).
-        _, _, _, worst_err, mismatches = background_run(model, cfg, plan, steps, check=True)
-        print(f"  background, checked against eager at every step: {mismatches} mismatches, max abs error {worst_err:.3g}")
-        rows.append(("demo background: every step vs eager", f"{mismatches} mismatches, max abs error {worst_err:.3g}"))
-
-
-def background_run(model: Any, cfg: DemoConfig, plan: cg.CapturePlan, steps: list, check: bool) -> tuple:
-    """Serve from creation while the plan is captured in the background; step latency inside the window."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    reg = cg.GraphRegistry(model, demo_inputs(cfg), name="bg")
-    reg.capture(plan, background=True)
-    first = None
-    in_window: list[float] = []
-    worst, mismatches = 0.0, 0
-    k = 0
-    hits = 0
-    window_end = t0
-    while reg.capturing() or k < len(steps):
-        batch, inputs = steps[k % len(steps)]
-        capturing = bool(reg.capturing())
-        t = time.perf_counter()
-        out = reg.run(batch, **inputs)
-        torch.cuda.current_stream().synchronize()
-        now = time.perf_counter()
-        if capturing:
-            in_window.append((now - t) * 1e3)
-            window_end = now
-        new_hits = reg.stats().hits
-        if first is None and new_hits > hits:
-            first = now - t0
-        hits = new_hits
-        if check:  # the serving thread's own eager reference (untimed)
-            want = model(batch, **inputs)
-            err = (out.float() - want.float()).abs().max().item()
-            worst = max(worst, err)
-            mismatches += err > 5e-2 * max(1.0, want.float().abs().max().item())
-        if not capturing and k >= len(steps):
-            break
-        k += 1
-    window = window_end - t0
-    reg.wait_captured()
-    reg.clear()
-    return first if first is not None else float("nan"), window, in_window, worst, mismatches
+        foreground_s = time.perf_counter() - t0
+        per_key = statistics.median(e.capture_seconds for e in fg.entries())
+        fg.clear()
+        print(f"  foreground capture {foreground_s * 1e3:.0f} ms ({len(plan)} keys, median {per_key * 1e3:.1f} ms a key)")
+        rows.append(("demo: foreground capture", f"{foreground_s * 1e3:.0f} ms ({per_key * 1e3:.1f} ms a key)"))
+        for synced in (True, False):
+            label = "sync after each step" if synced else "no host sync between steps"
+            eager = loop_latencies(lambda b, i: model(b, **i), steps, synced)
+            eager_step = statistics.median(eager)
+            misses = MissCounter()
+            reg = cg.GraphRegistry(model, demo_inputs(cfg), name="bg", plugins=cg.Plugins(cg.make_plugin_manager([misses])))
+            lat: list[float] = []
+            first_graph = all_keys = None
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            reg.capture(plan, background=True)
+            k = 0
+            deadline = t0 + 20.0
+            while time.perf_counter() < deadline:
+                batch, inputs = steps[k % len(steps)]
+                before = misses.n
+                t = time.perf_counter()
+                reg.run(batch, **inputs)
+                if synced:
+                    sync()
+                now = time.perf_counter()
+                if all_keys is None:
+                    lat.append((now - t) * 1e3)
+                if first_graph is None and misses.n == before:
+                    first_graph = now - t0
+                if all_keys is None and len(reg) == len(plan):
+                    all_keys = now - t0
+                k += 1
+                if all_keys is not None and k >= 200:
+                    break
+            torch.cuda.synchronize()
+            worst = 0.0
+            for batch, inputs in steps[:64]:  # every graph against eager after the capture
+                worst = max(worst, (reg.run(batch, **inputs).float() - model(batch, **inputs).float()).abs().max().item())
+            p99, p99_eager = percentile(lat, 0.99), percentile(eager, 0.99)
+            first_ms = f"{first_graph * 1e3:.0f} ms" if first_graph is not None else "never"
+            all_ms = f"{all_keys * 1e3:.0f} ms ({all_keys / foreground_s:.2f}x foreground)" if all_keys is not None else f"{len(reg)} of {len(plan)} in 20 s"
+            print(f"  {label}: eager step median {eager_step:.2f} ms, p99 {p99_eager:.2f} ms")
+            print(f"    first graph-served step {first_ms} (target <= one key + one step = {(per_key + eager_step / 1e3) * 1e3:.0f} ms); "
+                  f"all keys {all_ms}; steps while capturing {summary(lat)}; p99 / eager p99 {p99 / p99_eager:.2f}; "
+                  f"max |graph - eager| {worst:.3g}")
+            rows.append((f"demo, {label}: first graph-served step", first_ms))
+            rows.append((f"demo, {label}: all keys captured", all_ms))
+            rows.append((f"demo, {label}: p99 while capturing / eager p99", f"{p99 / p99_eager:.2f} ({p99:.2f} / {p99_eager:.2f} ms)"))
+            reg.clear()
 
 
 # ----------------------------------------------------------------------------- 3. adaptation
@@ -173,7 +170,7 @@ def adaptation(n_steps: int, every: int, rows: list[tuple[str, str]]) -> None:
     default plan (its graphs), every 10th output against eager, and padding over all the steps of the default
     plan, the adapted keys, and a plan fitted offline to the same steps at the same budget.
     """
-    from cgregistry import registry as registry_module
+    from cgregistry import adapter as registry_module
     from cgregistry.fitting import evaluate
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a smoke run of the logic
@@ -217,7 +214,7 @@ def adaptation(n_steps: int, every: int, rows: list[tuple[str, str]]) -> None:
             working: list[bool] = []
             worst, mismatches = 0.0, 0
             for k, (batch, inputs) in enumerate(steps):
-                busy = bool(reg.capturing()) or reg._refit_running  # the capture thread has work
+                busy = bool(reg.capturing())  # keys queued or in flight on the capture thread
                 t = time.perf_counter()
                 out = reg.run(batch, **inputs)
                 sync()
@@ -285,9 +282,9 @@ def hf_adaptation(requests: int, every: int, budget: int, rows: list[tuple[str, 
     served: list[cg.BatchDescriptor] = []
 
     class Recorded(hf.Engine):
-        def _run(self, batch: Any) -> torch.Tensor:
+        def run_step(self, batch: Any) -> torch.Tensor:
             served.append(cg.BatchDescriptor(sum(n for _, n in batch), len(batch), uniform=all(n == 1 for _, n in batch)))
-            return super()._run(batch)
+            return super().run_step(batch)
 
     adapt = cg.Adaptation(max_graphs=budget, settings=settings, every_steps=every, min_steps=every)
     reg = hf.build_registry(model, shape, "full", adapt=adapt)
@@ -328,66 +325,82 @@ def _load_hf() -> Any:
 
 
 def hf_llama(requests: int, rows: list[tuple[str, str]]) -> None:
+    """Issue 24, item 1 on the engine of examples/hf_llama.py (Llama-3.2-1B shape, random weights, bf16,
+    'full_and_breakable'): foreground capture time, then serving from creation with the plan captured in the
+    background; every logit against Hugging Face's own forward."""
     hf = _load_hf()
     shape = hf.EngineShape(max_num_seqs=64, max_num_tokens=512, block_size=16, max_blocks_per_req=64)
     device = torch.device("cuda")
     model = hf.build_model("llama-3.2-1b", device, shape)
+    mode = "full_and_breakable"
 
     class Timed(hf.Engine):
         def __init__(self, *a: Any, **k: Any) -> None:
             super().__init__(*a, **k)
-            self.lat: list[tuple[float, bool, bool]] = []  # (ms, capturing, served by a graph)
+            self.lat: list[tuple[float, float, bool, bool]] = []  # (ms, seconds since t0, capturing, served by a graph)
+            self.t0 = time.perf_counter()
 
-        def _run(self, batch: Any) -> torch.Tensor:
+        def run_step(self, batch: Any) -> torch.Tensor:
             reg = self.reg
-            capturing = bool(reg.capturing()) if reg is not None else False
-            hits = reg.stats().hits if reg is not None else 0
+            capturing = reg is not None and len(reg) < planned
+            misses = counter.n
             t = time.perf_counter()
-            out = super()._run(batch)
+            out = super().run_step(batch)
             torch.cuda.current_stream().synchronize()
-            ms = (time.perf_counter() - t) * 1e3
-            self.lat.append((ms, capturing, reg is not None and reg.stats().hits > hits))
+            now = time.perf_counter()
+            self.lat.append(((now - t) * 1e3, now - self.t0, capturing, reg is not None and counter.n == misses))
             return out
 
     def reqs() -> list:
         return hf.trace_requests(requests, shape, model.config.vocab_size, 96, 48)
 
+    counter = MissCounter()
+    planned = 0
     eng = Timed(model, shape, None, keep_logits=False)
     eng.serve(hf.trace_requests(16, shape, model.config.vocab_size, 96, 48, seed=1))  # warm-up: every kernel, the allocator
     eng = Timed(model, shape, None, keep_logits=True)
     res = eng.serve(reqs())
-    eager = [ms for ms, _, _ in eng.lat]
+    eager = [ms for ms, *_ in eng.lat]
     err_eager = hf.check_against_hf(model, res.finished)
     print(f"hf llama eager: {res.steps} steps, {res.tokens / res.seconds:.1f} tokens/s  {summary(eager)}  max|logit - HF| {err_eager:.3g}")
     rows.append(("hf eager step", summary(eager)))
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    reg = hf.build_registry(model, shape, "full_and_breakable", background=True)
-    eng = Timed(model, shape, reg, keep_logits=True)
+    fg = hf.build_registry(model, shape, mode)
+    torch.cuda.synchronize()
+    foreground_s = time.perf_counter() - t0
+    planned = len(fg)
+    per_key = statistics.median(e.capture_seconds for e in fg.entries())
+    fg.clear()
+    print(f"hf llama foreground capture: {foreground_s:.2f} s ({planned} keys, median {per_key * 1e3:.0f} ms a key)")
+    rows.append(("hf: foreground capture", f"{foreground_s:.2f} s ({per_key * 1e3:.0f} ms a key)"))
+
+    torch.cuda.synchronize()
+    eng = Timed(model, shape, None, keep_logits=True)
+    eng.reg = reg = hf.build_registry(model, shape, mode, background=True, plugins=cg.Plugins(cg.make_plugin_manager([counter])))
     res = eng.serve(reqs())
     reg.wait_captured()
     err = hf.check_against_hf(model, res.finished)
-    window = [ms for ms, capturing, _ in eng.lat if capturing]
-    same = eager[: len(window)]
-    first = next((i for i, (_, _, hit) in enumerate(eng.lat) if hit), None)
-    first_s = (sum(ms for ms, _, _ in eng.lat[: first + 1]) / 1e3) if first is not None else float("nan")
-    ratio = percentile(window, 0.99) / percentile(same, 0.99) if window else float("nan")
-    print(f"hf llama background: {res.steps} steps, {res.tokens / res.seconds:.1f} tokens/s; {len(reg)} graphs; "
-          f"first graph-served step at step {first} (~{first_s * 1e3:.0f} ms of steps); failures {len(reg.failures())}")
-    print(f"  steps while capturing  {summary(window)}")
-    print(f"  eager on those steps   {summary(same)}  p99 ratio {ratio:.2f}; max|logit - HF| {err:.3g}")
-    rows.append(("hf background: steps while capturing", f"{summary(window)}"))
-    rows.append(("hf background: p99 / eager p99, same steps", f"{ratio:.2f}"))
+    window = [ms for ms, _, capturing, _ in eng.lat if capturing]
+    first = next((at for _, at, _, hit in eng.lat if hit), None)
+    done = next((at for _, at, capturing, _ in eng.lat if not capturing), None)
+    p99, p99_eager = percentile(window, 0.99) if window else float("nan"), percentile(eager, 0.99)
+    eager_step = statistics.median(eager)
+    print(f"hf llama background: {res.steps} steps, {res.tokens / res.seconds:.1f} tokens/s; {len(reg)} graphs; failures {len(reg.failures())}")
+    print(f"  first graph-served step {first * 1e3 if first else float('nan'):.0f} ms after creation (target <= one key + one step "
+          f"= {(per_key + eager_step / 1e3) * 1e3:.0f} ms); all keys at {done if done else float('nan'):.2f} s "
+          f"({(done or float('nan')) / foreground_s:.2f}x foreground)")
+    print(f"  steps while capturing {summary(window)}; p99 / eager p99 {p99 / p99_eager:.2f}; max|logit - HF| {err:.3g}")
+    rows.append(("hf background: first graph-served step", f"{first * 1e3 if first else float('nan'):.0f} ms"))
+    rows.append(("hf background: all keys captured", f"{done if done else float('nan'):.2f} s ({(done or float('nan')) / foreground_s:.2f}x foreground)"))
+    rows.append(("hf background: p99 while capturing / eager p99", f"{p99 / p99_eager:.2f}"))
     rows.append(("hf background: max |logit - HF|", f"{err:.3g} (eager {err_eager:.3g})"))
-    t0 = time.perf_counter() - t0
-    rows.append(("hf background: total serve time", f"{t0:.1f} s, {res.tokens / res.seconds:.1f} tokens/s"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--ablate", action="store_true")
+    parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--hf", action="store_true")
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--adapt", action="store_true")
@@ -402,7 +415,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
     rows: list[tuple[str, str]] = []
     if not args.no_demo:
-        demo(args.steps, args.ablate, rows)
+        demo(args.steps, rows)
     if args.adapt:
         adaptation(args.adapt_steps, args.adapt_every, rows)
     if args.hf:

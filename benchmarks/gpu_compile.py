@@ -51,7 +51,7 @@ def main() -> None:
     if args.unprotected:
         from cgregistry.backends import cuda as cuda_backend
 
-        cuda_backend._clear_cublas_workspaces = lambda: None
+        cuda_backend.clear_cublas_workspaces = lambda: None
     cfg = DemoConfig.for_device("cuda")
     model = DemoDecoder(cfg, "cuda", seed=0, attention=cg.eager_break(attention_kernel_into))
     fn = lambda input_ids, req_idx, seq_lens: model(None, input_ids, req_idx, seq_lens)  # noqa: E731

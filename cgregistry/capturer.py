@@ -115,7 +115,7 @@ class Capturer:
         if payload is None and held is not None:
             payload = held.payload
         self.context = CaptureContext(payload, state)
-        self.state_ok = state.checker()
+        self.state_ok = ServingState.checker(self._one.device.type)  # on this thread, in the state just recorded
 
     def current(self) -> CaptureContext:
         """The context every capture runs under (recorded now, on the calling thread, if no capture() gave one)."""
@@ -129,9 +129,12 @@ class Capturer:
         self.state_ok = _always
 
     def refuse_other_state(self) -> None:
-        """Raise ``ServingStateError`` naming how the caller's state differs from the capture context's."""
+        """After ``state_ok()`` said no: raise ``ServingStateError`` naming how the caller's state differs from the
+        capture context's in what a replay computes; a difference that changes no result (grad mode) becomes the
+        state ``state_ok`` compares with from now on."""
         if self.context is not None:
             self.context.state.check(self._name)
+        self.state_ok = ServingState.checker(self._one.device.type)
 
     # ---------------------------------------------------------------- capturing
 

@@ -21,7 +21,7 @@ from cgregistry.plan import MODES, CapturePlan, PlanSettings
 from cgregistry.text import text_table
 from cgregistry.workload import SchedulerConfig
 
-__all__ = ["build_parser", "main"]
+__all__ = ["HelpFormatter", "build_parser", "main", "parse_descriptor", "parsers"]
 
 # ---------------------------------------------------------------------------- help and flag names
 
@@ -41,7 +41,7 @@ SETTING_FLAGS = {
 _TRACE_ONLY = ("limit", "spec_depth", "step_base_ms", "step_per_token_us", "fit", "plot", "show_sizes")
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: X)`` to an option's help unless the help states its default itself.
 
     A default of None or a bare on/off flag gets nothing appended: those options say in words
@@ -499,7 +499,7 @@ def _explain_uniform(text: str, whole: str) -> bool:
         ) from None
 
 
-def _descriptor(text: str) -> BatchDescriptor:
+def parse_descriptor(text: str) -> BatchDescriptor:
     """``--explain``: 'tokens,reqs[,loras[,depth[,uniform]]]' -> BatchDescriptor (reqs may be 'any' or empty).
 
     Every field is checked: a misspelled uniform word or a non-integer is an error naming the field.
@@ -639,7 +639,7 @@ def _add_demo(sub: Any) -> argparse.ArgumentParser:
         "demo", help="capture the demo model, replay trace-derived batches, check against eager",
         description="Capture the built-in demo decoder, replay batch shapes from the bundled trace through the "
                     "registry, check every output against eager, and time both.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     demo.add_argument("--backend", default="auto", help="auto (cuda when available, else cpu), cuda, cpu, or a plugin's backend")
     demo.add_argument("--steps", type=_at_least(1), default=200, help="scheduler steps taken from the bundled trace")
@@ -663,7 +663,7 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
         description="Build the capture plan of these engine settings and print the resolved settings, its keys and "
                     "the batches it leaves to eager; with --trace, judge it (and with --fit a fitted plan) on a "
                     "request trace instead.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     keys = plan.add_argument_group("plan settings (CapturePlan.build)")
     keys.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="largest number of requests in a batch")
@@ -725,7 +725,7 @@ def _add_inspect(sub: Any) -> argparse.ArgumentParser:
     inspect = sub.add_parser(
         "inspect", help="tables of a registry snapshot (reg.snapshot() saved as JSON), filtered and sorted",
         description="Print a registry snapshot's entries, filtered and sorted, with statistics by key class.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     inspect.add_argument("snapshot", metavar="SNAPSHOT.json", help="a snapshot written by reg.snapshot() or `demo --snapshot`")
     inspect.add_argument("--strategy", default=None, help="only entries of this strategy (default: every strategy)")
@@ -736,7 +736,7 @@ def _add_inspect(sub: Any) -> argparse.ArgumentParser:
     inspect.add_argument("--used", action="store_true", help="only entries replayed at least once")
     inspect.add_argument("--sort", default="key", choices=["key", "replays", "padding", "memory", "capture", "recent"],
                          help="order of the entries")
-    inspect.add_argument("--explain", default=None, type=_descriptor, metavar="T,R[,L,D,U]",
+    inspect.add_argument("--explain", default=None, type=parse_descriptor, metavar="T,R[,L,D,U]",
                          help=f"explain how a batch would match: {_EXPLAIN_FORM}, reqs 'any' for none, uniform one of "
                               f"{', '.join(_UNIFORM_WORDS)} (default: no explanation)")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -748,7 +748,7 @@ def _add_check(sub: Any) -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check", help="run MODULE:FUNCTION under the cpu emulator and list every graph-unsafe op",
         description="Run a function under the cpu emulator and list every op a CUDA graph capture would refuse.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     check.add_argument("target", metavar="MODULE:FUNCTION", help="a function taking no arguments that runs your step once")
     check.add_argument("--json", action="store_true", help="print the ops found as JSON")
@@ -758,14 +758,14 @@ def _add_check(sub: Any) -> argparse.ArgumentParser:
 
 def _add_plugins(sub: Any) -> argparse.ArgumentParser:
     plugins = sub.add_parser(
-        "plugins", help="list installed plugins: distribution, version, what they provide, hooks", formatter_class=_HelpFormatter,
+        "plugins", help="list installed plugins: distribution, version, what they provide, hooks", formatter_class=HelpFormatter,
     )
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plugins.set_defaults(func=_plugins)
     return plugins
 
 
-def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The command's parser and each subcommand's."""
     parser = argparse.ArgumentParser(
         prog="cgregistry", description="CUDA graphs for batched inference engines.",
@@ -781,7 +781,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``cgregistry`` argument parser."""
-    return _parsers()[0]
+    return parsers()[0]
 
 
 def _message(exc: BaseException) -> str:
@@ -793,7 +793,7 @@ def _message(exc: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (argparse exits with 2 itself on a usage error)."""
-    parser, commands = _parsers()
+    parser, commands = parsers()
     args = parser.parse_args(argv)
     usage_error = getattr(args, "usage_error", None)
     problem = usage_error(args) if usage_error is not None else None

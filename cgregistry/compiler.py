@@ -37,7 +37,7 @@ from cgregistry import breaks, runtime
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.errors import CgregistryError
 
-__all__ = ["DEFAULT_MAX_TRACES", "PiecewiseCompiler", "PiecewiseError", "PiecewiseModel", "SplittingOps", "compile_piecewise"]
+__all__ = ["DEFAULT_MAX_TRACES", "PiecewiseCompiler", "PiecewiseError", "PiecewiseModel", "SplittingOps", "WholeGraph", "compile_piecewise"]
 
 DEFAULT_MAX_TRACES = 4  # one dynamic trace serves every size; slack for specialize_size_one and retries
 
@@ -462,7 +462,7 @@ class PiecewiseCompiler:
         whole = None
         if self.inductor:
             _compile_pieces_with_inductor(split, pieces, gm)
-            whole = _WholeGraph(gm)
+            whole = WholeGraph(gm)
         self.traces.append(report)
         return _Runner(split, whole)
 
@@ -481,7 +481,7 @@ class _WholeUnavailable(Exception):
     falls back to a separate compile of the model."""
 
 
-class _WholeGraph:
+class WholeGraph:
     """The same trace compiled by Inductor as one graph, no splits, for full keys: nothing to trace again,
     and fused across what the pieces split at.  Compiled on first use (a full key's warm-up).
 
@@ -507,7 +507,7 @@ class _WholeGraph:
                     if self.failed:
                         raise _WholeUnavailable("an earlier compile of this trace as one graph failed")
                     try:
-                        self.fn, self.conditions = self._compile()
+                        self.fn, self.conditions = self.compile_unsplit()
                     except Exception as exc:
                         self.failed = True
                         raise _WholeUnavailable(_first_line(exc)) from exc
@@ -529,7 +529,7 @@ class _WholeGraph:
             return str(condition)
         return None
 
-    def _compile(self) -> tuple[Callable[..., Any], list[Any]]:
+    def compile_unsplit(self) -> tuple[Callable[..., Any], list[Any]]:
         from torch._inductor.compile_fx import compile_fx
 
         # The graph's own fakes, under a tracing context of their fake mode: dynamo has finished with the
@@ -561,7 +561,7 @@ class _Runner:
 
     __slots__ = ("split", "whole")
 
-    def __init__(self, split: fx.GraphModule, whole: _WholeGraph | None) -> None:
+    def __init__(self, split: fx.GraphModule, whole: WholeGraph | None) -> None:
         self.split = split
         self.whole = whole
 
@@ -598,6 +598,11 @@ class PiecewiseModel:
         self._batch_axes: list[tuple[int | str, int]] | None = None
         self._whole_alone: Callable[..., Any] | None = None  # full keys' own compile, where a trace's unsplit one failed
         functools.update_wrapper(self, model, updated=())  # type: ignore[arg-type]
+
+    @property
+    def separate_full_compile(self) -> bool:
+        """Whether full keys run a compile of the model of their own (a trace's one-graph compile could not serve them)."""
+        return self._whole_alone is not None
 
     def _whole_model(self) -> Callable[..., Any]:
         if self._whole_alone is None:

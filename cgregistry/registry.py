@@ -114,12 +114,15 @@ class GraphRegistry:
             capturer.watch.watch(owner, prefix="step.")  # a model as the step: its weights are what graphs read
         self._background = BackgroundCapture(capturer.capture_key, catalog, events, self.name)
         self._adapter = Adapter(adapt, catalog, capturer, self._background, events, self.name) if adapt is not None else None
-        self.plan_changes: collections.deque[PlanChange] = (  # the changes adaptation made, oldest first (the last 256)
-            self._adapter.plan_changes if self._adapter is not None else collections.deque(maxlen=PLAN_CHANGES_KEPT)
-        )
         parts = (step, catalog, capturer, self._background, self._adapter, events, frozenset(buffers), self.name)
         self._server = DebugServer(*parts, watch=capturer.watch) if self.debug else Server(*parts)
+        self.run = self._server.run  # type: ignore[method-assign]  # the hot path itself: no call in between
         events.registry_created()
+
+    @property
+    def plan_changes(self) -> collections.deque[PlanChange]:
+        """The changes adaptation made, oldest first: the last 256 (``stats().plan_changes`` counts them all)."""
+        return self._adapter.plan_changes if self._adapter is not None else collections.deque(maxlen=PLAN_CHANGES_KEPT)
 
     @property
     def padding_cap(self) -> PaddingCap:
@@ -256,9 +259,10 @@ class GraphRegistry:
         strategies: ``exclude=("full",)`` is vLLM's ``disable_full``, for a step that runs
         cascade attention; a batch whose covering keys are all excluded runs eagerly
         (counted as an ``excluded`` miss).  Such runs have their own route cache, so a
-        run without ``exclude`` costs what it did.
+        run without ``exclude`` costs what it did.  (Each registry's ``run`` is its server's own method,
+        bound at construction; this definition documents it.)
         """
-        return self._server.run(actual, context, group, exclude, inputs)
+        return self._server.run(actual, context=context, group=group, exclude=exclude, **inputs)
 
     # ------------------------------------------------------------------ release
 

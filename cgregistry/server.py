@@ -63,6 +63,7 @@ class Server:
         self._input_names = input_names
         self._name = name
         self._running = _thread.allocate_lock()
+        self._acquire, self._release = self._running.acquire, self._running.release
         self._exclusions: dict[Any, frozenset[str]] = {}  # exclude= values already checked, to their strategy sets
         self._warned: set[str] = set()  # miss reasons already warned about
 
@@ -72,8 +73,11 @@ class Server:
         """Whether a ``run()`` is in progress (a step or a hook calling back would wait for itself)."""
         return self._running.locked()
 
-    def run(self, actual: BatchDescriptor, context: Any, group: Any, exclude: Any, inputs: dict[str, torch.Tensor]) -> Any:
-        if not self._running.acquire(False):
+    def run(
+        self, actual: BatchDescriptor, /, *, context: Any = None, group: Any = None, exclude: Any = None, **inputs: torch.Tensor
+    ) -> Any:
+        """``GraphRegistry.run``: a registry hands this method out as its own ``run`` (no call in between)."""
+        if not self._acquire(False):
             raise ConcurrentRunError(
                 f"run() on registry {self._name!r} while another run() is in progress: a registry's static buffers "
                 "and graph outputs serve one step at a time; give each thread its own registry or serialise the calls"
@@ -92,7 +96,7 @@ class Server:
             variant = self._variant(actual, group, exclude)
             return self._serve(actual, self._route(actual, variant), variant, context, inputs)
         finally:
-            self._running.release()
+            self._release()
 
     def _between_steps(self, actual: BatchDescriptor) -> None:
         """Before a step: finished background captures go live, and adaptation counts the step."""

@@ -8,9 +8,10 @@ there under ``torch.autocast`` in the serving thread returned float32 where eage
 bfloat16), and an engine may serve under another state than the one it captured under.  So a
 registry records one ``ServingState`` (at ``capture()``, or at the first refit of a registry that
 only adapts), every capture path runs the step under it, and a replay under a state whose results
-would differ is refused with :class:`ServingStateError`.  Grad mode is not part of it: captures
-always run under ``torch.inference_mode()`` (a replay records no autograd graph), and grad mode
-does not change what a replayed graph computes.  Imports nothing of the package but ``errors``.
+would differ (autocast, the default dtype, the TF32 and reduced-precision matmul flags) is refused
+with :class:`ServingStateError`, at a cost of one C call per replay.  Grad mode is not part of it:
+captures always run under ``torch.inference_mode()`` (a replay records no autograd graph), and grad
+mode does not change what a replayed graph computes.  Imports nothing of the package but ``errors``.
 """
 
 from __future__ import annotations
@@ -30,17 +31,34 @@ __all__ = ["AUTOCAST_DEVICE_TYPES", "ServingState", "ServingStateError"]
 # The device types whose autocast state is recorded (the registry's own device type is added).
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
-_any_autocast: Callable[[], bool] = torch._C._is_any_autocast_enabled
-_default_dtype = torch.get_default_dtype
+try:  # one C call comparing grad mode, autocast, the default dtype and the matmul flags with a snapshot
+    from torch._C._dynamo.guards import GlobalStateGuard
+except ImportError:  # pragma: no cover - builds without it: the Python comparison below
+    GlobalStateGuard = None
+
+# Process-wide flags that change what a matmul computes (TF32, reduced-precision reductions): a graph keeps the
+# kernels it was captured with, eager follows the flags.
+_MATMUL_FLAGS: tuple[tuple[str, Callable[[], bool]], ...] = (
+    ("torch.backends.cuda.matmul.allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32),
+    ("torch.backends.cudnn.allow_tf32", lambda: torch.backends.cudnn.allow_tf32),
+    ("torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+     lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
+    ("torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+     lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
+)
 
 
 class ServingStateError(CgregistryError, RuntimeError):
-    """A graph would be replayed under another thread state (autocast, default dtype) than it was captured under."""
+    """A graph would be replayed under another state (autocast, default dtype, matmul flags) than it was captured under."""
 
 
 def _autocast_now(device_types: tuple[str, ...]) -> tuple[tuple[str, torch.dtype], ...]:
     """The device types autocast is on for in this thread, each with its dtype."""
     return tuple((d, torch.get_autocast_dtype(d)) for d in device_types if torch.is_autocast_enabled(d))
+
+
+def _matmul_flags() -> tuple[bool, ...]:
+    return tuple(bool(read()) for _, read in _MATMUL_FLAGS)
 
 
 def _describe(autocast: tuple[tuple[str, torch.dtype], ...]) -> str:
@@ -55,6 +73,7 @@ class ServingState:
     autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) for each device type autocast is on for
     autocast_cache: bool
     default_dtype: torch.dtype
+    matmul_flags: tuple[bool, ...]  # _MATMUL_FLAGS' values, in order
     default_device: torch.device
     cuda_device: int | None  # the current CUDA device where CUDA is initialized, else None
     context: contextvars.Context = attrs.field(eq=False, repr=False)
@@ -68,6 +87,7 @@ class ServingState:
             autocast=_autocast_now(types),
             autocast_cache=torch.is_autocast_cache_enabled(),
             default_dtype=torch.get_default_dtype(),
+            matmul_flags=_matmul_flags(),
             default_device=torch.get_default_device(),
             cuda_device=torch.cuda.current_device() if torch.cuda.is_initialized() else None,
             context=contextvars.copy_context(),
@@ -77,7 +97,7 @@ class ServingState:
     def applied(self) -> Iterator[None]:
         """Run the block on this thread under this state (its autocast, default device, CUDA device).
 
-        The default dtype is process-wide, so it is only checked (``differences``), never set here.
+        The default dtype and the matmul flags are process-wide, so they are only checked, never set here.
         """
         with contextlib.ExitStack() as stack:
             if self.cuda_device is not None:
@@ -109,15 +129,10 @@ class ServingState:
             found.append(f"{_describe(now)} now, {_describe(self.autocast)} at capture")
         if torch.get_default_dtype() is not self.default_dtype:
             found.append(f"default dtype {torch.get_default_dtype()} now, {self.default_dtype} at capture")
+        for (name, _), was, now_flag in zip(_MATMUL_FLAGS, self.matmul_flags, _matmul_flags()):
+            if was != now_flag:
+                found.append(f"{name} {now_flag} now, {was} at capture")
         return found
-
-    def checker(self) -> Callable[[], bool]:
-        """A cheap test, for the hot path, that the calling thread would compute what graphs captured under this state
-        compute: one or two C calls when no autocast was on at capture (the usual case)."""
-        dtype = self.default_dtype
-        if not self.autocast:
-            return lambda: not _any_autocast() and _default_dtype() is dtype
-        return lambda: not self.differences()
 
     def check(self, registry: str) -> None:
         """Raise ``ServingStateError`` naming what differs, if the calling thread's state differs from this one."""
@@ -129,3 +144,16 @@ class ServingState:
                 "does not; call capture() under the state you serve with (inside the same torch.autocast block), or "
                 "reg.clear() and capture again under this one"
             )
+
+    @staticmethod
+    def checker(device_type: str = "cpu") -> Callable[[], bool]:
+        """A test for the hot path: True while the calling thread's state is what it is now (one C call).
+
+        False may also mean a difference that changes no result (grad mode, the thread count): the
+        caller then asks ``differences()`` of the recorded state, and takes a new checker if there
+        is none.  Call it on the thread it will check, in the state to compare with.
+        """
+        if GlobalStateGuard is not None:
+            return GlobalStateGuard().check
+        now = ServingState.current(device_type)
+        return lambda: not now.differences()

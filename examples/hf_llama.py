@@ -209,7 +209,7 @@ def decoder(model: LlamaForCausalLM) -> Any:
 
 def build_registry(
     model: LlamaForCausalLM, shape: EngineShape, mode: str, backend: str = "auto", background: bool = False,
-    adapt: cg.Adaptation | None = None,
+    adapt: cg.Adaptation | None = None, plugins: cg.Plugins | None = None,
 ) -> cg.GraphRegistry | None:
     """A registry for ``mode`` with its plan captured (None for mode 'none': the engine runs eagerly).
 
@@ -224,11 +224,11 @@ def build_registry(
     if "piecewise" in mode:
         holder: dict[str, Any] = {}
         reg = cg.GraphRegistry(make_step(model, lambda *a: holder["compiled"](*a)), static_inputs(shape),
-                               backend=backend, output_axis=OUTPUT_AXES, preference=preference, name=f"hf-{mode}")
+                               backend=backend, output_axis=OUTPUT_AXES, preference=preference, name=f"hf-{mode}", plugins=plugins)
         holder["compiled"] = reg.compile(forward)
     else:
         reg = cg.GraphRegistry(make_step(model, forward), static_inputs(shape), backend=backend,
-                               output_axis=OUTPUT_AXES, preference=preference, name=f"hf-{mode}", adapt=adapt)
+                               output_axis=OUTPUT_AXES, preference=preference, name=f"hf-{mode}", adapt=adapt, plugins=plugins)
     plan = cg.CapturePlan.build(
         max_num_seqs=shape.max_num_seqs, max_num_tokens=shape.max_num_tokens, max_capture_size=shape.max_num_tokens, mode=mode
     )
@@ -280,7 +280,7 @@ class Engine:
         with torch.inference_mode():
             while (waiting or running) and (max_steps is None or steps < max_steps):
                 batch = self._schedule(waiting, running)
-                logits = self._run(batch)
+                logits = self.run_step(batch)
                 tokens += self._advance(batch, logits, running, finished)
                 steps += 1
         if self.device.type == "cuda":
@@ -308,7 +308,8 @@ class Engine:
             budget -= n
         return batch
 
-    def _run(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor:
+    def run_step(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """One engine step: the batch's inputs built on the host, then the registry (or the model eagerly); its logits."""
         block, width = self.shape.block_size, self.shape.max_blocks_per_req
         ids, pos, slots, starts, lens, table = [], [], [], [0], [], []
         for seq, n in batch:

@@ -173,7 +173,7 @@ def test_capturing_does_not_list_a_key_already_live() -> None:
 
 def test_a_step_does_not_wait_on_a_background_capture_after_an_eviction() -> None:
     """An evicted (pending) key met by a step while a capture is in flight goes to the capture thread's
-    queue; the step runs eagerly instead of waiting."""
+    queue; the step waits for it at most WAIT_LIMIT_S (0.5 s), then runs eagerly, never for the whole capture."""
     engine = held_engine()
     engine.hold_tokens = 8
     reg = make(engine, memory_budget=1)  # room for one entry: each install evicts the others

@@ -216,7 +216,7 @@ def test_check_lists_unsafe_ops_with_lines() -> None:
 
 
 def command_parsers() -> dict[str, argparse.ArgumentParser]:
-    return cli_module._parsers()[1]
+    return cli_module.parsers()[1]
 
 
 def test_every_option_has_help_and_shows_its_default() -> None:
@@ -227,7 +227,7 @@ def test_every_option_has_help_and_shows_its_default() -> None:
             flag = f"{name} {'/'.join(action.option_strings) or action.dest}"
             assert action.help, f"{flag} has no help"
             if action.option_strings and action.default is not False:  # on/off flags are off unless given
-                shown = cli_module._HelpFormatter(name)._get_help_string(action)
+                shown = cli_module.HelpFormatter(name)._get_help_string(action)
                 assert "default:" in shown, f"{flag} does not show its default"
         text = parser.format_help()
         assert "None" not in text and "False" not in text, f"{name} --help shows a Python default"
@@ -376,10 +376,10 @@ def test_explain_refuses_a_bad_field_naming_it(capsys: pytest.CaptureFixture[str
 def test_explain_reads_every_uniform_word() -> None:
     from cgregistry import BatchDescriptor as B
 
-    assert cli_module._descriptor("3,3,0,0,Uniform") == B(3, 3, 0, 0, True)
-    assert cli_module._descriptor("3,3,0,0,mixed") == B(3, 3, 0, 0, False)
-    assert cli_module._descriptor("4,any") == B(4)
-    assert cli_module._descriptor("6,3,1,1,yes") == B.decode(3, 1, 1)
+    assert cli_module.parse_descriptor("3,3,0,0,Uniform") == B(3, 3, 0, 0, True)
+    assert cli_module.parse_descriptor("3,3,0,0,mixed") == B(3, 3, 0, 0, False)
+    assert cli_module.parse_descriptor("4,any") == B(4)
+    assert cli_module.parse_descriptor("6,3,1,1,yes") == B.decode(3, 1, 1)
 
 
 # ---------------------------------------------------------------------------- demo

@@ -415,7 +415,7 @@ def test_a_trace_inductor_cannot_compile_unsplit_falls_back_to_the_models_own_co
     def refuse(self: object) -> None:
         raise RuntimeError("CantSplit: 1024 not divisible by 1024*s42")
 
-    monkeypatch.setattr(compiler._WholeGraph, "_compile", refuse)
+    monkeypatch.setattr(compiler.WholeGraph, "compile_unsplit", refuse)
     _, inline, _, compiled = demo_registry("cpu", inductor=True)
     g = torch.Generator().manual_seed(5)
     for i, (batch, strategy) in enumerate(((B.decode(4), FullStrategy()), (B.decode(4), FullStrategy()), (B(6, 2), PiecewiseStrategy()))):
@@ -427,7 +427,7 @@ def test_a_trace_inductor_cannot_compile_unsplit_falls_back_to_the_models_own_co
             got = _warm_up_as(compiled, strategy, batch, inputs)
         with torch.inference_mode():
             torch.testing.assert_close(got, inline(batch, **inputs), rtol=1e-4, atol=1e-4)
-    assert compiled._whole_alone is not None, "full keys used the model's own compile"
+    assert compiled.separate_full_compile, "full keys used the model's own compile"
     assert len(compiled.compiler.traces) == 1
 
 
@@ -504,7 +504,7 @@ def test_the_bare_backend_runs_the_split_graph_where_the_one_graph_compile_fails
     def refuse(self: object) -> None:
         raise RuntimeError("CantSplit: 1024 not divisible by 1024*s42")
 
-    monkeypatch.setattr(compiler._WholeGraph, "_compile", refuse)
+    monkeypatch.setattr(compiler.WholeGraph, "compile_unsplit", refuse)
     torch.manual_seed(0)
     model = _Branching().eval()
     reg = cg.GraphRegistry(lambda b, **i: model(**i), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")

@@ -22,7 +22,7 @@ from cgregistry.markers import hookimpl
 if TYPE_CHECKING:
     from cgregistry.plugins import BackendRegistrar
 
-__all__ = ["CudaBackend", "CudaGraph", "CudaSegment", "non_owning_alias"]
+__all__ = ["CudaBackend", "CudaGraph", "CudaSegment", "clear_cublas_workspaces", "non_owning_alias"]
 
 
 def _reserved_bytes() -> int:
@@ -91,7 +91,7 @@ def _tracked_wait_stream(self: torch.cuda.Stream, stream: torch.cuda.Stream) -> 
     _original_wait_stream(self, stream)
 
 
-def _clear_cublas_workspaces() -> None:
+def clear_cublas_workspaces() -> None:
     """Drop cuBLAS's cached workspaces, so the next GEMM allocates a fresh one.
 
     A captured GEMM bakes in the address of the workspace its cuBLAS handle held at
@@ -159,7 +159,7 @@ class CudaSegment:
         self.pool = pool
         self.before = _reserved_bytes()
         self.graph = torch.cuda.CUDAGraph()
-        _clear_cublas_workspaces()  # this capture allocates its own, in the pool
+        clear_cublas_workspaces()  # this capture allocates its own, in the pool
         # Beside a serving thread, only this thread's CUDA calls are checked (the other's eager steps,
         # allocations and stream syncs stay legal); the allocator sends only this stream's allocations to the pool.
         self.background = runtime.background_capture.get()
@@ -190,7 +190,7 @@ class CudaSegment:
             raise
         finally:
             self._closed()
-            _clear_cublas_workspaces()  # eager work after the capture must not use a block of the pool
+            clear_cublas_workspaces()  # eager work after the capture must not use a block of the pool
         # The allocator may give cached blocks back to the driver mid-capture (retrying an allocation): never below 0.
         return CudaGraph(self.graph, max(0, _reserved_bytes() - self.before))
 
@@ -204,7 +204,7 @@ class CudaSegment:
             self.backend._poisoned.add(self.pool)
         finally:
             self._closed()
-            _clear_cublas_workspaces()
+            clear_cublas_workspaces()
 
     def _closed(self) -> None:
         if self.background:
