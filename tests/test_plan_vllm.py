@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import assume, given, settings
@@ -27,6 +28,7 @@ from hypothesis import strategies as st
 from cgregistry import BatchDescriptor as B
 from cgregistry import CapturePlan, Matcher, PlanSettings
 from cgregistry.plan import default_ladder, request_ladder
+from tests.vllm_graph_table import table
 from tests.vllm_reference import (
     MODE_OF,
     Served,
@@ -283,6 +285,12 @@ def test_no_graph_beyond_what_vllm_needs_except_coverage(config: tuple[str, Vllm
     except ValueError:
         assume(False)  # vLLM refuses these settings
     assert all(allowed_extra(mode, v, key) for key in extra), sorted(k for k in extra if not allowed_extra(mode, v, k))
+
+
+def test_docs_graph_table_is_current() -> None:
+    """The graph counts in docs/plans-and-workloads.md are what the plans and the reference give today."""
+    page = (Path(__file__).parent.parent / "docs" / "plans-and-workloads.md").read_text()
+    assert table() in page, "regenerate the table with: python -m tests.vllm_graph_table"
 
 
 SWEEP_EXTRAS = [
