@@ -226,7 +226,8 @@ def _settings_lines(s: PlanSettings, args: argparse.Namespace) -> list[str]:
     rows += [("downgraded", str(d), "") for d in s.downgrades]
     widths = sorted(set(s.mixed_sizes) - set(s.used_capture_sizes))
     if widths and s.mixed_strategy is not None:
-        rows.append(("mixed widths", f"+{len(widths)} uniform widths beside --capture-sizes: {_csv(widths)}", ""))
+        rows.append(("mixed widths", f"+{len(widths)} beside --capture-sizes (uniform widths, sizes rounded up to whole requests): "
+                                     f"{_csv(widths)}", ""))
     return ["settings:", *(f"  {flag:18} {value}{note}" for flag, value, note in rows)]
 
 

@@ -22,7 +22,7 @@ from cgregistry.matcher import Matcher
 
 __all__ = [
     "BUILTIN_RELAXES", "KEY_CLASSES", "MODES", "CapturePlan", "Downgrade", "PlanEntry", "PlanSettings", "UncoveredRange",
-    "default_ladder", "lora_ladder", "use_installed_plugins",
+    "default_ladder", "lora_ladder", "request_ladder", "rounded_sizes", "use_installed_plugins", "whole_requests",
 ]
 
 Mode = Literal[
@@ -118,6 +118,37 @@ def lora_ladder(max_loras: int) -> tuple[int, ...]:
         counts.add(p)
         p *= 2
     return tuple(sorted(counts))
+
+
+def request_ladder(top: int, query_len: int) -> list[int]:
+    """Request counts of the ladder (1, 2, 4, 8, 16, 24, ...) whose uniform width ``r * query_len`` fits ``top`` tokens."""
+    return [r for r in default_ladder(top) if r * query_len <= top]
+
+
+def whole_requests(sizes: Iterable[int], query_len: int, top: int) -> list[int]:
+    """Each token count rounded up to whole requests of ``query_len`` tokens, where the rounded width fits ``top``.
+
+    vLLM sizes its uniform decode graphs this way (``adjust_cudagraph_sizes_for_spec_decode``), so a
+    5-request verify batch at ``query_len`` 4 finds the 24-token size as a 6-request key; where none fits,
+    one request (vLLM falls back to a single ``query_len``-token size).
+    """
+    return [-(-s // query_len) for s in sizes if _round_up(s, query_len) <= max(top, query_len)] or [1]
+
+
+def rounded_sizes(sizes: Iterable[int], multiple: int, top: int) -> set[int]:
+    """Token counts rounded up to multiples of ``multiple`` that stay within ``top``; ``multiple`` itself if none does.
+
+    vLLM's model runner V1 rounds its capture sizes so when its decode graphs are full (``multiple``: the decode
+    query length), falling back to one size of a single request the same way.
+    """
+    out = {_round_up(s, multiple) for s in sizes if _round_up(s, multiple) <= top}
+    return out or ({multiple} if multiple <= top else set())
+
+
+def _fitting_requests(counts: Iterable[int], step: int, widest: int, query_len: int, top: int) -> set[int]:
+    """Request counts made multiples of ``step`` (whole multiples of the size multiple in tokens) that fit both the
+    widest uniform batch and the max capture size."""
+    return {r for r in {_round_up(c, step) for c in counts} if r <= widest and r * query_len <= max(top, query_len)}
 
 
 def default_ladder(max_size: int) -> list[int]:
@@ -257,9 +288,11 @@ class PlanSettings:
     ladder of mixed token counts), ``used_max_capture_size``, ``used_lora_counts``,
     ``widest`` (spec depth -> widest uniform batch of that depth), ``decode_reqs`` (spec
     depth -> request counts of the uniform batches keys are sized for: the request
-    ladder, and the widest), ``mixed_sizes`` (the token counts of mixed keys ``build``
-    captures: the ladder plus the uniform widths the mixed keys serve) and ``folded``
-    (uniform widths are mixed keys).
+    ladder, the capture sizes rounded up to whole requests where the depth has uniform
+    keys, and the widest), ``mixed_sizes`` (the token counts of mixed keys ``build``
+    captures: the ladder plus the uniform widths the mixed keys serve, and the ladder
+    rounded up to whole requests where uniform batches have keys of their own) and
+    ``folded`` (uniform widths are mixed keys).
     """
 
     max_num_seqs: int = attrs.field(validator=_positive("max_num_seqs"))
@@ -348,29 +381,57 @@ class PlanSettings:
                 )
         fix("used_max_capture_size", top)
         fix("used_capture_sizes", sizes)
-        # Uniform widths: the request ladder times q (the token ladder rounded up to whole requests
-        # when the sizes were given), each a multiple of size_multiple, and the widest batch.
+        # Request counts of uniform widths per spec depth, then the token counts of mixed keys.
+        ladder_reqs: dict[int, tuple[int, ...]] = {}
         reqs: dict[int, tuple[int, ...]] = {}
         for depth, w in widest.items():
             q = 1 + depth
-            step = m // math.gcd(m, q)  # request counts whose token counts are multiples of m
-            if w % step:
-                raise ValueError(
-                    f"size_multiple={m}: uniform keys of spec depth {depth} ({q} token{'s' if q > 1 else ''} a request) need request counts "
-                    f"that are multiples of {step}, but the widest uniform batch, {w} requests "
-                    f"(min(max_num_seqs={self.max_num_seqs}, max_num_tokens // {q})), is not; make it a multiple of {step}"
-                )
-            base = [r for r in default_ladder(top) if r * q <= top] if default_sizes else [-(-s // q) for s in sizes]
-            counts = {_round_up(r, step) for r in base}
-            reqs[depth] = tuple(sorted({r for r in counts if r <= w and r * q <= max(top, q)} | {w}))
+            step = self._request_step(depth, w)
+            # The request ladder and, for spec decode, the widest batch, with the default sizes (given sizes are taken as
+            # given: vLLM's default sizes hold these widths); for uniform keys, and with given sizes, the sizes rounded
+            # up to whole requests too, as vLLM sizes its uniform graphs; and the widest batch.
+            ladder = _fitting_requests(request_ladder(top, q), step, w, q, top) | ({w} if q > 1 else set()) if default_sizes else set()
+            rounded = whole_requests(sizes, q, top) if depth in self.uniform_depths or not default_sizes else []
+            reqs[depth] = tuple(sorted(ladder | _fitting_requests(rounded, step, w, q, top) | {w}))
+            ladder_reqs[depth] = tuple(sorted(ladder))
         fix("decode_reqs", reqs)
-        mixed_sizes = set(sizes)
-        if mixed is not None:
-            # The mixed keys serve uniform batches of depths without uniform keys too: give them the uniform widths that fit.
-            for depth, counts in reqs.items():
-                if self.folded or (depth not in self.uniform_depths and default_sizes):
-                    mixed_sizes |= {(1 + depth) * r for r in counts if (1 + depth) * r <= top}
-        fix("mixed_sizes", tuple(sorted(mixed_sizes)))
+        fix("mixed_sizes", self._mixed_sizes(sizes, top, ladder_reqs, default_sizes))
+
+    def _request_step(self, depth: int, widest: int) -> int:
+        """The step of request counts whose token counts are multiples of ``size_multiple``; the widest batch must be one."""
+        m, q = self.size_multiple, 1 + depth
+        step = m // math.gcd(m, q)
+        if widest % step:
+            raise ValueError(
+                f"size_multiple={m}: uniform keys of spec depth {depth} ({q} token{'s' if q > 1 else ''} a request) need request counts "
+                f"that are multiples of {step}, but the widest uniform batch, {widest} requests "
+                f"(min(max_num_seqs={self.max_num_seqs}, max_num_tokens // {q})), is not; make it a multiple of {step}"
+            )
+        return step
+
+    def _mixed_sizes(
+        self, sizes: tuple[int, ...], top: int, ladder_reqs: Mapping[int, tuple[int, ...]], default_sizes: bool
+    ) -> tuple[int, ...]:
+        """Token counts of mixed keys: the capture sizes, uniform widths ``q * r`` that fit, and, when uniform batches
+        have graphs of their own, the sizes rounded up to whole requests of the deepest spec depth.
+
+        The uniform widths are every one when ``folded`` (the mixed keys are the uniform batches' keys) and, with the
+        default sizes, those of depths without uniform keys (the mixed keys serve them) and the request ladder's and
+        the widest's of the others with spec decode (vLLM's default sizes hold them).  The rounded sizes are model runner V1's, which rounds every
+        capture size up to a multiple of the decode query length when its decode graphs are full, mixed ones
+        included, while V2 keeps them as they are: having both keeps every mixed batch within the padding of either.
+        """
+        out = set(sizes)
+        if self.mixed_strategy is None:
+            return tuple(sorted(out))
+        for depth, counts in self.decode_reqs.items():
+            q = 1 + depth
+            served = self.folded or (depth not in self.uniform_depths and default_sizes)
+            out |= {q * r for r in (counts if served else ladder_reqs[depth]) if q * r <= top}
+        if self.decode_strategy is not None and self.uniform_depths:
+            q = 1 + max(self.uniform_depths)
+            out |= rounded_sizes(sizes, q * self.size_multiple // math.gcd(q, self.size_multiple), top)
+        return tuple(sorted(out))
 
     def _strategies(self) -> tuple[str | None, str | None]:
         mode = self.mode
@@ -533,10 +594,10 @@ class CapturePlan:
         ``unsupported``), by keyword or in that order.
 
         Uniform-decode keys carry an exact request count: for each spec depth ``d`` the
-        request counts follow the ladder (1, 2, 4, 8, 16, 24, ...) while ``r * (1 + d)`` fits
-        the max capture size (with given ``capture_sizes``: each size rounded up to whole
-        requests), and the widest uniform batch of that depth, so one token count may have a
-        key per depth.  ``spec_depths`` may be a schedule ``{largest request count: depths}``
+        capture sizes rounded up to whole requests of ``1 + d`` tokens (as vLLM sizes its
+        uniform graphs), the request ladder (1, 2, 4, 8, 16, 24, ...) while ``r * (1 + d)``
+        fits the max capture size (default sizes only), and the widest uniform batch of that
+        depth, so one token count may have a key per depth.  ``spec_depths`` may be a schedule ``{largest request count: depths}``
         (deep speculation for small batches only).  Mixed-batch keys cover any batch up to
         ``max_capture_size`` tokens; a strategy that relaxes ``num_reqs`` (``piecewise``,
         ``breakable``, a plugin's) gets keys without a request count, others
@@ -544,7 +605,10 @@ class CapturePlan:
         (no decode strategy, or the same strategy for both without ``separate_decode``), the
         uniform widths ``r * (1 + d)`` that fit are mixed token counts too; with the same
         strategy they replace the uniform keys of the same width (one graph per token count).
-        Every key is repeated for each LoRA count (default with ``max_loras``:
+        When uniform batches have keys of their own, mixed keys also get the capture sizes
+        rounded up to whole requests of the deepest spec depth (vLLM's model runner V1 rounds
+        every size so; V2 keeps them): no batch pads more than under either (see
+        docs/plans-and-workloads.md, "Compared with vLLM").  Every key is repeated for each LoRA count (default with ``max_loras``:
         ``lora_ladder(max_loras)``).
         """
         plan_settings = _settings(settings, fields)

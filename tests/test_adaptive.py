@@ -317,7 +317,8 @@ def test_bad_current_keys_name_themselves() -> None:
 
 def spec_lora_change() -> PlanChange:
     engine = {"max_num_seqs": 8, "max_num_tokens": 64, "spec_depths": (0, 2), "max_loras": 2}
-    change = propose({B.decode(3, 2, 1): 40, B(11, 4): 9, B.decode(2): 5}, pairs(cg.CapturePlan.build(**engine)),
+    # 5 verify requests: a width the default plan has no uniform key of (it has 1, 2, 3, 4, 6 and 8), so the refit adds one.
+    change = propose({B.decode(5, 2, 1): 40, B(11, 4): 9, B.decode(2): 5}, pairs(cg.CapturePlan.build(**engine)),
                      Adaptation(max_graphs=18, settings=engine))
     assert change is not None
     return change
