@@ -81,8 +81,9 @@ _switch_state: list[Any] = [0, None]  # capture threads running, the interval be
 
 def background_order(pairs: Iterable[Pair]) -> list[Pair]:
     """Capture order beside a serving thread: the largest key of each kind first, so that every batch a kind
-    can serve gets a graph soon (padded, but a padded replay beats an eager step), then the others from the
-    smallest up, so the padding of the small, frequent batches falls first."""
+    can serve gets a graph soon (padded, but a padded replay beats an eager step), mixed kinds before uniform
+    ones (a mixed key covers uniform batches too, and a new request's first step is a prefill); then the others
+    from the smallest up, so the padding of the small, frequent batches falls first."""
 
     def size(pair: Pair) -> tuple[int, int]:
         return (pair[0].num_tokens, pair[0].num_reqs or 0)
@@ -94,7 +95,7 @@ def background_order(pairs: Iterable[Pair]) -> list[Pair]:
         kind = (strategy, key.uniform, key.spec_depth, key.num_active_loras)
         if kind not in largest or size(pair) > size(largest[kind]):
             largest[kind] = pair
-    first = sorted(largest.values(), key=size)
+    first = sorted(largest.values(), key=lambda pair: (pair[0].uniform, size(pair)))
     chosen = set(first)
     return first + sorted((p for p in pairs if p not in chosen), key=size)
 
@@ -102,8 +103,9 @@ def background_order(pairs: Iterable[Pair]) -> list[Pair]:
 class BackgroundCapture:
     """One registry's capture thread (started when there is work, ended when there is none) and its results."""
 
-    def __init__(self, capture_key: CaptureKey, catalog: Catalog, events: Events, name: str) -> None:
+    def __init__(self, capture_key: CaptureKey, catalog: Catalog, events: Events, name: str, pacer: Any = None) -> None:
         self._capture_key = capture_key
+        self._pacer = pacer  # the backend's step pacer (cuda), or None
         self._catalog = catalog
         self._events = events
         self._name = name
@@ -218,6 +220,12 @@ class BackgroundCapture:
             task.on_done(task.result, task.error)
         if not self.busy and not self._ready:
             self.active = False
+
+    def pace(self) -> None:
+        """At the start of a step while the capture thread works: keep the serving thread at most a few steps ahead of
+        the device (``CudaBackend.step_pacer``), so that the capture's own launches do not wait behind queued steps."""
+        if self._pacer is not None and self.busy:
+            self._pacer.step()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued or in flight (True), or ``timeout`` seconds pass (False); installs nothing."""

@@ -86,6 +86,12 @@ class EntryCapture:
         and a strategy that runs eager code during capture (breaks) gets a pool of its own, since
         that code really executes and could write memory a graph being replayed now is using.
         """
+        if background:  # on streams of the capture thread's own where the backend has them (cuda)
+            with getattr(self.backend, "background_context", contextlib.nullcontext)():
+                return self._capture(key, strategy_name, strategy, payload, background)
+        return self._capture(key, strategy_name, strategy, payload, background)
+
+    def _capture(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, background: bool) -> Entry:
         buffers = self.buffers
         pool = self.pool
         if background:

@@ -65,6 +65,11 @@ class Backend(Protocol):
 
     def synchronize(self) -> None: ...
 
+    # Optional, read with getattr (not part of the protocol's members): ``background_context()``, a context manager
+    # under which a capture beside a serving thread runs (the cuda backend: streams of that thread's own), and
+    # ``step_pacer()``, an object whose ``step()`` is called at the start of each step while such a capture runs
+    # (the cuda backend: it keeps the serving thread a few steps ahead of the device at most).
+
 
 @runtime_checkable
 class SegmentedBackend(Backend, Protocol):

@@ -112,7 +112,8 @@ class GraphRegistry:
         owner = step if isinstance(step, torch.nn.Module) else getattr(step, "__self__", None)
         if self.debug and isinstance(owner, torch.nn.Module):
             capturer.watch.watch(owner, prefix="step.")  # a model as the step: its weights are what graphs read
-        self._background = BackgroundCapture(capturer.capture_key, catalog, events, self.name)
+        pacer = getattr(self.backend, "step_pacer", None)  # optional: the cuda backend bounds the serving thread's run-ahead
+        self._background = BackgroundCapture(capturer.capture_key, catalog, events, self.name, pacer() if pacer else None)
         self._adapter = Adapter(adapt, catalog, capturer, self._background, events, self.name) if adapt is not None else None
         parts = (step, catalog, capturer, self._background, self._adapter, events, frozenset(buffers), self.name)
         self._server = DebugServer(*parts, watch=capturer.watch) if self.debug else Server(*parts)

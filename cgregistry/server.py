@@ -106,6 +106,7 @@ class Server:
             self._adapter.observe(actual)
         if background.active:
             background.install()
+            background.pace()
 
     def _serve(self, actual: BatchDescriptor, route: Route, variant: Variant | None, context: Any, inputs: dict[str, torch.Tensor]) -> Any:
         """Check, (find a graph,) copy in, replay, count, hand out."""

@@ -7,6 +7,7 @@ replay of any graph in the pool, which is the registry's contract anyway.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import threading
@@ -22,7 +23,7 @@ from cgregistry.markers import hookimpl
 if TYPE_CHECKING:
     from cgregistry.plugins import BackendRegistrar
 
-__all__ = ["CudaBackend", "CudaGraph", "CudaSegment", "clear_cublas_workspaces", "non_owning_alias"]
+__all__ = ["CudaBackend", "CudaGraph", "CudaSegment", "StepPacer", "clear_cublas_workspaces", "non_owning_alias"]
 
 
 def _reserved_bytes() -> int:
@@ -151,6 +152,40 @@ class _BackgroundSegments:
 _background_segments = _BackgroundSegments()
 
 
+class StepPacer:
+    """Bounds how far a serving thread runs ahead of the GPU while a capture thread works beside it.
+
+    An engine that never syncs fills the device's launch queue with steps; every kernel the capture
+    thread's warm-up launches then waits for a queued step to finish (measured: 0.7 s a key instead of
+    30 ms).  ``step()`` at the start of each step records an event for the steps before it and waits for
+    the one ``depth`` steps back, so at most ``depth`` steps are queued: the GPU never idles, and the
+    capture's launches find room.
+    """
+
+    __slots__ = ("depth", "_events")
+
+    def __init__(self, depth: int = 2) -> None:
+        self.depth = depth
+        self._events: collections.deque[torch.cuda.Event] = collections.deque()
+
+    def step(self) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        self._events.append(event)
+        if len(self._events) > self.depth:
+            self._events.popleft().synchronize()
+
+
+def _wait_for(stream: torch.cuda.Stream) -> None:
+    """Wait for what a capture queued: the whole device in the foreground (between steps), only the capture's own
+    ``stream`` beside a serving thread, whose queued steps a device-wide sync would wait for (seconds, when the
+    engine runs ahead of the GPU)."""
+    if runtime.background_capture.get():
+        stream.synchronize()
+    else:
+        torch.cuda.synchronize()
+
+
 class CudaSegment:
     """One capture in progress: ``end()`` finishes it, ``abort()`` abandons it after an error."""
 
@@ -218,7 +253,7 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self) -> None:
-        self._stream: torch.cuda.Stream | None = None
+        self._streams = threading.local()  # each capturing thread's side stream (and a capture thread's own stream)
         self._poisoned: set[object] = set()
 
     def is_available(self) -> bool:
@@ -230,26 +265,40 @@ class CudaBackend:
     def new_pool(self) -> object:
         return torch.cuda.graph_pool_handle()
 
-    def _side_stream(self) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        return self._stream
+    def _side_stream(self, kind: str = "side", priority: int = 0) -> torch.cuda.Stream:
+        stream = getattr(self._streams, kind, None)
+        if stream is None:
+            stream = torch.cuda.Stream(priority=priority)
+            setattr(self._streams, kind, stream)
+        return stream
+
+    def step_pacer(self) -> StepPacer:
+        """What keeps a serving thread from running more than a few steps ahead of the GPU while a capture runs beside it."""
+        return StepPacer()
+
+    def background_context(self) -> contextlib.AbstractContextManager[Any]:
+        """A background capture runs on streams of its own thread, made current here (its static inputs are filled
+        on it too): nothing it queues or waits for sits behind the serving thread's queued steps."""
+        return torch.cuda.stream(self._side_stream("background"))
 
     def warmup(self, fn: Callable[[], Any], runs: int) -> Any:
-        stream = self._side_stream()
+        # Beside a serving thread the warm-up (the only capture work that runs on the GPU) takes a stream of the
+        # highest priority: an engine that runs ahead of the GPU keeps it full, and the warm-up would wait behind it.
+        background = runtime.background_capture.get()
+        stream = self._side_stream("warmup", priority=-100) if background else self._side_stream()
         stream.wait_stream(torch.cuda.current_stream())
         out = None
         with torch.cuda.stream(stream):
             for _ in range(max(runs, 1)):
                 out = fn()
         torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        _wait_for(stream)
         return out
 
     @contextlib.contextmanager
     def capture_context(self) -> Iterator[None]:
         """Run capture (and the eager work between segments) on the side stream, then join it back."""
-        torch.cuda.synchronize()
+        _wait_for(torch.cuda.current_stream())
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream())
         # Track forks and joins of side streams so an unjoined one can be named (capture is single-threaded).
@@ -262,7 +311,7 @@ class CudaBackend:
             torch.cuda.Stream.wait_stream = _original_wait_stream  # type: ignore[method-assign]
             _tracker.reset(token)
             torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize()
+            _wait_for(stream)
 
     def begin_capture(self, pool: object) -> CudaSegment:
         """Start capturing into ``pool`` on the current stream; ``end()`` gives the graph."""
@@ -309,7 +358,7 @@ class CudaBackend:
         return [non_owning_alias(t) if in_pool(t) else t for t in tensors]
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize()
+        _wait_for(torch.cuda.current_stream())
 
 
 @hookimpl
