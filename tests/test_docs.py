@@ -1,4 +1,8 @@
-"""Every python code block in README.md and docs/*.md runs (blocks of one file share a namespace)."""
+"""Every python code block in README.md and docs/*.md runs.
+
+Each block runs on its own, as a reader pastes it, except on the pages that build one example
+step by step (``SEQUENTIAL``, each saying so at its top): their blocks run in order in one namespace.
+"""
 
 from __future__ import annotations
 
@@ -12,19 +16,37 @@ import pytest
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+# Pages whose blocks continue one another (one registry or plan through the page).
+SEQUENTIAL = {"inspection.md", "plans-and-workloads.md", "writing-plugins.md", "adaptive.md"}
+SEQUENTIAL_NOTE = "The blocks of this page run in order, as one session"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
-def test_code_blocks_run(page: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # A real module, as a script would have: torch.compile looks the blocks' globals up by module name.
+def run_blocks(page: Path, blocks: list[tuple[int, str]]) -> None:
+    """Run ``blocks`` in order in one fresh module (a real module, as a script has: torch.compile
+    looks the blocks' globals up by module name)."""
     module = types.ModuleType(f"docs_{page.stem.replace('-', '_')}")
     sys.modules[module.__name__] = module
     try:
-        for i, block in enumerate(BLOCK.findall(page.read_text())):
+        for i, block in blocks:
             code = compile(block, f"{page.name}[block {i}]", "exec")
             exec(code, module.__dict__)  # noqa: S102 - the docs are ours
     finally:
         del sys.modules[module.__name__]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_code_blocks_run(page: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocks = list(enumerate(BLOCK.findall(page.read_text())))
+    if page.name in SEQUENTIAL:
+        run_blocks(page, blocks)
+    else:
+        for block in blocks:  # each on its own: a reader copies one block, not the page
+            run_blocks(page, [block])
+
+
+def test_sequential_pages_say_so() -> None:
+    for name in SEQUENTIAL:
+        assert SEQUENTIAL_NOTE in (ROOT / "docs" / name).read_text(), f"{name} does not say its blocks run in order"
 
 
 def test_docs_exist() -> None:
