@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -385,22 +386,31 @@ def replay(
     histogram = TrafficHistogram()
     changes: list[PlanChange] = []
     windows: list[PlanScore] = []
-    totals = [0, 0, 0, 0]  # steps, graph steps, real tokens, padded tokens of the window being served
+    served: Counter[BatchDescriptor] = Counter()  # steps of this window served by the keys held, not scored yet
+    totals = [0, 0, 0, 0]  # steps, graph steps, real tokens, padded tokens of this window's scored steps
+
+    def score() -> None:  # the steps served so far by the keys held (scored once per window or change)
+        if served:
+            report = evaluate(CapturePlan.of(held), served, preference, **cap)
+            for i, n in enumerate((report.steps, report.graph_steps, report.real_tokens, report.padded_tokens)):
+                totals[i] += n
+            served.clear()
+
     for start in range(0, len(steps), harvest):
         end = min(start + harvest, len(steps))
         lo = start
-        while lo < end:  # a harvest may straddle windows: score each part in its own
+        while lo < end:  # a harvest may straddle windows
             hi = min(end, (lo // window + 1) * window)
-            report = evaluate(CapturePlan.of(held), workload_counts(steps[lo:hi], "replay()"), preference, **cap)
-            for i, n in enumerate((report.steps, report.graph_steps, report.real_tokens, report.padded_tokens)):
-                totals[i] += n
+            served.update(steps[lo:hi])
             if hi % window == 0 or hi == len(steps):
+                score()
                 windows.append(PlanScore(len(held), *totals))
                 totals = [0, 0, 0, 0]
             lo = hi
         histogram.add(workload_counts(steps[start:end], "replay()"))
         change = refit(histogram, held, adaptation, preference=preference, **cap)
         if change is not None:
+            score()
             gone = set(change.removed)
             held = [p for p in held if p not in gone] + list(change.added)
             changes.append(change)
