@@ -8,13 +8,17 @@ import contextlib
 import io
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
+import torch
 
+import cgregistry as cg
 from cgregistry import cli as cli_module
 from cgregistry.demo import DemoResult
 from cgregistry.plan import MODES
@@ -50,6 +54,18 @@ def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, 
         code = exc.code if isinstance(exc.code, int) else 1
     out, err = capsys.readouterr()
     return code, out, err
+
+
+@pytest.fixture
+def small_demo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo with a one-layer model: what these tests check (the command, its modes, its output) does not
+    depend on the model's size, and the CPU-sized one costs seconds a run.  The CPU size runs in the slow set
+    (test_the_readmes_demo_command_runs_as_a_user_runs_it)."""
+    from cgregistry.demo_model import DemoConfig
+
+    sized = DemoConfig.for_device
+    small = attrs.evolve(sized("cpu"), layers=1, hidden=32, heads=2, ffn=64, vocab=128, context=8)
+    monkeypatch.setattr(DemoConfig, "for_device", classmethod(lambda cls, device: small if torch.device(device).type == "cpu" else sized(device)))
 
 
 def test_plan_lists_keys_and_gaps(capsys: pytest.CaptureFixture[str]) -> None:
@@ -105,7 +121,15 @@ def test_plan_lists_the_uncovered_ranges_of_any_token_budget(capsys: pytest.Capt
     ]
 
 
-def test_demo_checks_every_step_against_eager(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.slow  # the full-sized demo (200 steps) in a fresh interpreter
+def test_the_readmes_demo_command_runs_as_a_user_runs_it() -> None:
+    r = subprocess.run([sys.executable, "-m", "cgregistry", "demo"], capture_output=True, text=True, env=ENV, timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert "checked 200 steps against eager: 0 mismatches" in r.stdout, r.stdout
+    assert "NumPy" not in r.stderr
+
+
+def test_demo_checks_every_step_against_eager(capsys: pytest.CaptureFixture[str], small_demo: None) -> None:
     code, out, err = run_main(capsys, "demo", "--backend", "cpu", "--steps", "40", "--json")
     assert code == 0, err
     result = json.loads(out)
@@ -116,7 +140,7 @@ def test_demo_checks_every_step_against_eager(capsys: pytest.CaptureFixture[str]
     assert result["speedup"] is None and "cpu backend emulates graphs" in result["no_speedup_reason"]
 
 
-def test_demo_prints_table_and_timing(capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_prints_table_and_timing(capsys: pytest.CaptureFixture[str], small_demo: None) -> None:
     code, out, err = run_main(capsys, "demo", "--backend", "cpu", "--steps", "20")
     assert code == 0, err
     assert "checked 20 steps against eager: 0 mismatches" in out
@@ -197,7 +221,7 @@ def test_plugins_lists_builtins_and_installed_distributions(monkeypatch: pytest.
     assert "cgregistry (built-in)" in table.stdout and "cgregistry_register_backends" in table.stdout
 
 
-def test_demo_snapshot_then_inspect(tmp_path) -> None:  # noqa: ANN001
+def test_demo_snapshot_then_inspect(tmp_path: Path, small_demo: None) -> None:
     snap = tmp_path / "snap.json"
     r = cli("demo", "--backend", "cpu", "--steps", "30", "--snapshot", str(snap), "--json")
     assert r.returncode == 0, r.stderr
@@ -274,10 +298,6 @@ def test_check_takes_a_file_path(check_imports: None, tmp_path: Path) -> None:
 
 
 def test_inspect_refuses_a_strategy_the_snapshot_never_had_and_says_when_filters_leave_nothing(tmp_path: Path) -> None:
-    import torch
-
-    import cgregistry as cg
-
     reg = cg.GraphRegistry(lambda batch, x: x * 2, {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu")
     reg.capture([(cg.BatchDescriptor(8), "full"), (cg.BatchDescriptor(4), "full")])
     snap = tmp_path / "snap.json"
@@ -293,12 +313,6 @@ def test_inspect_refuses_a_strategy_the_snapshot_never_had_and_says_when_filters
 
 
 def test_version_names_cgregistry_torch_and_python() -> None:
-    import platform
-
-    import torch
-
-    import cgregistry as cg
-
     r = cli("--version")
     assert r.returncode == 0 and r.stdout == f"cgregistry {cg.__version__} (torch {torch.__version__}, Python {platform.python_version()})\n"
 
@@ -513,8 +527,11 @@ def test_speedup_only_where_graphs_served_steps_on_a_real_backend() -> None:
     assert no_hits.speedup is None and "no step was served by a graph" in no_hits.no_speedup_reason
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_demo_runs_every_mode_the_cli_offers(capsys: pytest.CaptureFixture[str], mode: str) -> None:
+@pytest.mark.parametrize("mode", [
+    pytest.param(m, marks=[pytest.mark.filterwarnings("ignore:.*with no graph captured or planned:RuntimeWarning")] if m == "none" else [])
+    for m in MODES
+])
+def test_demo_runs_every_mode_the_cli_offers(capsys: pytest.CaptureFixture[str], mode: str, small_demo: None) -> None:
     # Few steps keep it fast; the piecewise modes add a dynamo trace (about a second or two on CPU).
     code, out, err = run_main(capsys, "demo", "--backend", "cpu", "--steps", "8", "--mode", mode, "--all", "--json")
     assert code == 0, err
@@ -537,20 +554,39 @@ def test_demo_errors_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "argument --steps: expected an integer >= 1, got 0" in err
 
 
-def test_demo_puts_the_modes_decode_strategy_first_unless_told_otherwise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``--mode breakable,full``: with the library's default preference (full first) the full mixed keys would serve every
-    decode batch, and the breakable decode keys would never replay; the demo prefers the mode's decode strategy."""
-    import cgregistry as cg
+class OwnGraphs:
+    """A plugin strategy of exact-request keys, as a vendor's would be: one full graph per key."""
 
+    name = "own"
+    relaxes_num_reqs = False
+
+    def capture(self, body, backend, pool):  # noqa: ANN001, ANN201
+        return backend.capture(body, pool)
+
+
+class OwnPlugin:
+    @cg.plugin.hookimpl
+    def cgregistry_register_strategies(self, register) -> None:  # noqa: ANN001
+        register(OwnGraphs())
+
+
+def test_demo_puts_the_modes_decode_strategy_first_unless_told_otherwise(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, small_demo: None,
+) -> None:
+    """``--mode own,full``: a plugin strategy is not in the library's default preference, so it ranks last, the full
+    mixed keys would serve every decode batch and its decode keys never replay; the demo prefers the mode's decode strategy."""
+    import cgregistry.demo
+
+    monkeypatch.setattr(cgregistry.demo, "Plugins", lambda: cg.Plugins(cg.make_plugin_manager([OwnPlugin()], autoload=False)))
     served = {}
-    for name, extra in (("default", []), ("given", ["--preference", "full,breakable"])):
+    for name, extra in (("default", []), ("given", ["--preference", "full,own"])):
         snap = tmp_path / f"{name}.json"
-        code, out, err = run_main(capsys, "demo", "--backend", "cpu", "--steps", "12", "--mode", "breakable,full", "--snapshot", str(snap), *extra)
+        code, out, err = run_main(capsys, "demo", "--backend", "cpu", "--steps", "12", "--mode", "own,full", "--snapshot", str(snap), *extra)
         assert code == 0, err
         served[name] = cg.load_snapshot(snap).stats.by_strategy
-    assert "preference: full, breakable (given)" in out
-    assert served["default"]["breakable"] > 0 and served["given"]["breakable"] == 0
-    assert served["given"]["full"] == served["default"]["full"] + served["default"]["breakable"]  # the same steps, other keys
+    assert "preference: full, own (given)" in out
+    assert served["default"]["own"] > 0 and served["given"]["own"] == 0
+    assert served["given"]["full"] == served["default"]["full"] + served["default"]["own"]  # the same steps, by other keys
     code, _, err = run_main(capsys, "demo", "--preference", "full,nope")
     assert code == 2 and "cgregistry demo: error: --preference=full,nope: strategy 'nope' is not registered; available:" in err
 
