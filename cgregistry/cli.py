@@ -580,7 +580,11 @@ def _load_target_module(name: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.resolve().parent))  # its own imports of sibling files work, as for `python FILE`
     sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[path.stem]  # as a failed import leaves nothing behind; the file's own error goes on
+        raise
     return module
 
 
