@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from cgregistry.fitting import PlanReport, Workload, evaluate, workload_counts
 from cgregistry.matcher import DEFAULT_PREFERENCE
 from cgregistry.plan import CapturePlan, PlanSettings
 
-__all__ = ["REASONS", "Adaptation", "PlanChange", "PlanScore", "TrafficHistogram", "propose", "refit"]
+__all__ = ["REASONS", "Adaptation", "PlanChange", "PlanScore", "Replay", "TrafficHistogram", "propose", "refit", "replay"]
 
 Pair = tuple[BatchDescriptor, str]
 
@@ -333,3 +334,84 @@ def refit(
     )
     histogram.decay(adaptation.decay)
     return change
+
+
+@attrs.frozen(slots=True)
+class Replay:
+    """The adaptation loop driven over recorded steps (``replay``): how each window of steps was served, and the changes.
+
+    ``windows[i]`` scores steps ``[i * window, (i + 1) * window)`` with the keys held when each was served
+    (``graphs``: the keys held at the window's end); ``changes`` are the plan changes in order; ``keys``
+    are the keys held at the end.
+    """
+
+    window: int
+    windows: tuple[PlanScore, ...]
+    changes: tuple[PlanChange, ...]
+    keys: tuple[Pair, ...]
+
+    def padding_per_real_token(self) -> list[float]:
+        """Each window's padded tokens per real token of its graph-served steps (0 where graphs served none)."""
+        return [w.padded_tokens / w.real_tokens if w.real_tokens else 0.0 for w in self.windows]
+
+
+def _positive(name: str, value: object) -> int:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"replay() {name} must be an int >= 1 (steps), got {value!r}")
+    return value
+
+
+def replay(
+    steps: Sequence[BatchDescriptor],
+    adaptation: Adaptation,
+    current: Sequence[Pair] = (),
+    *,
+    harvest: int = 100,
+    window: int = 1000,
+    preference: Sequence[str] = DEFAULT_PREFERENCE,
+    max_padding_tokens: int | None = None,
+    max_padding_ratio: float | None = None,
+) -> Replay:
+    """Serve ``steps`` (in order) starting from the ``current`` keys, adapting as a registry with ``adaptation`` would.
+
+    Every ``harvest`` steps are served with the keys held, then added to the histogram, and a due refit's
+    change holds from the next harvest on (a registry captures the added keys in the background meanwhile,
+    serving their batches from other keys or eagerly: a little later, not more padded).  What to tune
+    ``every_steps``, ``min_steps`` and ``decay`` on, with a trace of your own traffic (docs/adaptive.md).
+    """
+    harvest, window = _positive("harvest", harvest), _positive("window", window)
+    workload_counts(steps, "replay()")  # every step a BatchDescriptor, an error naming the first that is not
+    cap = {"max_padding_tokens": max_padding_tokens, "max_padding_ratio": max_padding_ratio}
+    held = _pairs(current)
+    histogram = TrafficHistogram()
+    changes: list[PlanChange] = []
+    windows: list[PlanScore] = []
+    served: Counter[BatchDescriptor] = Counter()  # steps of this window served by the keys held, not scored yet
+    totals = [0, 0, 0, 0]  # steps, graph steps, real tokens, padded tokens of this window's scored steps
+
+    def score() -> None:  # the steps served so far by the keys held (scored once per window or change)
+        if served:
+            report = evaluate(CapturePlan.of(held), served, preference, **cap)
+            for i, n in enumerate((report.steps, report.graph_steps, report.real_tokens, report.padded_tokens)):
+                totals[i] += n
+            served.clear()
+
+    for start in range(0, len(steps), harvest):
+        end = min(start + harvest, len(steps))
+        lo = start
+        while lo < end:  # a harvest may straddle windows
+            hi = min(end, (lo // window + 1) * window)
+            served.update(steps[lo:hi])
+            if hi % window == 0 or hi == len(steps):
+                score()
+                windows.append(PlanScore(len(held), *totals))
+                totals = [0, 0, 0, 0]
+            lo = hi
+        histogram.add(workload_counts(steps[start:end], "replay()"))
+        change = refit(histogram, held, adaptation, preference=preference, **cap)
+        if change is not None:
+            score()
+            gone = set(change.removed)
+            held = [p for p in held if p not in gone] + list(change.added)
+            changes.append(change)
+    return Replay(window, tuple(windows), tuple(changes), tuple(held))

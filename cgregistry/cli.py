@@ -1,6 +1,7 @@
 """The ``cgregistry`` command: ``demo``, ``plan``, ``inspect``, ``check`` and ``plugins``; ``--json`` on each.
 
-Exit codes: 0 success, 1 the job found a problem (demo mismatches, unsafe ops), 2 bad input (message on stderr).
+Exit codes: 0 success, 1 the job found a problem (demo mismatches, unsafe ops), 2 bad input (message on stderr),
+141 the output pipe closed early (``| head``), silently, as a Unix tool killed by SIGPIPE.
 Every option's help shows its default; an option that does nothing without another is refused; errors
 name the flag the user passed, never an internal setting name.
 """
@@ -17,7 +18,7 @@ from typing import Any
 import attrs
 
 from cgregistry.descriptor import BatchDescriptor
-from cgregistry.plan import MODES, CapturePlan, PlanSettings
+from cgregistry.plan import MODES, CapturePlan, PlanSettings, mode_preference
 from cgregistry.text import text_table
 from cgregistry.workload import SchedulerConfig
 
@@ -79,8 +80,9 @@ def _mode_flagged(message: str, args: argparse.Namespace) -> str:
 
 
 def _demo_flagged(message: str, args: argparse.Namespace) -> str:
-    """A demo error in the demo's flags: ``--mode=...`` and ``--backend=...`` for the plugin manager's wording."""
+    """A demo error in the demo's flags: ``--mode=...``, ``--backend=...`` and ``--preference=...`` for the library's wording."""
     message = re.sub(r"^backend '([^']*)' (is )?", lambda m: f"--backend={m[1]}: ", message)
+    message = re.sub(r"^preference \(.*?\): ", lambda m: f"--preference={','.join(args.preference or ())}: ", message)
     return _mode_flagged(message, args)
 
 
@@ -120,7 +122,8 @@ def _demo(args: argparse.Namespace) -> int:
     from cgregistry.demo import run_demo
 
     log = (lambda line: None) if args.json else print
-    result = run_demo(backend=args.backend, steps=args.steps, mode=args.mode, seed=args.seed, log=log, all_entries=args.all, snapshot=args.snapshot)
+    result = run_demo(backend=args.backend, steps=args.steps, mode=args.mode, seed=args.seed, log=log, all_entries=args.all,
+                      snapshot=args.snapshot, preference=args.preference)
     if args.json:
         data = attrs.asdict(result)
         data["speedup"] = result.speedup
@@ -263,7 +266,8 @@ def _plan(args: argparse.Namespace) -> int:
     print()
     for e in plan:
         print(f"{e.strategy:10} {e.descriptor}")
-    print(f"{len(plan)} graphs: " + ", ".join(f"{n} {name}" for name, n in _class_counts(plan).items()))
+    counts = _class_counts(plan)
+    print(f"{len(plan)} graphs: " + (", ".join(f"{n} {name}" for name, n in counts.items()) or "every batch runs eagerly"))
     for g in gaps:
         depth = "" if g.spec_depth is None else f" spec depth {g.spec_depth}"
         why = f", over the padding cap: every covering key pads more ({_cap_text(args)})" if g.reason == "padding_cap" else ""
@@ -321,7 +325,8 @@ def _plan_on_trace(args: argparse.Namespace, plan: CapturePlan, settings: PlanSe
     else:
         judge_on = list(schedule(requests, config))
         scope = f"{len(requests)} requests, {len(judge_on)} steps"
-    reports = {name: evaluate(p, judge_on, **_cap(args)) for name, p in plans.items()}
+    # Served as a registry with the mode's preference serves them: its decode strategy first (what the fit assumes).
+    reports = {name: evaluate(p, judge_on, mode_preference(settings.mode), **_cap(args)) for name, p in plans.items()}
     if args.plot:
         _plot(reports, args.plot)
     if args.json:
@@ -437,6 +442,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from cgregistry.inspection import load_snapshot
 
     snap = load_snapshot(args.snapshot)
+    _check_strategy(args.strategy, snap)
     uniform = {"uniform": True, "mixed": False, None: None}[args.kind]
     filters = {
         "strategy": args.strategy, "uniform": uniform, "spec_depth": args.spec_depth,
@@ -454,6 +460,10 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     print(f"snapshot of {snap.name!r} ({snap.backend}, {snap.device}) taken {snap.created}")
     print(snap.table(**filters))
+    if not entries:
+        held = len(snap.entries)
+        print(f"no entry matches {_filter_text(args)}; the snapshot holds {held} {'entry' if held == 1 else 'entries'}"
+              if _filter_text(args) else "the snapshot holds no entries")
     s = snap.stats
     if s.by_class:
         rows = [("key class", "entries", "replays", "graph tokens", "padded tokens")]
@@ -468,6 +478,23 @@ def _inspect(args: argparse.Namespace) -> int:
         print()
         print(explanation)
     return 0
+
+
+def _check_strategy(name: str | None, snap: Any) -> None:
+    """Refuse ``--strategy`` naming a strategy the snapshot never mentions (a typo, most likely), listing those it does."""
+    if name is None:
+        return
+    known = {e.strategy for e in snap.entries} | set(snap.preference) | {s for _, s in (*snap.pending, *snap.capturing)}
+    if name not in known:
+        raise ValueError(f"--strategy={name}: the snapshot has no strategy of that name; it knows {', '.join(sorted(known)) or 'none'}")
+
+
+def _filter_text(args: argparse.Namespace) -> str:
+    """The ``inspect`` filters given, as the user wrote them (empty: none)."""
+    given = [f"--strategy={args.strategy}" if args.strategy else "", f"--kind={args.kind}" if args.kind else "",
+             f"--spec-depth={args.spec_depth}" if args.spec_depth is not None else "",
+             f"--loras={args.loras}" if args.loras is not None else "", "--used" if args.used else ""]
+    return " ".join(g for g in given if g)
 
 
 def _picked(entry: dict, chosen: list) -> bool:
@@ -525,24 +552,55 @@ def parse_descriptor(text: str) -> BatchDescriptor:
 # ---------------------------------------------------------------------------- check
 
 
-def _check(args: argparse.Namespace) -> int:
-    import importlib
-    import inspect
+def _is_file(target: str) -> bool:
+    """Whether the MODULE part of ``check``'s target is a path (``step.py``, ``dir/step``) rather than a module name."""
     import os
+
+    return target.endswith(".py") or "/" in target or os.sep in target
+
+
+def _load_target_module(name: str) -> Any:
+    """``check``'s module: imported by name (the current directory searched first), or executed from a file path."""
+    import importlib
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    if not _is_file(name):
+        sys.path.insert(0, os.getcwd())
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"cannot import module {name!r}: {exc}") from None
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"no file {name!r}: expected MODULE:FUNCTION or FILE.py:FUNCTION")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot load {name!r} as Python: expected a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.resolve().parent))  # its own imports of sibling files work, as for `python FILE`
+    sys.modules[path.stem] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[path.stem]  # as a failed import leaves nothing behind; the file's own error goes on
+        raise
+    return module
+
+
+def _check(args: argparse.Namespace) -> int:
+    import inspect
 
     from cgregistry.backends.cpu import find_graph_unsafe_ops
 
-    module_name, _, func_name = args.target.partition(":")
+    module_name, _, func_name = args.target.rpartition(":")  # the last colon: a Windows path has one of its own
     if not module_name or not func_name:
-        raise ValueError(f"expected MODULE:FUNCTION, got {args.target!r}")
-    sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r}: {exc}") from None
+        raise ValueError(f"expected MODULE:FUNCTION or FILE.py:FUNCTION, got {args.target!r}")
+    module = _load_target_module(module_name)
     func = getattr(module, func_name, None)
     if not callable(func):
-        raise ValueError(f"module {module_name!r} has no function {func_name!r}")
+        raise ValueError(f"{'file' if _is_file(module_name) else 'module'} {module_name!r} has no function {func_name!r}")
     required = [p.name for p in inspect.signature(func).parameters.values() if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if required:
         raise ValueError(
@@ -573,6 +631,14 @@ def _ints(text: str) -> list[int]:
     if not values:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r} (no integer)")
     return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """Comma-separated names, at least one (``full,breakable``); whether each is registered is checked later."""
+    names = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated strategy names, got {text!r}")
+    return names
 
 
 def _unsupported_flag(text: str) -> dict[str, list[str]]:
@@ -649,6 +715,10 @@ def _add_demo(sub: Any) -> argparse.ArgumentParser:
         "is the fastest it can run; modes with piecewise keys compile the model first, seconds of tracing. "
         f"`plan` defaults to {_PLAN_DEFAULT_MODE}, the library's default for engines, whose attention "
         "usually cannot be in a graph)"))
+    demo.add_argument("--preference", type=_names, default=None, metavar="STRATEGY,...",
+                      help="the registry's strategy order, most preferred first (default: the mode's decode strategy, then "
+                           "its mixed one, then full, piecewise, breakable; a plugin strategy left out ranks last, so its "
+                           "decode keys would lose every decode batch to relaxed mixed keys)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the model's weights and of the batches' inputs")
     demo.add_argument("--all", action="store_true", help="list every entry, not only those that served the run")
     demo.add_argument("--json", action="store_true", help="print the result as JSON instead of the log")
@@ -747,11 +817,13 @@ def _add_inspect(sub: Any) -> argparse.ArgumentParser:
 
 def _add_check(sub: Any) -> argparse.ArgumentParser:
     check = sub.add_parser(
-        "check", help="run MODULE:FUNCTION under the cpu emulator and list every graph-unsafe op",
+        "check", help="run MODULE:FUNCTION (or FILE.py:FUNCTION) under the cpu emulator and list every graph-unsafe op",
         description="Run a function under the cpu emulator and list every op a CUDA graph capture would refuse.",
         formatter_class=HelpFormatter,
     )
-    check.add_argument("target", metavar="MODULE:FUNCTION", help="a function taking no arguments that runs your step once")
+    check.add_argument("target", metavar="MODULE:FUNCTION",
+                       help="a function taking no arguments that runs your step once: an importable module "
+                            "(pkg.step:run, found from the current directory too) or a file (path/to/step.py:run)")
     check.add_argument("--json", action="store_true", help="print the ops found as JSON")
     check.set_defaults(func=_check)
     return check
@@ -770,14 +842,27 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     """The command's parser and each subcommand's."""
     parser = argparse.ArgumentParser(
         prog="cgregistry", description="CUDA graphs for batched inference engines.",
-        epilog="exit codes: 0 success, 1 the job found a problem (demo mismatches, unsafe ops), 2 bad input",
+        epilog="exit codes: 0 success, 1 the job found a problem (demo mismatches, unsafe ops), 2 bad input, "
+               "141 the output pipe closed early (| head), silently",
     )
+    parser.add_argument("--version", action="version", version=_version_text(), help="print the versions of cgregistry, torch and Python, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {}
     for add in (_add_demo, _add_plan, _add_inspect, _add_check, _add_plugins):
         command = add(sub)
         commands[command.prog.split()[-1]] = command
     return parser, commands
+
+
+def _version_text() -> str:
+    """``cgregistry X (torch Y, Python Z)``: what a bug report needs."""
+    import platform
+
+    import torch
+
+    from cgregistry.version import __version__
+
+    return f"cgregistry {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -792,8 +877,19 @@ def _message(exc: BaseException) -> str:
     return str(exc)
 
 
+# The exit code of a command whose reader went away (``| head``): what a shell reports for a tool killed by SIGPIPE.
+EXIT_PIPE_CLOSED = 128 + 13
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (argparse exits with 2 itself on a usage error)."""
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        return _pipe_closed()
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser, commands = parsers()
     args = parser.parse_args(argv)
     usage_error = getattr(args, "usage_error", None)
@@ -801,11 +897,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem:
         commands[args.command].error(problem)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        raise
     except (ValueError, TypeError, KeyError, RuntimeError, OSError) as exc:
         translate = _TRANSLATE.get(args.command, lambda message, _: message)
         print(f"cgregistry {args.command}: error: {translate(_message(exc), args)}", file=sys.stderr)
         return 2
+
+
+def _pipe_closed() -> int:
+    """The reader of stdout left (``cgregistry inspect snap.json | head``): stop quietly.
+
+    What is still buffered for stdout goes to /dev/null, so the interpreter's own flush at exit does
+    not fail a second time (Python's documented way to handle SIGPIPE without a traceback).
+    """
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (captured in process): nothing to redirect
+        pass
+    return EXIT_PIPE_CLOSED
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from cgregistry.demo_model import (
     demo_inputs,
     random_batch,
 )
-from cgregistry.plan import CapturePlan
+from cgregistry.plan import CapturePlan, mode_preference
 from cgregistry.plugins import Plugins
 from cgregistry.registry import GraphRegistry
 from cgregistry.strategies.piecewise import PiecewiseStrategy
@@ -102,6 +102,17 @@ def _needs_compile(plan: CapturePlan, plugins: Plugins) -> bool:
     return any(isinstance(plugins.strategy(s), PiecewiseStrategy) for s in {e.strategy for e in plan})
 
 
+def _preference(mode: str | tuple[str | None, str | None], given: tuple[str, ...] | None, plugins: Plugins) -> tuple[str, ...]:
+    """The registry's preference: ``given`` (every name registered), else the mode's (``mode_preference``)."""
+    if given is None:
+        return mode_preference(mode)
+    unknown = [name for name in given if name not in plugins.strategies]
+    if unknown or not given:
+        problem = f"strategy {unknown[0]!r} is not registered" if unknown else "no strategy named"
+        raise ValueError(f"preference {tuple(given)}: {problem}; available: {', '.join(sorted(plugins.strategies))}")
+    return tuple(given)
+
+
 def run_demo(
     backend: str = "auto",
     steps: int = 200,
@@ -111,26 +122,32 @@ def run_demo(
     progress: bool | None = None,
     all_entries: bool = False,
     snapshot: str | None = None,
+    preference: tuple[str, ...] | None = None,
 ) -> DemoResult:
     """Capture the demo model, run ``steps`` trace-derived batches, check and time them.
 
     ``mode`` is a name from ``cgregistry.plan.MODES`` or a (decode, mixed) strategy pair; with
     keys of a piecewise strategy the model is compiled (``reg.compile``) before capture.
+    ``preference``: the registry's strategy order; by default the mode's decode strategy, then its
+    mixed one (``mode_preference``), so a plugin's decode keys are not left behind relaxed mixed keys.
     """
     plugins = Plugins()
     device = plugins.backend(backend).device()
     cfg = DemoConfig.for_device(device)
     plan = CapturePlan.build(max_num_seqs=cfg.max_num_seqs, max_num_tokens=cfg.max_num_tokens, mode=mode, plugins=plugins)
+    order = _preference(mode, preference, plugins)
     compile_model = _needs_compile(plan, plugins)
     model = DemoDecoder(cfg, device, seed=seed, attention=_attention_break() if compile_model else None)
     if compile_model:
         # Piecewise keys capture the pieces of a compiled model, split at the attention kernel (an eager break).
-        reg = GraphRegistry(lambda batch, **inputs: compiled(**inputs), demo_inputs(cfg), backend=backend, plugins=plugins)
+        reg = GraphRegistry(lambda batch, **inputs: compiled(**inputs), demo_inputs(cfg), backend=backend, plugins=plugins, preference=order)
         compiled = reg.compile(lambda input_ids, req_idx, seq_lens: model(None, input_ids, req_idx, seq_lens))
     else:
-        reg = GraphRegistry(model, demo_inputs(cfg), backend=backend, plugins=plugins)
+        reg = GraphRegistry(model, demo_inputs(cfg), backend=backend, plugins=plugins, preference=order)
     log(f"demo model: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.dtype} on {device} ({reg.backend.name} backend)")
     log(f"plan: mode {mode!r}, {len(plan)} graphs up to {plan.entries[0].descriptor.num_tokens if len(plan) else 0} tokens")
+    why = "given" if preference is not None else "the mode's decode strategy, then its mixed one"
+    log(f"preference: {', '.join(order)} ({why})")
     if compile_model:
         log("model compiled with reg.compile for the piecewise keys: split at its attention kernel, which runs eagerly")
     started = time.perf_counter()

@@ -9,6 +9,7 @@ inspection, including ``explain`` against the snapshot's keys.
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -236,14 +237,19 @@ def _table(value: object, where: str) -> Mapping[Any, Any]:
     return value
 
 
+def _finite(value: object) -> bool:
+    """A real number in [0, inf): a JSON number, or what a registry's own dict may hold (``np.float64``), never a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 <= value < float("inf")
+
+
 def _seconds(value: object, where: str) -> float:
-    if type(value) not in (int, float) or not 0 <= value < float("inf"):  # type: ignore[operator]
+    if not _finite(value):
         raise _bad(where, "a number of seconds >= 0", value)
     return float(value)  # type: ignore[arg-type]
 
 
 def _ratio(value: object, where: str) -> float:
-    if type(value) not in (int, float) or not 0 <= value < float("inf"):  # type: ignore[operator]
+    if not _finite(value):
         raise _bad(where, "a finite number >= 0", value)
     return float(value)  # type: ignore[arg-type]
 

@@ -116,8 +116,11 @@ class PaddingCap:
         if t is not None and (type(t) is not int or t < 0):
             raise ValueError(f"max_padding_tokens must be an int >= 0 or None, got {t!r}")
         r = self.max_ratio
-        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < float("inf")):
+        if r is None:
+            return
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < float("inf"):
             raise ValueError(f"max_padding_ratio must be a finite number >= 0 (padding tokens per real token) or None, got {r!r}")
+        object.__setattr__(self, "max_ratio", float(r))  # an np.float64 or int kept as a plain float: snapshots stay plain JSON
 
     def __bool__(self) -> bool:
         return self.max_tokens is not None or self.max_ratio is not None

@@ -18,11 +18,12 @@ from cgregistry.contracts import StrategyLookup
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.fitting import Workload, fit_families
 from cgregistry.keyclasses import KEY_CLASSES, declared_unsupported, key_classes
-from cgregistry.matcher import Matcher
+from cgregistry.matcher import DEFAULT_PREFERENCE, Matcher, PaddingCap
 
 __all__ = [
     "BUILTIN_RELAXES", "KEY_CLASSES", "MODES", "CapturePlan", "Downgrade", "PlanEntry", "PlanSettings", "UncoveredRange",
-    "default_ladder", "lora_ladder", "request_ladder", "rounded_sizes", "use_installed_plugins", "whole_requests",
+    "default_ladder", "lora_ladder", "mode_preference", "request_ladder", "rounded_sizes", "use_installed_plugins",
+    "whole_requests",
 ]
 
 Mode = Literal[
@@ -52,6 +53,17 @@ def use_installed_plugins(factory: Callable[[], StrategyLookup]) -> None:
     """Set what makes the installed plugins for settings that name none (``cgregistry`` passes ``Plugins``)."""
     global _installed_plugins
     _installed_plugins = factory
+
+
+def mode_preference(mode: str | tuple[str | None, str | None], base: Sequence[str] = DEFAULT_PREFERENCE) -> tuple[str, ...]:
+    """The matcher preference that serves a plan of ``mode`` as the mode says: its decode strategy, its mixed one, then ``base``.
+
+    A plugin strategy is not in the default preference, so it ranks last; as the decode strategy of
+    a mode such as ``("timed", "breakable")`` its uniform keys would then lose every decode batch to
+    the relaxed mixed keys and never replay.  The fitter assumes this order too.
+    """
+    decode, mixed = MODES[mode] if isinstance(mode, str) else mode
+    return tuple(dict.fromkeys(s for s in (decode, mixed, *base) if s is not None))
 
 
 @attrs.frozen(slots=True)
@@ -669,17 +681,24 @@ class CapturePlan:
             depths = {e.descriptor.spec_depth for e in self.entries} | {0}
             widest = {d: min(self.max_num_seqs, self.max_num_tokens // (1 + d)) for d in depths}
         max_loras = max((e.descriptor.num_active_loras for e in self.entries), default=0)
+        keys = [e.descriptor for e in self.entries]
+        seqs = self.max_num_seqs
         gaps: list[UncoveredRange] = []
         for n_loras in range(max_loras + 1):
             for depth, reqs_max in sorted(widest.items()):
                 q = 1 + depth
-                shapes = [(r * q, BatchDescriptor.decode(r, depth, n_loras)) for r in range(1, reqs_max + 1)]
-                gaps += _runs("decode", n_loras, depth, shapes, matcher, uncapped)
-            shapes = [
-                (t, BatchDescriptor(t, min(t, self.max_num_seqs), n_loras))
-                for t in range(1, self.max_num_tokens + 1)
-            ]
-            gaps += _runs("mixed", n_loras, None, shapes, matcher, uncapped)
+                points = _change_points(keys, q, reqs_max, matcher.cap)
+
+                def decode(r: int, q: int = q, depth: int = depth) -> tuple[int, BatchDescriptor]:
+                    return r * q, BatchDescriptor.decode(r, depth, n_loras)
+
+                gaps += _runs("decode", n_loras, depth, points, reqs_max, decode, matcher, uncapped)
+
+            def mixed(t: int) -> tuple[int, BatchDescriptor]:
+                return t, BatchDescriptor(t, min(t, seqs), n_loras)
+
+            points = _change_points(keys, 1, self.max_num_tokens, matcher.cap, seqs)
+            gaps += _runs("mixed", n_loras, None, points, self.max_num_tokens, mixed, matcher, uncapped)
         return gaps
 
 
@@ -726,21 +745,53 @@ def _depth_widest(spec_depths: SpecDepths, max_num_seqs: int, max_num_tokens: in
     return dict(sorted(widest.items()))
 
 
+def _change_points(keys: Sequence[BatchDescriptor], q: int, last: int, cap: PaddingCap, seqs: int | None = None) -> list[int]:
+    """Sizes in 1..``last`` where whether a batch is served may change; between two of them it cannot.
+
+    A batch of size ``n`` has ``n * q`` tokens and ``n`` requests (a uniform batch of depth
+    ``q - 1``), or, with ``seqs``, ``n`` tokens and ``min(n, seqs)`` requests (a mixed batch at its
+    worst case).  A key stops covering past its token and request counts, and a padding cap
+    starts allowing it from ``key tokens - max_padding_tokens`` and ``key tokens / (1 +
+    max_padding_ratio)`` tokens on: each threshold, with neighbours against rounding, is a point.
+    So ``uncovered`` asks the matcher a few times per key, whatever ``max_num_tokens`` is.
+    """
+    thresholds: list[float] = [0, last]
+    if seqs is not None:
+        thresholds.append(seqs)
+    for key in keys:
+        thresholds.append(key.num_tokens / q)
+        if key.num_reqs is not None:
+            thresholds.append(key.num_reqs)
+        if cap.max_tokens is not None:
+            thresholds.append((key.num_tokens - cap.max_tokens) / q)
+        if cap.max_ratio is not None:
+            thresholds.append(key.num_tokens / (q * (1 + cap.max_ratio)))
+    points = {1}
+    for x in thresholds:
+        base = math.floor(x)
+        points.update(n for n in range(base - 1, base + 3) if 1 <= n <= last)
+    return sorted(points)
+
+
 def _runs(
-    kind: str, n_loras: int, depth: int | None, shapes: list[tuple[int, BatchDescriptor]], matcher: Matcher, uncapped: Matcher
+    kind: str, n_loras: int, depth: int | None, points: list[int], last: int,
+    shape: Callable[[int], tuple[int, BatchDescriptor]], matcher: Matcher, uncapped: Matcher,
 ) -> list[UncoveredRange]:
-    """Consecutive shapes ``matcher`` serves no key for, split where the reason changes."""
+    """Runs of sizes 1..``last`` that ``matcher`` serves no key for, split where the reason changes.
+
+    ``points`` are the sizes where the answer may change (``_change_points``): the answer at each
+    holds up to the next, so only they are matched.  ``shape(n)`` is the batch of size ``n`` and its tokens.
+    """
     out: list[UncoveredRange] = []
     start: int | None = None
     reason: str | None = None
-    last = 0
-    for tokens, actual in shapes:
+    for n in points:
+        tokens, actual = shape(n)
         now = None if matcher.match(actual) is not None else "no_key" if uncapped.match(actual) is None else "padding_cap"
         if now != reason:
             if reason is not None:
-                out.append(UncoveredRange(kind, n_loras, depth, start, last, reason))  # type: ignore[arg-type]
+                out.append(UncoveredRange(kind, n_loras, depth, start, shape(n - 1)[0], reason))  # type: ignore[arg-type]
             start, reason = tokens, now
-        last = tokens
     if reason is not None:
-        out.append(UncoveredRange(kind, n_loras, depth, start, last, reason))  # type: ignore[arg-type]
+        out.append(UncoveredRange(kind, n_loras, depth, start, shape(last)[0], reason))  # type: ignore[arg-type]
     return out

@@ -17,13 +17,17 @@ Every step's logits are compared with Hugging Face's own forward (its SDPA atten
 over each request's tokens.  Needs the ``hf`` extra (``pip install -e '.[hf]'``).
 
     python examples/hf_llama.py                          # tiny config on CPU, every strategy
-    python examples/hf_llama.py --config llama-3.2-1b --mode full_and_piecewise --requests 64
+    python examples/hf_llama.py --config llama-3.2-1b --mode full_and_piecewise --requests 64   # on a GPU
+
+``llama-3.2-1b`` is GPU-sized (1.1 billion parameters): on a CPU it runs, but each mode takes many
+minutes.  Work that takes longer than a few seconds reports its progress on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -46,6 +50,29 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 # Which strategy serves decode (uniform) and mixed batches; "full" captures both.
 MODES = ("full_and_breakable", "full_and_piecewise", "full", "breakable", "piecewise", "none")
+
+
+class Progress:
+    """Stage and progress lines on stderr for long work: a stage is announced once it has run for
+    ``after`` seconds, then its progress every ``every`` seconds; quick work prints nothing."""
+
+    def __init__(self, label: str, after: float = 5.0, every: float = 10.0) -> None:
+        self.label, self.after, self.every = label, after, every
+        self.stage, self.started, self.last = "", time.perf_counter(), 0.0
+
+    def begin(self, stage: str) -> None:
+        self.stage, self.started, self.last = stage, time.perf_counter(), 0.0
+
+    def update(self, detail: str = "") -> None:
+        now = time.perf_counter()
+        elapsed = now - self.started
+        if elapsed >= self.after and now - self.last >= self.every:
+            self.last = now
+            print(f"[{self.label}] {self.stage}{': ' + detail if detail else ''} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+
+
+def quiet(detail: str = "") -> None:
+    """A progress callback that reports nothing."""
 
 
 # --------------------------------------------------------------------------- attention
@@ -209,12 +236,13 @@ def decoder(model: LlamaForCausalLM) -> Any:
 
 def build_registry(
     model: LlamaForCausalLM, shape: EngineShape, mode: str, backend: str = "auto", background: bool = False,
-    adapt: cg.Adaptation | None = None, plugins: cg.Plugins | None = None,
+    adapt: cg.Adaptation | None = None, progress: bool | None = None, plugins: cg.Plugins | None = None,
 ) -> cg.GraphRegistry | None:
     """A registry for ``mode`` with its plan captured (None for mode 'none': the engine runs eagerly).
 
     ``background``: capture on the registry's capture thread while the engine serves (graphs go live one by one).
-    ``adapt``: refit the plan to the steps served (``docs/background.md``).
+    ``adapt``: refit the plan to the steps served (``docs/background.md``).  ``progress``: a capture progress
+    bar (None: where stderr is a terminal).
     """
     if mode == "none":
         return None
@@ -233,7 +261,7 @@ def build_registry(
         max_num_seqs=shape.max_num_seqs, max_num_tokens=shape.max_num_tokens, max_capture_size=shape.max_num_tokens, mode=mode
     )
     with torch.inference_mode():
-        reg.capture(plan, background=background)
+        reg.capture(plan, background=background, progress=progress)
     return reg
 
 
@@ -271,7 +299,8 @@ class Engine:
         self.step_fn = make_step(model, decoder(model))
         self.free_blocks = deque(range(shape.num_blocks))
 
-    def serve(self, requests: list[Sequence], max_steps: int | None = None) -> EngineResult:
+    def serve(self, requests: list[Sequence], max_steps: int | None = None, progress: Any = quiet) -> EngineResult:
+        """Serve ``requests`` to the end (or ``max_steps``); ``progress(detail)`` is called after every step."""
         waiting, running, finished = deque(requests), [], []
         steps = tokens = 0
         if self.device.type == "cuda":
@@ -283,6 +312,7 @@ class Engine:
                 logits = self.run_step(batch)
                 tokens += self._advance(batch, logits, running, finished)
                 steps += 1
+                progress(f"step {steps}, {len(finished)} of {len(requests)} requests finished")
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return EngineResult(steps, tokens, time.perf_counter() - started, finished + running)
@@ -385,38 +415,80 @@ def check_against_hf(model: LlamaForCausalLM, sequences: list[Sequence]) -> floa
 
 
 def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, requests: int, max_prompt: int,
-          max_new: int, backend: str = "auto", check: bool = True) -> tuple[EngineResult, cg.GraphRegistry | None]:
-    """Build, capture and serve ``requests`` trace requests in ``mode``; with ``check``, compare with HF."""
+          max_new: int, backend: str = "auto", check: bool = True, progress: Progress | None = None,
+          ) -> tuple[EngineResult, cg.GraphRegistry | None]:
+    """Build, capture and serve ``requests`` trace requests in ``mode``; with ``check``, compare with HF.
+
+    ``progress``: reports each stage that runs long (model, capture, serving, the HF check) on stderr.
+    """
+    report = progress or Progress(mode, after=float("inf"))
+    report.begin(f"building {config} on {device}")
     model = build_model(config, device, shape)
-    reg = build_registry(model, shape, mode, backend)
+    report.update(f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} billion parameters")
+    report.begin("capturing")
+    reg = build_registry(model, shape, mode, backend, progress=None if config == "tiny" else True)  # a bar for long captures
     engine = Engine(model, shape, reg, keep_logits=check)
-    result = engine.serve(trace_requests(requests, shape, model.config.vocab_size, max_prompt, max_new))
+    report.begin(f"serving {requests} requests")
+    result = engine.serve(trace_requests(requests, shape, model.config.vocab_size, max_prompt, max_new), progress=report.update)
     if check:
+        report.begin("checking every logit against Hugging Face's forward")
         result.max_abs_error = check_against_hf(model, result.finished)
+        report.update()
     return result, reg
 
 
-def main() -> None:
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def device_arg(parser: argparse.ArgumentParser, text: str) -> torch.device:
+    """``--device``: a torch device this machine has (a parser error naming the value otherwise)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        parser.error(f"argument --device: expected a torch device such as cpu, cuda or cuda:1, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: {text!r}, but this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        parser.error(f"argument --device: {text!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny",
+                        help="model shape (default: tiny; llama-3.2-1b is GPU-sized: many minutes a mode on a CPU)")
     parser.add_argument("--mode", choices=MODES, action="append", help="default: every mode")
-    parser.add_argument("--requests", type=int, default=12, help="requests taken from the bundled trace (default: 12)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
-    device = torch.device(args.device)
+    parser.add_argument("--requests", type=positive_int, default=12, help="requests taken from the bundled trace (default: 12)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="torch device (default: cuda when available, else cpu)")
+    args = parser.parse_args(argv)
+    device = device_arg(parser, args.device)
     tiny = args.config == "tiny"
+    if not tiny and device.type == "cpu":
+        print(f"note: {args.config} is GPU-sized (1.1 billion parameters, bf16); on a CPU each mode takes many minutes. "
+              "Progress goes to stderr.", file=sys.stderr, flush=True)
     shape = EngineShape() if tiny else EngineShape(max_num_seqs=64, max_num_tokens=512, block_size=16, max_blocks_per_req=64)
     max_prompt, max_new = (24, 8) if tiny else (768, 128)
     tolerance = 1e-3 if CONFIGS[args.config]["dtype"] == torch.float32 else 0.25
     for mode in args.mode or MODES:
         result, reg = serve(args.config, mode, device=device, shape=shape, requests=args.requests,
-                            max_prompt=max_prompt, max_new=max_new)
+                            max_prompt=max_prompt, max_new=max_new, progress=Progress(mode))
         stats = reg.stats() if reg is not None else None
         served = f"{stats.hits} graph steps, {stats.misses} eager" if stats else "eager"
         print(f"{mode:19} {result.steps} steps ({served}), {result.tokens} tokens, "
-              f"max |logit - HF| {result.max_abs_error:.2e}")
-        assert result.max_abs_error <= tolerance, f"{mode}: logits differ from Hugging Face's forward by {result.max_abs_error}"
-        assert len(result.finished) == args.requests and all(s.generated == s.max_new for s in result.finished)
+              f"max |logit - HF| {result.max_abs_error:.2e}", flush=True)
+        if not result.max_abs_error <= tolerance:
+            sys.exit(f"{mode}: logits differ from Hugging Face's forward by {result.max_abs_error:.3g} (tolerance {tolerance})")
+        if len(result.finished) != args.requests or not all(s.generated == s.max_new for s in result.finished):
+            sys.exit(f"{mode}: {len(result.finished)} of {args.requests} requests finished with all their tokens")
 
 
 if __name__ == "__main__":

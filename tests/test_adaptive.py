@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -23,6 +24,7 @@ from cgregistry.adaptive import (
     TrafficHistogram,
     propose,
     refit,
+    replay,
 )
 from cgregistry.fitting import PlanReport, evaluate
 from cgregistry.testing import make_plugins
@@ -353,3 +355,53 @@ def test_the_plan_changed_hook_takes_the_registry_and_the_change() -> None:
     assert seen == [("reg", change.to_dict())]
     with pytest.raises(pluggy.PluginValidationError, match="changes"):
         make_plugins(Misspelt())
+
+
+# ---------------------------------------------------------------- replay: the loop over recorded steps
+
+
+def test_replay_without_a_due_refit_scores_each_window_with_the_start_keys(steps: list[B]) -> None:
+    steps = steps[:2500]
+    start = pairs(cg.CapturePlan.build(**ENGINE))
+    never = Adaptation(max_graphs=len(start), settings=ENGINE, min_steps=10**9)
+    result = replay(steps, never, start, harvest=300, window=1000)  # harvests straddle windows
+    assert result.changes == () and list(result.keys) == start and result.window == 1000
+    expected = [PlanScore.of(evaluate(cg.CapturePlan.of(start), steps[i:i + 1000])) for i in (0, 1000, 2000)]
+    assert list(result.windows) == expected  # the last window holds the 500 steps left
+    assert sum(w.steps for w in result.windows) == len(steps)
+
+
+def test_replay_makes_the_changes_of_the_refit_loop(steps: list[B]) -> None:
+    steps = steps[:6000]
+    adaptation = Adaptation(max_graphs=12, settings=ENGINE, every_steps=1000, min_steps=1000, decay=0.5)
+    (held,), changes = adapt_through([steps], adaptation)  # harvests of 1000 steps, as here
+    result = replay(steps, adaptation, harvest=1000, window=1000)
+    assert list(result.changes) == changes and list(result.keys) == held
+    assert result.windows[0].graphs == 0 and result.windows[0].graph_steps == 0, "no keys before the first refit"
+    # the keys of a change serve from the next harvest on: window i is served by the keys after change i - 1
+    for i in range(1, len(result.windows)):
+        keys = adapt_through([steps[: i * 1000]], adaptation)[0][0]
+        assert result.windows[i] == PlanScore.of(evaluate(cg.CapturePlan.of(keys), steps[i * 1000:(i + 1) * 1000]))
+
+
+def test_replay_shows_the_warm_up_lag_and_waiting_it_out(steps: list[B]) -> None:
+    """docs/adaptive.md: refits during the warm-up pad larger batches up to the covering keys; min_steps past it avoids that."""
+    warmup = steps[:10_000]
+    default = pairs(cg.CapturePlan.build(**ENGINE))
+    early = replay(warmup, Adaptation(max_graphs=8, settings=ENGINE, every_steps=500, min_steps=500), default, window=500)
+    waited = replay(warmup, Adaptation(max_graphs=8, settings=ENGINE, every_steps=500, min_steps=5000), default, window=500)
+    ladder = [PlanScore.of(evaluate(cg.CapturePlan.of(default), warmup[i:i + 500])) for i in range(0, 5000, 500)]
+    assert list(waited.windows[:10]) == ladder, "until min_steps the registry serves from the keys it captured"
+    assert max(early.padding_per_real_token()[1:9]) > 8 > 0.35 > max(waited.padding_per_real_token())
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"harvest": 0}, "replay() harvest must be an int >= 1 (steps), got 0"),
+    ({"window": 2.5}, "replay() window must be an int >= 1 (steps), got 2.5"),
+])
+def test_replay_names_a_bad_argument(kwargs: dict, message: str) -> None:
+    adaptation = Adaptation(max_graphs=4, settings={"max_num_seqs": 8, "max_num_tokens": 64})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        replay([B(3, 2)], adaptation, **kwargs)
+    with pytest.raises(TypeError, match=r"replay\(\) takes BatchDescriptors; steps\[1\] is 'x'"):
+        replay([B(3, 2), "x"], adaptation)

@@ -164,6 +164,7 @@ def test_break_returning_a_non_tensor_is_a_capture_error(backend: str) -> None:
     assert len(reg) == 0
 
 
+@pytest.mark.filterwarnings("ignore:.*with no graph captured or planned:RuntimeWarning")  # on purpose
 def test_nested_breakable_capture_is_refused(backend: str) -> None:
     inner = cg.GraphRegistry(lambda b, x: x + 1, {"x": cg.StaticInput((4,), torch.float32)}, backend=backend, plugins=make_plugins())
 
@@ -254,6 +255,7 @@ def test_demo_model_with_a_break_per_layer(backend: str) -> None:
             torch.testing.assert_close(reg.run(batch, **inputs), inline(batch, **inputs), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.filterwarnings("ignore:.*do not fit static input:RuntimeWarning")  # on purpose
 def test_current_batch_inside_a_break_follows_the_live_batch(backend: str) -> None:
     seen: list[tuple] = []
 

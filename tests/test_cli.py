@@ -1,28 +1,44 @@
-"""The command line as a user runs it: a subprocess (or ``main(argv)`` in process), exit codes and output."""
+"""The command line as a user runs it: ``main(argv)`` in process (exit codes and output), and a subprocess where
+the process boundary is the point (a closed pipe)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
+import torch
 
+import cgregistry as cg
 from cgregistry import cli as cli_module
 from cgregistry.demo import DemoResult
 from cgregistry.plan import MODES
 
 ROOT = Path(__file__).parent.parent
+TESTS = Path(__file__).parent
 # This checkout's package, whatever an editable install points at.
 ENV = {**os.environ, "CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cgregistry.cli", *args], capture_output=True, text=True, env=ENV, timeout=600)
+    """``cgregistry ARGS`` run by ``main`` in this process, its exit code and output as a subprocess's would be
+    (without paying a torch import per call)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli_module.main(list(args))
+        except SystemExit as exc:  # argparse: usage errors, --help, --version
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(["cgregistry", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(autouse=True)
@@ -40,57 +56,99 @@ def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, 
     return code, out, err
 
 
-def test_plan_lists_keys_and_gaps() -> None:
-    r = cli("plan", "--max-num-seqs", "8", "--max-num-tokens", "64", "--mode", "full_decode_only")
-    assert r.returncode == 0, r.stderr
-    assert "full       Batch(tokens=8, reqs=8, uniform)" in r.stdout
-    assert "4 graphs" in r.stdout
-    assert "uncovered (runs eagerly): mixed batches of 1..64 tokens, 0 LoRA" in r.stdout
+@pytest.fixture
+def small_demo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo with a one-layer model: what these tests check (the command, its modes, its output) does not
+    depend on the model's size, and the CPU-sized one costs seconds a run.  The CPU size runs in the slow set
+    (test_the_readmes_demo_command_runs_as_a_user_runs_it)."""
+    from cgregistry.demo_model import DemoConfig
+
+    sized = DemoConfig.for_device
+    small = attrs.evolve(sized("cpu"), layers=1, hidden=32, heads=2, ffn=64, vocab=128, context=8)
+    monkeypatch.setattr(DemoConfig, "for_device", classmethod(lambda cls, device: small if torch.device(device).type == "cpu" else sized(device)))
 
 
-def test_plan_json() -> None:
-    r = cli("plan", "--max-num-seqs", "4", "--max-num-tokens", "16", "--mode", "piecewise", "--json")
-    data = json.loads(r.stdout)
+def test_plan_lists_keys_and_gaps(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(capsys, "plan", "--max-num-seqs", "8", "--max-num-tokens", "64", "--mode", "full_decode_only")
+    assert code == 0, err
+    assert "full       Batch(tokens=8, reqs=8, uniform)" in out
+    assert "4 graphs" in out
+    assert "uncovered (runs eagerly): mixed batches of 1..64 tokens, 0 LoRA" in out
+
+
+def test_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(capsys, "plan", "--max-num-seqs", "4", "--max-num-tokens", "16", "--mode", "piecewise", "--json")
+    assert code == 0, err
+    data = json.loads(out)
     assert [e["key"]["num_tokens"] for e in data["entries"]] == [8, 4, 2, 1]
     assert data["uncovered"] == [
         {"kind": "mixed", "num_active_loras": 0, "spec_depth": None, "min_tokens": 9, "max_tokens": 16, "reason": "no_key"}
     ]
 
 
-def test_plan_takes_a_strategy_pair_as_mode() -> None:
-    r = cli("plan", "--max-num-seqs", "8", "--max-num-tokens", "64", "--mode", "none,breakable", "--json")
+def test_plan_takes_a_strategy_pair_as_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(capsys, "plan", "--max-num-seqs", "8", "--max-num-tokens", "64", "--mode", "none,breakable", "--json")
+    assert code == 0, err
+    assert {e["strategy"] for e in json.loads(out)["entries"]} == {"breakable"}
+    code, _, err = run_main(capsys, "plan", "--mode", "full,nope")
+    assert code == 2 and "strategy 'nope' is not registered" in err
+
+
+def test_plan_errors_exit_2_with_message(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(capsys, "plan", "--max-num-seqs", "8", "--max-num-tokens", "64", "--capture-sizes", "8,100")
+    assert code == 2 and out == ""
+    assert err == "cgregistry plan: error: --capture-sizes=8,100: the largest, 100, exceeds --max-num-tokens=64: no batch can be that large\n"
+
+
+def test_plan_without_graphs_says_every_batch_runs_eagerly(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(capsys, "plan", "--max-num-seqs", "4", "--max-num-tokens", "16", "--mode", "none")
+    assert code == 0, err
+    assert "0 graphs: every batch runs eagerly\n" in out and "0 graphs: \n" not in out
+    assert "uncovered (runs eagerly): mixed batches of 1..16 tokens, 0 LoRA" in out
+
+
+def test_plan_lists_the_uncovered_ranges_of_any_token_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    # The ranges are worked out from the keys' edges, not by matching every size: 10^11 tokens cost what 64 do.
+    code, out, err = run_main(capsys, "plan", "--max-num-tokens", "100000000000", "--max-padding-ratio", "0.5")
+    assert code == 0, err
+    capped = ", over the padding cap: every covering key pads more (--max-padding-ratio=0.5)"
+    assert [line for line in out.splitlines() if line.startswith("uncovered")] == [
+        f"uncovered (runs eagerly): decode spec depth 0 batches of 5..5 tokens, 0 LoRA{capped}",  # an 8-token key pads 3
+        f"uncovered (runs eagerly): decode spec depth 0 batches of 9..10 tokens, 0 LoRA{capped}",
+        f"uncovered (runs eagerly): mixed batches of 5..5 tokens, 0 LoRA{capped}",
+        f"uncovered (runs eagerly): mixed batches of 9..10 tokens, 0 LoRA{capped}",
+        "uncovered (runs eagerly): mixed batches of 513..100000000000 tokens, 0 LoRA",
+    ]
+
+
+@pytest.mark.slow  # the full-sized demo (200 steps) in a fresh interpreter
+def test_the_readmes_demo_command_runs_as_a_user_runs_it() -> None:
+    r = subprocess.run([sys.executable, "-m", "cgregistry", "demo"], capture_output=True, text=True, env=ENV, timeout=900)
     assert r.returncode == 0, r.stderr
-    assert {e["strategy"] for e in json.loads(r.stdout)["entries"]} == {"breakable"}
-    bad = cli("plan", "--mode", "full,nope")
-    assert bad.returncode == 2 and "strategy 'nope' is not registered" in bad.stderr
+    assert "checked 200 steps against eager: 0 mismatches" in r.stdout, r.stdout
+    assert "NumPy" not in r.stderr
 
 
-def test_plan_errors_exit_2_with_message() -> None:
-    r = cli("plan", "--max-num-seqs", "8", "--max-num-tokens", "64", "--capture-sizes", "8,100")
-    assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr == "cgregistry plan: error: --capture-sizes=8,100: the largest, 100, exceeds --max-num-tokens=64: no batch can be that large\n"
-
-
-def test_demo_checks_every_step_against_eager() -> None:
-    r = cli("demo", "--backend", "cpu", "--steps", "40", "--json")
-    assert r.returncode == 0, r.stderr
-    result = json.loads(r.stdout)
+def test_demo_checks_every_step_against_eager(capsys: pytest.CaptureFixture[str], small_demo: None) -> None:
+    code, out, err = run_main(capsys, "demo", "--backend", "cpu", "--steps", "40", "--json")
+    assert code == 0, err
+    result = json.loads(out)
     assert result["steps"] == 40 and result["mismatches"] == 0
     assert result["hits"] + result["misses"] == 40 and result["hits"] > 0
     assert result["backend"] == "cpu"
     # the cpu backend emulates graphs: an eager/registry time ratio there is no speedup
     assert result["speedup"] is None and "cpu backend emulates graphs" in result["no_speedup_reason"]
-    assert "NumPy" not in r.stderr
 
 
-def test_demo_prints_table_and_timing() -> None:
-    r = cli("demo", "--backend", "cpu", "--steps", "20")
-    assert r.returncode == 0, r.stderr
-    assert "checked 20 steps against eager: 0 mismatches" in r.stdout
-    assert "timing over the same 20 steps: eager" in r.stdout
-    assert "timings: the cpu backend emulates graphs (it runs the step eagerly), so no speedup is reported" in r.stdout
-    assert not re.search(r"\d\.\d+x\b", r.stdout), "no speedup ratio on cpu"
-    assert "key" in r.stdout and "strategy" in r.stdout
+def test_demo_prints_table_and_timing(capsys: pytest.CaptureFixture[str], small_demo: None) -> None:
+    code, out, err = run_main(capsys, "demo", "--backend", "cpu", "--steps", "20")
+    assert code == 0, err
+    assert "checked 20 steps against eager: 0 mismatches" in out
+    assert "timing over the same 20 steps: eager" in out
+    assert "timings: the cpu backend emulates graphs (it runs the step eagerly), so no speedup is reported" in out
+    assert not re.search(r"\d\.\d+x\b", out), "no speedup ratio on cpu"
+    assert "key" in out and "strategy" in out
+    assert "preference: full, piecewise, breakable (the mode's decode strategy, then its mixed one)" in out
 
 
 def small_trace(tmp_path) -> str:  # noqa: ANN001
@@ -148,9 +206,9 @@ def test_plan_on_missing_trace_says_which_file(tmp_path) -> None:  # noqa: ANN00
     assert "nope.csv" in r.stderr
 
 
-def test_plugins_lists_builtins_and_installed_distributions() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD"}
-    r = subprocess.run([sys.executable, "-m", "cgregistry.cli", "plugins", "--json"], capture_output=True, text=True, env=env, timeout=300)
+def test_plugins_lists_builtins_and_installed_distributions(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD")
+    r = cli("plugins", "--json")
     assert r.returncode == 0, r.stderr
     infos = {p["name"]: p for p in json.loads(r.stdout)}
     full = infos["cgregistry.strategies.full"]
@@ -159,11 +217,11 @@ def test_plugins_lists_builtins_and_installed_distributions() -> None:
     assert infos["cgregistry.backends.cpu"]["provides"] == ["backend cpu"]
     if "eager" in infos:  # the plugins/ packages, where installed (CI installs them)
         assert infos["eager"]["distribution"] == "cgregistry-eager" and infos["eager"]["provides"] == ["strategy eager"]
-    table = subprocess.run([sys.executable, "-m", "cgregistry.cli", "plugins"], capture_output=True, text=True, env=env, timeout=300)
+    table = cli("plugins")
     assert "cgregistry (built-in)" in table.stdout and "cgregistry_register_backends" in table.stdout
 
 
-def test_demo_snapshot_then_inspect(tmp_path) -> None:  # noqa: ANN001
+def test_demo_snapshot_then_inspect(tmp_path: Path, small_demo: None) -> None:
     snap = tmp_path / "snap.json"
     r = cli("demo", "--backend", "cpu", "--steps", "30", "--snapshot", str(snap), "--json")
     assert r.returncode == 0, r.stderr
@@ -196,20 +254,88 @@ def test_inspect_errors_exit_2(tmp_path) -> None:  # noqa: ANN001
     assert r.returncode == 2 and "missing.json" in r.stderr
 
 
-def test_check_lists_unsafe_ops_with_lines() -> None:
-    env = {**ENV, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parent)}
-    r = subprocess.run([sys.executable, "-m", "cgregistry.cli", "check", "check_targets:unsafe", "--json"], capture_output=True, text=True, env=env, timeout=300)
+@pytest.fixture
+def check_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``check`` imports the target into this process: the path and module it adds go again after the test."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(TESTS)  # `check MODULE:FUNCTION` finds modules of the current directory, as from a shell
+    yield
+    for name in ("check_targets", "my_step", "my_model"):
+        sys.modules.pop(name, None)
+
+
+def test_check_lists_unsafe_ops_with_lines(check_imports: None) -> None:
+    r = cli("check", "check_targets:unsafe", "--json")
     assert r.returncode == 1, r.stderr
     found = json.loads(r.stdout)
     assert [f["op"].split(".")[1] for f in found] == ["item", "index"]
     assert all("check_targets.py:" in f["where"] for f in found)
     assert "n = int(x.sum().item())" in found[0]["where"]
-    ok = subprocess.run([sys.executable, "-m", "cgregistry.cli", "check", "check_targets:safe"], capture_output=True, text=True, env=env, timeout=300)
+    ok = cli("check", "check_targets:safe")
     assert ok.returncode == 0 and "no graph-unsafe ops found" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "cgregistry.cli", "check", "check_targets:needs_args"], capture_output=True, text=True, env=env, timeout=300)
+    bad = cli("check", "check_targets:needs_args")
     assert bad.returncode == 2 and "needs arguments ['x']" in bad.stderr
-    missing = subprocess.run([sys.executable, "-m", "cgregistry.cli", "check", "no_such_module:f"], capture_output=True, text=True, env=env, timeout=300)
+    missing = cli("check", "no_such_module:f")
     assert missing.returncode == 2 and "cannot import module 'no_such_module'" in missing.stderr
+
+
+def test_check_takes_a_file_path(check_imports: None, tmp_path: Path) -> None:
+    r = cli("check", f"{TESTS / 'check_targets.py'}:unsafe", "--json")
+    assert r.returncode == 1, r.stderr
+    assert [f["op"].split(".")[1] for f in json.loads(r.stdout)] == ["item", "index"]
+    step = tmp_path / "my_step.py"  # a file that imports its sibling, as it would run with `python my_step.py`
+    (tmp_path / "my_model.py").write_text("import torch\n\ndef forward(x):\n    return x * 2\n")
+    step.write_text("import torch\nfrom my_model import forward\n\ndef run():\n    forward(torch.ones(3))\n")
+    ok = cli("check", f"{step}:run")
+    assert ok.returncode == 0 and f"{step}:run: no graph-unsafe ops found" in ok.stdout
+    for target, message in [
+        (f"{tmp_path / 'nope.py'}:run", f"no file '{tmp_path / 'nope.py'}': expected MODULE:FUNCTION or FILE.py:FUNCTION"),
+        (f"{step}:walk", f"file '{step}' has no function 'walk'"),
+        (str(step), f"expected MODULE:FUNCTION or FILE.py:FUNCTION, got '{step}'"),
+    ]:
+        bad = cli("check", target)
+        assert bad.returncode == 2 and bad.stderr == f"cgregistry check: error: {message}\n", bad.stderr
+
+
+def test_inspect_refuses_a_strategy_the_snapshot_never_had_and_says_when_filters_leave_nothing(tmp_path: Path) -> None:
+    reg = cg.GraphRegistry(lambda batch, x: x * 2, {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu")
+    reg.capture([(cg.BatchDescriptor(8), "full"), (cg.BatchDescriptor(4), "full")])
+    snap = tmp_path / "snap.json"
+    snap.write_text(json.dumps(reg.snapshot()))
+    typo = cli("inspect", str(snap), "--strategy", "ful")
+    assert typo.returncode == 2 and typo.stdout == ""
+    assert typo.stderr == "cgregistry inspect: error: --strategy=ful: the snapshot has no strategy of that name; it knows breakable, full, piecewise\n"
+    empty = cli("inspect", str(snap), "--strategy", "breakable", "--used")
+    assert empty.returncode == 0, empty.stderr
+    assert "no entry matches --strategy=breakable --used; the snapshot holds 2 entries" in empty.stdout
+    listed = cli("inspect", str(snap), "--strategy", "full")
+    assert "no entry matches" not in listed.stdout and listed.stdout.count("Batch(tokens=") == 2
+
+
+def test_version_names_cgregistry_torch_and_python() -> None:
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout == f"cgregistry {cg.__version__} (torch {torch.__version__}, Python {platform.python_version()})\n"
+
+
+def test_a_closed_output_pipe_ends_the_command_quietly() -> None:
+    """``cgregistry plan --json | head -1``: the reader leaves early; no traceback, no "Broken pipe" error, exit 141."""
+    big = ["plan", "--max-num-seqs", "4096", "--max-num-tokens", "65536", "--max-capture-size", "65536", "--json"]  # > a pipe's buffer
+    proc = subprocess.Popen([sys.executable, "-m", "cgregistry", *big], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    assert proc.stdout.readline() == b"{\n"
+    proc.stdout.close()  # what `head -1` does after its line
+    assert proc.wait(timeout=300) == cli_module.EXIT_PIPE_CLOSED == 141
+    assert proc.stderr.read() == b""
+    proc.stderr.close()
+
+
+def test_a_closed_pipe_in_process_returns_141_without_a_message(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    class ClosedPipe(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert cli_module.main(["plan", "--max-num-seqs", "4", "--max-num-tokens", "16"]) == 141
+    assert capsys.readouterr().err == ""
 
 
 # ---------------------------------------------------------------------------- help and defaults
@@ -401,8 +527,11 @@ def test_speedup_only_where_graphs_served_steps_on_a_real_backend() -> None:
     assert no_hits.speedup is None and "no step was served by a graph" in no_hits.no_speedup_reason
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_demo_runs_every_mode_the_cli_offers(capsys: pytest.CaptureFixture[str], mode: str) -> None:
+@pytest.mark.parametrize("mode", [
+    pytest.param(m, marks=[pytest.mark.filterwarnings("ignore:.*with no graph captured or planned:RuntimeWarning")] if m == "none" else [])
+    for m in MODES
+])
+def test_demo_runs_every_mode_the_cli_offers(capsys: pytest.CaptureFixture[str], mode: str, small_demo: None) -> None:
     # Few steps keep it fast; the piecewise modes add a dynamo trace (about a second or two on CPU).
     code, out, err = run_main(capsys, "demo", "--backend", "cpu", "--steps", "8", "--mode", mode, "--all", "--json")
     assert code == 0, err
@@ -423,6 +552,52 @@ def test_demo_errors_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "cgregistry demo: error: --mode=full,nope: strategy 'nope' is not registered" in err
     code, _, err = run_main(capsys, "demo", "--steps", "0")
     assert code == 2 and "argument --steps: expected an integer >= 1, got 0" in err
+
+
+class OwnGraphs:
+    """A plugin strategy of exact-request keys, as a vendor's would be: one full graph per key."""
+
+    name = "own"
+    relaxes_num_reqs = False
+
+    def capture(self, body, backend, pool):  # noqa: ANN001, ANN201
+        return backend.capture(body, pool)
+
+
+class OwnPlugin:
+    @cg.plugin.hookimpl
+    def cgregistry_register_strategies(self, register) -> None:  # noqa: ANN001
+        register(OwnGraphs())
+
+
+def test_demo_puts_the_modes_decode_strategy_first_unless_told_otherwise(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, small_demo: None,
+) -> None:
+    """``--mode own,full``: a plugin strategy is not in the library's default preference, so it ranks last, the full
+    mixed keys would serve every decode batch and its decode keys never replay; the demo prefers the mode's decode strategy."""
+    import cgregistry.demo
+
+    monkeypatch.setattr(cgregistry.demo, "Plugins", lambda: cg.Plugins(cg.make_plugin_manager([OwnPlugin()], autoload=False)))
+    served = {}
+    for name, extra in (("default", []), ("given", ["--preference", "full,own"])):
+        snap = tmp_path / f"{name}.json"
+        code, out, err = run_main(capsys, "demo", "--backend", "cpu", "--steps", "12", "--mode", "own,full", "--snapshot", str(snap), *extra)
+        assert code == 0, err
+        served[name] = cg.load_snapshot(snap).stats.by_strategy
+    assert "preference: full, own (given)" in out
+    assert served["default"]["own"] > 0 and served["given"]["own"] == 0
+    assert served["given"]["full"] == served["default"]["full"] + served["default"]["own"]  # the same steps, by other keys
+    code, _, err = run_main(capsys, "demo", "--preference", "full,nope")
+    assert code == 2 and "cgregistry demo: error: --preference=full,nope: strategy 'nope' is not registered; available:" in err
+
+
+def test_mode_preference_puts_decode_then_mixed_strategy_first() -> None:
+    from cgregistry.plan import mode_preference
+
+    assert mode_preference("full_and_piecewise") == ("full", "piecewise", "breakable")
+    assert mode_preference(("timed", "breakable")) == ("timed", "breakable", "full", "piecewise")
+    assert mode_preference((None, "timed")) == ("timed", "full", "piecewise", "breakable")
+    assert mode_preference("none") == ("full", "piecewise", "breakable")
 
 
 # ---------------------------------------------------------------------------- install

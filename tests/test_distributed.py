@@ -19,6 +19,7 @@ def _spawn(comm: str, world: int, tmp_path: object) -> None:
     mp.start_processes(distributed_worker.main, args=(world, comm, init_file), nprocs=world, join=True, start_method="spawn")
 
 
+@pytest.mark.slow  # three spawned processes, each importing torch
 def test_data_tensor_and_pipeline_parallel_with_gloo(tmp_path: object) -> None:
     _spawn("gloo", 3, tmp_path)
 

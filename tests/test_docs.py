@@ -1,4 +1,8 @@
-"""Every python code block in README.md and docs/*.md runs (blocks of one file share a namespace)."""
+"""Every python code block in README.md and docs/*.md runs.
+
+Each block runs on its own, as a reader pastes it, except on the pages that build one example
+step by step (``SEQUENTIAL``, each saying so at its top): their blocks run in order in one namespace.
+"""
 
 from __future__ import annotations
 
@@ -12,19 +16,47 @@ import pytest
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+# Pages whose blocks continue one another (one registry or plan through the page).
+SEQUENTIAL = {"inspection.md", "plans-and-workloads.md", "writing-plugins.md", "adaptive.md"}
+SEQUENTIAL_NOTE = "The blocks of this page run in order, as one session"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
-def test_code_blocks_run(page: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # A real module, as a script would have: torch.compile looks the blocks' globals up by module name.
+def run_blocks(page: Path, blocks: list[tuple[int, str]]) -> None:
+    """Run ``blocks`` in order in one fresh module (a real module, as a script has: torch.compile
+    looks the blocks' globals up by module name)."""
     module = types.ModuleType(f"docs_{page.stem.replace('-', '_')}")
     sys.modules[module.__name__] = module
     try:
-        for i, block in enumerate(BLOCK.findall(page.read_text())):
+        for i, block in blocks:
             code = compile(block, f"{page.name}[block {i}]", "exec")
             exec(code, module.__dict__)  # noqa: S102 - the docs are ours
     finally:
         del sys.modules[module.__name__]
+
+
+# Warnings a page's blocks raise on purpose (the page says so), by page.
+EXPECTED_WARNINGS = {
+    "reliability.md": "ignore:.*with no graph captured or planned:RuntimeWarning",  # a run after clear()
+}
+
+
+@pytest.mark.parametrize("page", [
+    pytest.param(p, marks=[pytest.mark.filterwarnings(EXPECTED_WARNINGS[p.name])] if p.name in EXPECTED_WARNINGS else [])
+    for p in PAGES
+], ids=[p.name for p in PAGES])
+def test_code_blocks_run(page: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocks = list(enumerate(BLOCK.findall(page.read_text())))
+    if page.name in SEQUENTIAL:
+        run_blocks(page, blocks)
+    else:
+        for block in blocks:  # each on its own: a reader copies one block, not the page
+            run_blocks(page, [block])
+
+
+def test_sequential_pages_say_so() -> None:
+    for name in SEQUENTIAL:
+        text = " ".join((ROOT / "docs" / name).read_text().split())
+        assert SEQUENTIAL_NOTE in text, f"{name} does not say its blocks run in order"
 
 
 def test_docs_exist() -> None:
@@ -40,3 +72,18 @@ def test_docs_links_resolve() -> None:
     for page in PAGES:
         for target in re.findall(r"\]\(([^)#]+\.md)\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+
+
+def test_the_readmes_test_command_is_what_ci_runs_then_the_slow_set() -> None:
+    """README, .ci/run and pyproject agree: the README's command is the default run (no slow set), CI runs it and
+    then ``python -m pytest -m slow``."""
+    tomllib = pytest.importorskip("tomllib")
+    readme = (ROOT / "README.md").read_text()
+    install, test = re.search(r"```bash\npip install (-e '\.\[test\]'[^\n]*) && (python -m pytest)\n```", readme).groups()
+    ci = [line.split("#")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    ci = [line for line in ci if line]
+    assert f"python -m pip install -q {install}" in ci
+    assert ci.index(test) < ci.index("python -m pytest -m slow"), "CI runs the README's command, then the slow set"
+    assert "`python -m pytest -m slow`" in readme
+    options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert "-m 'not slow'" in options["addopts"] and any(m.startswith("slow:") for m in options["markers"])

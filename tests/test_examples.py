@@ -12,7 +12,12 @@ import pytest
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+# Slow: hf_llama.py serves a Hugging Face model through every mode (tests/test_hf_llama.py covers it in the default run).
+SLOW = {"hf_llama.py"}
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.slow] if p.name in SLOW else []) for p in EXAMPLES],
+                         ids=[p.name for p in EXAMPLES])
 def test_example_runs(path: Path) -> None:
     if path.name == "hf_llama.py":
         pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'")

@@ -73,3 +73,34 @@ def test_debug_mode_catches_logits_kept_past_the_next_run() -> None:
         reg.run(cg.BatchDescriptor.decode(2), **inputs(1))
         with pytest.raises(cg.StaleOutputError):
             kept.sum()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--requests", "-3"], "argument --requests: expected an integer >= 1, got -3"),
+    (["--requests", "many"], "argument --requests: expected an integer >= 1, got 'many'"),
+    (["--device", "gpu"], "argument --device: expected a torch device such as cpu, cuda or cuda:1, got 'gpu'"),
+])
+def test_bad_arguments_are_named_before_any_work(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        hf.main(argv)
+    assert exit_.value.code == 2
+    assert f": error: {message}\n" in capsys.readouterr().err
+
+
+def test_cuda_without_cuda_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        hf.main(["--device", "cuda"])
+    assert exit_.value.code == 2
+    assert f"argument --device: 'cuda', but this torch ({torch.__version__}) sees no CUDA device; use --device cpu" in capsys.readouterr().err
+
+
+def test_long_stages_report_progress_and_quick_ones_stay_quiet(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    progress = hf.Progress("full", after=5.0, every=10.0)
+    clock = iter([0.0, 1.0, 2.0, 20.0, 25.0, 40.0])  # begin, then five updates
+    monkeypatch.setattr(hf.time, "perf_counter", lambda: next(clock))
+    progress.begin("serving 4 requests")
+    for step in range(1, 6):
+        progress.update(f"step {step}")
+    monkeypatch.undo()
+    assert capsys.readouterr().err.splitlines() == ["[full] serving 4 requests: step 3 (20 s)", "[full] serving 4 requests: step 5 (40 s)"]

@@ -121,6 +121,7 @@ class Events:
         self.started.append(key)
 
 
+@pytest.mark.filterwarnings("ignore:.*do not fit static input:RuntimeWarning")  # on purpose
 def test_lazy_capture_on_first_need(backend: str) -> None:
     events = Events()
     reg = make(backend, plugins=cg.Plugins(cg.make_plugin_manager([events], autoload=False)))

@@ -161,6 +161,7 @@ class ReleaseObserver:
         self.released.append((key, strategy))
 
 
+@pytest.mark.filterwarnings("ignore:.*with no graph captured or planned:RuntimeWarning")  # on purpose
 def test_release_and_clear_remove_what_they_say(backend: str) -> None:
     observer = ReleaseObserver()
     model = Affine(device_of(backend))
@@ -356,4 +357,6 @@ class RegistryMachine(RuleBasedStateMachine):
 
 RegistryMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=12, deadline=None,
                                              suppress_health_check=[HealthCheck.too_slow])
-test_registry_state_machine = RegistryMachine.TestCase
+# 40 examples: minutes on two cores, so in the slow set (tests/test_stateful_quick.py runs 4 in the default one).
+test_registry_state_machine = pytest.mark.slow(pytest.mark.filterwarnings(
+    "ignore:.*with no graph captured or planned:RuntimeWarning")(RegistryMachine.TestCase))  # runs before capture, on purpose

@@ -200,6 +200,7 @@ def test_an_input_that_requires_grad_leaves_no_autograd_history(backend: str) ->
     torch.testing.assert_close(out, x.detach() * 2)
 
 
+@pytest.mark.filterwarnings("ignore:.*do not fit static input:RuntimeWarning")  # on purpose
 def test_the_eager_fallback_checks_inputs_like_the_graph_path(backend: str) -> None:
     reg = matrix_registry(backend)
     device = reg.device
@@ -213,6 +214,7 @@ def test_the_eager_fallback_checks_inputs_like_the_graph_path(backend: str) -> N
     torch.testing.assert_close(reg.run(B(40, 5), x=torch.ones(40, 3, device=device)), torch.full((40, 3), 2.0, device=device))
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")  # torch's, for the CSR case
 @pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr", "nested"])
 def test_non_strided_inputs_are_refused_before_any_copy(kind: str) -> None:
     reg = matrix_registry("cpu")
@@ -362,6 +364,8 @@ class CountingObserver:
         self.misses += 1
 
 
+@pytest.mark.filterwarnings("ignore:.*do not fit static input:RuntimeWarning")  # on purpose
+@pytest.mark.filterwarnings("ignore:.*of plugin .*RaisingObserver. raised RuntimeError:RuntimeWarning")  # on purpose
 def test_raising_observers_are_contained_and_the_others_still_run() -> None:
     raising, counting = RaisingObserver(), CountingObserver()
     with pytest.warns(RuntimeWarning, match=r"cgregistry_registry_created of plugin .* raised RuntimeError: observer bug"):
@@ -497,6 +501,7 @@ def test_stale_reads_through_derived_views_are_caught(backend: str, derive: str)
     assert float(kept.sum()) == 30.0
 
 
+@pytest.mark.filterwarnings("ignore:.*do not fit static input:RuntimeWarning")  # on purpose
 def test_debug_mode_raises_no_false_alarms(backend: str) -> None:
     reg = matrix_registry(backend, debug=True)
     device = reg.device
@@ -518,6 +523,7 @@ def test_debug_mode_raises_no_false_alarms(backend: str) -> None:
 # ---------------------------------------------------------------- 6. piecewise eager fallback
 
 
+@pytest.mark.filterwarnings("ignore:.*do not fit static input:RuntimeWarning")  # on purpose
 def test_piecewise_eager_fallback_never_retraces() -> None:
     @cg.eager_break
     def mix(h: torch.Tensor) -> torch.Tensor:
@@ -772,8 +778,10 @@ class EngineLifeCuda(EngineLife):
 _life = settings(max_examples=30, stateful_step_count=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EngineLife.TestCase.settings = _life
 EngineLifeCuda.TestCase.settings = _life
-test_engine_life_cpu = EngineLife.TestCase
-test_engine_life_cuda = pytest.mark.cuda(EngineLifeCuda.TestCase)
+# 30 examples: minutes on two cores, so in the slow set (tests/test_stateful_quick.py runs 4 in the default one).
+_no_graph_yet = pytest.mark.filterwarnings("ignore:.*with no graph captured or planned:RuntimeWarning")  # on purpose
+test_engine_life_cpu = pytest.mark.slow(_no_graph_yet(EngineLife.TestCase))
+test_engine_life_cuda = pytest.mark.slow(pytest.mark.cuda(_no_graph_yet(EngineLifeCuda.TestCase)))
 
 
 # ---------------------------------------------------------------- found by attacking the above
@@ -800,6 +808,7 @@ def test_a_refused_group_run_does_not_leave_the_agreed_key(monkeypatch: pytest.M
     assert reg.stats().misses == 0 and [e.key for e in reg.entries(used=True)] == [B(16)], "every rank replays the agreed key"
 
 
+@pytest.mark.filterwarnings("ignore:.*do not fit static input:RuntimeWarning")  # on purpose
 def test_more_requests_than_a_static_input_holds_run_eagerly() -> None:
     reg = cg.GraphRegistry(lambda b, ids, seq_lens: ids.float() * 2,
                            {"ids": cg.StaticInput((32,), torch.long, fill=0), "seq_lens": cg.StaticInput((8,), torch.int32, axis="reqs", fill=1)},
@@ -811,6 +820,7 @@ def test_more_requests_than_a_static_input_holds_run_eagerly() -> None:
     assert reg.stats().misses == 1
 
 
+@pytest.mark.filterwarnings("ignore:.*with no graph captured or planned:RuntimeWarning")  # on purpose
 def test_debug_mode_no_alarm_while_no_graph_reads_the_weights() -> None:
     model = Tiny()
     reg = cg.GraphRegistry(model, {"x": cg.StaticInput((8, 3), torch.float32)}, backend="cpu", plugins=make_plugins(), debug=True)
@@ -860,6 +870,7 @@ def test_structseq_outputs_round_trip_and_odd_containers_are_refused() -> None:
         reg.capture([(B(8), "full")])
 
 
+@pytest.mark.filterwarnings("ignore:.*with no graph captured or planned:RuntimeWarning")  # on purpose
 def test_observers_are_contained_beside_a_wrapper() -> None:
     seen: list[str] = []
 

@@ -164,3 +164,19 @@ def test_cli_plan_judges_a_trace_with_the_cap(capsys: pytest.CaptureFixture[str]
     assert capped["padding_cap"] == {"max_padding_tokens": 0, "max_padding_ratio": None}
     p, c = plain["plans"]["default"], capped["plans"]["default"]
     assert c["padded_tokens"] == 0 and c["eager_steps"] > p["eager_steps"] and c["steps"] == p["steps"]
+
+
+def test_uncovered_asks_the_matcher_a_few_times_per_key_whatever_the_token_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranges come from the keys' edges (and the cap's), so a budget of 10^12 tokens costs what 512 do."""
+    calls: list[BatchDescriptor] = []
+    match = Matcher.match
+    monkeypatch.setattr(Matcher, "match", lambda self, actual, *a: calls.append(actual) or match(self, actual, *a))
+    counts = {}
+    for budget in (512, 10**12):
+        calls.clear()
+        plan = CapturePlan.build(max_num_seqs=256, max_num_tokens=budget, max_loras=2)  # the same 512-token keys
+        gaps = plan.uncovered(max_padding_tokens=6, max_padding_ratio=0.25)
+        counts[budget] = len(calls)
+    assert [g for g in gaps if g.reason == "no_key"] == [UncoveredRange("mixed", n, None, 513, 10**12, "no_key") for n in (0, 1, 2)]
+    assert counts[10**12] <= counts[512] + 3 * 2 * 4, counts  # the budget's own edge: a few sizes per LoRA count
+    assert counts[512] < 32 * len(plan), counts

@@ -30,6 +30,7 @@ def scrape(port: int) -> dict[str, float]:
     return samples
 
 
+@pytest.mark.filterwarnings("ignore:.*do not fit static input:RuntimeWarning")  # on purpose
 def test_registry_counters_are_scraped(endpoint: int) -> None:
     reg = cg.GraphRegistry(lambda b, x: x + 1, {"x": cg.StaticInput((16,), torch.float32)}, backend="cpu", name="scraped")
     assert reg in cgregistry_prometheus.tracked(), "attached through the installed entry point"
