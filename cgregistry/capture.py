@@ -37,8 +37,8 @@ __all__ = ["CaptureError", "EntryCapture", "frozen_gc", "paused_gc"]
 class CaptureError(CgregistryError, RuntimeError):
     """Capturing one entry failed; the registry is as it was before that entry."""
 
-    def __init__(self, descriptor: BatchDescriptor, strategy: str, cause: BaseException) -> None:
-        super().__init__(f"capturing {descriptor} with strategy {strategy!r} failed: {type(cause).__name__}: {cause}")
+    def __init__(self, descriptor: BatchDescriptor, strategy: str, cause: BaseException, note: str = "") -> None:
+        super().__init__(f"capturing {descriptor} with strategy {strategy!r} failed: {type(cause).__name__}: {cause}{note}")
         self.descriptor = descriptor
         self.strategy = strategy
 

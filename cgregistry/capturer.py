@@ -172,20 +172,31 @@ class Capturer:
         return entry
 
     def capture_all(self, pairs: list[Pair], progress: bool | None) -> list[EntryInfo]:
-        """Capture ``pairs`` in order, now; the first failure raises (the entries before it stay)."""
+        """Capture ``pairs`` in order, now.  A failure stops its strategy (its later keys are not tried) but not the
+        others, whose keys are all captured; then the first failure is raised, saying what else happened."""
         if progress is None:
             progress = len(pairs) > 1 and sys.stderr.isatty()
         ctx = self.current()
         bar = _progress(pairs, progress)
-        captured = []
+        captured: list[EntryInfo] = []
+        failed: dict[str, CaptureError] = {}  # strategy -> its first failure
+        skipped: list[Pair] = []
         self.renew_if_unused()
         try:
             with frozen_gc(), self._catalog.batch():
                 for pair in bar:
-                    captured.append(self.capture_key(pair, ctx).info(self._one.backend.name))
+                    if pair[1] in failed:
+                        skipped.append(pair)
+                        continue
+                    try:
+                        captured.append(self.capture_key(pair, ctx).info(self._one.backend.name))
+                    except CaptureError as error:
+                        failed[pair[1]] = error
         finally:
             if hasattr(bar, "close"):
                 bar.close()
+        if failed:
+            raise _summary(failed, skipped, captured)
         return captured
 
     def capture_lazily(self, pair: Pair) -> None:
@@ -203,6 +214,21 @@ class Capturer:
             )
         else:
             self._catalog.counters.lazy_captures += 1
+
+
+def _summary(failed: dict[str, CaptureError], skipped: list[Pair], captured: list[EntryInfo]) -> CaptureError:
+    """The first failure of a plan's capture, with what else failed, what was not tried and what was captured."""
+    first = next(iter(failed.values()))
+    notes = [f"; {type(e).__name__} for {e.descriptor} [{s}] too" for s, e in list(failed.items())[1:]]
+    by_strategy: dict[str, int] = {}
+    for _, strategy in skipped:
+        by_strategy[strategy] = by_strategy.get(strategy, 0) + 1
+    notes += [f"; {n} later key{'s' if n > 1 else ''} of strategy {s!r} not tried" for s, n in by_strategy.items()]
+    kept = sorted({info.strategy for info in captured})
+    notes.append(f"; {len(captured)} entries captured" + (f" ({', '.join(kept)})" if kept else "") + ", and they stay")
+    error = CaptureError(first.descriptor, first.strategy, first.__cause__ or first, note="".join(notes))
+    error.__cause__ = first.__cause__
+    return error
 
 
 def _plan_entry(e: object) -> PlanEntry:

@@ -741,7 +741,8 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
     keys.add_argument("--max-num-tokens", type=int, default=8192, metavar="N", help="largest number of tokens in a batch; also the scheduler's token budget")
     keys.add_argument("--mode", default=None, type=_mode, metavar="MODE", help=(
         f"{_MODE_HELP} (default: {_PLAN_DEFAULT_MODE}, what CapturePlan.build uses when no mode is given: "
-        "full graphs for uniform decode batches, piecewise pieces around the attention for mixed ones)"))
+        "full graphs for uniform decode batches, graph segments around the eager attention for mixed ones, "
+        "with no compile; full_and_piecewise for a model compiled with reg.compile)"))
     keys.add_argument("--capture-sizes", type=_ints, default=None, metavar="N,N,...",
                       help="token counts of the mixed-batch keys (default: the plan's own ladder 1, 2, 4, 8, 16, ... "
                            "every 8 to 256, then every 16, up to --max-capture-size)")

@@ -62,6 +62,7 @@ class Explanation:
     match: Match | None
     candidates: tuple[Candidate, ...]
     refused: str | None = None  # why no key may serve the batch at all (more requests than a static input holds, say)
+    hint: str | None = None  # how the engine may describe the batch so that a key serves it (a decode batch not marked uniform)
 
     def to_dict(self) -> dict:
         """The explanation as JSON-serialisable data."""
@@ -72,6 +73,7 @@ class Explanation:
         return {
             "actual": key(self.actual),
             "refused": self.refused,
+            "hint": self.hint,
             "match": None if self.match is None else {"key": key(self.match.key), "strategy": self.match.strategy, "padding": list(self.match.padding)},
             "candidates": [
                 {"key": key(c.key), "strategy": c.strategy, "covers": c.covers, "chosen": c.chosen, "reason": c.reason,
@@ -92,7 +94,7 @@ class Explanation:
         for c in self.candidates:
             pad = "-" if c.padding is None else str(tuple(c.padding))
             rows.append(("*" if c.chosen else "", str(c.key), c.strategy, pad, c.reason))
-        return "\n".join([head, *text_table(rows)])
+        return "\n".join([head, *text_table(rows), *([f"hint: {self.hint}"] if self.hint else [])])
 
 
 @attrs.frozen(slots=True)
@@ -351,7 +353,28 @@ class Matcher:
                     reason = "covers with equal padding; lost the tie (uniform, then exact request count)"
             rows.append(((0, self._rank[strategy], *pad), Candidate(key, strategy, True, False, reason, pad)))
         rows.sort(key=lambda r: r[0])
-        return Explanation(actual, chosen, tuple(c for _, c in rows))
+        return Explanation(actual, chosen, tuple(c for _, c in rows), hint=None if chosen is not None else self.uniform_hint(actual))
+
+    def uniform_hint(self, actual: BatchDescriptor) -> str | None:
+        """For a batch no key serves that is not marked uniform, but whose every request could have ``1 + d`` query tokens
+        with a uniform key of depth ``d`` serving it: how to describe it (None otherwise).  A prefill chunk can look like
+        a decode batch, so the registry never assumes it; the engine knows."""
+        if actual.uniform or actual.num_reqs is None:
+            return None
+        for depth in sorted({key.spec_depth for key, _ in self._pairs if key.uniform}):
+            if actual.num_tokens != actual.num_reqs * (1 + depth):
+                continue
+            decode = BatchDescriptor.decode(actual.num_reqs, depth, actual.num_active_loras)
+            match = self.match(decode)
+            if match is not None and match.key.uniform:
+                call = f"BatchDescriptor.decode({actual.num_reqs}{f', spec_depth={depth}' if depth else ''}"
+                call += f"{f', num_active_loras={actual.num_active_loras}' if actual.num_active_loras else ''})"
+                return (
+                    f"{actual} is not marked uniform, so only mixed keys may serve it; if each of its requests has "
+                    f"{1 + depth} query token{'s' if depth else ''}, describe it as {call} (uniform=True) and "
+                    f"{match.key} [{match.strategy}] serves it"
+                )
+        return None
 
 
 def excluded(exclude: Iterable[str]) -> frozenset[str]:

@@ -309,7 +309,9 @@ class PlanSettings:
 
     max_num_seqs: int = attrs.field(validator=_positive("max_num_seqs"))
     max_num_tokens: int = attrs.field(validator=_positive("max_num_tokens"))
-    mode: Mode | str | tuple[str | None, str | None] = "full_and_piecewise"
+    # The default serves any step: breakable keys are piecewise's (the same key set as vLLM's FULL_AND_PIECEWISE)
+    # without a trace; with a model compiled by reg.compile, "full_and_piecewise" fuses across the pieces too.
+    mode: Mode | str | tuple[str | None, str | None] = "full_and_breakable"
     capture_sizes: Sequence[int] | None = None  # mixed-batch token counts (the ladder unless given)
     max_capture_size: int | None = attrs.field(default=None, validator=_optional_positive("max_capture_size"))
     spec_depths: SpecDepths = attrs.field(default=(0,), converter=_spec_depths)

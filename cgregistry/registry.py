@@ -175,8 +175,9 @@ class GraphRegistry:
         All entries are checked before any is captured (or planned lazily): the strategy is
         registered, the key fits the static inputs, and the strategy serves the key's class
         (its ``unsupported_classes``); a refused plan leaves the registry as it was.  If a
-        capture fails, the entries captured before it stay, it is absent, and ``CaptureError``
-        names its descriptor and strategy.  With ``lazy=True`` nothing is
+        capture fails, it is absent, its strategy's later keys are not tried, every other key is
+        captured, and then ``CaptureError`` names its descriptor and strategy (and what else
+        happened); the entries captured stay.  With ``lazy=True`` nothing is
         captured now: each key is captured by the first ``run`` it is the best
         match for (counted in ``stats().lazy_captures``).  ``context`` is the payload
         eager breaks see through ``current_batch()`` while capturing: it must describe

@@ -53,6 +53,7 @@ class Route:
 
     __slots__ = (
         "entry", "pending", "match", "copies", "out_rows", "single_output", "real_tokens", "pad_tokens", "batch_context", "miss_reason",
+        "hint",
     )
 
     def __init__(
@@ -61,6 +62,7 @@ class Route:
     ) -> None:
         self.entry = entry
         self.miss_reason = miss_reason  # why the batch runs eagerly (a MISS_REASONS key), when no key serves it
+        self.hint: str | None = None  # how the engine could describe the batch so that a key serves it (Matcher.uniform_hint)
         # the best key is in a lazy plan and not captured yet: run() captures it first
         self.pending: Pair | None = (match.key, match.strategy) if match is not None and entry is None else None
         self.match = match
@@ -137,6 +139,8 @@ class RouteTable:
             copies = [(own, rows) for own, (_, rows) in zip(entry.buffers, copies)]
         reason = None if match is not None else self.miss_reason(target, exclude)
         route = Route(actual, entry, match, tuple(copies), out_rows, reason)
+        if reason == "no_key_for_class":
+            route.hint = self.matcher.uniform_hint(target)
         cache, cache_key = (self.cache, actual) if variant is None else (self.variant_cache, (actual, variant))
         if len(cache) >= ROUTE_CACHE_LIMIT:
             cache.clear()

@@ -37,6 +37,8 @@ from cgregistry.runtime import BreakContext
 __all__ = ["ConcurrentRunError", "DebugServer", "Server"]
 
 _WARN_ONCE = ("no_graphs", "above_capacity")  # misses that mean the engine is set up wrong, warned about once
+# Misses of batches not marked uniform that uniform keys would serve, before the one warning about them.
+UNIFORM_HINT_AFTER = 16
 
 
 class ConcurrentRunError(CgregistryError, RuntimeError):
@@ -66,6 +68,7 @@ class Server:
         self._acquire, self._release = self._running.acquire, self._running.release
         self._exclusions: dict[Any, frozenset[str]] = {}  # exclude= values already checked, to their strategy sets
         self._warned: set[str] = set()  # miss reasons already warned about
+        self._unmarked = 0  # misses of batches that uniform keys would serve had they been marked uniform
 
     # ---------------------------------------------------------------- run
 
@@ -126,7 +129,7 @@ class Server:
                 for buf, rows in route.copies:  # a background entry's own inputs: checked (and their views made) too
                     buf.check(inputs[buf.name], rows)
             if entry is None:
-                return self._miss(actual, inputs, context, route.miss_reason)
+                return self._miss(actual, inputs, context, route.miss_reason, route.hint)
         if not self._capturer.state_ok():  # a graph computes what it computed at capture: refuse another autocast or dtype
             self._capturer.refuse_other_state()
         for buf, rows in route.copies:
@@ -174,11 +177,22 @@ class Server:
                 route = self._route(actual, variant)
         return route, inputs
 
-    def _miss(self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any, reason: str | None) -> Any:
+    def _miss(
+        self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any, reason: str | None, hint: str | None = None,
+    ) -> Any:
         self._counters.count_miss(actual, reason)
         if reason in _WARN_ONCE and reason not in self._warned:
             self._warned.add(reason)  # type: ignore[arg-type]
             self._warn_miss(actual, reason)  # type: ignore[arg-type]
+        if hint is not None:
+            self._unmarked += 1
+            if self._unmarked == UNIFORM_HINT_AFTER:
+                warnings.warn(
+                    f"cgregistry: registry {self._name!r}: {UNIFORM_HINT_AFTER} batches ran eagerly as mixed batches while "
+                    f"uniform keys would serve them, such as {hint} (shown once; reg.explain(batch) says it for each)",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
         self._events.miss(actual)
         return self._eager(actual, inputs, context)
 

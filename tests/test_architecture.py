@@ -328,7 +328,7 @@ def test_settings_are_declared_once() -> None:
     assert settings.used_capture_sizes[-1] == settings.used_max_capture_size == 16  # what the defaults resolve to
     assert settings.capture_sizes is None and settings.max_capture_size is None, "the settings stay as given"
     assert attrs.evolve(settings, max_num_seqs=64, max_num_tokens=4096).used_max_capture_size == 128
-    assert cg.CapturePlan.build(8, 64) == cg.CapturePlan.build(settings), "positional settings in declaration order"
+    assert cg.CapturePlan.build(8, 64, "full_and_piecewise") == cg.CapturePlan.build(settings), "positional settings in declaration order"
     with pytest.raises(ValueError, match="max_num_seqs must be a positive int, got 0"):
         cg.PlanSettings(max_num_seqs=0, max_num_tokens=64)
     with pytest.raises(TypeError, match="not both"):

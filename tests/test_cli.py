@@ -362,9 +362,9 @@ def test_every_option_has_help_and_shows_its_default() -> None:
 def test_plan_and_demo_each_say_their_default_mode_and_why() -> None:
     plan = " ".join(command_parsers()["plan"].format_help().split())
     demo = " ".join(command_parsers()["demo"].format_help().split())
-    assert "(default: full_and_piecewise, what CapturePlan.build uses when no mode is given" in plan
+    assert "(default: full_and_breakable, what CapturePlan.build uses when no mode is given" in plan
     assert "(default: full, because the demo model is graph-safe end to end" in demo
-    assert "`plan` defaults to full_and_piecewise" in demo
+    assert "`plan` defaults to full_and_breakable" in demo
 
 
 # ---------------------------------------------------------------------------- plan: settings used
@@ -375,7 +375,7 @@ def test_plan_prints_the_settings_it_used(capsys: pytest.CaptureFixture[str]) ->
     assert code == 0, err
     header = out.split("\n\n")[0].splitlines()
     assert header[0] == "settings:"
-    assert "  --mode             full_and_piecewise: decode keys full, mixed keys piecewise (any request count)  (default)" in header
+    assert "  --mode             full_and_breakable: decode keys full, mixed keys breakable (any request count)  (default)" in header
     assert "  --capture-sizes    1,2,4,8 (4 sizes)  (default)" in header
     assert "  --max-capture-size 8  (default)" in header
     assert "  --lora-counts      0,1,2  (default)" in header

@@ -123,3 +123,23 @@ def test_a_broken_entry_counts_its_eager_step_as_a_failed_miss() -> None:
         reg.run(B(4, 4), x=torch.ones(4))
     s = reg.stats()
     assert calls["n"] == 1 and s.misses == 1 and s.misses_by_reason["failed"] == 1 and s.hits == 0
+
+
+def test_a_decode_batch_not_marked_uniform_gets_a_hint_in_explain_and_one_warning() -> None:
+    """BatchDescriptor(4, 4) may be a prefill chunk, so it is not a decode batch; but when uniform keys would serve it,
+    explain() says how to describe it, and a registry that sees many such misses says so once (issue 29, item 3)."""
+    reg = registry()
+    reg.capture(cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=64, mode="full_decode_only", spec_depths=(0, 1)))
+    explained = reg.explain(B(4, 4))
+    assert explained.match is None and explained.hint is not None
+    assert "describe it as BatchDescriptor.decode(4) (uniform=True) and Batch(tokens=4, reqs=4, uniform) [full] serves it" in str(explained)
+    assert "BatchDescriptor.decode(3, spec_depth=1)" in str(reg.explain(B(6, 3)))
+    assert reg.explain(B(5, 2)).hint is None, "5 tokens for 2 requests is no uniform batch"
+    assert reg.explain(B.decode(4)).hint is None, "served: nothing to hint"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(40):
+            assert reg.run(B(4, 4), x=torch.ones(4)).tolist() == [2.0] * 4
+    hinted = [w for w in caught if "uniform keys would serve them" in str(w.message)]
+    assert len(hinted) == 1 and "16 batches ran eagerly as mixed batches" in str(hinted[0].message)
+    assert reasons(reg) == {"no_key_for_class": 40}

@@ -138,7 +138,8 @@ def test_fit_respects_unsupported() -> None:
 
 
 def test_cli_plan_prints_each_downgrade_with_its_reason(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["plan", "--max-num-seqs", "16", "--max-num-tokens", "256", "--spec-depths", "0,2", "--unsupported", "full:mixed,full:spec_decode"]
+    args = ["plan", "--max-num-seqs", "16", "--max-num-tokens", "256", "--spec-depths", "0,2", "--unsupported", "full:mixed,full:spec_decode",
+            "--mode", "full_and_piecewise"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "--unsupported      full:mixed, full:spec_decode" in out

@@ -45,8 +45,7 @@ class PiecewiseStrategy(BreakableStrategy):
                 "the step ran no model compiled with the piecewise backend, so there are no pieces: compile it with "
                 "compiled = reg.compile(model) (or cgregistry.compile_piecewise(model)) and call compiled(...) in the "
                 "step (or torch.compile(model, backend=reg.compile_backend(), dynamic=True)), or plan this key with the "
-                "'breakable' strategy, which needs no compile (mode='full_and_breakable'; the default mode is "
-                "'full_and_piecewise')"
+                "'breakable' strategy, which needs no compile (mode='full_and_breakable', the default mode)"
             )
 
 
