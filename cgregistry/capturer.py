@@ -202,9 +202,8 @@ class Capturer:
     def capture_lazily(self, pair: Pair) -> None:
         """Capture a lazy key on its first use; a failure drops it (its batches go to the next best key, or run eagerly)."""
         self.renew_if_unused()
-        try:
-            with frozen_gc():
-                self.capture_key(pair, self.current())
+        try:  # capture_key pauses the collector; no full collection first, which would stall this step for a large heap
+            self.capture_key(pair, self.current())
         except CaptureError as exc:
             self._catalog.fail_capture(pair, exc)
             warnings.warn(
