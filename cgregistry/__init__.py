@@ -22,7 +22,7 @@ from cgregistry.compiler import PiecewiseCompiler, compile_piecewise
 from cgregistry.runtime import BreakContext, current_batch, eager_batch
 
 # Inspection: entries, statistics, explanations, snapshots
-from cgregistry.inspection import ClassStats, EntryInfo, Snapshot, Stats, load_snapshot
+from cgregistry.inspection import ClassStats, EntryInfo, Refreshed, Slept, Snapshot, Stats, load_snapshot
 from cgregistry.matcher import Candidate, Explanation, Match, Matcher, PaddingCap
 
 # The plugin set a registry uses (GraphRegistry(plugins=...)); plugin authors: cgregistry.plugin
@@ -41,6 +41,7 @@ from cgregistry.outputs import OutputError
 from cgregistry.plugins import PluginError
 from cgregistry.registry import ConcurrentRunError
 from cgregistry.serving_state import ServingStateError
+from cgregistry.weights import WeightsMovedError
 from cgregistry.strategies.breakable import BreakError
 
 from cgregistry.version import __version__
@@ -71,11 +72,13 @@ __all__ = [
     "BreakContext", "PiecewiseCompiler", "capture_barrier", "compile_piecewise", "current_batch", "eager_batch",
     "eager_break", "graph_break",
     # inspection
-    "Candidate", "ClassStats", "EntryInfo", "Explanation", "Match", "Matcher", "PaddingCap", "Snapshot", "Stats", "load_snapshot",
+    "Candidate", "ClassStats", "EntryInfo", "Explanation", "Match", "Matcher", "PaddingCap", "Refreshed", "Slept", "Snapshot", "Stats",
+    "load_snapshot",
     # plugins in use
     "Plugins", "make_plugin_manager", "plugin",
     # errors
     "BreakError", "CaptureError", "CgregistryError", "ConcurrentRunError", "DebugError", "GraphUnsafeOpError",
     "InputError", "OutputError", "PiecewiseError", "PluginError", "ServingStateError", "SnapshotError", "StaleOutputError",
+    "WeightsMovedError",
     "__version__",
 ]

@@ -96,7 +96,7 @@ class Adapter:
         self._unharvested = 0
         if adapt is None:
             return
-        due = not self._refit_running and adapt.due(traffic)
+        due = not self._refit_running and not self._catalog.asleep and adapt.due(traffic)
         self._harvest_at = self._next_harvest(due or self._refit_running)
         if not due:
             return
@@ -138,6 +138,8 @@ class Adapter:
         nothing left is dropped (not recorded, no hook).  Hooks see the routes after the change.
         """
         self._refit_running = False
+        if self._catalog.asleep:  # proposed before sleep(): its keys are not captured while asleep
+            return
         if error is not None:
             warnings.warn(f"cgregistry: registry {self._name!r}: refit failed: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=6)
             return

@@ -152,11 +152,12 @@ class BackgroundCapture:
 
     # ---------------------------------------------------------------- the serving thread's side
 
-    def submit(self, pairs: Iterable[Pair], context: Any) -> None:
-        """Queue keys not already queued or in flight, in ``background_order``; start the thread if it is idle."""
+    def submit(self, pairs: Iterable[Pair], context: Any, *, ordered: bool = False) -> None:
+        """Queue keys not already queued or in flight, in ``background_order`` (as given with ``ordered``); start the
+        thread if it is idle."""
         with self._cond:
             known = {item[0] for item in self._queue if isinstance(item, tuple)}
-            for pair in background_order(pairs):
+            for pair in list(pairs) if ordered else background_order(pairs):
                 if pair == self._in_flight and pair in self._dropped:
                     self._dropped.discard(pair)  # wanted again: the capture in flight is kept after all
                 elif pair != self._in_flight and pair not in known:

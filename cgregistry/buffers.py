@@ -247,6 +247,20 @@ class StaticBuffer:
         self.tensor.fill_(self.spec.capture_fill)
         self.dirty = 0
 
+    def release(self) -> int:
+        """Give the memory back (its storage emptied; the tensor and its views stay, for ``restore``); the bytes freed."""
+        storage = self.tensor.untyped_storage()
+        freed = storage.nbytes()
+        storage.resize_(0)
+        return freed
+
+    def restore(self) -> None:
+        """Memory again after ``release`` (a new address, at the capture fill): views and copies work as before."""
+        storage = self.tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.tensor.numel() * self.tensor.element_size())
+            self.reset()
+
     def check(self, live: torch.Tensor, rows: int) -> None:
         """Raise InputError unless ``live`` is exactly ``rows`` dense rows of this input's dtype and device.
 
@@ -254,9 +268,11 @@ class StaticBuffer:
         """
         shape = self._shapes.get(rows)
         if shape is None:
-            shape = self._shapes[rows] = torch.Size((rows, *self.spec.shape[1:]))
-            if rows <= self.capacity:
-                self.view(rows)
+            shape = torch.Size((rows, *self.spec.shape[1:]))
+            if rows > self.capacity:
+                self._shapes[rows] = shape
+            elif self.tensor.untyped_storage().nbytes():  # released (asleep): the view is made after restore()
+                self.view(rows)  # caches the shape too
         try:
             ok = (
                 live.layout is _STRIDED  # sparse and other layouts would be densified or refused by copy_

@@ -20,7 +20,6 @@ import attrs
 
 from cgregistry.capture import CaptureError, EntryCapture, frozen_gc, paused_gc
 from cgregistry.catalog import Catalog
-from cgregistry.debug import AddressWatch
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry, Pair
 from cgregistry.events import Events
@@ -29,6 +28,7 @@ from cgregistry.keyclasses import check_serves
 from cgregistry.plan import PlanEntry
 from cgregistry.plugins import Plugins
 from cgregistry.serving_state import ServingState, ServingStateError
+from cgregistry.weights import WeightsMovedError, WeightWatch
 
 __all__ = ["CaptureContext", "Capturer"]
 
@@ -46,6 +46,10 @@ def _always() -> bool:
     return True
 
 
+def _never() -> bool:
+    return False
+
+
 class Capturer:
     """Checks and captures keys into one catalog, under one capture context."""
 
@@ -59,8 +63,9 @@ class Capturer:
         self.context: CaptureContext | None = None
         self.state_ok: Callable[[], bool] = _always  # the hot path's test of the caller's state against the context's
         self.buffers = one.buffers  # the shared static inputs (an entry captured in the background has its own)
-        self.watch = AddressWatch()  # addresses graphs read (debug mode checks them): recorded again on a fresh pool
+        self.watch = WeightWatch()  # the tensors graphs read: recorded again on a fresh pool and at refresh()
         self.watch.watch((f"static input {n!r}", buf.tensor) for n, buf in one.buffers.items())
+        self.watch.on_change = self._weights_changed
 
     # ---------------------------------------------------------------- checks
 
@@ -130,10 +135,27 @@ class Capturer:
 
     def refuse_other_state(self) -> None:
         """After ``state_ok()`` said no: raise ``ServingStateError`` naming how the caller's state differs from the
-        capture context's in what a replay computes; a difference that changes no result (grad mode) becomes the
-        state ``state_ok`` compares with from now on."""
+        capture context's in what a replay computes, or ``WeightsMovedError`` naming a watched tensor that moved since
+        the graphs were captured; a difference that changes no result (grad mode) becomes the state ``state_ok``
+        compares with from now on."""
         if self.context is not None:
             self.context.state.check(self._name)
+        moved = self.watch.moved() if self._catalog.entries else []
+        if moved:
+            more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
+            raise WeightsMovedError(
+                f"run() on registry {self._name!r}: {moved[0]}{more} since its graphs were captured, so they would read the "
+                "old weights; call reg.refresh() after a weight update (it keeps what reads the new addresses and captures "
+                "the rest again), or update weights in place (param.copy_, load_state_dict without assign=True)"
+            )
+        self.state_ok = ServingState.checker(self._one.device.type)
+
+    def _weights_changed(self, what: str) -> None:
+        """A watched module registered a parameter, buffer or submodule (any thread): the next replay compares addresses."""
+        self.state_ok = _never
+
+    def weights_refreshed(self) -> None:
+        """After ``refresh()``: replays compare the serving state alone again."""
         self.state_ok = ServingState.checker(self._one.device.type)
 
     # ---------------------------------------------------------------- capturing
@@ -156,8 +178,10 @@ class Capturer:
         strategy = self._plugins.strategy(name)
         with self.lock, paused_gc():
             self._events.capture_started(key, name)
+            weights = self.watch.fingerprint()  # what the graph will read
             try:
                 entry = ctx.state.run(self._one.capture, key, name, strategy, ctx.payload, background=background)
+                entry.weights = weights
             except BaseException as exc:
                 error = exc if isinstance(exc, CaptureError) else CaptureError(key, name, exc)
                 self._events.capture_finished(key, name, None, error)

@@ -52,7 +52,9 @@ class Counters:
 class Catalog:
     """Entries by (key, strategy), lazy keys, keys being captured, failures, the budget, counters and routes."""
 
-    __slots__ = ("entries", "pending", "failures", "capturing", "memory_budget", "routes", "counters", "_retired", "_deferred", "_dirty")
+    __slots__ = (
+        "entries", "pending", "failures", "capturing", "asleep", "memory_budget", "routes", "counters", "_retired", "_deferred", "_dirty",
+    )
 
     def __init__(
         self, buffers: Mapping[str, StaticBuffer], output_axes: OutputAxes, preference: Sequence[str], cap: PaddingCap,
@@ -62,6 +64,7 @@ class Catalog:
         self.pending: dict[Pair, None] = {}  # lazy keys, captured on first need (evicted ones return here)
         self.failures: dict[Pair, BaseException] = {}
         self.capturing: tuple[Pair, ...] = ()  # keys queued for, or in, background capture (not served yet)
+        self.asleep = False  # reg.sleep(): no graph, every batch eager (miss reason "asleep") until reg.wake()
         self.memory_budget = memory_budget
         self.routes = RouteTable(buffers, self.entries, output_axes, preference, chooser, chooser_names, self.failures, cap)
         self.counters = Counters()
@@ -70,6 +73,11 @@ class Catalog:
         self._dirty = False
 
     # ---------------------------------------------------------------- reading
+
+    @property
+    def cap(self) -> PaddingCap:
+        """The padding cap the routes apply."""
+        return self.routes.cap
 
     def pairs(self) -> list[Pair]:
         """Every key the matcher may choose: captured entries, then pending ones."""
@@ -164,6 +172,11 @@ class Catalog:
             self.capturing = pairs
             self._changed()
 
+    def set_asleep(self, asleep: bool) -> None:
+        """Asleep (every batch runs eagerly, counted as ``asleep``) or awake again."""
+        self.asleep = asleep
+        self._changed()
+
     def fail_capture(self, pair: Pair, error: BaseException) -> None:
         """A key whose capture failed: dropped (if planned), its error kept."""
         self.pending.pop(pair, None)
@@ -236,4 +249,4 @@ class Catalog:
             self._dirty = True
             return
         self._dirty = False
-        self.routes.rebuild(self.pairs(), self.capturing)
+        self.routes.rebuild(self.pairs(), self.capturing, self.asleep)

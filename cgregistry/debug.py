@@ -20,16 +20,15 @@ Both checks cost a few microseconds per ``run()``; leave debug mode off in servi
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from cgregistry.errors import CgregistryError
+from cgregistry.weights import WeightWatch
 
-__all__ = ["AddressWatch", "CheckedOutput", "DebugError", "StaleOutputError"]
+__all__ = ["AddressWatch", "CheckedOutput", "DebugError", "StaleOutputError", "check_addresses"]
 
 
 class DebugError(CgregistryError, RuntimeError):
@@ -40,70 +39,18 @@ class StaleOutputError(CgregistryError, RuntimeError):
     """An output of an earlier ``run()`` was read after a later one overwrote it (names it)."""
 
 
-class _ModuleSlot:
-    """A parameter or buffer of a module, looked up by its path from the root each time: a replaced
-    parameter, buffer or submodule is seen."""
-
-    __slots__ = ("root", "path", "table", "name")
-
-    def __init__(self, root: nn.Module, path: str, table: str, name: str) -> None:
-        self.root = root
-        self.path = path  # of the submodule holding it ("" for the root)
-        self.table = table  # "_parameters" or "_buffers"
-        self.name = name
-
-    def data_ptr(self) -> int | None:
-        try:
-            module = self.root.get_submodule(self.path)
-        except AttributeError:  # the submodule was removed
-            return None
-        tensor = getattr(module, self.table).get(self.name)
-        return None if tensor is None else tensor.data_ptr()
+# The address watch lives in cgregistry.weights (refresh() compares addresses too); its old name stays here.
+AddressWatch = WeightWatch
 
 
-def _module_slots(module: nn.Module, prefix: str) -> list[tuple[str, _ModuleSlot]]:
-    slots = []
-    for path, sub in module.named_modules():
-        for table in ("_parameters", "_buffers"):
-            for name, tensor in getattr(sub, table).items():
-                if tensor is not None:
-                    slots.append((f"{prefix}{path + '.' if path else ''}{name}", _ModuleSlot(module, path, table, name)))
-    return slots
-
-
-class AddressWatch:
-    """Addresses of tensors graphs read, recorded once (or again by ``rebase``) and compared before each replay."""
-
-    def __init__(self) -> None:
-        self._watched: dict[str, tuple[torch.Tensor | _ModuleSlot, int | None]] = {}
-
-    def watch(self, named: Iterable[tuple[str, torch.Tensor]] | nn.Module, prefix: str = "") -> None:
-        """Watch ``(name, tensor)`` pairs, or every parameter and buffer of a module (by name, so replacing one is seen)."""
-        if isinstance(named, nn.Module):
-            for name, slot in _module_slots(named, prefix):
-                self._watched[name] = (slot, slot.data_ptr())
-            return
-        for name, tensor in named:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"watch() takes (name, tensor) pairs or an nn.Module, got {name!r}: {type(tensor).__name__}")
-            self._watched[f"{prefix}{name}"] = (tensor, tensor.data_ptr())
-
-    def rebase(self) -> None:
-        """Record the current addresses (no graph reads the old ones)."""
-        self._watched = {name: (source, source.data_ptr()) for name, (source, _) in self._watched.items()}
-
-    def check(self) -> None:
-        for name, (source, ptr) in self._watched.items():
-            now = source.data_ptr()
-            if now != ptr:
-                where = "was removed" if now is None else f"moved from {ptr:#x} to {now:#x}"
-                raise DebugError(
-                    f"{name} {where} since capture; captured graphs still read the old address. Update it in place "
-                    "(tensor.copy_(new), load_state_dict without assign=True) instead of replacing it, or capture again"
-                )
-
-    def __len__(self) -> int:
-        return len(self._watched)
+def check_addresses(watch: WeightWatch) -> None:
+    """Raise ``DebugError`` naming the first watched tensor that moved since capture (debug mode, before each replay)."""
+    moved = watch.moved()
+    if moved:
+        raise DebugError(
+            f"{moved[0]} since capture; captured graphs still read the old address. Update it in place "
+            "(tensor.copy_(new), load_state_dict without assign=True) instead of replacing it, or call reg.refresh()"
+        )
 
 
 def _metadata_readers() -> frozenset[Any]:

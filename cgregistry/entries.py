@@ -21,7 +21,7 @@ class Entry:
 
     __slots__ = (
         "key", "strategy", "graph", "replay", "slicer", "capture_seconds", "memory_bytes",
-        "replays", "padded_tokens", "graph_tokens", "last_step", "key_class", "has_breaks", "buffers",
+        "replays", "padded_tokens", "graph_tokens", "last_step", "key_class", "has_breaks", "buffers", "weights",
     )
 
     def __init__(self, key: BatchDescriptor, strategy: str, graph: Any, slicer: OutputSlicer, seconds: float) -> None:
@@ -39,6 +39,7 @@ class Entry:
         self.key_class = key_class(key, strategy)
         self.has_breaks = bool(getattr(graph, "breaks", 0))  # eager breaks read current_batch() at replay
         self.buffers: tuple[Any, ...] | None = None  # static inputs of its own (captured in the background), else shared
+        self.weights: tuple[int | None, ...] = ()  # the watched tensors' addresses at its capture (WeightWatch.fingerprint)
 
     @property
     def pair(self) -> Pair:

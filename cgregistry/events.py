@@ -15,6 +15,7 @@ from cgregistry.capture import CaptureError
 from cgregistry.contracts import RegistryView
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry
+from cgregistry.inspection import Refreshed, Slept
 from cgregistry.matcher import Match
 from cgregistry.plugins import Plugins
 from cgregistry.routing import Chooser
@@ -77,3 +78,12 @@ class Events:
 
     def plan_changed(self, change: PlanChange) -> None:
         self._notify("cgregistry_plan_changed", registry=self._registry, change=change)
+
+    def refreshed(self, result: Refreshed) -> None:
+        self._notify("cgregistry_refreshed", registry=self._registry, result=result)
+
+    def slept(self, slept: Slept) -> None:
+        self._notify("cgregistry_slept", registry=self._registry, slept=slept)
+
+    def woke(self, keys: tuple[tuple[BatchDescriptor, str], ...]) -> None:
+        self._notify("cgregistry_woke", registry=self._registry, keys=keys)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # annotations only: hook specifications import nothing of the
     from cgregistry.adaptive import PlanChange
     from cgregistry.contracts import RegistryView
     from cgregistry.descriptor import BatchDescriptor
-    from cgregistry.inspection import EntryInfo
+    from cgregistry.inspection import EntryInfo, Refreshed, Slept
     from cgregistry.matcher import Match
     from cgregistry.registrars import BackendRegistrar, StrategyRegistrar
 
@@ -193,5 +193,40 @@ def cgregistry_plan_changed(registry: RegistryView, change: PlanChange) -> None:
     :param registry: the registry.
     :param change: what changed and why (``cgregistry.adaptive.PlanChange``: keys added and
         removed, padding before and after on the observed traffic, the reason).
+    :return: ignored.  Since 0.2.
+    """
+
+
+@hookspec
+def cgregistry_refreshed(registry: RegistryView, result: Refreshed) -> None:
+    """``reg.refresh()`` ran after a weight update.
+
+    Called on the thread that called ``refresh()``, after the stale entries were released (each
+    also reported by ``cgregistry_released``) and captured again (or queued for the capture thread).
+
+    :param registry: the registry.
+    :param result: ``cgregistry.inspection.Refreshed``: the keys kept, the keys captured again, the
+        watched tensors that had moved, and whether the new captures run in the background.
+    :return: ignored.  Since 0.2.
+    """
+
+
+@hookspec
+def cgregistry_slept(registry: RegistryView, slept: Slept) -> None:
+    """``reg.sleep()`` released every graph, the pool and the static inputs.
+
+    :param registry: the registry.
+    :param slept: ``cgregistry.inspection.Slept``: the keys ``wake()`` will capture again (hottest
+        first), the graphs' measured memory, and the static inputs' bytes.
+    :return: ignored.  Since 0.2.
+    """
+
+
+@hookspec
+def cgregistry_woke(registry: RegistryView, keys: Sequence[tuple[BatchDescriptor, str]]) -> None:
+    """``reg.wake()`` took the static inputs back and queued (or captured) the plan it slept with.
+
+    :param registry: the registry.
+    :param keys: the keys captured again, hottest first (each also reported by the capture hooks).
     :return: ignored.  Since 0.2.
     """

@@ -22,7 +22,7 @@ from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Matcher
 from cgregistry.text import text_table
 
 __all__ = [
-    "SNAPSHOT_SCHEMA", "ClassStats", "EntryInfo", "Snapshot", "SnapshotError", "Stats", "entries_table",
+    "SNAPSHOT_SCHEMA", "ClassStats", "EntryInfo", "Refreshed", "Slept", "Snapshot", "SnapshotError", "Stats", "entries_table",
     "key_class", "load_snapshot",
 ]
 
@@ -61,6 +61,26 @@ class EntryInfo:
 
 
 @attrs.frozen(slots=True)
+class Refreshed:
+    """What ``refresh()`` did: keys kept (their graphs read the weights where they are), keys captured again (now, or
+    queued for the capture thread with ``background``), and the watched tensors that had moved."""
+
+    kept: tuple[tuple[BatchDescriptor, str], ...]
+    recaptured: tuple[tuple[BatchDescriptor, str], ...]
+    moved: tuple[str, ...]
+    background: bool
+
+
+@attrs.frozen(slots=True)
+class Slept:
+    """What ``sleep()`` released: the graphs (and their keys, kept for ``wake()``) and the bytes it measured."""
+
+    keys: tuple[tuple[BatchDescriptor, str], ...]  # the plan wake() captures again, hottest first
+    memory_bytes: int  # the released graphs' measured memory
+    input_bytes: int  # the registry's own static inputs
+
+
+@attrs.frozen(slots=True)
 class ClassStats:
     """Counters of one key class (see ``key_class``)."""
 
@@ -80,6 +100,7 @@ MISS_REASONS = {
     "excluded": "every key covering it belongs to a strategy the call excluded (run(..., exclude=...))",
     "padding_cap": "keys cover it, but each allowed strategy's best key pads more than the registry's padding cap",
     "capturing": "a key that covers it is still being captured in the background (capture(..., background=True))",
+    "asleep": "the registry is asleep (reg.sleep()): every batch runs eagerly until reg.wake()",
 }
 
 

@@ -13,7 +13,6 @@ Each part owns its state and keeps it consistent; none imports this module.  See
 from __future__ import annotations
 
 import collections
-import gc
 import itertools
 import time
 import types
@@ -28,13 +27,14 @@ from cgregistry.adaptive import Adaptation, PlanChange
 from cgregistry.background import BackgroundCapture
 from cgregistry.buffers import StaticBuffer, StaticInput
 from cgregistry.capture import CaptureError, EntryCapture
-from cgregistry.capturer import CaptureContext, Capturer
+from cgregistry.capturer import Capturer
 from cgregistry.catalog import Catalog
 from cgregistry.compiler import PiecewiseCompiler, compile_piecewise
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Pair
 from cgregistry.events import Events
-from cgregistry.inspection import EntryInfo, Snapshot, Stats, entries_table, filter_entries, stats_line
+from cgregistry.lifecycle import Lifecycle
+from cgregistry.inspection import EntryInfo, Refreshed, Slept, Snapshot, Stats, entries_table, filter_entries, stats_line
 from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Match, PaddingCap
 from cgregistry.outputs import OutputAxes
 from cgregistry.plan import CapturePlan, PlanEntry
@@ -46,6 +46,32 @@ __all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "
 
 _names = itertools.count(1)  # default registry names: registry-1, registry-2, ...
 _RESERVED_INPUT_NAMES = ("context", "group", "exclude")  # keyword arguments of run() itself
+
+
+def _check_flag(call: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{call}({name}=...) takes a bool, got {value!r}")
+
+
+class Delegated:
+    """A facade attribute read from (and, with ``check``, written to after the check) one of its parts."""
+
+    def __init__(self, part: str, name: str, check: Callable[[Any], None] | None = None) -> None:
+        self.part, self.name, self.check = part, name, check
+
+    def __get__(self, registry: Any, owner: type | None = None) -> Any:
+        return self if registry is None else getattr(getattr(registry, self.part), self.name)
+
+    def __set__(self, registry: Any, value: Any) -> None:
+        if self.check is None:
+            raise AttributeError(f"{self.name} is read-only")
+        self.check(value)
+        setattr(getattr(registry, self.part), self.name, value)
+
+
+def _check_budget(value: object) -> None:
+    if value is not None and (type(value) is not int or value < 0):
+        raise ValueError(f"memory_budget must be a byte count >= 0 or None, got {value!r}")
 
 
 class GraphRegistry:
@@ -104,53 +130,37 @@ class GraphRegistry:
         self.warmup_runs = warmup_runs
         self.debug = bool(debug)
         buffers = {key: StaticBuffer(key, spec, self.device) for key, spec in inputs.items()}
-        self._events = events = Events(self.plugins, self, self.backend.name)
+        events = Events(self.plugins, self, self.backend.name)
         chooser, chooser_names = events.chooser()
         self._catalog = catalog = Catalog(buffers, output_axes, self.preference, cap, memory_budget, chooser, chooser_names)
         one = EntryCapture(step, buffers, self.backend, output_axes, warmup_runs)
         self._capturer = capturer = Capturer(one, catalog, events, self.plugins, self.name)
         owner = step if isinstance(step, torch.nn.Module) else getattr(step, "__self__", None)
-        if self.debug and isinstance(owner, torch.nn.Module):
+        if isinstance(owner, torch.nn.Module):
             capturer.watch.watch(owner, prefix="step.")  # a model as the step: its weights are what graphs read
         pacer = getattr(self.backend, "step_pacer", None)  # optional: the cuda backend bounds the serving thread's run-ahead
-        self._background = BackgroundCapture(capturer.capture_key, catalog, events, self.name, pacer() if pacer else None)
-        self._adapter = Adapter(adapt, catalog, capturer, self._background, events, self.name) if adapt is not None else None
-        parts = (step, catalog, capturer, self._background, self._adapter, events, frozenset(buffers), self.name)
+        self._background = background = BackgroundCapture(capturer.capture_key, catalog, events, self.name, pacer() if pacer else None)
+        adapter = Adapter(adapt, catalog, capturer, background, events, self.name) if adapt is not None else None
+        # The changes adaptation made, oldest first: the last 256 (stats().plan_changes counts them all).
+        self.plan_changes: collections.deque[PlanChange] = (
+            adapter.plan_changes if adapter is not None else collections.deque(maxlen=PLAN_CHANGES_KEPT)
+        )
+        self._lifecycle = Lifecycle(catalog, capturer, background, adapter, events, buffers, self.backend, self.name)
+        parts = (step, catalog, capturer, background, adapter, events, frozenset(buffers), self.name)
         self._server = DebugServer(*parts, watch=capturer.watch) if self.debug else Server(*parts)
         self.run = self._server.run  # type: ignore[method-assign]  # the hot path itself: no call in between
         events.registry_created()
 
-    @property
-    def plan_changes(self) -> collections.deque[PlanChange]:
-        """The changes adaptation made, oldest first: the last 256 (``stats().plan_changes`` counts them all)."""
-        return self._adapter.plan_changes if self._adapter is not None else collections.deque(maxlen=PLAN_CHANGES_KEPT)
-
-    @property
-    def padding_cap(self) -> PaddingCap:
-        """The most token padding a key may add to a batch (``max_padding_tokens``, ``max_padding_ratio``)."""
-        return self._catalog.routes.cap
-
-    @property
-    def memory_budget(self) -> int | None:
-        """Bytes of measured graph memory to stay under (least recently replayed entries are evicted); None: no limit."""
-        return self._catalog.memory_budget
-
-    @memory_budget.setter
-    def memory_budget(self, value: int | None) -> None:
-        _check_budget(value)
-        self._catalog.memory_budget = value
+    # Bytes of measured graph memory to stay under (least recently replayed entries are evicted); None: no limit.
+    memory_budget = Delegated("_catalog", "memory_budget", check=_check_budget)
+    # The most token padding a key may add to a batch (max_padding_tokens, max_padding_ratio).
+    padding_cap = Delegated("_catalog", "cap")
 
     @property
     def static_inputs(self) -> Mapping[str, torch.Tensor]:
         """The static input tensors that graphs captured in the foreground read, by name (read them to inspect
         padding or fills; a write changes what the next replay reads)."""
         return types.MappingProxyType({name: buf.tensor for name, buf in self._capturer.buffers.items()})
-
-    @property
-    def capture_context(self) -> CaptureContext | None:
-        """What every capture runs under, whichever path captures (foreground, lazy, background, refit): the payload
-        of the latest ``capture(context=...)`` and the state of the thread that called it; None before any."""
-        return self._capturer.context
 
     # A torch.compile backend for this registry's ``piecewise`` entries (see cgregistry.compiler):
     # ``torch.compile(model, backend=reg.compile_backend(), dynamic=True, fullgraph=True)``.
@@ -183,7 +193,7 @@ class GraphRegistry:
         eager breaks see through ``current_batch()`` while capturing: it must describe
         the all-padding batch capture runs on (see docs/integration.md).  It and the calling
         thread's state (autocast, default dtype and device, CUDA device, context variables)
-        become ``capture_context``, which every later capture runs under, whichever path
+        become the capture context, which every later capture runs under, whichever path
         captures (``context=None`` keeps the payload recorded before); a replay under another
         state is refused with ``ServingStateError``.
 
@@ -194,11 +204,12 @@ class GraphRegistry:
         ``cgregistry.background.WAIT_LIMIT_S``), else runs eagerly.  ``wait_captured()`` waits
         for all of them.  What the engine must not do meanwhile: docs/background.md.
         """
-        for flag, value in (("progress", progress), ("lazy", lazy), ("background", background)):
-            if not isinstance(value, bool) and not (flag == "progress" and value is None):
-                raise TypeError(f"capture({flag}=...) takes a bool{' or None' if flag == 'progress' else ''}, got {value!r}")
+        for flag, value in (("lazy", lazy), ("background", background), *([("progress", progress)] if progress is not None else [])):
+            _check_flag("capture", flag, value)
         if lazy and background:
             raise ValueError("capture(lazy=True, background=True): choose one; lazy captures a key at its first use, background ahead of it")
+        if self._lifecycle.asleep is not None:
+            raise RuntimeError(f"capture() on registry {self.name!r} while it sleeps: reg.wake() first (it captures the plan it slept with)")
         self._background.refuse_on_capture_thread("capture()")
         todo = self._capturer.check(plan)
         if background:
@@ -261,15 +272,15 @@ class GraphRegistry:
         strategies: ``exclude=("full",)`` is vLLM's ``disable_full``, for a step that runs
         cascade attention; a batch whose covering keys are all excluded runs eagerly
         (counted as an ``excluded`` miss).  Such runs have their own route cache, so a
-        run without ``exclude`` costs what it did.  (Each registry's ``run`` is its server's own method,
-        bound at construction; this definition documents it.)
+        run without ``exclude`` costs what it did.  (A registry's ``run`` is its server's own method, bound at
+        construction; this definition documents it.)
         """
         return self._server.run(actual, context=context, group=group, exclude=exclude, **inputs)
 
     # ------------------------------------------------------------------ release
 
     def release(self, key: BatchDescriptor, strategy: str | None = None) -> int:
-        """Remove the entries captured for ``key`` (under ``strategy``, or any): return how many.
+        """Remove the entries captured for ``key`` (under ``strategy``, or any), queued captures included: return how many.
 
         The graph objects go at once.  Their pool memory stays with the pool while
         other entries share it, and goes back to the allocator when the last entry
@@ -277,28 +288,32 @@ class GraphRegistry:
         """
         if not isinstance(key, BatchDescriptor):
             raise TypeError(f"release() needs a BatchDescriptor, got {key!r}")
-        self._background.install()
-        queued = [p for p in self._background.capturing() if p[0] == key and (strategy is None or p[1] == strategy)]
-        self._background.discard(queued)  # not captured yet: dropped (one in flight is discarded when it finishes)
-        if queued and not any(p[0] == key and (strategy is None or p[1] == strategy) for p in self._catalog.pairs()):
-            return len(queued)
-        removed, count = self._catalog.release(key, strategy)
-        _after_release(self._events, self._capturer, removed)
-        return count + len(queued)
+        return self._lifecycle.release(key, strategy)
 
     def clear(self) -> int:
         """Remove every entry and pending key; return how many.  The pool goes back to the
         allocator (and to the driver on ``torch.cuda.empty_cache()``); counters are kept.
         Background captures queued are dropped (the one in flight is waited for, then discarded)."""
-        self._background.refuse_on_capture_thread("clear()")
-        self._background.install()
-        dropped = self._background.cancel()
-        if self._adapter is not None:
-            self._adapter.reset()  # a refit queued or running was dropped with the rest; adaptation keeps observing
-        removed, count = self._catalog.clear()
-        self._capturer.forget()  # the next capture request records the capture context anew
-        _after_release(self._events, self._capturer, removed)
-        return count + dropped
+        return self._lifecycle.clear()
+
+    def refresh(self, background: bool = False) -> Refreshed:
+        """Call after a weight update: graphs that read the watched weights where they are now stay (an in-place update
+        keeps them all); the others are dropped at once and captured again, now or, with ``background``, on the capture
+        thread while ``run()`` serves eagerly.  Until then a replay against moved weights raises ``WeightsMovedError``.
+        The step's module (when the step is a module or its method) and whatever ``watch()`` names are watched."""
+        _check_flag("refresh", "background", background)
+        return self._lifecycle.refresh(background)
+
+    def sleep(self) -> Slept:
+        """Release every graph, the pool and the static inputs to the device; the plan, counters and adaptation's history
+        stay.  ``run()`` serves eagerly meanwhile (miss reason ``asleep``); ``capture()`` is refused until ``wake()``."""
+        return self._lifecycle.sleep()
+
+    def wake(self, background: bool = True) -> tuple[Pair, ...]:
+        """Take the static inputs back and capture the plan slept with again, hottest keys first (with ``background``,
+        while ``run()`` serves); the keys it captures."""
+        _check_flag("wake", "background", background)
+        return self._lifecycle.wake(background)
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module, prefix: str = "") -> None:
         """Tensors captured graphs read whose address debug mode checks before each replay: ``(name, tensor)``
@@ -383,14 +398,3 @@ class GraphRegistry:
         lines = entries_table(self.entries(used=True if used_only else None, sort=sort))
         lines.append(stats_line(self.stats(), len(self), self.backend.name, self.memory_bytes()))
         return "\n".join(lines)
-
-
-def _after_release(events: Events, capturer: Capturer, removed: list[Any]) -> None:
-    events.released(removed)
-    capturer.renew_if_unused()  # drop the pool handle too when nothing holds the old pool
-    gc.collect()  # a graph in a reference cycle would keep the pool alive
-
-
-def _check_budget(value: object) -> None:
-    if value is not None and (type(value) is not int or value < 0):
-        raise ValueError(f"memory_budget must be a byte count >= 0 or None, got {value!r}")

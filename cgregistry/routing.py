@@ -81,7 +81,7 @@ class RouteTable:
 
     __slots__ = (
         "_buffers", "_entries", "_failures", "_pairs", "_output_axes", "_chooser", "_chooser_names", "preference", "cap", "matcher", "cache",
-        "variant_cache", "capturing",
+        "variant_cache", "capturing", "asleep",
     )
 
     def __init__(
@@ -102,16 +102,18 @@ class RouteTable:
         self.cache: dict[BatchDescriptor, Route] = {}  # plain runs, by actual batch
         self.variant_cache: dict[tuple[BatchDescriptor, Variant], Route] = {}  # other runs, by (actual, variant)
         self.capturing: tuple[Pair, ...] = ()  # keys being captured in the background (not served yet)
+        self.asleep = False  # the registry sleeps: every miss is "asleep"
 
     def _matcher(self, pairs: Sequence[Pair]) -> Matcher:
         return Matcher(pairs, self.preference, max_padding_tokens=self.cap.max_tokens, max_padding_ratio=self.cap.max_ratio)
 
-    def rebuild(self, pairs: Sequence[Pair], capturing: Sequence[Pair] = ()) -> None:
-        """A new matcher over ``pairs`` (``capturing``: keys not served yet, for miss reasons); every cached route is
-        dropped (the caches are cleared in place)."""
+    def rebuild(self, pairs: Sequence[Pair], capturing: Sequence[Pair] = (), asleep: bool = False) -> None:
+        """A new matcher over ``pairs`` (``capturing``: keys not served yet, and ``asleep``: for miss reasons); every
+        cached route is dropped (the caches are cleared in place)."""
         self.matcher = self._matcher(pairs)
         self._pairs = list(pairs)
         self.capturing = tuple(capturing)
+        self.asleep = asleep
         self.cache.clear()
         self.variant_cache.clear()
 
@@ -161,6 +163,8 @@ class RouteTable:
         A key covers the batch yet none serves it: the padding cap refused every allowed
         strategy (``padding_cap``), or every covering key's strategy is excluded (``excluded``).
         """
+        if self.asleep:
+            return "asleep"
         if self.too_large(actual) is not None:
             return "above_capacity"
         if any(key.covers(actual) and strategy not in exclude for key, strategy in self.capturing):

@@ -24,7 +24,8 @@ from cgregistry.background import BackgroundCapture
 from cgregistry.buffers import InputError
 from cgregistry.capturer import Capturer
 from cgregistry.catalog import Catalog
-from cgregistry.debug import AddressWatch, checked, plain
+from cgregistry.debug import checked, check_addresses, plain
+from cgregistry.weights import WeightWatch
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.distributed import agree
 from cgregistry.entries import Entry
@@ -312,14 +313,14 @@ class DebugServer(Server):
     refused for its batch or inputs overwrites nothing; eager outputs are the caller's own.
     """
 
-    def __init__(self, *args: Any, watch: AddressWatch) -> None:
+    def __init__(self, *args: Any, watch: WeightWatch) -> None:
         super().__init__(*args)
         self._watch = watch
         self._clock = [0]  # run() count, for the stale-output check
 
     def _serve(self, actual: BatchDescriptor, route: Route, variant: Variant | None, context: Any, inputs: dict[str, torch.Tensor]) -> Any:
         if self._catalog.entries:  # with no graph, nothing reads the watched addresses yet
-            self._watch.check()
+            check_addresses(self._watch)
         inputs = {name: plain(value) for name, value in inputs.items()}
         clock = self._clock
         clock[0] += 1

@@ -260,6 +260,7 @@ def build_registry(
     plan = cg.CapturePlan.build(
         max_num_seqs=shape.max_num_seqs, max_num_tokens=shape.max_num_tokens, max_capture_size=shape.max_num_tokens, mode=mode
     )
+    reg.watch(model)  # its weights: a moved one is caught at the next replay (reg.refresh() after a weight update)
     with torch.inference_mode():
         reg.capture(plan, background=background, progress=progress)
     return reg

@@ -307,7 +307,7 @@ def test_every_hook_is_documented_and_tested() -> None:
     from cgregistry import hookspecs
 
     hooks = [n for n in dir(hookspecs) if n.startswith("cgregistry_")]
-    assert len(hooks) == 11
+    assert len(hooks) == 14
     root = Path(__file__).parent.parent
     tests = "".join(p.read_text() for p in (root / "tests").glob("test_*.py"))
     reference = (root / "docs" / "hooks.md").read_text()

@@ -360,6 +360,11 @@ class CudaBackend:
     def synchronize(self) -> None:
         _wait_for(torch.cuda.current_stream())
 
+    def release_cached(self) -> None:
+        """The caching allocator's unused blocks back to the driver (after a registry freed its graphs and inputs)."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
 
 @hookimpl
 def cgregistry_register_backends(register: BackendRegistrar) -> None:

@@ -1,0 +1,174 @@
+"""Weight updates and sleep on the GPU (issue 28): the Hugging Face Llama engine of examples/hf_llama.py.
+
+1. An RL-style weight sync of every parameter while the engine serves, in place (``load_state_dict``)
+   and by assign (``load_state_dict(assign=True)`` then ``refresh(background=True)``): steps served
+   eagerly, the time until every key is back, p99 step latency meanwhile against the graphs' and
+   eager's, and every logit against Hugging Face's own forward with the new weights.
+2. ``sleep()`` / ``wake(background=True)``: bytes released (``torch.cuda.mem_get_info``) against what
+   ``capture(plan)`` took, and the time from ``wake()`` to the first graph-served step.
+
+    PYTHONPATH=. python3 benchmarks/gpu_lifecycle.py [--requests 64] [--config llama-3.2-1b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import cgregistry as cg
+
+
+def _load_hf() -> Any:
+    spec = importlib.util.spec_from_file_location("hf_llama", Path(__file__).parent.parent / "examples" / "hf_llama.py")
+    hf = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["hf_llama"] = hf
+    spec.loader.exec_module(hf)  # type: ignore[union-attr]
+    return hf
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
+
+
+class Counter:
+    """Misses, and when each capture finished (a step with no miss was served by a graph)."""
+
+    def __init__(self) -> None:
+        self.misses = 0
+        self.finished: list[float] = []
+
+    @cg.plugin.hookimpl
+    def cgregistry_miss(self, registry: Any, actual: Any) -> None:
+        self.misses += 1
+
+    @cg.plugin.hookimpl
+    def cgregistry_capture_finished(self, registry: Any, key: Any, strategy: str, entry: Any, error: Any) -> None:
+        self.finished.append(time.perf_counter())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--config", default="llama-3.2-1b")
+    parser.add_argument("--mode", default="full_and_breakable")
+    args = parser.parse_args()
+    hf = _load_hf()
+    device = torch.device("cuda")
+    shape = hf.EngineShape(max_num_seqs=64, max_num_tokens=512, block_size=16, max_blocks_per_req=64)
+    model = hf.build_model(args.config, device, shape)
+    counter = Counter()
+    rows: list[tuple[str, str]] = []
+
+    class Timed(hf.Engine):
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            self.steps: list[tuple[float, float, bool]] = []  # (ms, seconds since start, served by a graph)
+            self.t0 = time.perf_counter()
+
+        def run_step(self, batch: Any) -> torch.Tensor:
+            misses = counter.misses
+            t = time.perf_counter()
+            out = super().run_step(batch)
+            torch.cuda.current_stream().synchronize()
+            now = time.perf_counter()
+            self.steps.append(((now - t) * 1e3, now - self.t0, self.reg is not None and counter.misses == misses))
+            return out
+
+    def requests(seed: int) -> list:
+        return hf.trace_requests(args.requests, shape, model.config.vocab_size, 96, 48, seed=seed)
+
+    def new_weights(seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return {k: (v.float() + 0.02 * torch.randn(v.shape, generator=g, device="cuda")).to(v.dtype) for k, v in model.state_dict().items()}
+
+    eager = Timed(model, shape, None, keep_logits=False)
+    eager.serve(requests(1))  # warm-up: every kernel, the allocator
+    eager = Timed(model, shape, None, keep_logits=False)
+    eager.serve(requests(2))
+    eager_ms = [ms for ms, _, _ in eager.steps]
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free0 = torch.cuda.mem_get_info()[0]
+    reg = hf.build_registry(model, shape, args.mode, plugins=cg.Plugins(cg.make_plugin_manager([counter])))
+    torch.cuda.synchronize()
+    captured_bytes = free0 - torch.cuda.mem_get_info()[0]
+    planned = len(reg)
+    eng = Timed(model, shape, reg, keep_logits=True)
+    res = eng.serve(requests(3))
+    graph_ms = [ms for ms, _, hit in eng.steps if hit]
+    err = hf.check_against_hf(model, res.finished)
+    print(f"{args.config} {args.mode}: {planned} graphs ({captured_bytes / 2**20:.0f} MiB); eager p99 {percentile(eager_ms, 0.99):.1f} ms, "
+          f"graphs p99 {percentile(graph_ms, 0.99):.1f} ms; max |logit - HF| {err:.3g}")
+
+    # 1a. an RL weight sync in place
+    with torch.no_grad():
+        model.load_state_dict(new_weights(10))
+    t = time.perf_counter()
+    result = reg.refresh()
+    refresh_s = time.perf_counter() - t
+    eng = Timed(model, shape, reg, keep_logits=True)
+    res = eng.serve(requests(4))
+    err_in_place = hf.check_against_hf(model, res.finished)
+    eager_steps = sum(1 for _, _, hit in eng.steps if not hit)
+    print(f"in place: refresh {refresh_s * 1e3:.1f} ms, kept {len(result.kept)}, captured again {len(result.recaptured)}; "
+          f"{eager_steps} of {len(eng.steps)} steps eager; max |logit - HF(new weights)| {err_in_place:.3g}")
+    rows.append(("weight sync in place: refresh / kept / captured again", f"{refresh_s * 1e3:.1f} ms / {len(result.kept)} / {len(result.recaptured)}"))
+    rows.append(("weight sync in place: eager steps, max |logit - HF|", f"{eager_steps} of {len(eng.steps)}, {err_in_place:.3g}"))
+
+    # 1b. by assign, captured again in the background while serving
+    model.load_state_dict(new_weights(11), assign=True)
+    eng = Timed(model, shape, reg, keep_logits=True)
+    start = len(counter.finished)
+    t0 = time.perf_counter()
+    result = reg.refresh(background=True)
+    res = eng.serve(requests(5))
+    reg.wait_captured()
+    done = counter.finished[start + planned - 1] - t0 if len(counter.finished) >= start + planned else float("nan")
+    err_assign = hf.check_against_hf(model, res.finished)
+    eager_steps = sum(1 for _, _, hit in eng.steps if not hit)
+    window = [ms for ms, at, _ in eng.steps if at <= done]
+    print(f"by assign: {len(result.moved)} tensors moved, {len(result.recaptured)} keys captured again in the background, "
+          f"every key back {done:.2f} s after refresh(); {eager_steps} of {len(eng.steps)} steps eager; steps meanwhile p99 "
+          f"{percentile(window, 0.99):.1f} ms (eager p99 {percentile(eager_ms, 0.99):.1f}); max |logit - HF(new weights)| {err_assign:.3g}")
+    rows.append(("weight sync by assign: every key back", f"{done:.2f} s ({len(result.recaptured)} keys, background)"))
+    rows.append(("weight sync by assign: eager steps meanwhile", f"{eager_steps} of {len(eng.steps)}"))
+    rows.append(("weight sync by assign: p99 meanwhile / eager p99", f"{percentile(window, 0.99) / percentile(eager_ms, 0.99):.2f}"))
+    rows.append(("weight sync by assign: max |logit - HF(new weights)|", f"{err_assign:.3g}"))
+
+    # 2. sleep and wake
+    torch.cuda.synchronize()
+    before_sleep = torch.cuda.mem_get_info()[0]
+    slept = reg.sleep()
+    released = torch.cuda.mem_get_info()[0] - before_sleep
+    print(f"sleep: released {released / 2**20:.0f} MiB of the {captured_bytes / 2**20:.0f} MiB capture took "
+          f"({released / captured_bytes:.2f}); {len(slept.keys)} keys kept for wake()")
+    eng = Timed(model, shape, reg, keep_logits=False)
+    eng.serve(requests(6), max_steps=5)  # asleep: eagerly
+    eng = Timed(model, shape, reg, keep_logits=True)
+    t0 = time.perf_counter()
+    reg.wake(background=True)
+    res = eng.serve(requests(7))
+    first = next((at for _, at, hit in eng.steps if hit), float("nan")) - (t0 - eng.t0)
+    reg.wait_captured()
+    err_wake = hf.check_against_hf(model, res.finished)
+    print(f"wake: first graph-served step {first * 1e3:.0f} ms after wake(); {len(reg)} graphs back; max |logit - HF| {err_wake:.3g}")
+    rows.append(("sleep: released / capture took", f"{released / 2**20:.0f} / {captured_bytes / 2**20:.0f} MiB ({released / captured_bytes:.2f})"))
+    rows.append(("wake: first graph-served step after wake()", f"{first * 1e3:.0f} ms"))
+    rows.append(("wake: max |logit - HF|", f"{err_wake:.3g}"))
+    print("\nsummary")
+    for name, value in rows:
+        print(f"  {name:55s} {value}")
+    print(f"  median eager step {statistics.median(eager_ms):.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

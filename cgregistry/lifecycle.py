@@ -1,0 +1,155 @@
+"""The lifecycle of a registry's graphs: release and clear, refresh after a weight update, sleep and wake.
+
+Engines serve next to training (RL weight sync) and on GPUs they give back while idle.  Graphs read
+the addresses they saw at capture, so:
+
+- ``refresh()`` after a weight update: an in-place update keeps every graph (nothing is captured again);
+  entries captured while a watched tensor was elsewhere are dropped at once and captured again (in the
+  background if asked, serving eagerly meanwhile).  Until then a replay is refused, never stale
+  (``WeightsMovedError``, from the capturer's state check).
+- ``sleep()`` releases every graph, the pool and the registry's own static inputs to the device, and keeps
+  the plan, the counters and adaptation's history; ``run()`` serves eagerly (miss reason ``asleep``).
+  ``wake()`` gives the inputs back and captures the plan again, hottest keys first.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Mapping
+from typing import Any
+
+from cgregistry.adapter import Adapter
+from cgregistry.background import BackgroundCapture
+from cgregistry.buffers import StaticBuffer
+from cgregistry.capturer import Capturer
+from cgregistry.catalog import Catalog
+from cgregistry.descriptor import BatchDescriptor
+from cgregistry.entries import Entry, Pair
+from cgregistry.events import Events
+from cgregistry.inspection import Refreshed, Slept
+
+__all__ = ["Lifecycle"]
+
+
+def _heat(entry: Entry) -> tuple[int, int]:
+    return (entry.replays, entry.key.num_tokens)
+
+
+class Lifecycle:
+    """Removes, refreshes, puts to sleep and wakes a registry's graphs."""
+
+    def __init__(
+        self, catalog: Catalog, capturer: Capturer, background: BackgroundCapture, adapter: Adapter | None, events: Events,
+        buffers: Mapping[str, StaticBuffer], backend: Any, name: str,
+    ) -> None:
+        self._catalog = catalog
+        self._capturer = capturer
+        self._background = background
+        self._adapter = adapter
+        self._events = events
+        self._buffers = buffers
+        self._backend = backend
+        self._name = name
+        self.asleep: Slept | None = None
+
+    # ---------------------------------------------------------------- release, clear
+
+    def release(self, key: BatchDescriptor, strategy: str | None) -> int:
+        """Remove the entries and keys of ``key`` (under ``strategy``, or any), queued ones included; how many."""
+        self._background.install()
+        wanted = [p for p in self._background.capturing() if p[0] == key and (strategy is None or p[1] == strategy)]
+        self._background.discard(wanted)  # not captured yet: dropped (one in flight is discarded when it finishes)
+        if wanted and not any(p[0] == key and (strategy is None or p[1] == strategy) for p in self._catalog.pairs()):
+            return len(wanted)
+        removed, count = self._catalog.release(key, strategy)
+        self._released(removed)
+        return count + len(wanted)
+
+    def clear(self) -> int:
+        """Remove every entry, lazy key and queued capture; how many.  Counters stay."""
+        self._background.refuse_on_capture_thread("clear()")
+        self._background.install()
+        dropped = self._background.cancel()
+        if self._adapter is not None:
+            self._adapter.reset()  # a refit queued or running was dropped with the rest; adaptation keeps observing
+        removed, count = self._catalog.clear()
+        self._capturer.forget()  # the next capture request records the capture context anew
+        self._released(removed)
+        return count + dropped
+
+    def _released(self, removed: list[Entry]) -> None:
+        self._events.released(removed)
+        self._capturer.renew_if_unused()  # drop the pool handle too when nothing holds the old pool
+        gc.collect()  # a graph in a reference cycle would keep the pool alive
+
+    # ---------------------------------------------------------------- weights
+
+    def refresh(self, background: bool) -> Refreshed:
+        """After a weight update: keep the graphs that read the weights where they are, capture the others again."""
+        self._background.refuse_on_capture_thread("refresh()")
+        self._background.install()
+        watch = self._capturer.watch
+        moved = tuple(watch.moved())
+        now = watch.fingerprint()
+        stale = [pair for pair, entry in self._catalog.entries.items() if entry.weights != now]
+        queued = self._background.capturing()  # in flight or queued: perhaps captured with the old weights
+        kept = tuple(pair for pair in self._catalog.entries if pair not in set(stale))
+        self._background.discard(queued)
+        removed = self._catalog.release_pairs(stale)
+        watch.rebase()
+        self._capturer.weights_refreshed()
+        self._released(removed)
+        again = list(dict.fromkeys([*stale, *queued]))
+        if again and self.asleep is None:
+            if background:
+                self._capturer.renew_if_unused()
+                self._background.submit(again, self._capturer.current())
+            else:
+                self._capturer.capture_all(again, progress=None)
+        result = Refreshed(kept, tuple(again), moved, background)
+        self._events.refreshed(result)
+        return result
+
+    # ---------------------------------------------------------------- sleep, wake
+
+    def sleep(self) -> Slept:
+        """Release every graph, the pool and the static inputs; keep the plan (hottest first), counters and history."""
+        self._background.refuse_on_capture_thread("sleep()")
+        if self.asleep is not None:
+            return self.asleep
+        self._background.install()
+        entries = sorted(self._catalog.entries.values(), key=_heat, reverse=True)
+        keys = [e.pair for e in entries] + [p for p in [*self._catalog.pending, *self._background.capturing()]]
+        memory = sum(e.memory_bytes for e in entries)
+        self._background.cancel()
+        if self._adapter is not None:
+            self._adapter.reset()
+        removed, _ = self._catalog.clear()
+        self._catalog.set_asleep(True)
+        self._released(removed)
+        inputs = sum(buf.release() for buf in self._buffers.values())
+        release = getattr(self._backend, "release_cached", None)  # cuda: the allocator's cached blocks back to the driver
+        if release is not None:
+            release()
+        self.asleep = Slept(tuple(dict.fromkeys(keys)), memory, inputs)
+        self._events.slept(self.asleep)
+        return self.asleep
+
+    def wake(self, background: bool) -> tuple[Pair, ...]:
+        """Give the static inputs back and capture the plan slept with, hottest key first; the keys queued or captured."""
+        self._background.refuse_on_capture_thread("wake()")
+        slept = self.asleep
+        if slept is None:
+            return ()
+        for buf in self._buffers.values():
+            buf.restore()
+        self.asleep = None
+        self._catalog.set_asleep(False)
+        keys = [p for p in slept.keys if p not in self._catalog.entries]
+        if background:
+            self._capturer.renew_if_unused()
+            self._background.submit(keys, self._capturer.current(), ordered=True)
+        else:
+            self._capturer.capture_all(sorted(keys, key=lambda p: (-p[0].num_tokens, -(p[0].num_reqs or 0))), progress=None)
+        self._events.woke(tuple(keys))
+        return tuple(keys)
