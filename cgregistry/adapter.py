@@ -20,7 +20,6 @@ from cgregistry.capturer import Capturer
 from cgregistry.catalog import Catalog
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.events import Events
-from cgregistry.plan import CapturePlan
 
 __all__ = ["PLAN_CHANGES_KEPT", "Adapter", "refuse_with_collectives"]
 
@@ -53,7 +52,7 @@ class Adapter:
         self, adapt: Adaptation, catalog: Catalog, capturer: Capturer, background: BackgroundCapture, events: Events, name: str,
     ) -> None:
         refuse_with_collectives("GraphRegistry(adapt=...)", RANKS_WOULD_DIVERGE)
-        for entry in CapturePlan.fit({}, adapt.max_graphs, adapt.settings):  # the widest keys any refit keeps
+        for entry in adapt.fit({}):  # the widest keys any refit keeps
             try:
                 capturer.check_key(entry.descriptor, entry.strategy)
             except (ValueError, KeyError) as exc:

@@ -30,7 +30,7 @@ Pair = tuple[BatchDescriptor, str]
 
 # Why a change is proposed, in the order ``propose`` checks them.
 REASONS: dict[str, str] = {
-    "budget": "the current keys exceed max_graphs",
+    "budget": "the current keys exceed max_graphs or max_bytes",
     "coverage": "the fitted plan serves more observed steps from graphs",
     "padding": "the fitted plan saves at least min_gain of the padded tokens",
 }
@@ -80,25 +80,44 @@ class Adaptation:
     (1: never).  ``min_gain`` in [0, 1): change the plan for padding only when it saves at
     least this fraction of the padded tokens on the observed traffic (hysteresis against noise).
 
-    No memory budget: every fitted plan keeps the max capture size, so the shared pool (about
-    the largest graph) is the same for every refit; what differs is the driver's per-graph
-    memory, which the allocator cannot measure and ``max_graphs`` bounds.
+    ``max_bytes`` (with ``memory``, a ``reg.estimate_memory()`` result that prices each key), as well
+    as or instead of ``max_graphs``: the plan's capture may take at most that much device memory
+    (every fitted plan keeps the max capture size, so the shared pool is the same for every refit;
+    what differs is each key's own bytes, ``memory.key_bytes``).
     """
 
-    max_graphs: int = attrs.field(validator=_count("max_graphs", 1))
-    settings: PlanSettings = attrs.field(converter=_as_settings)
+    max_graphs: int | None = attrs.field(default=None, validator=attrs.validators.optional(_count("max_graphs", 1)))
+    settings: PlanSettings = attrs.field(default=None, converter=_as_settings)
     every_steps: int = attrs.field(default=10_000, validator=_count("every_steps", 1))
     min_steps: int = attrs.field(default=10_000, validator=_count("min_steps", 0))
     decay: float = attrs.field(default=0.9, validator=_fraction("decay", 0, 1, False, True))
     min_gain: float = attrs.field(default=0.1, validator=_fraction("min_gain", 0, 1, True, False))
+    max_bytes: int | None = attrs.field(default=None, validator=attrs.validators.optional(_count("max_bytes", 0)))
+    memory: Any = attrs.field(default=None, eq=False, repr=False)  # a MemoryEstimate: prices keys for max_bytes
 
     def __attrs_post_init__(self) -> None:
+        if self.max_graphs is None and self.max_bytes is None:
+            raise ValueError("Adaptation needs max_graphs, max_bytes (with memory=reg.estimate_memory(plan)), or both")
+        if self.max_bytes is not None and not callable(getattr(self.memory, "key_bytes", None)):
+            raise ValueError(f"Adaptation.max_bytes needs memory=reg.estimate_memory(plan) to price each key, got {self.memory!r}")
         if self.settings.mode == "none":
             raise ValueError("Adaptation.settings: mode 'none' captures no graphs, so there is nothing to adapt; use a mode with a strategy")
         try:  # the budget must hold the keys every fitted plan keeps: fail here, not at the first refit
-            CapturePlan.fit({}, self.max_graphs, self.settings)
+            self.fit({})
         except ValueError as exc:
             raise ValueError(f"Adaptation: {exc}") from None
+
+    def fit(self, steps: Workload) -> CapturePlan:
+        """The plan fitted to ``steps`` under this adaptation's budgets."""
+        return CapturePlan.fit(steps, self.max_graphs, self.settings, max_bytes=self.max_bytes, memory=self.memory)
+
+    def over_budget(self, pairs: Sequence[Pair]) -> bool:
+        """Whether keys exceed the graph budget, or the byte budget by the estimate's prices."""
+        if self.max_graphs is not None and len(pairs) > self.max_graphs:
+            return True
+        if self.max_bytes is None:
+            return False
+        return self.memory.fixed_bytes() + sum(self.memory.key_bytes(k, s) for k, s in pairs) > self.max_bytes
 
     def due(self, histogram: TrafficHistogram) -> bool:
         """Whether a refit is due: ``min_steps`` observed in all and ``every_steps`` since the last refit."""
@@ -290,7 +309,7 @@ def propose(
         return None
     pairs = _pairs(current)
     held_plan = CapturePlan.of(pairs)
-    fitted = CapturePlan.fit(weights, adaptation.max_graphs, adaptation.settings)
+    fitted = adaptation.fit(weights)
     cap = {"max_padding_tokens": max_padding_tokens, "max_padding_ratio": max_padding_ratio}
     before = PlanScore.of(evaluate(held_plan, weights, preference, **cap))
     after = PlanScore.of(evaluate(fitted, weights, preference, **cap))
@@ -300,7 +319,7 @@ def propose(
     removed = tuple((e.descriptor, e.strategy) for e in held_plan if (e.descriptor, e.strategy) not in kept)
     if (not added and not removed) or after.graph_steps < before.graph_steps:
         return None
-    if len(pairs) > adaptation.max_graphs:
+    if adaptation.over_budget(pairs):
         reason = "budget"
     elif after.graph_steps > before.graph_steps:
         reason = "coverage"

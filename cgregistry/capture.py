@@ -78,25 +78,31 @@ class EntryCapture:
         rows = rows_for(buf.spec.axis, key)
         return buf.capacity if rows is None else rows  # relaxed keys see every request slot
 
-    def capture(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, *, background: bool = False) -> Entry:
+    def capture(
+        self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, *, background: bool = False, scratch: bool = False,
+    ) -> Entry:
         """Warm up and capture ``step(key, **views)`` with ``strategy``; ``payload`` is what eager breaks see.
 
         ``background``: captured beside a serving thread.  The entry gets static inputs of its own
         (sized for the key, at their fills), since the shared ones hold the live batch being served;
         and a strategy that runs eager code during capture (breaks) gets a pool of its own, since
         that code really executes and could write memory a graph being replayed now is using.
+        ``scratch``: captured as in the background, into a pool of its own whatever the strategy,
+        to be measured and dropped (a memory estimate's probe).
         """
-        if background:  # on streams of the capture thread's own where the backend has them (cuda)
+        if background or scratch:  # on streams of the capturing thread's own where the backend has them (cuda)
             with getattr(self.backend, "background_context", contextlib.nullcontext)():
-                return self._capture(key, strategy_name, strategy, payload, background)
-        return self._capture(key, strategy_name, strategy, payload, background)
+                return self._capture(key, strategy_name, strategy, payload, True, scratch)
+        return self._capture(key, strategy_name, strategy, payload, False, False)
 
-    def _capture(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, background: bool) -> Entry:
+    def _capture(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, background: bool, scratch: bool) -> Entry:
+        device_memory = getattr(self.backend, "device_memory", None)  # (used, reserved) bytes, where the backend measures them
+        used_before = device_memory()[0] if device_memory is not None else 0
         buffers = self.buffers
         pool = self.pool
         if background:
             buffers = {name: buf.sized(self._key_rows(buf, key)) for name, buf in buffers.items()}
-            if not getattr(strategy, "whole_graph", False):
+            if scratch or not getattr(strategy, "whole_graph", False):
                 pool = self.backend.new_pool()
         else:
             for buf in buffers.values():
@@ -138,6 +144,8 @@ class EntryCapture:
             runtime.batch.reset(token)
         seconds = time.perf_counter() - started
         entry = Entry(key, strategy_name, graph, OutputSlicer(self.backend.share_outputs(leaves), spec), seconds)
+        if device_memory is not None:  # what the device gave this capture: pool, warm-up, driver objects, own inputs
+            entry.device_bytes = max(0, device_memory()[0] - used_before)
         if background:
             entry.buffers = tuple(buffers.values())  # in the registry's input order, as routes copy them
         return entry

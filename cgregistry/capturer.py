@@ -25,6 +25,7 @@ from cgregistry.entries import Entry, Pair
 from cgregistry.events import Events
 from cgregistry.inspection import EntryInfo
 from cgregistry.keyclasses import check_serves
+from cgregistry.memory import MemoryEstimate, estimate_memory
 from cgregistry.plan import PlanEntry
 from cgregistry.plugins import Plugins
 from cgregistry.serving_state import ServingState, ServingStateError
@@ -84,6 +85,20 @@ class Capturer:
         """KeyError for a strategy not registered, ValueError for a class it does not serve or a key too large."""
         check_serves(key, self._plugins.strategy(strategy))
         self._one.check_fits(key)
+
+    def estimate(self, pairs: list[Pair], background: bool) -> MemoryEstimate:
+        """Probe and predict the capture of ``pairs`` (see :mod:`cgregistry.memory`), under the capture context, one
+        capture at a time; the per-key predictions are kept for inspection."""
+        ctx = self.current()
+
+        def whole_graph(name: str) -> bool:
+            return bool(getattr(self._plugins.strategy(name), "whole_graph", False))
+
+        with self.lock:
+            found = estimate_memory(self._one, pairs, self._plugins.strategy, ctx.state.run, ctx.payload,
+                                    background=background, whole_graph=whole_graph)
+        self._catalog.predicted.update({(k.key, k.strategy): k.bytes for k in found.keys})
+        return found
 
     def warn_shadowed(self) -> None:
         """Warn when a strategy's uniform keys rank after a relaxed strategy's: those graphs may never replay."""

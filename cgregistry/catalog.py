@@ -53,7 +53,8 @@ class Catalog:
     """Entries by (key, strategy), lazy keys, keys being captured, failures, the budget, counters and routes."""
 
     __slots__ = (
-        "entries", "pending", "failures", "capturing", "asleep", "memory_budget", "routes", "counters", "_retired", "_deferred", "_dirty",
+        "entries", "pending", "failures", "capturing", "asleep", "memory_budget", "routes", "counters", "predicted", "_retired",
+        "_deferred", "_dirty",
     )
 
     def __init__(
@@ -68,6 +69,7 @@ class Catalog:
         self.memory_budget = memory_budget
         self.routes = RouteTable(buffers, self.entries, output_axes, preference, chooser, chooser_names, self.failures, cap)
         self.counters = Counters()
+        self.predicted: dict[Pair, int] = {}  # device bytes per key, as the last memory estimate predicted them
         self._retired: dict[str, list[int]] = {}  # counters of removed entries, per key class
         self._deferred = 0  # inside batch(): routes are rebuilt once, at its end
         self._dirty = False
@@ -220,11 +222,12 @@ class Catalog:
         return removed, count
 
     def _evict_over_budget(self, keep: Pair) -> list[Entry]:
-        """Evict least-recently-replayed entries (never ``keep``) while memory exceeds the budget; they become lazy keys."""
+        """Evict least-recently-replayed entries (never ``keep``) while the device memory their captures took exceeds the
+        budget (the figures a memory estimate predicts per key); they become lazy keys."""
         evicted: list[Entry] = []
         if self.memory_budget is None:
             return evicted
-        while self.memory_bytes() > self.memory_budget:
+        while sum(e.device_bytes for e in self.entries.values()) > self.memory_budget:
             victims = [e for pair, e in self.entries.items() if pair != keep]
             if not victims:
                 break

@@ -123,7 +123,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     log = (lambda line: None) if args.json else print
     result = run_demo(backend=args.backend, steps=args.steps, mode=args.mode, seed=args.seed, log=log, all_entries=args.all,
-                      snapshot=args.snapshot, preference=args.preference)
+                      snapshot=args.snapshot, preference=args.preference, gpu_memory_utilization=args.gpu_memory_utilization)
     if args.json:
         data = attrs.asdict(result)
         data["speedup"] = result.speedup
@@ -720,6 +720,9 @@ def _add_demo(sub: Any) -> argparse.ArgumentParser:
                            "its mixed one, then full, piecewise, breakable; a plugin strategy left out ranks last, so its "
                            "decode keys would lose every decode batch to relaxed mixed keys)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the model's weights and of the batches' inputs")
+    demo.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                      help="share of the device's memory the process may use: the plan is estimated first and fitted to "
+                           "the trace under what is left if it would take more (cuda only; default: no limit)")
     demo.add_argument("--all", action="store_true", help="list every entry, not only those that served the run")
     demo.add_argument("--json", action="store_true", help="print the result as JSON instead of the log")
     demo.add_argument("--snapshot", default=None, metavar="PATH",

@@ -113,6 +113,27 @@ def _preference(mode: str | tuple[str | None, str | None], given: tuple[str, ...
     return tuple(given)
 
 
+def _fit_to_memory(
+    reg: GraphRegistry, plan: CapturePlan, steps: list, utilization: float, settings: dict, log: Callable[[str], None],
+) -> CapturePlan:
+    """The plan, or one fitted to ``steps`` under what ``utilization`` of the device leaves for graphs."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+    if reg.backend.name != "cuda":
+        raise ValueError(f"gpu_memory_utilization needs the cuda backend (device memory to share), got {reg.backend.name!r}")
+    estimate = reg.estimate_memory(plan)
+    free, total = torch.cuda.mem_get_info()
+    budget = int(utilization * total) - (total - free)
+    mib = 2**20
+    log(f"memory: the plan's capture would take {estimate.capture_bytes / mib:.0f} MiB (estimated); "
+        f"{utilization:.0%} of the device leaves {budget / mib:.0f} MiB for graphs")
+    if estimate.capture_bytes <= budget:
+        return plan
+    fitted = CapturePlan.fit(steps, None, max_bytes=max(0, budget), memory=estimate, **settings)
+    log(f"memory: plan fitted to the trace under {budget / mib:.0f} MiB: {len(fitted)} of {len(plan)} graphs")
+    return fitted
+
+
 def run_demo(
     backend: str = "auto",
     steps: int = 200,
@@ -123,6 +144,7 @@ def run_demo(
     all_entries: bool = False,
     snapshot: str | None = None,
     preference: tuple[str, ...] | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> DemoResult:
     """Capture the demo model, run ``steps`` trace-derived batches, check and time them.
 
@@ -130,6 +152,9 @@ def run_demo(
     keys of a piecewise strategy the model is compiled (``reg.compile``) before capture.
     ``preference``: the registry's strategy order; by default the mode's decode strategy, then its
     mixed one (``mode_preference``), so a plugin's decode keys are not left behind relaxed mixed keys.
+    ``gpu_memory_utilization``: the share of the device's memory the process may use; the plan is estimated
+    first (``reg.estimate_memory``) and, if its capture would take more than what is left, fitted to the trace
+    under those bytes (``CapturePlan.fit(max_bytes=...)``), the integration recipe (docs/integration.md).
     """
     plugins = Plugins()
     device = plugins.backend(backend).device()
@@ -150,12 +175,15 @@ def run_demo(
     log(f"preference: {', '.join(order)} ({why})")
     if compile_model:
         log("model compiled with reg.compile for the piecewise keys: split at its attention kernel, which runs eagerly")
+    sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_tokens)
+    batches = list(schedule(read_trace(), sched, max_steps=steps))
+    if gpu_memory_utilization is not None:
+        plan = _fit_to_memory(reg, plan, batches, gpu_memory_utilization, dict(
+            max_num_seqs=cfg.max_num_seqs, max_num_tokens=cfg.max_num_tokens, mode=mode, plugins=plugins), log)
     started = time.perf_counter()
     reg.capture(plan, progress=progress)
     capture_seconds = time.perf_counter() - started
 
-    sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_tokens)
-    batches = list(schedule(read_trace(), sched, max_steps=steps))
     gen = torch.Generator().manual_seed(seed)
     live = [random_batch(cfg, b, device, gen) for b in batches]
     log(f"trace: {len(batches)} steps of the bundled Azure 2023 conversation trace (max_num_seqs {cfg.max_num_seqs}, budget {cfg.max_num_tokens})")

@@ -22,6 +22,7 @@ class Entry:
     __slots__ = (
         "key", "strategy", "graph", "replay", "slicer", "capture_seconds", "memory_bytes",
         "replays", "padded_tokens", "graph_tokens", "last_step", "key_class", "has_breaks", "buffers", "weights",
+        "device_bytes",
     )
 
     def __init__(self, key: BatchDescriptor, strategy: str, graph: Any, slicer: OutputSlicer, seconds: float) -> None:
@@ -40,15 +41,19 @@ class Entry:
         self.has_breaks = bool(getattr(graph, "breaks", 0))  # eager breaks read current_batch() at replay
         self.buffers: tuple[Any, ...] | None = None  # static inputs of its own (captured in the background), else shared
         self.weights: tuple[int | None, ...] = ()  # the watched tensors' addresses at its capture (WeightWatch.fingerprint)
+        # Device memory its capture took (measured where the backend can: pool growth, warm-up, driver objects), else
+        # the graph's own count; what memory_budget sums.
+        self.device_bytes = self.memory_bytes
 
     @property
     def pair(self) -> Pair:
         return (self.key, self.strategy)
 
-    def info(self, backend: str) -> EntryInfo:
+    def info(self, backend: str, predicted_bytes: int | None = None) -> EntryInfo:
         """This entry as a read-only record (what ``entries()`` and the hooks hand out)."""
         graph = self.graph
         return EntryInfo(
             self.key, self.strategy, backend, self.capture_seconds, self.memory_bytes, self.replays, self.padded_tokens,
             self.last_step, segments=getattr(graph, "num_segments", None), breaks=getattr(graph, "breaks", None),
+            device_bytes=self.device_bytes, predicted_bytes=predicted_bytes,
         )

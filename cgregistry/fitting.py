@@ -25,7 +25,7 @@ import torch
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.matcher import DEFAULT_PREFERENCE, Matcher
 
-__all__ = ["PlanReport", "Workload", "evaluate", "fit_families", "fit_sizes", "workload_counts"]
+__all__ = ["KeyPricing", "PlanReport", "Workload", "evaluate", "fit_families", "fit_sizes", "workload_counts"]
 
 # Actual batch shapes, one per step, or a histogram {shape: steps} (the same workload, not expanded).
 Workload = Iterable[BatchDescriptor] | Mapping[BatchDescriptor, int]
@@ -225,7 +225,22 @@ def fit_sizes(weights: Mapping[int, int], top: int, unit: int = 1, max_sizes: in
     return out
 
 
-def fit_families(steps: Workload, max_graphs: int, settings: FitSettings) -> tuple[dict[int, list[int]], list[int]]:
+class KeyPricing(Protocol):
+    """What ``fit_families`` reads of a memory estimate (``cgregistry.memory.MemoryEstimate``) to fit under bytes."""
+
+    def key_bytes(self, key: BatchDescriptor, strategy: str) -> int: ...
+
+    def fixed_bytes(self) -> int: ...
+
+
+# A byte budget is split in this many steps at most: each family's price is rounded up to whole steps, so a fitted
+# plan never exceeds the budget (it may leave up to one step per family unused).
+_BYTE_STEPS = 4096
+
+
+def fit_families(
+    steps: Workload, max_graphs: int | None, settings: FitSettings, *, max_bytes: int | None = None, pricing: KeyPricing | None = None,
+) -> tuple[dict[int, list[int]], list[int]]:
     """The sizes ``CapturePlan.fit`` captures: request counts per spec depth, and mixed token counts.
 
     ``steps`` is a stream of actual shapes or a ``{shape: steps}`` histogram; the two give the
@@ -239,9 +254,18 @@ def fit_families(steps: Workload, max_graphs: int, settings: FitSettings) -> tup
     the mixed family, exactly as the matcher serves them.  Downgrades are already in the
     settings' strategies: a spec depth outside ``uniform_depths`` has no family of its own
     (its batches are mixed steps), and a kind without a strategy is not fitted (eager).
+
+    With ``max_bytes`` (and ``pricing``, a memory estimate), as well as or instead of ``max_graphs``: the
+    plan's keys take at most ``max_bytes`` beside what any fitted plan takes (its largest keys' pool and
+    warm-up, ``pricing.fixed_bytes()``), a size of a family costing what its widest key takes per LoRA
+    count (``pricing.key_bytes``), and the budget is split between families exactly on those prices.
     """
-    if type(max_graphs) is not int or max_graphs < 1:
+    if max_graphs is not None and (type(max_graphs) is not int or max_graphs < 1):
         raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
+    if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0 or pricing is None):
+        raise ValueError(f"max_bytes must be a byte count >= 0 with a pricing (a memory estimate), got {max_bytes!r} priced by {pricing!r}")
+    if max_graphs is None and max_bytes is None:
+        raise ValueError("fit needs max_graphs, max_bytes (with a memory estimate to price keys), or both")
     per_size = len(settings.used_lora_counts)
     top = settings.used_max_capture_size
     m = settings.size_multiple
@@ -264,18 +288,32 @@ def fit_families(steps: Workload, max_graphs: int, settings: FitSettings) -> tup
             decode_hist[depth][_round_up(step.num_reqs, steps_of[depth])] += n  # type: ignore[arg-type]
         elif settings.mixed_strategy is not None and step.num_tokens <= top:
             mixed_hist[_round_up(step.num_tokens, m)] += n
-    families: list[tuple[str, int, dict[int, tuple[int, list[int]]]]] = []
-    budget = max_graphs // per_size
-    for depth, hist in decode_hist.items():
-        families.append(("decode", depth, fit_sizes(hist, settings.widest[depth], unit=1 + depth, max_sizes=budget)))
+    kinds: list[tuple[str, int, str, BatchDescriptor]] = [
+        ("decode", d, settings.decode_strategy, BatchDescriptor.decode(settings.widest[d], d)) for d in decode_hist  # type: ignore[misc]
+    ]
     if settings.mixed_strategy is not None:
-        families.append(("mixed", 0, fit_sizes(mixed_hist, top, max_sizes=budget)))
-    if len(families) > budget:
+        kinds.append(("mixed", 0, settings.mixed_strategy, BatchDescriptor(top)))
+    budget = max_graphs // per_size if max_graphs is not None else None
+    prices: list[int] | None = None
+    units: int | None = None
+    if max_bytes is not None:
+        prices, units = _prices(kinds, settings, max_bytes, pricing)  # type: ignore[arg-type]
+    families: list[tuple[str, int, dict[int, tuple[int, list[int]]]]] = []
+    for i, (kind, depth, _, _) in enumerate(kinds):
+        most = [n for n in (budget, None if prices is None else units // prices[i]) if n is not None]  # type: ignore[operator]
+        hist, top_size, unit = (decode_hist[depth], settings.widest[depth], 1 + depth) if kind == "decode" else (mixed_hist, top, 1)
+        families.append((kind, depth, fit_sizes(hist, top_size, unit=unit, max_sizes=max(1, min(most)))))
+    if budget is not None and len(families) > budget:
         raise ValueError(
             f"max_graphs={max_graphs} cannot hold one graph per key family ({len(families)} families "
             f"x {per_size} LoRA counts = {len(families) * per_size})"
         )
-    chosen = _split_budget([f[2] for f in families], budget)
+    if prices is not None and sum(prices) > units:  # type: ignore[operator]
+        raise ValueError(
+            f"max_bytes={max_bytes} cannot hold one key of each key family beside the pool and warm-up every fitted plan "
+            f"takes ({pricing.fixed_bytes()} bytes)"  # type: ignore[union-attr]
+        )
+    chosen = _split_budget([f[2] for f in families], budget, prices, units)
     decode: dict[int, list[int]] = {}
     mixed: list[int] = []
     for (kind, depth, curve), k in zip(families, chosen):
@@ -291,21 +329,46 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _split_budget(curves: list[dict[int, tuple[int, list[int]]]], budget: int) -> list[int]:
-    """Sizes per family minimising total padding with at most ``budget`` sizes in all (exact)."""
+def _prices(
+    kinds: list[tuple[str, int, str, BatchDescriptor]], settings: FitSettings, max_bytes: int, pricing: KeyPricing,
+) -> tuple[list[int], int]:
+    """Each family's price per size in byte steps (its widest key, once per LoRA count), and the steps ``max_bytes``
+    leaves beside the fixed bytes."""
+    room = max_bytes - pricing.fixed_bytes()
+    if room <= 0:
+        raise ValueError(
+            f"max_bytes={max_bytes} does not hold the pool and warm-up every fitted plan takes ({pricing.fixed_bytes()} bytes)"
+        )
+    step = max(1, -(-room // _BYTE_STEPS))
+    prices = []
+    for _, _, strategy, widest in kinds:
+        price = sum(
+            pricing.key_bytes(BatchDescriptor(widest.num_tokens, widest.num_reqs, lora, widest.spec_depth, widest.uniform), strategy)
+            for lora in settings.used_lora_counts
+        )
+        prices.append(max(1, -(-price // step)))
+    return prices, room // step
+
+
+def _split_budget(
+    curves: list[dict[int, tuple[int, list[int]]]], budget: int | None, prices: list[int] | None = None, units: int | None = None,
+) -> list[int]:
+    """Sizes per family minimising total padding with at most ``budget`` sizes in all and, with ``prices``, at most
+    ``units`` byte steps (each size of a family costing its price): exact."""
     inf = float("inf")
-    # best[b] = (cost, choices) using the families seen so far and b sizes
-    best: dict[int, tuple[float, list[int]]] = {0: (0, [])}
-    for curve in curves:
-        nxt: dict[int, tuple[float, list[int]]] = {}
-        for used, (cost, picks) in best.items():
+    costs = prices or [0] * len(curves)
+    # best[(sizes, steps)] = (padding, choices) using the families seen so far
+    best: dict[tuple[int, int], tuple[float, list[int]]] = {(0, 0): (0, [])}
+    for curve, price in zip(curves, costs):
+        nxt: dict[tuple[int, int], tuple[float, list[int]]] = {}
+        for (used, spent), (cost, picks) in best.items():
             for k, (pad, _) in curve.items():
-                b = used + k
-                if b > budget:
+                state = (used + k if budget is not None else 0, spent + k * price)
+                if (budget is not None and state[0] > budget) or (units is not None and state[1] > units):
                     continue
                 total = cost + pad
-                if total < nxt.get(b, (inf, []))[0]:
-                    nxt[b] = (total, [*picks, k])
+                if total < nxt.get(state, (inf, []))[0]:
+                    nxt[state] = (total, [*picks, k])
         best = nxt
     _, picks = min(best.values(), key=lambda item: (item[0], sum(item[1])))  # ties: fewer graphs
     return picks

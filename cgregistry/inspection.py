@@ -26,8 +26,8 @@ __all__ = [
     "key_class", "load_snapshot",
 ]
 
-SNAPSHOT_SCHEMA = 2  # 2: stats.bad_batches
-_READABLE_SCHEMAS = (1, 2)  # schema 1 lacks only fields that have defaults
+SNAPSHOT_SCHEMA = 3  # 2: stats.bad_batches; 3: entries' device_bytes and predicted_bytes
+_READABLE_SCHEMAS = (1, 2, 3)  # older schemas lack only fields that have defaults
 
 
 class SnapshotError(CgregistryError, ValueError):
@@ -54,6 +54,8 @@ class EntryInfo:
     last_step: int  # the registry's step counter at this entry's last replay (0: never replayed)
     segments: int | None = None  # graph segments, where the strategy has them
     breaks: int | None = None  # eager breaks between segments, where the strategy has them
+    device_bytes: int | None = None  # device memory its capture took (pool, warm-up, driver objects; cpu: memory_bytes)
+    predicted_bytes: int | None = None  # what the last reg.estimate_memory() predicted for it
 
     @property
     def key_class(self) -> str:
@@ -182,11 +184,15 @@ def filter_entries(
 
 
 def entries_table(entries: Iterable[EntryInfo]) -> list[str]:
-    """Entries as aligned text rows: key, strategy, replays, padding, capture time, memory, segments."""
-    rows = [("key", "strategy", "replays", "padded tok", "capture ms", "memory", "segments")]
+    """Entries as aligned text rows: key, strategy, replays, padding, capture time, memory (the graph's own count, the
+    device's, and what a memory estimate predicted), segments."""
+    rows = [("key", "strategy", "replays", "padded tok", "capture ms", "memory", "device", "predicted", "segments")]
     for e in entries:
         segments = "-" if e.segments is None else f"{e.segments} ({e.breaks or 0} breaks)"
-        rows.append((str(e.key), e.strategy, str(e.replays), str(e.padded_tokens), f"{e.capture_seconds * 1e3:.1f}", _size(e.memory_bytes), segments))
+        device = "-" if e.device_bytes is None else _size(e.device_bytes)
+        predicted = "-" if e.predicted_bytes is None else _size(e.predicted_bytes)
+        rows.append((str(e.key), e.strategy, str(e.replays), str(e.padded_tokens), f"{e.capture_seconds * 1e3:.1f}",
+                     _size(e.memory_bytes), device, predicted, segments))
     return text_table(rows)
 
 

@@ -629,8 +629,11 @@ class CapturePlan:
         return plan_settings.plan(plan_settings.decode_reqs, plan_settings.mixed_sizes)
 
     @classmethod
-    def fit(cls, steps: Workload, max_graphs: int, *settings: Any, **fields: Any) -> CapturePlan:
-        """The plan with at most ``max_graphs`` graphs that pads ``steps`` least (exactly).
+    def fit(
+        cls, steps: Workload, max_graphs: int | None, *settings: Any, max_bytes: int | None = None, memory: Any = None, **fields: Any,
+    ) -> CapturePlan:
+        """The plan with at most ``max_graphs`` graphs (and/or, with ``memory``, a ``reg.estimate_memory()`` result, at
+        most ``max_bytes`` of device memory for its capture) that pads ``steps`` least (exactly).
 
         ``steps``: the actual shapes, one per step, or a histogram ``{shape: steps}``
         (the same plan as the expanded stream, without expanding it).
@@ -648,10 +651,12 @@ class CapturePlan:
         the strategies' own ``unsupported_classes``) split the steps as ``build`` splits the
         keys: a class moved off a strategy is fitted with the keys of the strategy it moved
         to, or left eager.  With ``size_multiple`` every size is a multiple of it.  Sizes are shared by all LoRA counts: each size costs
-        one graph per LoRA count.
+        one graph per LoRA count.  Under ``max_bytes`` a key costs what ``memory.key_bytes`` says (its own bytes
+        beside the shared pool), and the pool and warm-up of the largest keys, which every fitted plan keeps, come
+        out of the budget first (``memory.fixed_bytes()``); the budget is split exactly on those prices.
         """
         plan_settings = _settings(settings, fields)
-        decode, mixed = fit_families(steps, max_graphs, plan_settings)
+        decode, mixed = fit_families(steps, max_graphs, plan_settings, max_bytes=max_bytes, pricing=memory)
         return plan_settings.plan(decode, mixed)
 
     def __iter__(self) -> Iterator[PlanEntry]:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from cgregistry.adapter import PLAN_CHANGES_KEPT, Adapter, refuse_with_collectives
+from cgregistry.arguments import Delegated, check_budget, check_flag, check_inputs, check_timeout
 from cgregistry.adaptive import Adaptation, PlanChange
 from cgregistry.background import BackgroundCapture
 from cgregistry.buffers import StaticBuffer, StaticInput
@@ -36,6 +37,7 @@ from cgregistry.events import Events
 from cgregistry.lifecycle import Lifecycle
 from cgregistry.inspection import EntryInfo, Refreshed, Slept, Snapshot, Stats, entries_table, filter_entries, stats_line
 from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Match, PaddingCap
+from cgregistry.memory import MemoryEstimate
 from cgregistry.outputs import OutputAxes
 from cgregistry.plan import CapturePlan, PlanEntry
 from cgregistry.plugins import Plugins
@@ -45,33 +47,6 @@ from cgregistry.server import ConcurrentRunError, DebugServer, Server
 __all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "Stats"]  # records re-exported
 
 _names = itertools.count(1)  # default registry names: registry-1, registry-2, ...
-_RESERVED_INPUT_NAMES = ("context", "group", "exclude")  # keyword arguments of run() itself
-
-
-def _check_flag(call: str, name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{call}({name}=...) takes a bool, got {value!r}")
-
-
-class Delegated:
-    """A facade attribute read from (and, with ``check``, written to after the check) one of its parts."""
-
-    def __init__(self, part: str, name: str, check: Callable[[Any], None] | None = None) -> None:
-        self.part, self.name, self.check = part, name, check
-
-    def __get__(self, registry: Any, owner: type | None = None) -> Any:
-        return self if registry is None else getattr(getattr(registry, self.part), self.name)
-
-    def __set__(self, registry: Any, value: Any) -> None:
-        if self.check is None:
-            raise AttributeError(f"{self.name} is read-only")
-        self.check(value)
-        setattr(getattr(registry, self.part), self.name, value)
-
-
-def _check_budget(value: object) -> None:
-    if value is not None and (type(value) is not int or value < 0):
-        raise ValueError(f"memory_budget must be a byte count >= 0 or None, got {value!r}")
 
 
 class GraphRegistry:
@@ -110,15 +85,9 @@ class GraphRegistry:
         output_axes = OutputAxes(output_axis)
         if type(warmup_runs) is not int or warmup_runs < 1:
             raise ValueError(f"warmup_runs must be an int >= 1, got {warmup_runs!r}")
-        _check_budget(memory_budget)
+        check_budget(memory_budget)
         cap = PaddingCap(max_padding_tokens, max_padding_ratio)
-        for input_name, spec in inputs.items():
-            if not isinstance(spec, StaticInput):
-                raise TypeError(f"inputs[{input_name!r}] must be a cgregistry.StaticInput, got {spec!r}")
-            if input_name in _RESERVED_INPUT_NAMES:
-                raise ValueError(
-                    f"static input name {input_name!r} is reserved for run(..., {input_name}=...); give the input another name"
-                )
+        check_inputs(inputs)
         if adapt is not None and not isinstance(adapt, Adaptation):
             raise TypeError(f"adapt must be a cgregistry.Adaptation, got {adapt!r}")
         self.name = name if name is not None else f"registry-{next(_names)}"
@@ -152,7 +121,7 @@ class GraphRegistry:
         events.registry_created()
 
     # Bytes of measured graph memory to stay under (least recently replayed entries are evicted); None: no limit.
-    memory_budget = Delegated("_catalog", "memory_budget", check=_check_budget)
+    memory_budget = Delegated("_catalog", "memory_budget", check=check_budget)
     # The most token padding a key may add to a batch (max_padding_tokens, max_padding_ratio).
     padding_cap = Delegated("_catalog", "cap")
 
@@ -205,7 +174,7 @@ class GraphRegistry:
         for all of them.  What the engine must not do meanwhile: docs/background.md.
         """
         for flag, value in (("lazy", lazy), ("background", background), *([("progress", progress)] if progress is not None else [])):
-            _check_flag("capture", flag, value)
+            check_flag("capture", flag, value)
         if lazy and background:
             raise ValueError("capture(lazy=True, background=True): choose one; lazy captures a key at its first use, background ahead of it")
         if self._lifecycle.asleep is not None:
@@ -236,8 +205,7 @@ class GraphRegistry:
 
         Call it from the thread that calls ``run()``, never from inside a step or a hook.
         """
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):
-            raise TypeError(f"wait_captured(timeout=...) takes seconds >= 0 (an int or float, inf allowed) or None, got {timeout!r}")
+        check_timeout("wait_captured", timeout)
         self._background.refuse_on_capture_thread("wait_captured()")
         if self._server.running():
             raise RuntimeError("wait_captured() while a run() is in progress (from the step or a hook) would wait for itself")
@@ -251,6 +219,18 @@ class GraphRegistry:
     def capturing(self) -> list[Pair]:
         """Keys queued for, or in, background capture, in capture order (not served by a graph yet)."""
         return self._background.capturing()
+
+    def estimate_memory(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], *,
+                        background: bool = False) -> MemoryEstimate:
+        """The device memory ``capture(plan)`` (with ``background``) will take, per key and in all, and the seconds it
+        will take; predicted before capture from a few keys captured into scratch pools and dropped, on static inputs
+        of their own (nothing of the engine's state is touched; nothing stays behind).  See docs/integration.md."""
+        check_flag("estimate_memory", "background", background)
+        self._background.refuse_on_capture_thread("estimate_memory()")
+        todo = self._capturer.check(plan)
+        self._background.install()
+        return self._capturer.estimate([p for p in dict.fromkeys((e.descriptor, e.strategy) for e in todo)
+                                        if p not in self._catalog.entries], background)
 
     # ------------------------------------------------------------------ run
 
@@ -301,7 +281,7 @@ class GraphRegistry:
         keeps them all); the others are dropped at once and captured again, now or, with ``background``, on the capture
         thread while ``run()`` serves eagerly.  Until then a replay against moved weights raises ``WeightsMovedError``.
         The step's module (when the step is a module or its method) and whatever ``watch()`` names are watched."""
-        _check_flag("refresh", "background", background)
+        check_flag("refresh", "background", background)
         return self._lifecycle.refresh(background)
 
     def sleep(self) -> Slept:
@@ -312,7 +292,7 @@ class GraphRegistry:
     def wake(self, background: bool = True) -> tuple[Pair, ...]:
         """Take the static inputs back and capture the plan slept with again, hottest keys first (with ``background``,
         while ``run()`` serves); the keys it captures."""
-        _check_flag("wake", "background", background)
+        check_flag("wake", "background", background)
         return self._lifecycle.wake(background)
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module, prefix: str = "") -> None:
@@ -351,8 +331,8 @@ class GraphRegistry:
         ``num_active_loras``, ``used`` (replayed at least once); ``sort`` is one of
         key, replays, padding, memory, capture, recent.
         """
-        backend = self.backend.name
-        return filter_entries((e.info(backend) for e in tuple(self._catalog.entries.values())), **filters)
+        backend, predicted = self.backend.name, self._catalog.predicted
+        return filter_entries((e.info(backend, predicted.get(e.pair)) for e in tuple(self._catalog.entries.values())), **filters)
 
     def pending(self) -> list[Pair]:
         """Keys of lazy plans not captured yet (evicted entries return here)."""

@@ -360,6 +360,12 @@ class CudaBackend:
     def synchronize(self) -> None:
         _wait_for(torch.cuda.current_stream())
 
+    def device_memory(self) -> tuple[int, int]:
+        """Bytes in use on the device (``mem_get_info``: every allocation, the driver's own included) and bytes the caching
+        allocator holds (``memory_reserved``)."""
+        free, total = torch.cuda.mem_get_info()
+        return total - free, _reserved_bytes()
+
     def release_cached(self) -> None:
         """The caching allocator's unused blocks back to the driver (after a registry freed its graphs and inputs)."""
         torch.cuda.synchronize()

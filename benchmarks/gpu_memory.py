@@ -1,0 +1,134 @@
+"""Predicted against actual device memory of capture(plan) on the GPU (issue 27).
+
+Each configuration runs in a fresh process (the caching allocator starts empty): build the
+registry, ``est = reg.estimate_memory(plan)`` (checking with ``torch.cuda.mem_get_info`` that it
+leaves nothing behind), then ``reg.capture(plan)`` and the device memory it took
+(``mem_get_info`` before and after).  Target: the predicted ``capture_bytes`` within 5% (or 32 MiB,
+whichever is larger) of what capture took.  Configurations: the demo decoder in ``full``,
+``full_and_piecewise``, ``full_and_breakable``, with LoRA counts and spec depths, and the Hugging Face
+Llama engine of examples/hf_llama.py.
+
+    PYTHONPATH=. python3 benchmarks/gpu_memory.py            # every configuration, a table at the end
+    PYTHONPATH=. python3 benchmarks/gpu_memory.py --one NAME  # one, printing a JSON line
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import cgregistry as cg
+
+CONFIGS = {
+    "demo full": dict(mode="full"),
+    "demo full_and_breakable": dict(mode="full_and_breakable"),
+    "demo full_and_piecewise": dict(mode="full_and_piecewise"),
+    "demo full, spec 0,2, LoRA 2": dict(mode="full", spec_depths=(0, 2), max_loras=2),
+    "demo full_and_breakable, spec 0,1": dict(mode="full_and_breakable", spec_depths=(0, 1)),
+    "hf llama-3.2-1b full_and_breakable": dict(hf=True, mode="full_and_breakable"),
+    "hf llama-3.2-1b full": dict(hf=True, mode="full"),
+}
+
+
+def _demo(options: dict[str, Any]) -> tuple[cg.GraphRegistry, cg.CapturePlan]:
+    from cgregistry.breaks import eager_break
+    from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs
+
+    device = torch.device("cuda")
+    cfg = DemoConfig.for_device(device)
+    mode = options["mode"]
+    plan = cg.CapturePlan.build(max_num_seqs=cfg.max_num_seqs, max_num_tokens=cfg.max_num_tokens, **options)
+    if "piecewise" in mode:
+        model = DemoDecoder(cfg, device, seed=0, attention=eager_break(attention_kernel_into))
+        reg = cg.GraphRegistry(lambda batch, **inputs: compiled(**inputs), demo_inputs(cfg), preference=cg.plan.mode_preference(mode))
+        compiled = reg.compile(lambda input_ids, req_idx, seq_lens: model(None, input_ids, req_idx, seq_lens))
+    else:
+        model = DemoDecoder(cfg, device, seed=0)
+        reg = cg.GraphRegistry(model, demo_inputs(cfg), preference=cg.plan.mode_preference(mode))
+    return reg, plan
+
+
+def _hf(options: dict[str, Any]) -> tuple[cg.GraphRegistry, cg.CapturePlan]:
+    spec = importlib.util.spec_from_file_location("hf_llama", Path(__file__).parent.parent / "examples" / "hf_llama.py")
+    hf = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["hf_llama"] = hf
+    spec.loader.exec_module(hf)  # type: ignore[union-attr]
+    shape = hf.EngineShape(max_num_seqs=64, max_num_tokens=512, block_size=16, max_blocks_per_req=64)
+    model = hf.build_model("llama-3.2-1b", torch.device("cuda"), shape)
+    mode = options["mode"]
+    reg = cg.GraphRegistry(hf.make_step(model, hf.decoder(model)), hf.static_inputs(shape), output_axis=hf.OUTPUT_AXES,
+                           preference=("full", "piecewise", "breakable"))
+    reg.watch(model)
+    plan = cg.CapturePlan.build(max_num_seqs=shape.max_num_seqs, max_num_tokens=shape.max_num_tokens,
+                                max_capture_size=shape.max_num_tokens, mode=mode)
+    return reg, plan
+
+
+def one(name: str) -> dict[str, Any]:
+    options = dict(CONFIGS[name])
+    reg, plan = (_hf if options.pop("hf", False) else _demo)(options)
+    with torch.inference_mode():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free0 = torch.cuda.mem_get_info()[0]
+        t = time.perf_counter()
+        est = reg.estimate_memory(plan)
+        estimate_s = time.perf_counter() - t
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free1 = torch.cuda.mem_get_info()[0]
+        t = time.perf_counter()
+        reg.capture(plan)
+        torch.cuda.synchronize()
+        capture_s = time.perf_counter() - t
+        free2 = torch.cuda.mem_get_info()[0]
+    taken = free1 - free2
+    per_key = {f"{e.key} [{e.strategy}]": (e.predicted_bytes, e.device_bytes) for e in reg.entries()}
+    worst = max((abs((p or 0) - (d or 0)) for p, d in per_key.values()), default=0)
+    return {
+        "name": name, "keys": len(plan), "probes": len(est.probes), "predicted": est.capture_bytes, "taken": taken,
+        "left_behind": free0 - free1, "pool": est.pool_bytes, "warmup": est.warmup_bytes, "per_key": est.capture_bytes - est.pool_bytes - est.warmup_bytes,
+        "estimate_s": estimate_s, "capture_s": capture_s, "predicted_capture_s": est.capture_seconds, "worst_key_error": worst,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--one", default=None, choices=sorted(CONFIGS))
+    parser.add_argument("--only", default=None, help="comma-separated names (default: all)")
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one)))
+        return
+    names = args.only.split(",") if args.only else list(CONFIGS)
+    rows = []
+    for name in names:
+        done = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, timeout=600)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode or not lines:
+            print(f"{name}: failed\n{done.stderr[-2000:]}")
+            continue
+        rows.append(json.loads(lines[-1]))
+        print(rows[-1], flush=True)
+    mib = 2**20
+    print(f"\n{'configuration':38} {'keys':>4} {'probes':>6} {'predicted':>10} {'taken':>9} {'error':>7} {'within':>6} "
+          f"{'left':>6} {'pool':>8} {'warm-up':>8} {'per key':>8} {'est s':>6} {'capt s':>6} {'pred s':>6}")
+    for r in rows:
+        err = r["predicted"] - r["taken"]
+        ok = abs(err) <= max(0.05 * r["taken"], 32 * mib)
+        print(f"{r['name']:38} {r['keys']:4d} {r['probes']:6d} {r['predicted'] / mib:8.0f}Mi {r['taken'] / mib:7.0f}Mi "
+              f"{err / max(1, r['taken']) * 100:6.1f}% {'yes' if ok else 'NO':>6} {r['left_behind'] / mib:5.0f}Mi "
+              f"{r['pool'] / mib:6.0f}Mi {r['warmup'] / mib:6.0f}Mi {r['per_key'] / mib:6.0f}Mi {r['estimate_s']:6.2f} "
+              f"{r['capture_s']:6.2f} {r['predicted_capture_s']:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

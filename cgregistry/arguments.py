@@ -1,0 +1,56 @@
+"""Checks of the arguments a registry's public calls take, and the facade's delegated attributes.
+
+The facade checks every argument before it hands a call to a part: the errors name the argument,
+the value and what is expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from cgregistry.buffers import StaticInput
+
+__all__ = ["RESERVED_INPUT_NAMES", "Delegated", "check_budget", "check_flag", "check_inputs", "check_timeout"]
+
+RESERVED_INPUT_NAMES = ("context", "group", "exclude")  # keyword arguments of run() itself
+
+
+def check_flag(call: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{call}({name}=...) takes a bool, got {value!r}")
+
+
+def check_budget(value: object) -> None:
+    if value is not None and (type(value) is not int or value < 0):
+        raise ValueError(f"memory_budget must be a byte count >= 0 or None, got {value!r}")
+
+
+def check_timeout(call: str, timeout: object) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):
+        raise TypeError(f"{call}(timeout=...) takes seconds >= 0 (an int or float, inf allowed) or None, got {timeout!r}")
+
+
+def check_inputs(inputs: Mapping[str, object]) -> None:
+    """Static inputs are ``StaticInput`` declarations, under names ``run()`` does not take for itself."""
+    for name, spec in inputs.items():
+        if not isinstance(spec, StaticInput):
+            raise TypeError(f"inputs[{name!r}] must be a cgregistry.StaticInput, got {spec!r}")
+        if name in RESERVED_INPUT_NAMES:
+            raise ValueError(f"static input name {name!r} is reserved for run(..., {name}=...); give the input another name")
+
+
+class Delegated:
+    """A facade attribute read from (and, with ``check``, written to after the check) one of its parts."""
+
+    def __init__(self, part: str, name: str, check: Callable[[Any], None] | None = None) -> None:
+        self.part, self.name, self.check = part, name, check
+
+    def __get__(self, registry: Any, owner: type | None = None) -> Any:
+        return self if registry is None else getattr(getattr(registry, self.part), self.name)
+
+    def __set__(self, registry: Any, value: Any) -> None:
+        if self.check is None:
+            raise AttributeError(f"{self.name} is read-only")
+        self.check(value)
+        setattr(getattr(registry, self.part), self.name, value)
