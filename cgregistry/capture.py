@@ -16,6 +16,7 @@ import gc
 import numbers
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -56,12 +57,23 @@ class EntryCapture:
         self._output_axes = output_axes
         self._warmup_runs = warmup_runs
         self.pool = backend.new_pool()
+        self._pool_entries: weakref.WeakSet[Entry] = weakref.WeakSet()  # entries alive whose graphs are in self.pool
+        self._pool_used = False  # a graph was captured into self.pool (if all of them died, it takes no new capture)
         slots = [b.capacity - (b.spec.axis == "reqs+1") for b in buffers.values() if b.spec.axis != "tokens"]
         self._request_slots = min(slots) if slots else None  # request rows a relaxed key's step sees
 
     def new_pool(self) -> None:
         """Start a fresh pool: on CUDA a pool whose graphs all died cannot take new captures."""
         self.pool = self.backend.new_pool()
+        self._pool_entries = weakref.WeakSet()
+        self._pool_used = False
+
+    def _shared_pool(self) -> object:
+        """The shared pool for the next capture: a fresh one if every graph captured into the current one has died
+        (however it went: released, evicted, cleared, dropped unused), which on CUDA takes no new capture."""
+        if self._pool_used and not self._pool_entries:
+            self.new_pool()
+        return self.pool
 
     def check_fits(self, key: BatchDescriptor) -> None:
         """Refuse a key larger than a static input, before anything is captured."""
@@ -99,7 +111,7 @@ class EntryCapture:
         device_memory = getattr(self.backend, "device_memory", None)  # (used, reserved) bytes, where the backend measures them
         used_before = device_memory()[0] if device_memory is not None else 0
         buffers = self.buffers
-        pool = self.pool
+        pool = self._shared_pool()
         if background:
             buffers = {name: buf.sized(self._key_rows(buf, key)) for name, buf in buffers.items()}
             if scratch or not getattr(strategy, "whole_graph", False):
@@ -148,6 +160,9 @@ class EntryCapture:
             entry.device_bytes = max(0, device_memory()[0] - used_before)
         if background:
             entry.buffers = tuple(buffers.values())  # in the registry's input order, as routes copy them
+        if pool is self.pool:
+            self._pool_entries.add(entry)
+            self._pool_used = True
         return entry
 
     def _check_outputs(self, leaves: list[torch.Tensor], spec: Any, key: BatchDescriptor) -> None:

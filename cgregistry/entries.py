@@ -22,7 +22,7 @@ class Entry:
     __slots__ = (
         "key", "strategy", "graph", "replay", "slicer", "capture_seconds", "memory_bytes",
         "replays", "padded_tokens", "graph_tokens", "last_step", "key_class", "has_breaks", "buffers", "weights",
-        "device_bytes",
+        "device_bytes", "__weakref__",
     )
 
     def __init__(self, key: BatchDescriptor, strategy: str, graph: Any, slicer: OutputSlicer, seconds: float) -> None:
