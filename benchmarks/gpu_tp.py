@@ -17,8 +17,8 @@ TP=1 rows are the unsharded model on rank 0 (no collectives, no agreement).
 
 Then the no-hang check, for each TP > 1: a ``full_and_breakable`` registry over the engine's whole capture plan
 serves ``--random-batches`` random batches (decode-only and mixed, 1..max_num_seqs requests, random contexts and
-block tables), the same on every rank (one seed), through ``run(..., group=...)``.  A watchdog on every rank exits
-the job (status 3) when a batch makes no progress for ``--timeout`` seconds.  At the end the ranks must have
+block tables), the same on every rank (one seed), through ``run(..., group=...)``.  A watchdog on every rank kills
+its process, and so torchrun the job, when a batch makes no progress for ``--timeout`` seconds ("HANG" on stderr).  At the end the ranks must have
 replayed the same graphs the same number of times, and their logits' checksums must agree.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/gpu_tp.py            # TP=1 and 2 on 2 GPUs
@@ -36,6 +36,7 @@ import copy
 import datetime
 import importlib.util
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -194,7 +195,7 @@ def random_batch(shape: Any, vocab: int, g: torch.Generator) -> tuple[B, dict[st
 
 
 class Watchdog:
-    """Exits the process (status 3) when ``beat()`` has not been called for ``timeout`` seconds while armed."""
+    """Kills its process (SIGKILL) when ``beat()`` has not been called for ``timeout`` seconds while armed."""
 
     def __init__(self, rank: int, timeout: float) -> None:
         self.rank, self.timeout = rank, timeout
@@ -215,8 +216,8 @@ class Watchdog:
         while True:
             time.sleep(min(1.0, self.timeout / 4))
             if self.armed and time.monotonic() - self.last > self.timeout:
-                print(f"rank {self.rank}: HANG: no progress for {self.timeout:.0f} s at {self.where}", file=sys.stderr, flush=True)
-                os._exit(3)
+                print(f"rank {self.rank}: HANG: no progress for {self.timeout:g} s at {self.where}", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)  # the main thread is stuck in a collective: end the process, and torchrun the job
 
 
 # --------------------------------------------------------------------------- the measurements
