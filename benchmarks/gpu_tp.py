@@ -311,7 +311,17 @@ def main(argv: list[str] | None = None) -> None:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=60))
+    timeout = datetime.timedelta(minutes=60)  # ranks outside a TP size wait in a barrier while it runs
+    if device.type == "cuda":
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    started = time.perf_counter()
+
+    def log(what: str) -> None:
+        if rank == 0:
+            print(f"[gpu_tp {time.perf_counter() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
+
     # Every rank creates every group, in the same order.  "1g": TP=1 sharded, on a group of rank 0 alone.
     runs = [("1", 1)] if 1 in args.tp else []
     runs += [("1g", 1)] if args.tp1_group else []
@@ -323,6 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     if sizes:
         raise SystemExit(f"batches {sizes} exceed the engine's {shape.max_num_seqs} requests a step")
     try:
+        log(f"building {args.config} on every rank")
         full = hf.build_model(args.config, device, shape, seed=args.seed)
         fill_cache(full, args.seed)
         vocab = full.config.vocab_size
@@ -335,6 +346,7 @@ def main(argv: list[str] | None = None) -> None:
                     reference[n] = step(B.decode(n), **inputs)["logits"].float().cpu()
         rows, agreed, hangs = [], {}, []
         for label, tp in runs:
+            log(f"TP={label}: capture, step latency" + (", the no-hang check" if label != "1" else ""))
             if label == "1":
                 if rank == 0:
                     rows += latency_rows(label, 1, full, None, args, shape, device, batches, reference)

@@ -188,7 +188,8 @@ def test_the_example_under_torchrun_at_tp2() -> None:
     lines = r.stdout.splitlines()
     assert lines[0].startswith("tensor parallel: 2 ranks (gloo); each holds 2 of 4 attention heads, 1 of 2 KV heads")
     assert [line.split()[0] for line in lines[1:]] == list(hf.MODES)  # printed once, by rank 0
-    assert all("eager)" in line or ", 0 eager)" in line for line in lines[1:])
+    for line in lines[1:]:  # graph modes serve every step from graphs; "none" says "(eager)"
+        assert ", 0 eager)" in line or line.startswith("none ") and "(eager)" in line, line
 
 
 @pytest.mark.slow  # torchrun, two processes
