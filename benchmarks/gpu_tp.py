@@ -194,6 +194,12 @@ def random_batch(shape: Any, vocab: int, g: torch.Generator) -> tuple[B, dict[st
     return actual, {k: torch.tensor(v, dtype=torch.long) for k, v in inputs.items()}, hf.HostBatch(starts[:-1], qlens, lens)
 
 
+def note(what: str) -> None:
+    """A progress line on rank 0's stderr, so that a run cut short still shows what it measured."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[gpu_tp] {what}", file=sys.stderr, flush=True)
+
+
 class Watchdog:
     """Kills its process (SIGKILL) when ``beat()`` has not been called for ``timeout`` seconds while armed."""
 
@@ -258,6 +264,7 @@ def latency_rows(label: str, tp: int, model: torch.nn.Module, group: Any, args: 
                     diff = group_reduce(diff, group, device)
                 us = per_step_us(call, device, group, args.iters, args.repeats)
                 rows.append((label, strategy, n, us, n / (us * 1e-6) / tp, diff))
+                note(f"TP={label} {strategy} batch {n}: {us:.1f} us a step, max|logit-TP1| {diff:.3e}")
     return rows
 
 
@@ -272,6 +279,7 @@ def no_hang(label: str, tp: int, model: torch.nn.Module, group: Any, args: argpa
     started = time.perf_counter()
     reg = hf.build_registry(model, shape, "full_and_breakable", backend, progress=False)
     capture_s = time.perf_counter() - started
+    note(f"TP={label}: {len(reg)} graphs captured in {capture_s:.1f} s; serving {args.random_batches} random batches")
     g = torch.Generator().manual_seed(args.seed + 1)  # the same batches on every rank
     checksum = torch.zeros((), dtype=torch.float64, device=device)
     kinds = {True: 0, False: 0}
@@ -284,6 +292,8 @@ def no_hang(label: str, tp: int, model: torch.nn.Module, group: Any, args: argpa
             out = reg.run(actual, context=host, group=group, **{k: v.to(device, non_blocking=True) for k, v in inputs.items()})
             checksum += out["logits"].double().sum()
             kinds[actual.uniform] += 1
+            if (i + 1) % 500 == 0:
+                note(f"TP={label}: {i + 1} random batches in {time.perf_counter() - started:.1f} s")
         sync(device)
     watchdog.disarm()
     seconds = time.perf_counter() - started

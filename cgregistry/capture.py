@@ -92,6 +92,7 @@ class EntryCapture:
 
     def capture(
         self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, *, background: bool = False, scratch: bool = False,
+        scratch_pool: Any = None,
     ) -> Entry:
         """Warm up and capture ``step(key, **views)`` with ``strategy``; ``payload`` is what eager breaks see.
 
@@ -100,21 +101,25 @@ class EntryCapture:
         and a strategy that runs eager code during capture (breaks) gets a pool of its own, since
         that code really executes and could write memory a graph being replayed now is using.
         ``scratch``: captured as in the background, into a pool of its own whatever the strategy,
-        to be measured and dropped (a memory estimate's probe).
+        to be measured and dropped (a memory estimate's probe); into ``scratch_pool`` where given (probes
+        sharing one pool, as a plan's keys do).
         """
         if background or scratch:  # on streams of the capturing thread's own where the backend has them (cuda)
             with getattr(self.backend, "background_context", contextlib.nullcontext)():
-                return self._capture(key, strategy_name, strategy, payload, True, scratch)
+                return self._capture(key, strategy_name, strategy, payload, True, scratch, scratch_pool)
         return self._capture(key, strategy_name, strategy, payload, False, False)
 
-    def _capture(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, background: bool, scratch: bool) -> Entry:
+    def _capture(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, background: bool, scratch: bool,
+                 scratch_pool: Any = None) -> Entry:
         device_memory = getattr(self.backend, "device_memory", None)  # (used, reserved) bytes, where the backend measures them
         used_before = device_memory()[0] if device_memory is not None else 0
         buffers = self.buffers
         pool = self._shared_pool()
         if background:
             buffers = {name: buf.sized(self._key_rows(buf, key)) for name, buf in buffers.items()}
-            if scratch or not getattr(strategy, "whole_graph", False):
+            if scratch and scratch_pool is not None:
+                pool = scratch_pool
+            elif scratch or not getattr(strategy, "whole_graph", False):
                 pool = self.backend.new_pool()
         else:
             for buf in buffers.values():

@@ -7,7 +7,10 @@ no device memory, as the cpu emulator) into pools of their own, on static inputs
 their fills (so nothing of the engine's state is touched), measures each, drops it, and gives the
 memory back before it returns.  Each probe splits what the device gave it into the pool the graph
 needs (its activations and outputs), the warm-up's activations the caching allocator keeps, and
-the rest: the driver's graph objects.  The other keys are interpolated by token count.
+the rest: the driver's graph objects.  What each further key adds to a shared pool (its graph
+objects, its outputs kept alive, the pool's rounding: a megabyte or two, lost in one capture's
+rounding) is measured over ``GRAPH_OBJECT_COPIES`` copies of each group's smallest key captured into
+one scratch pool.  The other keys are interpolated by token count.
 
 A plan captured in the foreground shares one pool, as large as its largest need, and the warm-up
 of its largest key; each key adds its graph objects.  In the background a strategy with eager
@@ -30,7 +33,9 @@ from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Pair
 from cgregistry.text import text_table
 
-__all__ = ["KeyMemory", "MemoryEstimate", "Probe", "estimate_memory"]
+__all__ = ["GRAPH_OBJECT_COPIES", "KeyMemory", "MemoryEstimate", "Probe", "estimate_memory"]
+
+GRAPH_OBJECT_COPIES = 8  # captures of a group's smallest key into one pool that measure what a key adds to it
 
 
 @attrs.frozen(slots=True)
@@ -182,6 +187,8 @@ def estimate_memory(
             _probe(one, todo[0], strategies, run, payload, device_memory, release)  # first use: kernels load, handles are made
         for pair in todo:
             probes.append(_probe(one, pair, strategies, run, payload, device_memory, release))
+        if measured:
+            probes = _with_graph_objects(probes, one, strategies, run, payload, device_memory, release)
     gc.collect()
     release()
     figures = {pair: _interpolate(probes, *pair) for pair in pairs}
@@ -197,6 +204,44 @@ def estimate_memory(
         keys.append(KeyMemory(pair[0], pair[1], own + first, own, f.pool_bytes, f.seconds, any(p.key == pair[0] and p.strategy == pair[1] for p in probes)))
     static = sum(buf.tensor.untyped_storage().nbytes() for buf in one.buffers.values())
     return MemoryEstimate(backend.name, background, tuple(keys), pool, warmup, static, tuple(probes))
+
+
+def _with_graph_objects(
+    probes: list[Probe], one: EntryCapture, strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
+    device_memory: Callable[[], tuple[int, int]], release: Callable[[], None],
+) -> list[Probe]:
+    """``probes`` with each group's bytes a key adds to a shared pool, measured over ``GRAPH_OBJECT_COPIES`` copies.
+
+    A plan's keys share one pool: beyond the largest need, each adds its graph objects and what stays alive in
+    the pool (its outputs, the pool's rounding).  The smallest key of the group is captured once into a fresh
+    scratch pool, then ``GRAPH_OBJECT_COPIES`` times more into the same pool, all alive; what the device gave
+    the copies, less their own scratch inputs, is shared out.  The driver keeps what dead graphs held for later
+    ones, so this sees the graph objects only where the process has not captured (and dropped) graphs before:
+    an engine's first estimate does, a second one in the same process sees less (docs/performance.md).
+    """
+    groups: dict[tuple[str, int], Probe] = {}
+    for p in probes:
+        group = (p.strategy, p.key.num_active_loras)
+        if group not in groups or p.key.num_tokens < groups[group].key.num_tokens:
+            groups[group] = p
+    own = {}
+    for group, smallest in groups.items():
+        release()
+        pool = one.backend.new_pool()
+
+        def capture() -> Any:
+            return run(one.capture, smallest.key, smallest.strategy, strategies(smallest.strategy), payload, scratch=True, scratch_pool=pool)
+
+        first = capture()
+        used = device_memory()[0]
+        copies = [capture() for _ in range(GRAPH_OBJECT_COPIES)]
+        used_after = device_memory()[0]
+        inputs = sum(buf.tensor.untyped_storage().nbytes() for entry in copies for buf in entry.buffers or ())
+        own[group] = max(0, used_after - used - inputs) // GRAPH_OBJECT_COPIES
+        del first, copies, capture
+        gc.collect()
+        release()
+    return [attrs.evolve(p, own_bytes=own[(p.strategy, p.key.num_active_loras)]) for p in probes]
 
 
 def _probe(
