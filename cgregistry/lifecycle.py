@@ -80,7 +80,8 @@ class Lifecycle:
     def _released(self, removed: list[Entry]) -> None:
         self._events.released(removed)
         self._capturer.renew_if_unused()  # drop the pool handle too when nothing holds the old pool
-        gc.collect()  # a graph in a reference cycle would keep the pool alive
+        if removed:
+            gc.collect()  # a graph in a reference cycle would keep the pool alive (a full collection: 0.1 s and more)
 
     # ---------------------------------------------------------------- weights
 
