@@ -19,10 +19,11 @@ import torch
 
 from cgregistry.descriptor import BatchDescriptor
 
-__all__ = ["agree"]
+__all__ = ["agree", "decode_descriptor", "encode_descriptor"]
 
 
-def _encode(actual: BatchDescriptor) -> list[int]:
+def encode_descriptor(actual: BatchDescriptor) -> list[int]:
+    """``actual`` as the seven integers ``agree()`` all-reduces with MAX (what every rank's batch needs, combined)."""
     reqs = actual.num_reqs
     return [
         actual.num_tokens,
@@ -35,7 +36,8 @@ def _encode(actual: BatchDescriptor) -> list[int]:
     ]
 
 
-def _decode(values: list[int]) -> BatchDescriptor:
+def decode_descriptor(values: list[int]) -> BatchDescriptor:
+    """The descriptor of seven all-reduced integers: one that covers the batch of every rank encoded into them."""
     tokens, reqs, no_reqs, loras, max_depth, neg_min_depth, mixed = values
     num_reqs = None if no_reqs else reqs
     uniform = not mixed and num_reqs is not None and max_depth == -neg_min_depth
@@ -59,6 +61,6 @@ def agree(actual: BatchDescriptor, group: Any = None) -> BatchDescriptor:
         raise RuntimeError("agree(group=...) needs torch.distributed to be initialised (init_process_group)")
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    values = torch.tensor(_encode(actual), dtype=torch.int64, device=device)
+    values = torch.tensor(encode_descriptor(actual), dtype=torch.int64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    return _decode(values.tolist())
+    return decode_descriptor(values.tolist())

@@ -119,6 +119,16 @@ def private_reaches(path: Path) -> list[str]:
     return found
 
 
+def private_imports(path: Path) -> list[str]:
+    """``from cgregistry.x import _name``: a private name taken from a cgregistry module."""
+    return [
+        f"{path.relative_to(ROOT)}:{node.lineno}: from {node.module} import {a.name}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cgregistry")
+        for a in node.names if a.name.startswith("_") and not a.name.startswith("__")
+    ]
+
+
 def private_attribute_reads(path: Path) -> list[str]:
     """``obj._name`` reads outside the module that defines them: any attribute starting with one underscore on a
     name other than ``self`` / ``cls``, except other libraries' (torch's, Hugging Face's config fields)."""
@@ -142,14 +152,14 @@ THIRD_PARTY_PRIVATE = {"_attn_implementation", "_actions", "_HelpAction", "_get_
 
 def test_no_module_or_example_reaches_into_another_modules_private_names() -> None:
     files = [*PACKAGE.rglob("*.py"), *(ROOT / "examples").glob("*.py")]
-    assert [hit for f in files for hit in private_reaches(f)] == []
+    assert [hit for f in files for hit in private_reaches(f) + private_imports(f)] == []
 
 
 def test_tests_benchmarks_and_examples_read_no_private_state() -> None:
     """A test that must read ``reg._buffers`` shows a missing inspection API: give it a public seam instead."""
     files = [*(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "examples").glob("*.py")]
     files = [f for f in files if f.name != "test_architecture.py"]
-    assert [hit for f in files for hit in private_attribute_reads(f)] == []
+    assert [hit for f in files for hit in private_attribute_reads(f) + private_imports(f)] == []
 
 
 def test_python_dash_m_runs_the_command_line() -> None:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cgregistry import BatchDescriptor as B
-from cgregistry.distributed import _decode, _encode
+from cgregistry.distributed import decode_descriptor, encode_descriptor
 
 from . import distributed_worker
 
@@ -38,7 +38,7 @@ descriptors = st.one_of(
 
 
 def _agreed(batches: list[B]) -> B:
-    return _decode([max(column) for column in zip(*(_encode(b) for b in batches))])
+    return decode_descriptor([max(column) for column in zip(*(encode_descriptor(b) for b in batches))])
 
 
 @settings(max_examples=300, deadline=None)

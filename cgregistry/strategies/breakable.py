@@ -30,7 +30,7 @@ from cgregistry.outputs import OutputError, flatten
 if TYPE_CHECKING:
     from cgregistry.plugins import StrategyRegistrar
 
-__all__ = ["BreakableGraph", "BreakableStrategy", "BreakError"]
+__all__ = ["BreakableGraph", "BreakableStrategy", "BreakError", "CaptureSite"]
 
 
 class BreakError(CgregistryError, RuntimeError):
@@ -75,7 +75,7 @@ def _tensors_of(tree: Any) -> list[torch.Tensor]:
     return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
 
 
-class _Site:
+class CaptureSite:
     """The capture in progress: ends and starts segments when execution reaches a break."""
 
     def __init__(self, backend: SegmentedBackend, pool: object, barrier: Callable[[], None] | None) -> None:
@@ -197,7 +197,7 @@ class BreakableStrategy:
         if runtime.site.get() is not None:
             raise BreakError("nested breakable capture: a breakable capture is already in progress on this thread")
         with backend.capture_context():
-            site = _Site(backend, pool, self.barrier)
+            site = CaptureSite(backend, pool, self.barrier)
             token = runtime.site.set(site)
             try:
                 out = body()
@@ -212,7 +212,7 @@ class BreakableStrategy:
         graph = BreakableGraph(site.segments, site.calls)
         return graph, out
 
-    def check_capture(self, site: _Site) -> None:
+    def check_capture(self, site: CaptureSite) -> None:
         """After the step ran under capture: a subclass's chance to refuse what it saw."""
 
 

@@ -18,7 +18,7 @@ from cgregistry import runtime
 from cgregistry.backends import Backend
 from cgregistry.compiler import PiecewiseError
 from cgregistry.markers import hookimpl
-from cgregistry.strategies.breakable import BreakableGraph, BreakableStrategy, _Site
+from cgregistry.strategies.breakable import BreakableGraph, BreakableStrategy, CaptureSite
 
 if TYPE_CHECKING:
     from cgregistry.plugins import StrategyRegistrar
@@ -39,7 +39,7 @@ class PiecewiseStrategy(BreakableStrategy):
         finally:
             runtime.see_compiled.reset(token)
 
-    def check_capture(self, site: _Site) -> None:
+    def check_capture(self, site: CaptureSite) -> None:
         if site.compiled_runs == 0:
             raise PiecewiseError(
                 "the step ran no model compiled with the piecewise backend, so there are no pieces: compile it with "
