@@ -36,7 +36,7 @@ SHAPE = hf.EngineShape(max_num_seqs=64, max_num_tokens=512, block_size=16, max_b
 def decode_inputs(n: int, context: int, device: torch.device) -> dict[str, torch.Tensor]:
     """A decode batch of ``n`` requests, each at position ``context`` with its own blocks."""
     blocks = SHAPE.max_blocks_per_req
-    table = torch.arange(n * blocks, device=device).view(n, blocks) % SHAPE.num_blocks
+    table = 1 + torch.arange(n * blocks, device=device).view(n, blocks) % (SHAPE.num_blocks - 1)  # block 0: the scratch block
     pos = torch.full((n,), context, device=device)
     return {
         "input_ids": torch.randint(0, 32000, (n,), device=device), "positions": pos,

@@ -148,7 +148,7 @@ def decode_batch(n: int, shape: Any, vocab: int, device: torch.device, seed: int
     the TP=1 reference, whatever ran before.  The work is a real decode step's."""
     g = torch.Generator().manual_seed(seed)
     bpr = shape.max_blocks_per_req
-    table = torch.arange(n * bpr).view(n, bpr) % shape.num_blocks
+    table = 1 + torch.arange(n * bpr).view(n, bpr) % (shape.num_blocks - 1)  # block 0 is the scratch block
     lens = torch.randint(1, shape.max_context + 1, (n,), generator=g)
     pos = lens - 1
     inputs = {
@@ -174,7 +174,7 @@ def random_batch(shape: Any, vocab: int, g: torch.Generator) -> tuple[B, dict[st
         qlens.append(n)
         budget -= n
     bpr, block = shape.max_blocks_per_req, shape.block_size
-    perm = torch.randperm(shape.num_blocks, generator=g)
+    perm = 1 + torch.randperm(shape.num_blocks - 1, generator=g)  # block 0 is the scratch block
     ids, pos, slots, starts, lens, table = [], [], [], [0], [], []
     for r, n in enumerate(qlens):
         length = draw(n, shape.max_context)

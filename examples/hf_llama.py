@@ -24,8 +24,12 @@ Every rank schedules the same batches and serves them with ``run(..., group=...)
 checked against HF's forward of the full model (TP=1).  Background capture is single-process
 (``--background`` is refused with ``--tp``); see docs/distributed.md.
 
+``--gpu-memory-utilization F`` follows docs/integration.md's recipe: the model on its smallest cache, the plan
+estimated (``reg.estimate_memory``), the KV cache given what is left of F of the GPU, then the capture.
+
     python examples/hf_llama.py                          # tiny config on CPU, every strategy
     python examples/hf_llama.py --config llama-3.2-1b --mode full_and_piecewise --requests 64   # on a GPU
+    python examples/hf_llama.py --config llama-3.2-1b --mode full --gpu-memory-utilization 0.5  # KV cache sized last
     torchrun --standalone --nproc-per-node 2 examples/hf_llama.py --tp 2          # TP=2: gloo on CPU, NCCL on GPUs
 
 ``llama-3.2-1b`` is GPU-sized (1.1 billion parameters): on a CPU it runs, but each mode takes many
@@ -165,24 +169,40 @@ AttentionInterface.register(ATTENTION, paged_attention)  # no mask function regi
 
 @dataclass(frozen=True)
 class EngineShape:
-    """The engine's limits: they size the static inputs and the KV cache."""
+    """The engine's limits: they size the static inputs and the KV cache.
+
+    Block 0 of the cache is the scratch block: never given to a request, padded rows write its first slot.  So the
+    fills do not depend on the cache's size, and the cache can be sized after the registry is built and its plan
+    estimated (``size_kv_cache``).  ``kv_blocks``: the cache's blocks, the scratch block included (default: every
+    request at full context, plus the scratch block).
+    """
 
     max_num_seqs: int = 8
     max_num_tokens: int = 64
     block_size: int = 8
     max_blocks_per_req: int = 8  # context up to block_size * max_blocks_per_req tokens
+    kv_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_blocks is not None and self.kv_blocks < self.min_blocks:
+            raise ValueError(f"kv_blocks={self.kv_blocks}: the cache needs at least {self.min_blocks} blocks (the scratch "
+                             f"block and one request at full context, {self.max_blocks_per_req} blocks)")
 
     @property
     def max_context(self) -> int:
         return self.block_size * self.max_blocks_per_req
 
     @property
+    def min_blocks(self) -> int:
+        return 1 + self.max_blocks_per_req
+
+    @property
     def num_blocks(self) -> int:
-        return self.max_num_seqs * self.max_blocks_per_req
+        return self.kv_blocks if self.kv_blocks is not None else 1 + self.max_num_seqs * self.max_blocks_per_req
 
     @property
     def scratch_slot(self) -> int:
-        return self.num_blocks * self.block_size  # one slot past every block: padded rows write here
+        return 0  # the first slot of the scratch block: padded rows write here
 
 
 def build_model(config: str, device: torch.device, shape: EngineShape, seed: int = 0) -> LlamaForCausalLM:
@@ -193,14 +213,48 @@ def build_model(config: str, device: torch.device, shape: EngineShape, seed: int
     cfg._attn_implementation = ATTENTION
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
-    slots = shape.scratch_slot + 1
+    resize_kv_cache(model, shape)
+    return model
+
+
+def resize_kv_cache(model: LlamaForCausalLM, shape: EngineShape) -> None:
+    """Every attention layer's K/V cache allocated anew for ``shape.num_blocks`` blocks (zeros).  Before any capture:
+    graphs read the cache at the address it had when they were captured."""
     for layer in model.model.layers:
         attn = layer.self_attn
+        weight = attn.o_proj.weight
         attn.block_size = shape.block_size
-        kv_shape = (slots, cfg.num_key_value_heads, attn.head_dim)
-        attn.register_buffer("k_cache", torch.zeros(kv_shape, dtype=dtype, device=device), persistent=False)
-        attn.register_buffer("v_cache", torch.zeros(kv_shape, dtype=dtype, device=device), persistent=False)
-    return model
+        heads = attn.k_proj.weight.shape[0] // attn.head_dim  # this rank's KV heads where the model is sharded
+        kv_shape = (shape.num_blocks * shape.block_size, heads, attn.head_dim)
+        for name in ("k_cache", "v_cache"):
+            if getattr(attn, name, None) is not None:
+                setattr(attn, name, None)  # the old cache goes before the new one is allocated
+            attn.register_buffer(name, torch.zeros(kv_shape, dtype=weight.dtype, device=weight.device), persistent=False)
+
+
+def kv_block_bytes(model: LlamaForCausalLM, shape: EngineShape) -> int:
+    """Device bytes of one cache block over every layer, K and V."""
+    attn = model.model.layers[0].self_attn
+    per_slot = attn.k_cache.shape[1] * attn.k_cache.shape[2] * attn.k_cache.element_size()
+    return 2 * len(model.model.layers) * shape.block_size * per_slot
+
+
+def size_kv_cache(model: LlamaForCausalLM, shape: EngineShape, budget_bytes: int, estimate: cg.memory.MemoryEstimate | None) -> EngineShape:
+    """The recipe of docs/integration.md: the KV cache gets what ``budget_bytes`` (what the graphs and the cache may
+    still take) leaves after the graphs' ``estimate`` (None: no graphs), at most what every request at full context
+    needs.  Call it with the model on its smallest cache (``kv_blocks=shape.min_blocks``) and nothing captured yet;
+    it resizes the cache and returns the engine's new shape."""
+    graphs = estimate.capture_bytes if estimate is not None else 0
+    per_block = kv_block_bytes(model, shape)
+    blocks = min((budget_bytes - graphs) // per_block, 1 + shape.max_num_seqs * shape.max_blocks_per_req)
+    if blocks < shape.min_blocks:
+        raise ValueError(
+            f"{budget_bytes / 2**20:.0f} MiB for the graphs and the KV cache: the plan's graphs take {graphs / 2**20:.0f} MiB "
+            f"(estimated), which leaves room for {max(blocks, 0)} blocks of {per_block / 2**20:.3f} MiB; the engine needs at "
+            f"least {shape.min_blocks} (raise the memory utilization, or capture fewer keys: CapturePlan.fit(..., max_bytes=...))")
+    sized = EngineShape(shape.max_num_seqs, shape.max_num_tokens, shape.block_size, shape.max_blocks_per_req, kv_blocks=int(blocks))
+    resize_kv_cache(model, sized)
+    return sized
 
 
 # --------------------------------------------------------------------------- tensor parallel
@@ -388,6 +442,17 @@ def build_registry(
     """
     if mode == "none":
         return None
+    reg, plan = new_registry(model, shape, mode, backend, adapt, plugins)
+    with torch.inference_mode():
+        reg.capture(plan, background=background, progress=progress)
+    return reg
+
+
+def new_registry(
+    model: LlamaForCausalLM, shape: EngineShape, mode: str, backend: str = "auto", adapt: cg.Adaptation | None = None,
+    plugins: cg.Plugins | None = None,
+) -> tuple[cg.GraphRegistry, cg.CapturePlan]:
+    """``build_registry`` without the capture: the registry (watching the model's weights) and its plan."""
     preference = ("full", "piecewise", "breakable")
     reg: cg.GraphRegistry
     forward = decoder(model)
@@ -406,9 +471,7 @@ def build_registry(
         max_num_seqs=shape.max_num_seqs, max_num_tokens=shape.max_num_tokens, max_capture_size=shape.max_num_tokens, mode=mode
     )
     reg.watch(model)  # its weights: a moved one is caught at the next replay (reg.refresh() after a weight update)
-    with torch.inference_mode():
-        reg.capture(plan, background=background, progress=progress)
-    return reg
+    return reg, plan
 
 
 # --------------------------------------------------------------------------- the engine
@@ -451,7 +514,7 @@ class Engine:
         self.model, self.shape, self.reg, self.keep_logits, self.group = model, shape, registry, keep_logits, group
         self.device = next(model.parameters()).device
         self.step_fn = make_step(model, decoder(model))
-        self.free_blocks = deque(range(shape.num_blocks))
+        self.free_blocks = deque(range(1, shape.num_blocks))  # block 0 is the scratch block
 
     def serve(self, requests: list[Sequence], max_steps: int | None = None, progress: Any = quiet) -> EngineResult:
         """Serve ``requests`` to the end (or ``max_steps``); ``progress(detail)`` is called after every step."""
@@ -575,7 +638,8 @@ def check_against_hf(model: LlamaForCausalLM, sequences: list[Sequence]) -> floa
 
 def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, requests: int, max_prompt: int,
           max_new: int, backend: str = "auto", check: bool = True, progress: Progress | None = None,
-          group: Any = None, background: bool = False,
+          group: Any = None, background: bool = False, gpu_memory_utilization: float | None = None,
+          graph_and_kv_bytes: int | None = None,
           ) -> tuple[EngineResult, cg.GraphRegistry | None]:
     """Build, capture and serve ``requests`` trace requests in ``mode``; with ``check``, compare with HF.
 
@@ -584,8 +648,13 @@ def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, r
     same arguments): each rank builds the same full model, keeps its shard (``shard_model``), and the check compares
     every logit with HF's forward of the full model, TP=1; ``max_abs_error`` is the largest over the ranks.
     ``background``: capture while serving (refused by the registry with a process group of more than one rank).
+    ``gpu_memory_utilization``: the KV cache sized after the model and the plan's estimated graphs, so that they take
+    this share of the GPU's memory (``size_kv_cache``); ``graph_and_kv_bytes``: the same with the bytes given.
     """
     report = progress or Progress(mode, after=float("inf"))
+    sizing = gpu_memory_utilization is not None or graph_and_kv_bytes is not None
+    if sizing:
+        shape = EngineShape(shape.max_num_seqs, shape.max_num_tokens, shape.block_size, shape.max_blocks_per_req, kv_blocks=shape.min_blocks)
     report.begin(f"building {config} on {device}")
     model = reference = build_model(config, device, shape)
     if group is not None:
@@ -594,7 +663,22 @@ def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, r
     report.update(f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} billion parameters")
     report.begin("capturing")
     bar = None if config == "tiny" else group is None or torch.distributed.get_rank(group) == 0  # a bar for long captures
-    reg = build_registry(model, shape, mode, backend, background=background, progress=bar)
+    if sizing:
+        reg, plan = new_registry(model, shape, mode, backend) if mode != "none" else (None, None)
+        if graph_and_kv_bytes is None:
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(device)
+            graph_and_kv_bytes = int(gpu_memory_utilization * total) - (total - free)  # type: ignore[operator]
+        with torch.inference_mode():
+            estimate = reg.estimate_memory(plan) if reg is not None else None
+        shape = size_kv_cache(model, shape, graph_and_kv_bytes, estimate)
+        report.update(f"KV cache {shape.num_blocks} blocks ({shape.num_blocks * kv_block_bytes(model, shape) / 2**20:.0f} MiB), "
+                      f"graphs estimated at {(estimate.capture_bytes if estimate else 0) / 2**20:.0f} MiB")
+        if reg is not None:
+            with torch.inference_mode():
+                reg.capture(plan, background=background, progress=bar)
+    else:
+        reg = build_registry(model, shape, mode, backend, background=background, progress=bar)
     engine = Engine(model, shape, reg, keep_logits=check, group=group)
     report.begin(f"serving {requests} requests")
     result = engine.serve(trace_requests(requests, shape, model.config.vocab_size, max_prompt, max_new), progress=report.update)
@@ -675,6 +759,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tp", type=positive_int, default=1,
                         help="tensor parallel ranks, one process each, under torchrun: heads and MLP split, two all-reduces "
                              "a layer, inside the graphs; NCCL on cuda, gloo on cpu (default: 1)")
+    parser.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                        help="size the KV cache after the model and the plan's estimated graphs, so that everything takes "
+                             "this share of the GPU's memory (0 < F <= 1; cuda, one process)")
     parser.add_argument("--background", action="store_true",
                         help="capture on the registry's capture thread while serving (one process only: not with --tp > 1; "
                              "modes without piecewise, which are the default then)")
@@ -687,6 +774,15 @@ def main(argv: list[str] | None = None) -> None:
                          "this piecewise-compiled step fails (its keys are dropped: the attention break is called on the "
                          "traced path outside a trace); use full_and_breakable, full or breakable")
         args.mode = args.mode or [m for m in MODES if "piecewise" not in m]
+    utilization = args.gpu_memory_utilization
+    if utilization is not None:
+        if not 0 < utilization <= 1:
+            parser.error(f"argument --gpu-memory-utilization: expected a share of the GPU's memory, 0 < F <= 1, got {utilization}")
+        if device.type != "cuda":
+            parser.error(f"argument --gpu-memory-utilization: needs a CUDA device (device memory to share), got {str(device)!r}")
+        if args.tp > 1:
+            parser.error(f"argument --gpu-memory-utilization: not with --tp {args.tp}: each rank would size its own cache "
+                         "and the ranks' schedulers could admit different batches")
     rank = 0
     if args.tp > 1:
         rank, device = tensor_parallel_launch(parser, args, device)
@@ -715,7 +811,7 @@ def main(argv: list[str] | None = None) -> None:
         for mode in args.mode or MODES:
             result, reg = serve(args.config, mode, device=device, shape=shape, requests=args.requests, max_prompt=max_prompt,
                                 max_new=max_new, backend=backend, progress=Progress(mode if rank == 0 else "", after=5.0 if rank == 0 else math.inf),
-                                group=group, background=args.background)
+                                group=group, background=args.background, gpu_memory_utilization=utilization)
             stats = reg.stats() if reg is not None else None
             served = f"{stats.hits} graph steps, {stats.misses} eager" if stats else "eager"
             if rank == 0:

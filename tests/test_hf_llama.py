@@ -38,7 +38,9 @@ def test_capture_writes_only_the_scratch_slot(mode: str) -> None:
     scratch = SHAPE.scratch_slot
     for layer in model.model.layers:
         cache = layer.self_attn.k_cache
-        assert cache[:scratch].eq(7.0).all(), "no request's slot was written by capture"
+        others = torch.ones(cache.shape[0], dtype=torch.bool)
+        others[scratch] = False
+        assert cache[others].eq(7.0).all(), "no request's slot was written by capture"
         assert not cache[scratch].eq(7.0).all(), "capture did run the step (it wrote the scratch slot)"
 
 
@@ -79,6 +81,10 @@ def test_debug_mode_catches_logits_kept_past_the_next_run() -> None:
     (["--requests", "-3"], "argument --requests: expected an integer >= 1, got -3"),
     (["--requests", "many"], "argument --requests: expected an integer >= 1, got 'many'"),
     (["--device", "gpu"], "argument --device: expected a torch device such as cpu, cuda or cuda:1, got 'gpu'"),
+    (["--device", "cpu", "--gpu-memory-utilization", "1.5"],
+     "argument --gpu-memory-utilization: expected a share of the GPU's memory, 0 < F <= 1, got 1.5"),
+    (["--device", "cpu", "--gpu-memory-utilization", "0.5"],
+     "argument --gpu-memory-utilization: needs a CUDA device (device memory to share), got 'cpu'"),
 ])
 def test_bad_arguments_are_named_before_any_work(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
@@ -104,3 +110,37 @@ def test_long_stages_report_progress_and_quick_ones_stay_quiet(monkeypatch: pyte
         progress.update(f"step {step}")
     monkeypatch.undo()
     assert capsys.readouterr().err.splitlines() == ["[full] serving 4 requests: step 3 (20 s)", "[full] serving 4 requests: step 5 (40 s)"]
+
+
+def test_the_kv_cache_gets_what_the_estimated_graphs_leave() -> None:
+    """The recipe of --gpu-memory-utilization (docs/integration.md): the model on its smallest cache, the plan
+    estimated, the cache given what the budget leaves (never more than every request needs), a clear error where the
+    budget leaves too little; nothing is captured before the cache has its final address."""
+    small = hf.EngineShape(4, 16, 4, 4, kv_blocks=SHAPE.min_blocks)
+    model = hf.build_model("tiny", CPU, small)
+    reg, plan = hf.new_registry(model, small, "full", "cpu")
+    estimate = reg.estimate_memory(plan)
+    assert len(reg) == 0 and estimate.capture_bytes > 0
+    per_block = hf.kv_block_bytes(model, small)
+    sized = hf.size_kv_cache(model, small, estimate.capture_bytes + 7 * per_block + per_block // 2, estimate)
+    assert sized.num_blocks == 7 and model.model.layers[0].self_attn.k_cache.shape[0] == 7 * small.block_size
+    assert hf.size_kv_cache(model, small, 10**12, estimate).num_blocks == SHAPE.num_blocks == 17, "capped at what every request needs"
+    with pytest.raises(ValueError, match=r"leaves room for 4 blocks of .* the engine needs at least 5 \(raise the memory"):
+        hf.size_kv_cache(model, small, estimate.capture_bytes + 4 * per_block, estimate)
+    with pytest.raises(ValueError, match=r"kv_blocks=3: the cache needs at least 5 blocks"):
+        hf.EngineShape(4, 16, 4, 4, kv_blocks=3)
+
+
+def test_an_engine_on_a_cache_sized_by_the_estimate_serves_like_hugging_face() -> None:
+    """serve() on a budget that leaves room for two requests at a time: graphs captured after the cache was sized,
+    the scheduler waits for blocks, every request finishes, every logit equals HF's forward."""
+    model = hf.build_model("tiny", CPU, hf.EngineShape(4, 16, 4, 4, kv_blocks=SHAPE.min_blocks))
+    reg, plan = hf.new_registry(model, SHAPE, "full_and_breakable", "cpu")
+    graphs = reg.estimate_memory(plan).capture_bytes
+    budget = graphs + 9 * hf.kv_block_bytes(model, SHAPE)  # the scratch block and two requests of four blocks
+    result, reg = hf.serve("tiny", "full_and_breakable", device=CPU, shape=SHAPE, requests=6, max_prompt=12, max_new=4,
+                           backend="cpu", graph_and_kv_bytes=budget)
+    assert reg is not None and reg.stats().hits > 0
+    assert len(result.finished) == 6 and all(s.generated == s.max_new for s in result.finished)
+    assert result.max_abs_error < 1e-4
+    assert max(b for s in result.finished for b in s.blocks) == 8, "only the nine blocks the budget left were used"
