@@ -618,7 +618,10 @@ def trace_requests(count: int, shape: EngineShape, vocab: int, max_prompt: int, 
 
 
 def check_against_hf(model: LlamaForCausalLM, sequences: list[Sequence]) -> float:
-    """Largest difference between the engine's logits and HF's own forward (SDPA, no cache) over each request."""
+    """Largest difference between the engine's logits and HF's own forward (SDPA, no cache) over each request.
+
+    It switches the model's attention implementation to SDPA while it runs: not while a registry may be capturing
+    this model (``reg.wait_captured()`` first), or the capture thread would run, and capture, HF's SDPA attention."""
     worst = 0.0
     model.config._attn_implementation = "sdpa"
     try:
@@ -683,6 +686,8 @@ def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, r
     report.begin(f"serving {requests} requests")
     result = engine.serve(trace_requests(requests, shape, model.config.vocab_size, max_prompt, max_new), progress=report.update)
     if check:
+        if reg is not None:
+            reg.wait_captured()  # the check switches the model's attention to SDPA: never while a capture runs the model
         report.begin("checking every logit against Hugging Face's forward" + (" of the full model" if group is not None else ""))
         result.max_abs_error = check_against_hf(reference, result.finished)
         if group is not None:
@@ -770,9 +775,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.background:
         piecewise = [m for m in args.mode or () if "piecewise" in m]
         if piecewise:
-            parser.error(f"argument --background: not with {', '.join(piecewise)}: in this version a background capture of "
-                         "this piecewise-compiled step fails (its keys are dropped: the attention break is called on the "
-                         "traced path outside a trace); use full_and_breakable, full or breakable")
+            parser.error(f"argument --background: not with {', '.join(piecewise)}: in this version a background capture of a "
+                         "piecewise-compiled step can fail while the serving thread runs the same compiled step (dynamo "
+                         "entered from both threads; the key is dropped with a warning); use full_and_breakable, full or breakable")
         args.mode = args.mode or [m for m in MODES if "piecewise" not in m]
     utilization = args.gpu_memory_utilization
     if utilization is not None:

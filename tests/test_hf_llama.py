@@ -144,3 +144,16 @@ def test_an_engine_on_a_cache_sized_by_the_estimate_serves_like_hugging_face() -
     assert len(result.finished) == 6 and all(s.generated == s.max_new for s in result.finished)
     assert result.max_abs_error < 1e-4
     assert max(b for s in result.finished for b in s.blocks) == 8, "only the nine blocks the budget left were used"
+
+
+@pytest.mark.parametrize("mode", ["full", "full_and_breakable"])
+def test_background_capture_while_serving_then_the_hf_check(mode: str) -> None:
+    """Capture on the capture thread while the engine serves; the HF check (which switches the model's attention to
+    SDPA) waits for the capture, so no key is captured through HF's attention (it failed as graph-unsafe before)."""
+    result, reg = hf.serve("tiny", mode, device=CPU, shape=SHAPE, requests=6, max_prompt=12, max_new=4, backend="cpu",
+                           background=True)
+    assert reg is not None and reg.failures() == {} and reg.pending() == [] and reg.capturing() == []
+    assert len(result.finished) == 6 and result.max_abs_error < 1e-4
+    plan = cg.CapturePlan.build(max_num_seqs=SHAPE.max_num_seqs, max_num_tokens=SHAPE.max_num_tokens,
+                                max_capture_size=SHAPE.max_num_tokens, mode=mode)
+    assert len(reg) == len(plan) > 0, "every key of the plan captured"
