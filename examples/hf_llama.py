@@ -776,8 +776,9 @@ def main(argv: list[str] | None = None) -> None:
         piecewise = [m for m in args.mode or () if "piecewise" in m]
         if piecewise:
             parser.error(f"argument --background: not with {', '.join(piecewise)}: in this version a background capture of a "
-                         "piecewise-compiled step can fail while the serving thread runs the same compiled step (dynamo "
-                         "entered from both threads; the key is dropped with a warning); use full_and_breakable, full or breakable")
+                         "piecewise-compiled step can fail (a StopIteration inside dynamo's compiled frame on the capture thread, seen "
+                         "after other models were compiled in the process; not diagnosed; the key is dropped with a warning); "
+                         "use full_and_breakable, full or breakable")
         args.mode = args.mode or [m for m in MODES if "piecewise" not in m]
     utilization = args.gpu_memory_utilization
     if utilization is not None:
