@@ -1,0 +1,91 @@
+"""Capture failures are kept and named the same way on every capture path, a key captured after a failure stops being
+listed as failed, and neither the uniform hint nor the wait for a capture offers a key the call may not use."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import cgregistry as cg
+from cgregistry import BatchDescriptor as B
+
+HIDDEN = 16
+
+
+def matmul_registry(step: Callable[..., Any], **kwargs: Any) -> cg.GraphRegistry:
+    return cg.GraphRegistry(step, {"x": cg.StaticInput((64, HIDDEN), torch.float32)}, backend="cpu", **kwargs)
+
+
+def test_a_foreground_capture_failure_is_kept_in_failures_as_in_the_background() -> None:
+    """A key whose ``capture(plan)`` fails in the foreground is kept as a background failure is: in ``failures()``,
+    in ``stats().entry_failures``, and the batches it would serve count as ``failed`` misses."""
+    weight = torch.randn(HIDDEN, HIDDEN)
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        if batch.num_tokens == 8:
+            raise RuntimeError("no kernel for 8 tokens")
+        return x @ weight
+
+    key = (B.decode(8), "full")
+    reg = matmul_registry(step)
+    with pytest.raises(cg.CaptureError):
+        reg.capture([key])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reg.run(B.decode(6), x=torch.randn(6, HIDDEN))
+    misleading = [str(w.message) for w in caught if "no graph captured or planned" in str(w.message)]
+    stats = reg.stats()
+    assert key in reg.failures() and stats.entry_failures == 1 and stats.misses_by_reason["failed"] == 1 and not misleading, (
+        f"failures()={reg.failures()}, entry_failures={stats.entry_failures}, "
+        f"misses={ {k: v for k, v in stats.misses_by_reason.items() if v} }, warnings={misleading}"
+    )
+
+
+def test_a_plan_failure_names_what_each_failing_strategy_raised() -> None:
+    """When several strategies of a plan fail, the CaptureError names each one's own cause (type and message), with
+    the first failure's as ``__cause__``."""
+    weight = torch.randn(HIDDEN, HIDDEN)
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        if batch.num_reqs is None:
+            raise ValueError("block table needs num_reqs")
+        if batch.num_tokens == 8:
+            raise RuntimeError("no full kernel for 8 tokens")
+        return x @ weight
+
+    reg = matmul_registry(step)
+    with pytest.raises(cg.CaptureError) as info:
+        reg.capture(cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=16))
+    assert "no full kernel for 8 tokens" in str(info.value), str(info.value)
+
+
+def test_a_key_captured_after_a_failure_is_no_longer_listed_as_failed() -> None:
+    """Once a key that failed to capture is captured, ``failures()`` no longer lists it and ``stats().entry_failures``
+    no longer counts it."""
+    weight = torch.randn(HIDDEN, HIDDEN)
+    fail = [True]
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        if fail[0] and batch.num_tokens == 8:
+            raise torch.OutOfMemoryError("out of memory (transient)")
+        return x @ weight
+
+    reg = matmul_registry(step)
+    key = (B.decode(8), "full")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reg.capture([key], background=True)
+        assert reg.wait_captured(timeout=20)
+        assert key in reg.failures()
+        fail[0] = False
+        reg.capture([key], background=True)
+        assert reg.wait_captured(timeout=20)
+    x = torch.randn(8, HIDDEN)
+    torch.testing.assert_close(reg.run(B.decode(8), x=x), x @ weight)
+    assert reg.stats().hits == 1
+    assert key not in reg.failures() and reg.stats().entry_failures == 0, (
+        f"live key still listed as failed: {reg.failures()}, entry_failures={reg.stats().entry_failures}"
+    )
