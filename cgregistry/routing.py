@@ -142,7 +142,7 @@ class RouteTable:
         reason = None if match is not None else self.miss_reason(target, exclude)
         route = Route(actual, entry, match, tuple(copies), out_rows, reason)
         if reason == "no_key_for_class":
-            route.hint = self.matcher.uniform_hint(target)
+            route.hint = self.matcher.uniform_hint(target, exclude)
         cache, cache_key = (self.cache, actual) if variant is None else (self.variant_cache, (actual, variant))
         if len(cache) >= ROUTE_CACHE_LIMIT:
             cache.clear()

@@ -19,6 +19,23 @@ def matmul_registry(step: Callable[..., Any], **kwargs: Any) -> cg.GraphRegistry
     return cg.GraphRegistry(step, {"x": cg.StaticInput((64, HIDDEN), torch.float32)}, backend="cpu", **kwargs)
 
 
+def test_the_uniform_hint_and_its_warning_respect_exclude() -> None:
+    """The uniform hint (in ``explain`` and in the warning after repeated misses) names only keys the call may use:
+    none when the uniform key's strategy is excluded."""
+    weight = torch.randn(HIDDEN, HIDDEN)
+    reg = matmul_registry(lambda batch, x: x @ weight)
+    reg.capture([(B.decode(8), "full")])
+    batch = B(4, 4)
+    assert reg.match(B.decode(4), exclude=("full",)) is None
+    hint = reg.explain(batch, exclude=("full",)).hint
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(16):
+            reg.run(batch, exclude=("full",), x=torch.randn(4, HIDDEN))
+    warned = [str(w.message) for w in caught if "uniform keys would serve" in str(w.message)]
+    assert hint is None and not warned, f"hint under exclude=('full',): {hint!r}; warnings: {warned}"
+
+
 def test_a_foreground_capture_failure_is_kept_in_failures_as_in_the_background() -> None:
     """A key whose ``capture(plan)`` fails in the foreground is kept as a background failure is: in ``failures()``,
     in ``stats().entry_failures``, and the batches it would serve count as ``failed`` misses."""
