@@ -133,6 +133,10 @@ class PaddingCap:
             return False
         return self.max_ratio is None or pad_tokens <= self.max_ratio * actual_tokens
 
+    def serves(self, key: BatchDescriptor, actual: BatchDescriptor) -> bool:
+        """Whether ``key`` covers ``actual`` within the cap (what a key must meet to be matched to the batch)."""
+        return key.covers(actual) and self.allows(key.num_tokens - actual.num_tokens, actual.num_tokens)
+
     def describe(self) -> str:
         parts = []
         if self.max_tokens is not None:

@@ -3,6 +3,8 @@ listed as failed, and neither the uniform hint nor the wait for a capture offers
 
 from __future__ import annotations
 
+import threading
+import time
 import warnings
 from typing import Any, Callable
 
@@ -11,12 +13,55 @@ import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
+from cgregistry import background as background_module
+from tests.test_background import Engine, batch_inputs, eager, make
 
 HIDDEN = 16
 
 
+def run_in_thread(fn: Callable[[], Any], timeout: float) -> tuple[bool, dict]:
+    """Run ``fn`` on a daemon thread (as the engine's serving thread); True if it finished within ``timeout``."""
+    result: dict = {}
+
+    def target() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001
+            result["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return not thread.is_alive(), result
+
+
 def matmul_registry(step: Callable[..., Any], **kwargs: Any) -> cg.GraphRegistry:
     return cg.GraphRegistry(step, {"x": cg.StaticInput((64, HIDDEN), torch.float32)}, backend="cpu", **kwargs)
+
+
+def test_a_step_does_not_wait_for_a_capture_whose_key_the_padding_cap_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch that no key being captured may serve under the padding cap runs eagerly at once, counted as a
+    ``padding_cap`` miss (not ``capturing``)."""
+    monkeypatch.setattr(background_module, "WAIT_LIMIT_S", 1.0)
+    engine = Engine()
+    engine.hold, engine.hold_tokens = threading.Event(), 64
+    reg = make(engine, max_padding_tokens=4)
+    try:
+        reg.capture([(B.decode(64), "full"), (B.decode(8), "full")], background=True)
+        assert engine.holding.wait(10)
+        batch, inputs = batch_inputs(2, 0)
+        started = time.perf_counter()
+        finished, result = run_in_thread(lambda: reg.run(batch, **inputs), timeout=10)
+        waited = time.perf_counter() - started
+        assert finished and "error" not in result, result
+        assert torch.allclose(result["value"], eager(engine, batch, inputs), atol=1e-5)
+        reasons = {k: v for k, v in reg.stats().misses_by_reason.items() if v}
+        assert reasons == {"padding_cap": 1} and waited < 0.5, (
+            f"a batch no capturing key may serve (padding cap) waited {waited:.2f} s for a capture and was counted as {reasons}"
+        )
+    finally:
+        engine.hold.set()
+        reg.wait_captured(timeout=30)
 
 
 def test_the_uniform_hint_and_its_warning_respect_exclude() -> None:
