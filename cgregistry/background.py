@@ -234,16 +234,18 @@ class BackgroundCapture:
             return self._cond.wait_for(lambda: not self.busy, timeout)
 
     def await_cover(self, actual: BatchDescriptor, exclude: Sequence[str] | frozenset[str]) -> bool:
-        """For a step no live graph serves: wait for the key being captured that would serve ``actual`` (moved to the
-        front of the queue), at most ``WAIT_LIMIT_S``, then install what finished.  False without waiting when no
-        such key is queued, or a step already waited in vain while the capture in flight now ran."""
+        """For a step no live graph serves: wait for the key being captured that would serve ``actual`` (its strategy
+        not in ``exclude``, within the padding cap; moved to the front of the queue), at most ``WAIT_LIMIT_S``, then
+        install what finished.  False without waiting when no such key is queued, or a step already waited in vain
+        while the capture in flight now ran."""
+        cap = self._catalog.cap
         with self._cond:
             if self._gave_up == self._started:
                 return False
             flight = self._in_flight if isinstance(self._in_flight, tuple) and self._in_flight not in self._dropped else None
             covering = [
                 p for p in ([flight] if flight else []) + [i[0] for i in self._queue if isinstance(i, tuple)]
-                if p[0].covers(actual) and p[1] not in exclude
+                if p[1] not in exclude and cap.serves(p[0], actual)
             ]
             if not covering:
                 return False

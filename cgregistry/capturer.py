@@ -212,7 +212,8 @@ class Capturer:
 
     def capture_all(self, pairs: list[Pair], progress: bool | None) -> list[EntryInfo]:
         """Capture ``pairs`` in order, now.  A failure stops its strategy (its later keys are not tried) but not the
-        others, whose keys are all captured; then the first failure is raised, saying what else happened."""
+        others, whose keys are all captured; each failed key is kept in the catalog's failures (as on every capture
+        path), then the first failure is raised, naming what each other failing strategy raised and what else happened."""
         if progress is None:
             progress = len(pairs) > 1 and sys.stderr.isatty()
         ctx = self.current()
@@ -230,6 +231,7 @@ class Capturer:
                     try:
                         captured.append(self.capture_key(pair, ctx).info(self._one.backend.name))
                     except CaptureError as error:
+                        self._catalog.fail_capture(pair, error)  # kept as the lazy and background paths keep theirs
                         failed[pair[1]] = error
         finally:
             if hasattr(bar, "close"):
@@ -255,18 +257,27 @@ class Capturer:
 
 
 def _summary(failed: dict[str, CaptureError], skipped: list[Pair], captured: list[EntryInfo]) -> CaptureError:
-    """The first failure of a plan's capture, with what else failed, what was not tried and what was captured."""
+    """The first failure of a plan's capture (its cause as ``__cause__``), with what each other failing strategy raised,
+    what was not tried and what was captured."""
     first = next(iter(failed.values()))
-    notes = [f"; {type(e).__name__} for {e.descriptor} [{s}] too" for s, e in list(failed.items())[1:]]
+    notes = []
+    for strategy, e in list(failed.items())[1:]:
+        cause = _cause(e)
+        notes.append(f"; strategy {strategy!r} failed too, capturing {e.descriptor}: {type(cause).__name__}: {cause}")
     by_strategy: dict[str, int] = {}
     for _, strategy in skipped:
         by_strategy[strategy] = by_strategy.get(strategy, 0) + 1
     notes += [f"; {n} later key{'s' if n > 1 else ''} of strategy {s!r} not tried" for s, n in by_strategy.items()]
     kept = sorted({info.strategy for info in captured})
     notes.append(f"; {len(captured)} entries captured" + (f" ({', '.join(kept)})" if kept else "") + ", and they stay")
-    error = CaptureError(first.descriptor, first.strategy, first.__cause__ or first, note="".join(notes))
+    error = CaptureError(first.descriptor, first.strategy, _cause(first), note="".join(notes))
     error.__cause__ = first.__cause__
     return error
+
+
+def _cause(error: CaptureError) -> BaseException:
+    """What the step or strategy raised under a ``CaptureError`` (the error itself if it has no cause)."""
+    return error.__cause__ if error.__cause__ is not None else error
 
 
 def _plan_entry(e: object) -> PlanEntry:

@@ -146,10 +146,12 @@ class Catalog:
                 self._changed()
 
     def add(self, entry: Entry, *, background: bool = False) -> list[Entry]:
-        """A captured entry goes live; entries evicted to stay under the budget (they become lazy keys) are returned."""
+        """A captured entry goes live (no longer listed as failed, if an earlier capture or replay of its key failed);
+        entries evicted to stay under the budget (they become lazy keys) are returned."""
         pair = entry.pair
         self.entries[pair] = entry
         self.pending.pop(pair, None)
+        self.failures.pop(pair, None)
         if background:
             self.counters.background_captures += 1
         evicted = self._evict_over_budget(keep=pair)

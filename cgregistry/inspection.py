@@ -117,7 +117,7 @@ class Stats:
     padded_tokens: int  # padding tokens computed by graphs
     eager_tokens: int
     by_strategy: Mapping[str, int]  # replays per strategy
-    entry_failures: int = 0  # entries removed because their replay raised
+    entry_failures: int = 0  # keys in failures(): captures that failed, entries removed because their replay raised
     by_class: Mapping[str, ClassStats] = attrs.field(factory=dict)
     misses_by_kind: Mapping[str, int] = attrs.field(factory=dict)  # "uniform" / "mixed"
     bad_batches: int = 0  # runs whose step raised on the batch itself when run eagerly (no entry was removed)

@@ -133,6 +133,10 @@ class PaddingCap:
             return False
         return self.max_ratio is None or pad_tokens <= self.max_ratio * actual_tokens
 
+    def serves(self, key: BatchDescriptor, actual: BatchDescriptor) -> bool:
+        """Whether ``key`` covers ``actual`` within the cap (what a key must meet to be matched to the batch)."""
+        return key.covers(actual) and self.allows(key.num_tokens - actual.num_tokens, actual.num_tokens)
+
     def describe(self) -> str:
         parts = []
         if self.max_tokens is not None:
@@ -353,19 +357,22 @@ class Matcher:
                     reason = "covers with equal padding; lost the tie (uniform, then exact request count)"
             rows.append(((0, self._rank[strategy], *pad), Candidate(key, strategy, True, False, reason, pad)))
         rows.sort(key=lambda r: r[0])
-        return Explanation(actual, chosen, tuple(c for _, c in rows), hint=None if chosen is not None else self.uniform_hint(actual))
+        hint = None if chosen is not None else self.uniform_hint(actual, skip)
+        return Explanation(actual, chosen, tuple(c for _, c in rows), hint=hint)
 
-    def uniform_hint(self, actual: BatchDescriptor) -> str | None:
+    def uniform_hint(self, actual: BatchDescriptor, exclude: Iterable[str] = ()) -> str | None:
         """For a batch no key serves that is not marked uniform, but whose every request could have ``1 + d`` query tokens
-        with a uniform key of depth ``d`` serving it: how to describe it (None otherwise).  A prefill chunk can look like
-        a decode batch, so the registry never assumes it; the engine knows."""
+        with a uniform key of depth ``d`` serving it (outside the strategies in ``exclude``, within the padding cap): how
+        to describe it (None otherwise).  A prefill chunk can look like a decode batch, so the registry never assumes
+        it; the engine knows."""
         if actual.uniform or actual.num_reqs is None:
             return None
-        for depth in sorted({key.spec_depth for key, _ in self._pairs if key.uniform}):
+        skip = excluded(exclude)
+        for depth in sorted({key.spec_depth for key, strategy in self._pairs if key.uniform and strategy not in skip}):
             if actual.num_tokens != actual.num_reqs * (1 + depth):
                 continue
             decode = BatchDescriptor.decode(actual.num_reqs, depth, actual.num_active_loras)
-            match = self.match(decode)
+            match = self.match(decode, skip)
             if match is not None and match.key.uniform:
                 call = f"BatchDescriptor.decode({actual.num_reqs}{f', spec_depth={depth}' if depth else ''}"
                 call += f"{f', num_active_loras={actual.num_active_loras}' if actual.num_active_loras else ''})"

@@ -154,9 +154,10 @@ class GraphRegistry:
         All entries are checked before any is captured (or planned lazily): the strategy is
         registered, the key fits the static inputs, and the strategy serves the key's class
         (its ``unsupported_classes``); a refused plan leaves the registry as it was.  If a
-        capture fails, it is absent, its strategy's later keys are not tried, every other key is
-        captured, and then ``CaptureError`` names its descriptor and strategy (and what else
-        happened); the entries captured stay.  With ``lazy=True`` nothing is
+        capture fails, it is absent (kept in ``failures()``), its strategy's later keys are not
+        tried, every other key is captured, and then ``CaptureError`` names its descriptor and
+        strategy (and what each other failing strategy raised, and what else happened); the
+        entries captured stay.  With ``lazy=True`` nothing is
         captured now: each key is captured by the first ``run`` it is the best
         match for (counted in ``stats().lazy_captures``).  ``context`` is the payload
         eager breaks see through ``current_batch()`` while capturing: it must describe
@@ -302,8 +303,8 @@ class GraphRegistry:
         self._capturer.watch.watch(named, prefix)
 
     def failures(self) -> dict[Pair, BaseException]:
-        """Entries removed because their replay raised where eager did not, and lazy keys whose capture
-        failed, with the error (a new capture may replace them)."""
+        """Entries removed because their replay raised where eager did not, and keys whose capture failed (in
+        ``capture(plan)``, lazily or in the background), with the error; a key captured later leaves this list."""
         return dict(self._catalog.failures)
 
     # ------------------------------------------------------------------ inspection

@@ -142,7 +142,7 @@ class RouteTable:
         reason = None if match is not None else self.miss_reason(target, exclude)
         route = Route(actual, entry, match, tuple(copies), out_rows, reason)
         if reason == "no_key_for_class":
-            route.hint = self.matcher.uniform_hint(target)
+            route.hint = self.matcher.uniform_hint(target, exclude)
         cache, cache_key = (self.cache, actual) if variant is None else (self.variant_cache, (actual, variant))
         if len(cache) >= ROUTE_CACHE_LIMIT:
             cache.clear()
@@ -160,6 +160,7 @@ class RouteTable:
     def miss_reason(self, actual: BatchDescriptor, exclude: frozenset[str] = NO_EXCLUSION) -> str:
         """Why no key serves ``actual`` (a ``MISS_REASONS`` key); computed once per route, off the hot path.
 
+        ``capturing``: a key being captured would serve it (its strategy allowed, within the padding cap).
         A key covers the batch yet none serves it: the padding cap refused every allowed
         strategy (``padding_cap``), or every covering key's strategy is excluded (``excluded``).
         """
@@ -167,7 +168,7 @@ class RouteTable:
             return "asleep"
         if self.too_large(actual) is not None:
             return "above_capacity"
-        if any(key.covers(actual) and strategy not in exclude for key, strategy in self.capturing):
+        if any(strategy not in exclude and self.cap.serves(key, actual) for key, strategy in self.capturing):
             return "capturing"
         pairs = [*self._pairs, *self.capturing]  # keys being captured count as keys for the reasons below
         if not pairs:
