@@ -124,6 +124,9 @@ class GraphRegistry:
     memory_budget = Delegated("_catalog", "memory_budget", check=check_budget)
     # The most token padding a key may add to a batch (max_padding_tokens, max_padding_ratio).
     padding_cap = Delegated("_catalog", "cap")
+    # What every capture runs under, whichever path captures: the payload of the latest ``capture(context=...)`` and
+    # the state of the thread that recorded it (a ``CaptureContext``); None before any capture request or after clear().
+    capture_context = Delegated("_capturer", "context")
 
     @property
     def static_inputs(self) -> Mapping[str, torch.Tensor]:
