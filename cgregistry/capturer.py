@@ -28,7 +28,7 @@ from cgregistry.keyclasses import check_serves
 from cgregistry.memory import MemoryEstimate, estimate_memory
 from cgregistry.plan import PlanEntry
 from cgregistry.plugins import Plugins
-from cgregistry.serving_state import ServingState, ServingStateError
+from cgregistry.serving_state import RECORDED_AT_CAPTURE, ServingState, ServingStateError
 from cgregistry.weights import WeightsMovedError, WeightWatch
 
 __all__ = ["CaptureContext", "Capturer"]
@@ -119,10 +119,11 @@ class Capturer:
 
     # ---------------------------------------------------------------- the capture context
 
-    def record(self, payload: Any) -> None:
+    def record(self, payload: Any, recorded_at: str = RECORDED_AT_CAPTURE) -> None:
         """The calling thread's state, and ``payload`` (None keeps the one recorded before), become what every later
-        capture runs under; refused while the catalog holds keys captured under a state that computes otherwise."""
-        state = ServingState.current(self._one.device.type)
+        capture runs under; refused while the catalog holds keys captured under a state that computes otherwise.
+        ``recorded_at`` says where (``capture()``, or a refit): what a replay refused for its state is told to do."""
+        state = ServingState.current(self._one.device.type, recorded_at)
         held = self.context
         if held is not None and (self._catalog.entries or self._catalog.pending or self._catalog.capturing):
             found = held.state.differences()
@@ -137,10 +138,11 @@ class Capturer:
         self.context = CaptureContext(payload, state)
         self.state_ok = ServingState.checker(self._one.device.type)  # on this thread, in the state just recorded
 
-    def current(self) -> CaptureContext:
-        """The context every capture runs under (recorded now, on the calling thread, if no capture() gave one)."""
+    def current(self, recorded_at: str = RECORDED_AT_CAPTURE) -> CaptureContext:
+        """The context every capture runs under (recorded now, on the calling thread, at ``recorded_at``, if no
+        capture() gave one)."""
         if self.context is None:
-            self.record(None)
+            self.record(None, recorded_at)
         return self.context  # type: ignore[return-value]
 
     def forget(self) -> None:
