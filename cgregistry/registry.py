@@ -182,7 +182,7 @@ class GraphRegistry:
             raise ValueError("capture(lazy=True, background=True): choose one; lazy captures a key at its first use, background ahead of it")
         if self._lifecycle.asleep is not None:
             raise RuntimeError(f"capture() on registry {self.name!r} while it sleeps: reg.wake() first (it captures the plan it slept with)")
-        self._background.refuse_on_capture_thread("capture()")
+        self._lifecycle.refuse_from_inside("capture()")
         todo = self._capturer.check(plan)
         if background:
             refuse_with_collectives()
@@ -209,7 +209,7 @@ class GraphRegistry:
         Call it from the thread that calls ``run()``, never from inside a step or a hook.
         """
         check_timeout("wait_captured", timeout)
-        self._background.refuse_on_capture_thread("wait_captured()")
+        self._lifecycle.refuse_from_inside("wait_captured()")
         if self._server.running():
             raise RuntimeError("wait_captured() while a run() is in progress (from the step or a hook) would wait for itself")
         deadline = None if timeout is None or timeout == float("inf") else time.monotonic() + timeout
@@ -229,7 +229,7 @@ class GraphRegistry:
         will take; predicted before capture from a few keys captured into scratch pools and dropped, on static inputs
         of their own (nothing of the engine's state is touched; nothing stays behind).  See docs/integration.md."""
         check_flag("estimate_memory", "background", background)
-        self._background.refuse_on_capture_thread("estimate_memory()")
+        self._lifecycle.refuse_from_inside("estimate_memory()")
         todo = self._capturer.check(plan)
         self._background.install()
         return self._capturer.estimate([p for p in dict.fromkeys((e.descriptor, e.strategy) for e in todo)
