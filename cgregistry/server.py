@@ -26,7 +26,7 @@ from cgregistry.buffers import InputError
 from cgregistry.capturer import Capturer
 from cgregistry.catalog import Catalog
 from cgregistry.debug import checked, check_addresses, plain
-from cgregistry.weights import WeightWatch
+from cgregistry.weights import WeightsMovedError, WeightWatch
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.distributed import agree
 from cgregistry.entries import Entry
@@ -35,6 +35,7 @@ from cgregistry.events import Events
 from cgregistry.matcher import Match, excluded
 from cgregistry.routing import NO_EXCLUSION, Route, Variant, not_a_descriptor
 from cgregistry.runtime import BreakContext
+from cgregistry.serving_state import ServingStateError
 
 __all__ = ["ConcurrentRunError", "DebugServer", "Server"]
 
@@ -46,6 +47,10 @@ UNIFORM_HINT_AFTER = 16
 class ConcurrentRunError(CgregistryError, RuntimeError):
     """``run()`` was called while another ``run()`` on the same registry was in progress (on another thread, or on the
     same one from inside it: from the step or a hook)."""
+
+
+# Refusals raised before a run() copies anything in: debug mode's outputs of the run before stay readable.
+_REFUSED_BEFORE_COPY = (InputError, ServingStateError, WeightsMovedError)
 
 
 class Server:
@@ -327,7 +332,8 @@ class DebugServer(Server):
     """``Server`` with debug mode's checks: moved tensors before a replay, stale outputs after.
 
     An output passed back as the next input is read before this run overwrites it; a run
-    refused for its batch or inputs overwrites nothing; eager outputs are the caller's own.
+    refused for its batch, its inputs, its serving state or moved weights overwrites nothing; eager
+    outputs are the caller's own.
     """
 
     def __init__(self, *args: Any, watch: WeightWatch) -> None:
@@ -345,7 +351,7 @@ class DebugServer(Server):
         try:
             out = super()._serve(actual, route, variant, context, inputs)
         except Exception as exc:
-            if isinstance(exc, InputError) or (route.entry is None and route.pending is None):
+            if isinstance(exc, _REFUSED_BEFORE_COPY) or (route.entry is None and route.pending is None):
                 clock[0] -= 1  # refused before anything ran, or refused by the eager step: nothing was overwritten
             raise
         if self._counters.eager_fallbacks != eager_before:
