@@ -117,7 +117,8 @@ class GraphRegistry:
         self._lifecycle = Lifecycle(catalog, capturer, background, adapter, events, buffers, self.backend, self.name)
         parts = (step, catalog, capturer, background, adapter, events, frozenset(buffers), self.name)
         self._server = DebugServer(*parts, watch=capturer.watch) if self.debug else Server(*parts)
-        self.run = self._server.run  # type: ignore[method-assign]  # the hot path itself: no call in between
+        if type(self).run is _DEFINED_RUN:  # not overridden by a subclass (nor patched on the class): see run()
+            self.run = self._server.run  # type: ignore[method-assign]  # the hot path itself: no call in between
         events.registry_created()
 
     # Bytes of measured graph memory to stay under (least recently replayed entries are evicted); None: no limit.
@@ -255,8 +256,12 @@ class GraphRegistry:
         strategies: ``exclude=("full",)`` is vLLM's ``disable_full``, for a step that runs
         cascade attention; a batch whose covering keys are all excluded runs eagerly
         (counted as an ``excluded`` miss).  Such runs have their own route cache, so a
-        run without ``exclude`` costs what it did.  (A registry's ``run`` is its server's own method, bound at
-        construction; this definition documents it.)
+        run without ``exclude`` costs what it did.
+
+        The hot path has no call in between: a registry whose class does not override ``run`` gets its server's
+        own method, bound as an instance attribute at construction, and this definition only documents it.  A
+        subclass that overrides ``run`` (or a ``run`` patched on the class before construction) is called instead,
+        as any override is; its ``super().run(...)`` reaches the server through this definition, one call more.
         """
         return self._server.run(actual, context=context, group=group, exclude=exclude, **inputs)
 
@@ -381,3 +386,7 @@ class GraphRegistry:
         lines = entries_table(self.entries(used=True if used_only else None, sort=sort))
         lines.append(stats_line(self.stats(), len(self), self.backend.name, self.memory_bytes()))
         return "\n".join(lines)
+
+
+# ``GraphRegistry.run`` as defined above: a registry whose class still has it binds its server's run instead (__init__).
+_DEFINED_RUN = GraphRegistry.run
