@@ -20,6 +20,7 @@ from cgregistry.capturer import Capturer
 from cgregistry.catalog import Catalog
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.events import Events
+from cgregistry.serving_state import RECORDED_AT_REFIT
 
 __all__ = ["PLAN_CHANGES_KEPT", "Adapter", "refuse_with_collectives"]
 
@@ -111,7 +112,7 @@ class Adapter:
         cap = self._catalog.routes.cap
         preference = self._catalog.routes.matcher.preference  # read here: the task runs on the capture thread
         served = traffic.observed  # every step harvested (the histogram is never replaced): PlanChange.observed
-        self._capturer.current()  # a registry that only adapts records its capture context here, on the serving thread
+        self._capturer.current(RECORDED_AT_REFIT)  # a registry that only adapts records its capture context here, on the serving thread
         self._refit_running = True
         self._background.submit_task(
             lambda: propose(weights, current, adapt, preference=preference, observed=served,
@@ -165,7 +166,7 @@ class Adapter:
         with catalog.batch():
             released = catalog.release_pairs(removed)
             self._background.discard(removed)
-            self._background.submit(added, self._capturer.current())
+            self._background.submit(added, self._capturer.current(RECORDED_AT_REFIT))
         self.plan_changes.append(change)
         catalog.counters.plan_changes += 1
         self._events.released(released)

@@ -6,14 +6,20 @@ thread's state, see :mod:`cgregistry.serving_state`), a whole plan now (``captur
 key at its first use (``capture_lazily``), and the one sequence every path captures a key with
 (``capture_key``: the capture lock, the hooks, the context, a failure as ``CaptureError``), on
 the serving thread or the capture thread alike.
+
+A hook or the step that calls back into the registry from inside a capture on the same thread is
+refused (``refuse_inside_capture``): a ``clear()`` would drop the capture context mid-plan, and a
+``capture()`` would wait for the capture lock its own thread holds.  The capture thread's calls are
+refused by :class:`~cgregistry.background.BackgroundCapture` the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import attrs
@@ -28,7 +34,7 @@ from cgregistry.keyclasses import check_serves
 from cgregistry.memory import MemoryEstimate, estimate_memory
 from cgregistry.plan import PlanEntry
 from cgregistry.plugins import Plugins
-from cgregistry.serving_state import ServingState, ServingStateError
+from cgregistry.serving_state import RECORDED_AT_CAPTURE, ServingState, ServingStateError
 from cgregistry.weights import WeightsMovedError, WeightWatch
 
 __all__ = ["CaptureContext", "Capturer"]
@@ -61,6 +67,9 @@ class Capturer:
         self._plugins = plugins
         self._name = name
         self.lock = threading.Lock()  # one capture at a time: the serving thread's or the capture thread's
+        # Per thread: .depth, the captures (one key with its hooks) in progress on it; .holding, whether it holds the
+        # lock (a capture asked for from inside would wait for itself).
+        self._here = threading.local()
         self.context: CaptureContext | None = None
         self.state_ok: Callable[[], bool] = _always  # the hot path's test of the caller's state against the context's
         self.buffers = one.buffers  # the shared static inputs (an entry captured in the background has its own)
@@ -119,10 +128,11 @@ class Capturer:
 
     # ---------------------------------------------------------------- the capture context
 
-    def record(self, payload: Any) -> None:
+    def record(self, payload: Any, recorded_at: str = RECORDED_AT_CAPTURE) -> None:
         """The calling thread's state, and ``payload`` (None keeps the one recorded before), become what every later
-        capture runs under; refused while the catalog holds keys captured under a state that computes otherwise."""
-        state = ServingState.current(self._one.device.type)
+        capture runs under; refused while the catalog holds keys captured under a state that computes otherwise.
+        ``recorded_at`` says where (``capture()``, or a refit): what a replay refused for its state is told to do."""
+        state = ServingState.current(self._one.device.type, recorded_at)
         held = self.context
         if held is not None and (self._catalog.entries or self._catalog.pending or self._catalog.capturing):
             found = held.state.differences()
@@ -137,10 +147,11 @@ class Capturer:
         self.context = CaptureContext(payload, state)
         self.state_ok = ServingState.checker(self._one.device.type)  # on this thread, in the state just recorded
 
-    def current(self) -> CaptureContext:
-        """The context every capture runs under (recorded now, on the calling thread, if no capture() gave one)."""
+    def current(self, recorded_at: str = RECORDED_AT_CAPTURE) -> CaptureContext:
+        """The context every capture runs under (recorded now, on the calling thread, at ``recorded_at``, if no
+        capture() gave one)."""
         if self.context is None:
-            self.record(None)
+            self.record(None, recorded_at)
         return self.context  # type: ignore[return-value]
 
     def forget(self) -> None:
@@ -175,6 +186,27 @@ class Capturer:
 
     # ---------------------------------------------------------------- capturing
 
+    @contextlib.contextmanager
+    def _capturing(self) -> Iterator[None]:
+        """Mark a capture in progress on this thread for the block: one key, its hooks included (a capture_finished
+        hook's run() may capture a lazy key inside it, so they nest)."""
+        here = self._here
+        here.depth = getattr(here, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            here.depth -= 1
+
+    def refuse_inside_capture(self, call: str) -> None:
+        """``call`` from a hook or the step inside a capture on this same thread: refused (a ``clear()`` would drop the
+        capture context the rest of the plan runs under, a ``capture()`` would wait for the lock this thread holds)."""
+        if getattr(self._here, "depth", 0):
+            raise RuntimeError(
+                f"{call} on registry {self._name!r} from inside one of its captures on the same thread (a hook or the "
+                f"step called it while capturing): refused, the capture in progress would wait for itself or lose its "
+                f"context; call it after capture() (or the run() that captures) returns"
+            )
+
     def renew_if_unused(self) -> None:
         """A fresh pool, and debug mode's addresses recorded again, when no graph holds or will hold the pool
         (on CUDA a pool whose graphs all died takes no new capture)."""
@@ -191,23 +223,34 @@ class Capturer:
         """
         key, name = pair
         strategy = self._plugins.strategy(name)
-        with self.lock, paused_gc():
-            self._events.capture_started(key, name)
-            weights = self.watch.fingerprint()  # what the graph will read
-            try:
-                entry = ctx.state.run(self._one.capture, key, name, strategy, ctx.payload, background=background)
-                entry.weights = weights
-            except BaseException as exc:
-                error = exc if isinstance(exc, CaptureError) else CaptureError(key, name, exc)
-                self._events.capture_finished(key, name, None, error)
-                if error is exc:
-                    raise
-                if background or isinstance(exc, Exception):
-                    raise error from exc
-                raise
-        evicted = [] if background else self._catalog.add(entry)
-        self._events.capture_finished(key, name, entry, None)
-        self._events.evicted(evicted)
+        here = self._here
+        if getattr(here, "holding", False):  # asked for from a hook or the step of this thread's own capture
+            raise RuntimeError(
+                f"a capture of {key} [{name}] on registry {self._name!r} from inside one of its captures on the same "
+                "thread (a hook or the step asked for it, through run() or capture()) would wait for itself: refused"
+            )
+        with self._capturing():  # the hooks' calls back are refused until capture_finished has returned
+            with self.lock, paused_gc():
+                here.holding = True
+                try:
+                    self._events.capture_started(key, name)
+                    weights = self.watch.fingerprint()  # what the graph will read
+                    try:
+                        entry = ctx.state.run(self._one.capture, key, name, strategy, ctx.payload, background=background)
+                        entry.weights = weights
+                    except BaseException as exc:
+                        error = exc if isinstance(exc, CaptureError) else CaptureError(key, name, exc)
+                        self._events.capture_finished(key, name, None, error)
+                        if error is exc:
+                            raise
+                        if background or isinstance(exc, Exception):
+                            raise error from exc
+                        raise
+                finally:
+                    here.holding = False
+            evicted = [] if background else self._catalog.add(entry)
+            self._events.capture_finished(key, name, entry, None)
+            self._events.evicted(evicted)
         return entry
 
     def capture_all(self, pairs: list[Pair], progress: bool | None) -> list[EntryInfo]:

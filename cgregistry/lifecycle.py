@@ -52,6 +52,12 @@ class Lifecycle:
         self._name = name
         self.asleep: Slept | None = None
 
+    def refuse_from_inside(self, call: str) -> None:
+        """``call`` from a hook or the step inside a capture is refused: on the capture thread, and on the thread of a
+        foreground capture (the capture would wait for itself, or go on without its context)."""
+        self._background.refuse_on_capture_thread(call)
+        self._capturer.refuse_inside_capture(call)
+
     # ---------------------------------------------------------------- release, clear
 
     def release(self, key: BatchDescriptor, strategy: str | None) -> int:
@@ -67,7 +73,7 @@ class Lifecycle:
 
     def clear(self) -> int:
         """Remove every entry, lazy key and queued capture; how many.  Counters stay."""
-        self._background.refuse_on_capture_thread("clear()")
+        self.refuse_from_inside("clear()")
         self._background.install()
         dropped = self._background.cancel()
         if self._adapter is not None:
@@ -87,7 +93,7 @@ class Lifecycle:
 
     def refresh(self, background: bool) -> Refreshed:
         """After a weight update: keep the graphs that read the weights where they are, capture the others again."""
-        self._background.refuse_on_capture_thread("refresh()")
+        self.refuse_from_inside("refresh()")
         self._background.install()
         watch = self._capturer.watch
         moved = tuple(watch.moved())
@@ -115,7 +121,7 @@ class Lifecycle:
 
     def sleep(self) -> Slept:
         """Release every graph, the pool and the static inputs; keep the plan (hottest first), counters and history."""
-        self._background.refuse_on_capture_thread("sleep()")
+        self.refuse_from_inside("sleep()")
         if self.asleep is not None:
             return self.asleep
         self._background.install()
@@ -138,7 +144,7 @@ class Lifecycle:
 
     def wake(self, background: bool) -> tuple[Pair, ...]:
         """Give the static inputs back and capture the plan slept with, hottest key first; the keys queued or captured."""
-        self._background.refuse_on_capture_thread("wake()")
+        self.refuse_from_inside("wake()")
         slept = self.asleep
         if slept is None:
             return ()

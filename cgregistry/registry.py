@@ -117,13 +117,17 @@ class GraphRegistry:
         self._lifecycle = Lifecycle(catalog, capturer, background, adapter, events, buffers, self.backend, self.name)
         parts = (step, catalog, capturer, background, adapter, events, frozenset(buffers), self.name)
         self._server = DebugServer(*parts, watch=capturer.watch) if self.debug else Server(*parts)
-        self.run = self._server.run  # type: ignore[method-assign]  # the hot path itself: no call in between
+        if type(self).run is _DEFINED_RUN:  # not overridden by a subclass (nor patched on the class): see run()
+            self.run = self._server.run  # type: ignore[method-assign]  # the hot path itself: no call in between
         events.registry_created()
 
     # Bytes of measured graph memory to stay under (least recently replayed entries are evicted); None: no limit.
     memory_budget = Delegated("_catalog", "memory_budget", check=check_budget)
     # The most token padding a key may add to a batch (max_padding_tokens, max_padding_ratio).
     padding_cap = Delegated("_catalog", "cap")
+    # What every capture runs under, whichever path captures: the payload of the latest ``capture(context=...)`` and
+    # the state of the thread that recorded it (a ``CaptureContext``); None before any capture request or after clear().
+    capture_context = Delegated("_capturer", "context")
 
     @property
     def static_inputs(self) -> Mapping[str, torch.Tensor]:
@@ -180,7 +184,7 @@ class GraphRegistry:
             raise ValueError("capture(lazy=True, background=True): choose one; lazy captures a key at its first use, background ahead of it")
         if self._lifecycle.asleep is not None:
             raise RuntimeError(f"capture() on registry {self.name!r} while it sleeps: reg.wake() first (it captures the plan it slept with)")
-        self._background.refuse_on_capture_thread("capture()")
+        self._lifecycle.refuse_from_inside("capture()")
         todo = self._capturer.check(plan)
         if background:
             refuse_with_collectives()
@@ -207,7 +211,7 @@ class GraphRegistry:
         Call it from the thread that calls ``run()``, never from inside a step or a hook.
         """
         check_timeout("wait_captured", timeout)
-        self._background.refuse_on_capture_thread("wait_captured()")
+        self._lifecycle.refuse_from_inside("wait_captured()")
         if self._server.running():
             raise RuntimeError("wait_captured() while a run() is in progress (from the step or a hook) would wait for itself")
         deadline = None if timeout is None or timeout == float("inf") else time.monotonic() + timeout
@@ -227,7 +231,7 @@ class GraphRegistry:
         will take; predicted before capture from a few keys captured into scratch pools and dropped, on static inputs
         of their own (nothing of the engine's state is touched; nothing stays behind).  See docs/integration.md."""
         check_flag("estimate_memory", "background", background)
-        self._background.refuse_on_capture_thread("estimate_memory()")
+        self._lifecycle.refuse_from_inside("estimate_memory()")
         todo = self._capturer.check(plan)
         self._background.install()
         return self._capturer.estimate([p for p in dict.fromkeys((e.descriptor, e.strategy) for e in todo)
@@ -253,8 +257,12 @@ class GraphRegistry:
         strategies: ``exclude=("full",)`` is vLLM's ``disable_full``, for a step that runs
         cascade attention; a batch whose covering keys are all excluded runs eagerly
         (counted as an ``excluded`` miss).  Such runs have their own route cache, so a
-        run without ``exclude`` costs what it did.  (A registry's ``run`` is its server's own method, bound at
-        construction; this definition documents it.)
+        run without ``exclude`` costs what it did.
+
+        The hot path has no call in between: a registry whose class does not override ``run`` gets its server's
+        own method, bound as an instance attribute at construction, and this definition only documents it.  A
+        subclass that overrides ``run`` (or a ``run`` patched on the class before construction) is called instead,
+        as any override is; its ``super().run(...)`` reaches the server through this definition, one call more.
         """
         return self._server.run(actual, context=context, group=group, exclude=exclude, **inputs)
 
@@ -379,3 +387,7 @@ class GraphRegistry:
         lines = entries_table(self.entries(used=True if used_only else None, sort=sort))
         lines.append(stats_line(self.stats(), len(self), self.backend.name, self.memory_bytes()))
         return "\n".join(lines)
+
+
+# ``GraphRegistry.run`` as defined above: a registry whose class still has it binds its server's run instead (__init__).
+_DEFINED_RUN = GraphRegistry.run

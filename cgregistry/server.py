@@ -12,6 +12,7 @@ none.
 from __future__ import annotations
 
 import _thread
+import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,7 +26,7 @@ from cgregistry.buffers import InputError
 from cgregistry.capturer import Capturer
 from cgregistry.catalog import Catalog
 from cgregistry.debug import checked, check_addresses, plain
-from cgregistry.weights import WeightWatch
+from cgregistry.weights import WeightsMovedError, WeightWatch
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.distributed import agree
 from cgregistry.entries import Entry
@@ -34,6 +35,7 @@ from cgregistry.events import Events
 from cgregistry.matcher import Match, excluded
 from cgregistry.routing import NO_EXCLUSION, Route, Variant, not_a_descriptor
 from cgregistry.runtime import BreakContext
+from cgregistry.serving_state import ServingStateError
 
 __all__ = ["ConcurrentRunError", "DebugServer", "Server"]
 
@@ -43,7 +45,12 @@ UNIFORM_HINT_AFTER = 16
 
 
 class ConcurrentRunError(CgregistryError, RuntimeError):
-    """``run()`` was called while another ``run()`` on the same registry was in progress."""
+    """``run()`` was called while another ``run()`` on the same registry was in progress (on another thread, or on the
+    same one from inside it: from the step or a hook)."""
+
+
+# Refusals raised before a run() copies anything in: debug mode's outputs of the run before stay readable.
+_REFUSED_BEFORE_COPY = (InputError, ServingStateError, WeightsMovedError)
 
 
 class Server:
@@ -82,10 +89,7 @@ class Server:
     ) -> Any:
         """``GraphRegistry.run``: a registry hands this method out as its own ``run`` (no call in between)."""
         if not self._acquire(False):
-            raise ConcurrentRunError(
-                f"run() on registry {self._name!r} while another run() is in progress: a registry's static buffers "
-                "and graph outputs serve one step at a time; give each thread its own registry or serialise the calls"
-            )
+            raise self._busy()
         try:
             if self._adapter is not None or self._background.active:
                 self._between_steps(actual)
@@ -101,6 +105,24 @@ class Server:
             return self._serve(actual, self._route(actual, variant), variant, context, inputs)
         finally:
             self._release()
+
+    def _busy(self) -> ConcurrentRunError:
+        """The refusal of a run() while another is in progress: from inside that run() on this thread (the step or a
+        hook called back), or beside it on another thread.  Told apart here, off the hot path, by this thread's frames."""
+        frame, runs = inspect.currentframe(), 0  # the refused run() is one frame of Server.run; an outer one, another
+        while frame is not None and runs < 2:
+            runs += frame.f_code is Server.run.__code__ and frame.f_locals.get("self") is self
+            frame = frame.f_back
+        if runs == 2:
+            return ConcurrentRunError(
+                f"run() on registry {self._name!r} called from inside a run() of the same registry on the same thread "
+                "(from the step or a hook): the outer run() is using the static buffers and graph outputs, so it is "
+                "refused; a step or a hook must not call run() back, have the engine's loop make the next call"
+            )
+        return ConcurrentRunError(
+            f"run() on registry {self._name!r} while another run() is in progress on another thread: a registry's static "
+            "buffers and graph outputs serve one step at a time; give each thread its own registry or serialise the calls"
+        )
 
     def _between_steps(self, actual: BatchDescriptor) -> None:
         """Before a step: finished background captures go live, and adaptation counts the step."""
@@ -310,7 +332,8 @@ class DebugServer(Server):
     """``Server`` with debug mode's checks: moved tensors before a replay, stale outputs after.
 
     An output passed back as the next input is read before this run overwrites it; a run
-    refused for its batch or inputs overwrites nothing; eager outputs are the caller's own.
+    refused for its batch, its inputs, its serving state or moved weights overwrites nothing; eager
+    outputs are the caller's own.
     """
 
     def __init__(self, *args: Any, watch: WeightWatch) -> None:
@@ -328,7 +351,7 @@ class DebugServer(Server):
         try:
             out = super()._serve(actual, route, variant, context, inputs)
         except Exception as exc:
-            if isinstance(exc, InputError) or (route.entry is None and route.pending is None):
+            if isinstance(exc, _REFUSED_BEFORE_COPY) or (route.entry is None and route.pending is None):
                 clock[0] -= 1  # refused before anything ran, or refused by the eager step: nothing was overwritten
             raise
         if self._counters.eager_fallbacks != eager_before:

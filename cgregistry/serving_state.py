@@ -9,7 +9,11 @@ bfloat16), and an engine may serve under another state than the one it captured 
 registry records one ``ServingState`` (at ``capture()``, or at the first refit of a registry that
 only adapts), every capture path runs the step under it, and a replay under a state whose results
 would differ (autocast, the default dtype, the TF32 and reduced-precision matmul flags) is refused
-with :class:`ServingStateError`, at a cost of one C call per replay.  Grad mode is not part of it:
+with :class:`ServingStateError`, at a cost of two C calls per replay (dynamo's global state guard,
+and the one recorded flag it does not compare, cuDNN's TF32).  The default dtype and the matmul
+flags are process-wide, so a capture cannot set them on its thread: a capture (on the capture
+thread, say) that starts or ends while they differ from the record fails with the same error, and
+its graph is never installed.  Grad mode is not part of it:
 captures always run under ``torch.inference_mode()`` (a replay records no autograd graph), and grad
 mode does not change what a replayed graph computes.  Imports nothing of the package but ``errors``.
 """
@@ -26,26 +30,52 @@ import torch
 
 from cgregistry.errors import CgregistryError
 
-__all__ = ["AUTOCAST_DEVICE_TYPES", "ServingState", "ServingStateError"]
+__all__ = ["AUTOCAST_DEVICE_TYPES", "RECORDED_AT_CAPTURE", "RECORDED_AT_REFIT", "ServingState", "ServingStateError"]
 
 # The device types whose autocast state is recorded (the registry's own device type is added).
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
 
-try:  # one C call comparing grad mode, autocast, the default dtype and the matmul flags with a snapshot
+try:  # one C call comparing grad mode, autocast, the default dtype and the cuBLAS matmul flags with a snapshot
     from torch._C._dynamo.guards import GlobalStateGuard
 except ImportError:  # pragma: no cover - builds without it: the Python comparison below
     GlobalStateGuard = None
 
+# What GlobalStateGuard compares of a record (torch/csrc/dynamo/guards.cpp): autocast of these device types, the
+# default dtype and the cuBLAS flags below.  The checker compares the rest of the record itself.
+_GUARDED_AUTOCAST = ("cpu", "cuda")
+_GUARDED_FLAGS = frozenset({
+    "torch.backends.cuda.matmul.allow_tf32",
+    "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+    "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+})
+
 # Process-wide flags that change what a matmul computes (TF32, reduced-precision reductions): a graph keeps the
-# kernels it was captured with, eager follows the flags.
+# kernels it was captured with, eager follows the flags.  cuDNN's TF32 flag is read through its C getter where torch
+# has one (the checker reads it on every replay; the module property costs three times as much).
 _MATMUL_FLAGS: tuple[tuple[str, Callable[[], bool]], ...] = (
     ("torch.backends.cuda.matmul.allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32),
-    ("torch.backends.cudnn.allow_tf32", lambda: torch.backends.cudnn.allow_tf32),
+    ("torch.backends.cudnn.allow_tf32",
+     getattr(torch._C, "_get_cudnn_allow_tf32", None) or (lambda: torch.backends.cudnn.allow_tf32)),
     ("torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
      lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
     ("torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
      lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
 )
+
+# Where a record was taken, and what ``check`` then tells the engine to do about a refused replay.
+RECORDED_AT_CAPTURE = "capture"
+RECORDED_AT_REFIT = "refit"
+_ADVICE = {
+    RECORDED_AT_CAPTURE: (
+        "call capture() under the state you serve with (inside the same torch.autocast block), or reg.clear() and "
+        "capture again under this one"
+    ),
+    RECORDED_AT_REFIT: (
+        "this registry only adapts, so its state was recorded at the run() that queued its first refit, and every "
+        "refit captures under it: serve under that state, or reg.clear() and the next refit records the state of "
+        "the run() that queues it (or call capture() under the state you serve with)"
+    ),
+}
 
 
 class ServingStateError(CgregistryError, RuntimeError):
@@ -77,10 +107,13 @@ class ServingState:
     default_device: torch.device
     cuda_device: int | None  # the current CUDA device where CUDA is initialized, else None
     context: contextvars.Context = attrs.field(eq=False, repr=False)
+    # Where the record was taken (RECORDED_AT_CAPTURE, RECORDED_AT_REFIT): what a refused replay is told to do.
+    recorded_at: str = attrs.field(default=RECORDED_AT_CAPTURE, eq=False)
 
     @classmethod
-    def current(cls, device_type: str = "cpu") -> ServingState:
-        """The calling thread's state (``device_type``: the registry's device, whose autocast is recorded too)."""
+    def current(cls, device_type: str = "cpu", recorded_at: str = RECORDED_AT_CAPTURE) -> ServingState:
+        """The calling thread's state (``device_type``: the registry's device, whose autocast is recorded too), taken
+        at ``recorded_at``."""
         types = tuple(dict.fromkeys((*AUTOCAST_DEVICE_TYPES, device_type)))
         return cls(
             device_types=types,
@@ -91,13 +124,14 @@ class ServingState:
             default_device=torch.get_default_device(),
             cuda_device=torch.cuda.current_device() if torch.cuda.is_initialized() else None,
             context=contextvars.copy_context(),
+            recorded_at=recorded_at,
         )
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
         """Run the block on this thread under this state (its autocast, default device, CUDA device).
 
-        The default dtype and the matmul flags are process-wide, so they are only checked, never set here.
+        The default dtype and the matmul flags are process-wide, so they are only checked (by ``run``), never set here.
         """
         with contextlib.ExitStack() as stack:
             if self.cuda_device is not None:
@@ -113,13 +147,43 @@ class ServingState:
             yield
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` under this state, in a copy of the context variables it was taken with."""
+        """``fn(*args, **kwargs)`` under this state, in a copy of the context variables it was taken with.
+
+        The process-wide part (default dtype, matmul flags) cannot be set for one thread: it is compared with this
+        record before and after ``fn`` runs, and ``ServingStateError`` names what differs (what ``fn`` captured then
+        computes what a replay under this state would not).  A change made and undone while ``fn`` runs is not seen.
+        """
 
         def body() -> Any:
+            self.check_process_wide()
             with self.applied():
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+            self.check_process_wide()
+            return result
 
         return self.context.copy().run(body)
+
+    def _process_wide_differences(self, recorded: str) -> list[str]:
+        found = []
+        if torch.get_default_dtype() is not self.default_dtype:
+            found.append(f"default dtype {torch.get_default_dtype()} now, {self.default_dtype} {recorded}")
+        for (name, _), was, now_flag in zip(_MATMUL_FLAGS, self.matmul_flags, _matmul_flags()):
+            if was != now_flag:
+                found.append(f"{name} {now_flag} now, {was} {recorded}")
+        return found
+
+    def check_process_wide(self) -> None:
+        """Raise ``ServingStateError`` naming the default dtype or matmul flag that differs from this record now (they
+        are process-wide: a capture runs under the values the process has, not under the record's)."""
+        found = self._process_wide_differences("recorded")
+        if found:
+            raise ServingStateError(
+                f"capture under another process-wide state than the registry's record: {'; '.join(found)}. The default "
+                "dtype and the matmul flags are shared by every thread, so a capture cannot run under the recorded ones "
+                "while they are changed, and its graph would compute what a replay under the record does not; the graph "
+                "is not kept. Leave them as recorded while captures run (background captures and refits included), or "
+                "reg.clear() and capture again under the new ones"
+            )
 
     def differences(self) -> list[str]:
         """How the calling thread's state differs from this one in what a replay computes (empty: it does not)."""
@@ -127,33 +191,39 @@ class ServingState:
         now = _autocast_now(self.device_types)
         if now != self.autocast:
             found.append(f"{_describe(now)} now, {_describe(self.autocast)} at capture")
-        if torch.get_default_dtype() is not self.default_dtype:
-            found.append(f"default dtype {torch.get_default_dtype()} now, {self.default_dtype} at capture")
-        for (name, _), was, now_flag in zip(_MATMUL_FLAGS, self.matmul_flags, _matmul_flags()):
-            if was != now_flag:
-                found.append(f"{name} {now_flag} now, {was} at capture")
-        return found
+        return found + self._process_wide_differences("at capture")
 
     def check(self, registry: str) -> None:
-        """Raise ``ServingStateError`` naming what differs, if the calling thread's state differs from this one."""
+        """Raise ``ServingStateError`` naming what differs, if the calling thread's state differs from this one; the
+        advice depends on where the record was taken (``capture()``, or the refit of a registry that only adapts)."""
         found = self.differences()
         if found:
             raise ServingStateError(
                 f"run() on registry {registry!r} under another state than its graphs were captured under: "
                 f"{'; '.join(found)}. A graph keeps the precision it was captured with, so it would return what eager "
-                "does not; call capture() under the state you serve with (inside the same torch.autocast block), or "
-                "reg.clear() and capture again under this one"
+                f"does not; {_ADVICE.get(self.recorded_at, _ADVICE[RECORDED_AT_CAPTURE])}"
             )
 
     @staticmethod
     def checker(device_type: str = "cpu") -> Callable[[], bool]:
-        """A test for the hot path: True while the calling thread's state is what it is now (one C call).
+        """A test for the hot path: True while the calling thread's state is what it is now, in every field
+        ``differences()`` compares (two C calls: ``GlobalStateGuard`` and the one recorded flag it does not cover,
+        cuDNN's TF32; a registry device type whose autocast the guard does not cover adds its own test).
 
         False may also mean a difference that changes no result (grad mode, the thread count): the
         caller then asks ``differences()`` of the recorded state, and takes a new checker if there
         is none.  Call it on the thread it will check, in the state to compare with.
         """
-        if GlobalStateGuard is not None:
-            return GlobalStateGuard().check
         now = ServingState.current(device_type)
-        return lambda: not now.differences()
+        if GlobalStateGuard is None:
+            return lambda: not now.differences()
+        guard = GlobalStateGuard().check
+        rest = [(read, was) for (name, read), was in zip(_MATMUL_FLAGS, now.matmul_flags) if name not in _GUARDED_FLAGS]
+        rest += [
+            ((lambda d=d: _autocast_now((d,))), _autocast_now((d,)))  # type: ignore[misc]
+            for d in now.device_types if d not in _GUARDED_AUTOCAST
+        ]
+        if len(rest) == 1:  # the usual case: cuDNN's TF32 flag alone
+            ((read, was),) = rest
+            return lambda: guard() and read() == was
+        return lambda: guard() and all(read() == was for read, was in rest)
