@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -316,6 +317,33 @@ def _default_group_sequence() -> int | None:
         return None
 
 
+# The recording wrappers are installed once for every segment open at the time, on any thread (each records into its
+# own thread's recorder), and the originals put back when the last segment closes: a segment that saved and restored
+# ``getattr(dist, name)`` itself would, overlapping another thread's, save that one's wrapper and leave it installed.
+_wrappers_lock = threading.Lock()
+_wrappers: dict[str, Callable[..., Any]] = {}  # name -> the wrapper installed, while any segment is open
+_open_segments = [0]
+
+
+def _install_wrappers(dist: Any) -> None:
+    with _wrappers_lock:
+        _open_segments[0] += 1
+        if _open_segments[0] == 1:
+            for name in _COLLECTIVES:
+                _wrappers[name] = _recorded_collective(name, getattr(dist, name))
+                setattr(dist, name, _wrappers[name])
+
+
+def _remove_wrappers(dist: Any) -> None:
+    with _wrappers_lock:
+        _open_segments[0] -= 1
+        if _open_segments[0] == 0:
+            for name, wrapper in _wrappers.items():
+                if getattr(dist, name) is wrapper:  # else replaced meanwhile by someone else: theirs stays
+                    setattr(dist, name, wrapper.__wrapped__)  # type: ignore[attr-defined]
+            _wrappers.clear()
+
+
 @contextlib.contextmanager
 def _collectives_recorded(recorder: _Recorder) -> Iterator[None]:
     import torch.distributed as dist
@@ -323,15 +351,12 @@ def _collectives_recorded(recorder: _Recorder) -> Iterator[None]:
     if not dist.is_available():
         yield
         return
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
     token = _recording.set(recorder)
-    for name, original in originals.items():
-        setattr(dist, name, _recorded_collective(name, original))
+    _install_wrappers(dist)
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+        _remove_wrappers(dist)
         _recording.reset(token)
 
 
