@@ -154,17 +154,20 @@ class BackgroundCapture:
 
     def submit(self, pairs: Iterable[Pair], context: Any, *, ordered: bool = False) -> None:
         """Queue keys not already queued or in flight, in ``background_order`` (as given with ``ordered``); start the
-        thread if it is idle."""
+        thread if it is idle.  Lazy keys among them are the capture thread's from now on (no longer pending)."""
+        pairs = list(pairs) if ordered else background_order(pairs)
         with self._cond:
             known = {item[0] for item in self._queue if isinstance(item, tuple)}
-            for pair in list(pairs) if ordered else background_order(pairs):
+            for pair in pairs:
                 if pair == self._in_flight and pair in self._dropped:
                     self._dropped.discard(pair)  # wanted again: the capture in flight is kept after all
                 elif pair != self._in_flight and pair not in known:
                     self._queue.append((pair, context))
                     known.add(pair)
             self._start()
-        self._catalog.set_capturing(self.capturing())
+        with self._catalog.batch():
+            self._catalog.unplan(pairs)
+            self._catalog.set_capturing(self.capturing())
 
     def submit_task(self, task: Callable[[], Any], on_done: Callable[[Any, BaseException | None], None]) -> None:
         """Run ``task()`` on the capture thread after what is queued; ``on_done(result, error)`` runs on the serving

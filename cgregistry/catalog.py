@@ -162,9 +162,10 @@ class Catalog:
             self.pending[pair] = None
         self._changed()
 
-    def unplan(self, pair: Pair) -> None:
-        """A lazy key that goes to the capture thread instead (it is listed in ``capturing`` from then on)."""
-        self.pending.pop(pair, None)
+    def unplan(self, pairs: Iterable[Pair]) -> None:
+        """Lazy keys that go to the capture thread instead (listed in ``capturing`` from then on, never in both)."""
+        for pair in pairs:
+            self.pending.pop(pair, None)
         self._changed()
 
     def set_capturing(self, pairs: Sequence[Pair]) -> None:

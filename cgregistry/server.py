@@ -166,8 +166,7 @@ class Server:
             # Capture resets the static buffers (and may reuse pool memory) an input can alias: keep copies.
             inputs = {name: value.clone() for name, value in inputs.items()}
             while route.pending is not None:  # a failed lazy capture drops its key: the next best may be lazy too
-                if self._background.busy:  # a capture in flight: the capture thread takes this key too
-                    self._catalog.unplan(route.pending)
+                if self._background.busy:  # a capture in flight: the capture thread takes this key too (no longer lazy)
                     self._background.submit([route.pending], self._capturer.current())
                 else:
                     self._capturer.capture_lazily(route.pending)
