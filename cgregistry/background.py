@@ -27,7 +27,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -46,16 +46,23 @@ SWITCH_INTERVAL_S: float | None = 2e-4
 # steps do not wait again while the same capture is in flight (a slow compile, say).
 WAIT_LIMIT_S = 0.5
 
-CaptureKey = Callable[..., Entry]  # (pair, context, background=True) -> the entry, or raises CaptureError
+class KeyCapturer(Protocol):
+    """What the capture thread captures with (``cgregistry.capturer.Capturer``)."""
+
+    context: Any  # the registry's capture context now (a CaptureContext, None before one is recorded)
+
+    def capture_key(self, pair: Pair, ctx: Any, *, background: bool = False) -> Entry: ...
 
 
 @attrs.frozen(slots=True)
 class Captured:
-    """A key the capture thread finished: its entry, or the ``CaptureError`` that stopped it."""
+    """A key the capture thread finished: its entry, or the ``CaptureError`` that stopped it, and the capture context
+    it ran under (installed only while the registry's is still that one)."""
 
     pair: Pair
     entry: Entry | None
     error: BaseException | None
+    context: Any = None
 
 
 @attrs.frozen(slots=True)
@@ -103,8 +110,8 @@ def background_order(pairs: Iterable[Pair]) -> list[Pair]:
 class BackgroundCapture:
     """One registry's capture thread (started when there is work, ended when there is none) and its results."""
 
-    def __init__(self, capture_key: CaptureKey, catalog: Catalog, events: Events, name: str, pacer: Any = None) -> None:
-        self._capture_key = capture_key
+    def __init__(self, capturer: KeyCapturer, catalog: Catalog, events: Events, name: str, pacer: Any = None) -> None:
+        self._capturer = capturer  # captures each key (capture_key) and holds the registry's capture context
         self._pacer = pacer  # the backend's step pacer (cuda), or None
         self._catalog = catalog
         self._events = events
@@ -113,6 +120,7 @@ class BackgroundCapture:
         self._queue: deque[tuple[Pair, Any] | _Task] = deque()  # (pair, capture context) or a task
         self._thread: threading.Thread | None = None
         self._in_flight: Pair | _Task | None = None
+        self._flight_context: Any = None  # the capture context the key in flight runs under
         self._dropped: set[Pair] = set()  # in flight but no longer wanted: its result is discarded
         self._ready: deque[Captured | TaskDone] = deque()  # filled by the capture thread, emptied by the serving thread
         self._started = 0  # items the capture thread began
@@ -153,15 +161,29 @@ class BackgroundCapture:
     # ---------------------------------------------------------------- the serving thread's side
 
     def submit(self, pairs: Iterable[Pair], context: Any, *, ordered: bool = False) -> None:
-        """Queue keys not already queued or in flight, in ``background_order`` (as given with ``ordered``); start the
-        thread if it is idle.  Lazy keys among them are the capture thread's from now on (no longer pending)."""
+        """Queue keys not already queued or in flight, in ``background_order`` (as given with ``ordered``), under
+        ``context`` (the registry's capture context now, ``Capturer.current()``); start the thread if it is idle.
+        Lazy keys among them are the capture thread's from now on (no longer pending).
+
+        Each capture starts under the registry's capture context of that moment.  One in flight under another
+        context than ``context`` is never installed: it is dropped (``stats().stale_captures``) and queued again if
+        still wanted."""
         pairs = list(pairs) if ordered else background_order(pairs)
         with self._cond:
             known = {item[0] for item in self._queue if isinstance(item, tuple)}
+            flight = self._in_flight if isinstance(self._in_flight, tuple) else None
+            if flight is not None and self._flight_context != context and flight not in known:
+                if flight not in self._dropped or flight in pairs:  # still wanted, or wanted again
+                    self._queue.append((flight, context))
+                    known.add(flight)
+                    if self._flight_context is not None:  # counted once per capture
+                        self._catalog.counters.stale_captures += 1
+                        self._flight_context = None
+                self._dropped.add(flight)
             for pair in pairs:
-                if pair == self._in_flight and pair in self._dropped:
-                    self._dropped.discard(pair)  # wanted again: the capture in flight is kept after all
-                elif pair != self._in_flight and pair not in known:
+                if pair == flight and pair in self._dropped and pair not in known:
+                    self._dropped.discard(pair)  # wanted again, under the same context: the capture in flight is kept
+                elif pair != flight and pair not in known:
                     self._queue.append((pair, context))
                     known.add(pair)
             self._start()
@@ -202,13 +224,21 @@ class BackgroundCapture:
         return dropped
 
     def install(self) -> None:
-        """Between steps, on the serving thread: finished entries go live, failures are kept, tasks' results handed on."""
+        """Between steps, on the serving thread: finished entries go live, failures are kept, tasks' results handed on.
+
+        A key captured under another capture context than the registry's now is never installed: it is dropped
+        (``stats().stale_captures``) and queued again under the current one."""
         tasks = []
+        stale: list[Pair] = []
+        context = self._capturer.context
         with self._catalog.batch():
             while self._ready:
                 done = self._ready.popleft()
                 if isinstance(done, TaskDone):
                     tasks.append(done)  # handed on once the routes are rebuilt: their hooks see the routes as they are
+                elif done.context != context:
+                    if done.pair not in self._catalog.entries:  # else captured in the foreground meanwhile
+                        stale.append(done.pair)
                 elif done.entry is None:
                     self._catalog.fail_capture(done.pair, done.error)  # type: ignore[arg-type]
                     warnings.warn(
@@ -219,6 +249,10 @@ class BackgroundCapture:
                     )
                 elif done.pair not in self._catalog.entries:  # else captured in the foreground meanwhile
                     self._events.evicted(self._catalog.add(done.entry, background=True))
+            if stale:
+                self._catalog.counters.stale_captures += len(stale)
+                if context is not None:
+                    self.submit(stale, context, ordered=True)
             self._catalog.set_capturing(self.capturing())
         for task in tasks:
             task.on_done(task.result, task.error)
@@ -286,7 +320,10 @@ class BackgroundCapture:
                         self._cond.notify_all()
                         return
                     item = self._queue.popleft()
+                    if isinstance(item, tuple) and self._capturer.context is not None:
+                        item = (item[0], self._capturer.context)  # the registry's capture context as the capture starts
                     self._in_flight = item if isinstance(item, _Task) else item[0]
+                    self._flight_context = None if isinstance(item, _Task) else item[1]
                     self._started += 1
                 self._finish(item, *self._run(item))
         finally:
@@ -297,7 +334,7 @@ class BackgroundCapture:
         try:
             if isinstance(item, _Task):
                 return item.run(), None
-            return self._capture_key(item[0], item[1], background=True), None
+            return self._capturer.capture_key(item[0], item[1], background=True), None
         except BaseException as exc:  # reported to the serving thread, never lost in this one
             return None, exc
 
@@ -310,8 +347,8 @@ class BackgroundCapture:
             else:
                 if error is not None and not isinstance(error, CaptureError):
                     error = CaptureError(item[0][0], item[0][1], error)
-                self._ready.append(Captured(item[0], result, error))
-            self._in_flight = None
+                self._ready.append(Captured(item[0], result, error, item[1]))
+            self._in_flight = self._flight_context = None
             self._cond.notify_all()
 
 

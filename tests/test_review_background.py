@@ -291,3 +291,4 @@ def test_a_key_requested_again_under_a_new_state_is_not_served_from_a_capture_un
         f"run() without autocast returned {out.dtype} from a graph captured under autocast; eager returns "
         f"{expected.dtype} (entries {reg.entries()})"
     )
+    assert reg.stats().stale_captures == 1, "the capture under the old context is counted as discarded once"
