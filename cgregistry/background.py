@@ -126,6 +126,7 @@ class BackgroundCapture:
         self._started = 0  # items the capture thread began
         self._gave_up = -1  # the item in flight when a step last waited in vain (steps do not wait on it again)
         self.active = False  # work queued or in flight, or results not installed: run() installs between steps
+        self._stopped = False  # the registry is gone: the capture thread takes nothing more
         _instances.add(self)
 
     # ---------------------------------------------------------------- reading
@@ -223,6 +224,12 @@ class BackgroundCapture:
         self.active = False
         return dropped
 
+    def stop(self) -> None:
+        """The registry was collected: the capture thread takes nothing more and ends after the capture in flight.
+
+        Takes no lock (it runs as the registry's finalizer, on whichever thread dropped it, perhaps inside a lock)."""
+        self._stopped = True
+
     def install(self) -> None:
         """Between steps, on the serving thread: finished entries go live, failures are kept, tasks' results handed on.
 
@@ -315,6 +322,8 @@ class BackgroundCapture:
         try:
             while True:
                 with self._cond:
+                    if self._stopped:
+                        self._queue.clear()
                     if not self._queue:
                         self._thread = None
                         self._cond.notify_all()
@@ -374,6 +383,7 @@ def _stop_all() -> None:
     """At interpreter exit, drop queued captures and let the one in flight finish (no capture left open)."""
     deadline = time.monotonic() + 60
     for background in list(_instances):
+        background.stop()
         with background._cond:
             background._queue.clear()
         background.wait(timeout=max(0.0, deadline - time.monotonic()))
