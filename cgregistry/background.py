@@ -46,6 +46,7 @@ SWITCH_INTERVAL_S: float | None = 2e-4
 # steps do not wait again while the same capture is in flight (a slow compile, say).
 WAIT_LIMIT_S = 0.5
 
+
 class KeyCapturer(Protocol):
     """What the capture thread captures with (``cgregistry.capturer.Capturer``)."""
 
@@ -121,6 +122,7 @@ class BackgroundCapture:
         self._thread: threading.Thread | None = None
         self._in_flight: Pair | _Task | None = None
         self._flight_context: Any = None  # the capture context the key in flight runs under
+        self._flight_stale = False  # the key in flight was counted as stale (its context is no longer the registry's)
         self._dropped: set[Pair] = set()  # in flight but no longer wanted: its result is discarded
         self._ready: deque[Captured | TaskDone] = deque()  # filled by the capture thread, emptied by the serving thread
         self._started = 0  # items the capture thread began
@@ -177,9 +179,9 @@ class BackgroundCapture:
                 if flight not in self._dropped or flight in pairs:  # still wanted, or wanted again
                     self._queue.append((flight, context))
                     known.add(flight)
-                    if self._flight_context is not None:  # counted once per capture
+                    if not self._flight_stale:  # counted once per capture
                         self._catalog.counters.stale_captures += 1
-                        self._flight_context = None
+                        self._flight_stale = True
                 self._dropped.add(flight)
             for pair in pairs:
                 if pair == flight and pair in self._dropped and pair not in known:
@@ -333,6 +335,7 @@ class BackgroundCapture:
                         item = (item[0], self._capturer.context)  # the registry's capture context as the capture starts
                     self._in_flight = item if isinstance(item, _Task) else item[0]
                     self._flight_context = None if isinstance(item, _Task) else item[1]
+                    self._flight_stale = False
                     self._started += 1
                 self._finish(item, *self._run(item))
         finally:
