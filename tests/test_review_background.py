@@ -54,19 +54,8 @@ def matmul_registry(step: Callable[..., Any], **kwargs: Any) -> cg.GraphRegistry
     return cg.GraphRegistry(step, {"x": cg.StaticInput((64, HIDDEN), torch.float32)}, backend="cpu", **kwargs)
 
 
-def test_two_registries_capturing_at_once_leave_torch_distributed_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Overlapping background captures of two registries (A opens, B opens, A closes, B closes) leave every
-    torch.distributed collective as it was, so a later graph with one all_reduce replays exactly one."""
-    import torch.distributed as dist
-
-    replayed: list[int] = []
-
-    def fake_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        replayed.append(tensor.numel())  # stands for the real collective (no process group needed)
-
-    for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single"):
-        monkeypatch.setattr(dist, name, getattr(dist, name))  # the rest of the session gets these back, whatever happens
-    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+def capture_two_registries_at_once() -> None:
+    """Two registries capture in the background at once: A's segment opens, B's opens, A's closes, B's closes."""
     a_open, b_open, a_closed = threading.Event(), threading.Event(), threading.Event()
     calls = {"a": 0, "b": 0}
 
@@ -100,12 +89,28 @@ def test_two_registries_capturing_at_once_leave_torch_distributed_as_it_was(monk
     assert reg_a.wait_captured(timeout=20) and reg_b.wait_captured(timeout=20)
     assert len(reg_a) == 1 and len(reg_b) == 1
 
+
+def test_two_registries_capturing_at_once_leave_torch_distributed_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overlapping background captures of two registries (A opens, B opens, A closes, B closes) leave every
+    torch.distributed collective as it was, so a later graph with one all_reduce replays exactly one."""
+    import torch.distributed as dist
+
+    replayed: list[int] = []
+
+    def fake_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        replayed.append(tensor.numel())  # stands for the real collective (no process group needed)
+
+    for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single"):
+        monkeypatch.setattr(dist, name, getattr(dist, name))  # the rest of the session gets these back, whatever happens
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    capture_two_registries_at_once()
+
     def step_c(batch: B, x: torch.Tensor) -> torch.Tensor:
         y = x * 2
         dist.all_reduce(y)
         return y
 
-    reg_c = cg.GraphRegistry(step_c, spec, backend="cpu", name="review-c")
+    reg_c = cg.GraphRegistry(step_c, {"x": cg.StaticInput((16,), torch.float32)}, backend="cpu", name="review-c")
     reg_c.capture([(B(8), "full")])
     replayed.clear()
     reg_c.run(B(8), x=torch.ones(8))
@@ -113,6 +118,19 @@ def test_two_registries_capturing_at_once_leave_torch_distributed_as_it_was(monk
         f"torch.distributed.all_reduce is {dist.all_reduce!r} after the two captures; a step with one all_reduce "
         f"replays {len(replayed)} collectives"
     )
+
+
+def test_two_registries_capturing_at_once_leave_torch_dispatch_mode_state_as_it_was() -> None:
+    """Overlapping background captures of two registries leave torch's process-wide "a dispatch mode is active" flags
+    as they were (left set, torch.compile guards fail inside every later capture: a piecewise model retraces)."""
+    from torch.utils import _python_dispatch as dispatch
+
+    def flags() -> tuple[bool, bool]:
+        return dispatch.is_in_torch_dispatch_mode(), dispatch.is_in_any_mode_without_ignore_compile_internals()
+
+    before = flags()
+    capture_two_registries_at_once()
+    assert flags() == before, f"torch's dispatch-mode flags are {flags()} after two overlapping captures, {before} before"
 
 
 def test_a_step_that_waited_for_a_key_gets_it_or_a_counted_miss_under_a_memory_budget() -> None:
