@@ -84,7 +84,9 @@ class _Task:
 _thread_owner = threading.local()  # .owner: the BackgroundCapture whose capture thread this is
 _instances: weakref.WeakSet[BackgroundCapture] = weakref.WeakSet()
 _switch_lock = threading.Lock()
-_switch_state: list[Any] = [0, None]  # capture threads running, the interval before the first lowered it
+# capture threads running, the interval before the first lowered it, and the interval as read back once lowered
+# (the interpreter keeps it in microseconds: 2e-4 reads back as 0.00019999999999999998)
+_switch_state: list[Any] = [0, None, None]
 
 
 def background_order(pairs: Iterable[Pair]) -> list[Pair]:
@@ -370,15 +372,16 @@ def _shorten_switch_interval() -> None:
         if _switch_state[0] == 1 and SWITCH_INTERVAL_S is not None and SWITCH_INTERVAL_S < sys.getswitchinterval():
             _switch_state[1] = sys.getswitchinterval()
             sys.setswitchinterval(SWITCH_INTERVAL_S)
+            _switch_state[2] = sys.getswitchinterval()
 
 
 def _restore_switch_interval() -> None:
     with _switch_lock:
         _switch_state[0] -= 1
         if _switch_state[0] == 0 and _switch_state[1] is not None:
-            if sys.getswitchinterval() == SWITCH_INTERVAL_S:  # unless someone else changed it meanwhile
+            if sys.getswitchinterval() == _switch_state[2]:  # unless someone else changed it meanwhile
                 sys.setswitchinterval(_switch_state[1])
-            _switch_state[1] = None
+            _switch_state[1] = _switch_state[2] = None
 
 
 @atexit.register

@@ -8,6 +8,7 @@ Threads that could hang run on daemon threads joined with a timeout, so a hang f
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 import warnings
@@ -131,6 +132,16 @@ def test_two_registries_capturing_at_once_leave_torch_dispatch_mode_state_as_it_
     before = flags()
     capture_two_registries_at_once()
     assert flags() == before, f"torch's dispatch-mode flags are {flags()} after two overlapping captures, {before} before"
+
+
+def test_two_registries_capturing_at_once_leave_the_switch_interval_as_it_was() -> None:
+    """The capture threads lower the interpreter's switch interval while they run; the last one to end puts back
+    the interval from before the first started."""
+    wait_for_no_capture_threads()
+    before = sys.getswitchinterval()
+    capture_two_registries_at_once()
+    wait_for_no_capture_threads()
+    assert sys.getswitchinterval() == before, f"switch interval {sys.getswitchinterval()} after the captures, {before} before"
 
 
 def test_a_step_that_waited_for_a_key_gets_it_or_a_counted_miss_under_a_memory_budget() -> None:
