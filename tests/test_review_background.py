@@ -1,6 +1,7 @@
-"""Background capture beside a busy serving thread: a capture runs under the capture context it was queued with and
-is installed only while that context holds, released keys stay released, every miss has one reason, a dropped
-registry stops capturing, and overlapping captures of two registries leave torch.distributed as it was.
+"""Background capture beside a busy serving thread: a capture is installed only while the registry's capture context
+is the one it ran under, released keys stay released, every miss has one reason, a dropped registry stops capturing,
+and overlapping captures of two registries leave process-wide state (torch.distributed, torch's dispatch-mode flags,
+the switch interval) as it was.
 
 Threads that could hang run on daemon threads joined with a timeout, so a hang fails the test instead of stalling the run.
 """
