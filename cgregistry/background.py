@@ -27,7 +27,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -46,16 +46,24 @@ SWITCH_INTERVAL_S: float | None = 2e-4
 # steps do not wait again while the same capture is in flight (a slow compile, say).
 WAIT_LIMIT_S = 0.5
 
-CaptureKey = Callable[..., Entry]  # (pair, context, background=True) -> the entry, or raises CaptureError
+
+class KeyCapturer(Protocol):
+    """What the capture thread captures with (``cgregistry.capturer.Capturer``)."""
+
+    context: Any  # the registry's capture context now (a CaptureContext, None before one is recorded)
+
+    def capture_key(self, pair: Pair, ctx: Any, *, background: bool = False) -> Entry: ...
 
 
 @attrs.frozen(slots=True)
 class Captured:
-    """A key the capture thread finished: its entry, or the ``CaptureError`` that stopped it."""
+    """A key the capture thread finished: its entry, or the ``CaptureError`` that stopped it, and the capture context
+    it ran under (installed only while the registry's is still that one)."""
 
     pair: Pair
     entry: Entry | None
     error: BaseException | None
+    context: Any = None
 
 
 @attrs.frozen(slots=True)
@@ -76,7 +84,9 @@ class _Task:
 _thread_owner = threading.local()  # .owner: the BackgroundCapture whose capture thread this is
 _instances: weakref.WeakSet[BackgroundCapture] = weakref.WeakSet()
 _switch_lock = threading.Lock()
-_switch_state: list[Any] = [0, None]  # capture threads running, the interval before the first lowered it
+# capture threads running, the interval before the first lowered it, and the interval as read back once lowered
+# (the interpreter keeps it in microseconds: 2e-4 reads back as 0.00019999999999999998)
+_switch_state: list[Any] = [0, None, None]
 
 
 def background_order(pairs: Iterable[Pair]) -> list[Pair]:
@@ -103,8 +113,8 @@ def background_order(pairs: Iterable[Pair]) -> list[Pair]:
 class BackgroundCapture:
     """One registry's capture thread (started when there is work, ended when there is none) and its results."""
 
-    def __init__(self, capture_key: CaptureKey, catalog: Catalog, events: Events, name: str, pacer: Any = None) -> None:
-        self._capture_key = capture_key
+    def __init__(self, capturer: KeyCapturer, catalog: Catalog, events: Events, name: str, pacer: Any = None) -> None:
+        self._capturer = capturer  # captures each key (capture_key) and holds the registry's capture context
         self._pacer = pacer  # the backend's step pacer (cuda), or None
         self._catalog = catalog
         self._events = events
@@ -113,11 +123,14 @@ class BackgroundCapture:
         self._queue: deque[tuple[Pair, Any] | _Task] = deque()  # (pair, capture context) or a task
         self._thread: threading.Thread | None = None
         self._in_flight: Pair | _Task | None = None
+        self._flight_context: Any = None  # the capture context the key in flight runs under
+        self._flight_stale = False  # the key in flight was counted as stale (its context is no longer the registry's)
         self._dropped: set[Pair] = set()  # in flight but no longer wanted: its result is discarded
         self._ready: deque[Captured | TaskDone] = deque()  # filled by the capture thread, emptied by the serving thread
         self._started = 0  # items the capture thread began
         self._gave_up = -1  # the item in flight when a step last waited in vain (steps do not wait on it again)
         self.active = False  # work queued or in flight, or results not installed: run() installs between steps
+        self._stopped = False  # the registry is gone: the capture thread takes nothing more
         _instances.add(self)
 
     # ---------------------------------------------------------------- reading
@@ -153,18 +166,35 @@ class BackgroundCapture:
     # ---------------------------------------------------------------- the serving thread's side
 
     def submit(self, pairs: Iterable[Pair], context: Any, *, ordered: bool = False) -> None:
-        """Queue keys not already queued or in flight, in ``background_order`` (as given with ``ordered``); start the
-        thread if it is idle."""
+        """Queue keys not already queued or in flight, in ``background_order`` (as given with ``ordered``), under
+        ``context`` (the registry's capture context now, ``Capturer.current()``); start the thread if it is idle.
+        Lazy keys among them are the capture thread's from now on (no longer pending).
+
+        Each capture starts under the registry's capture context of that moment.  One in flight under another
+        context than ``context`` is never installed: it is dropped (``stats().stale_captures``) and queued again if
+        still wanted."""
+        pairs = list(pairs) if ordered else background_order(pairs)
         with self._cond:
             known = {item[0] for item in self._queue if isinstance(item, tuple)}
-            for pair in list(pairs) if ordered else background_order(pairs):
-                if pair == self._in_flight and pair in self._dropped:
-                    self._dropped.discard(pair)  # wanted again: the capture in flight is kept after all
-                elif pair != self._in_flight and pair not in known:
+            flight = self._in_flight if isinstance(self._in_flight, tuple) else None
+            if flight is not None and self._flight_context != context and flight not in known:
+                if flight not in self._dropped or flight in pairs:  # still wanted, or wanted again
+                    self._queue.append((flight, context))
+                    known.add(flight)
+                    if not self._flight_stale:  # counted once per capture
+                        self._catalog.counters.stale_captures += 1
+                        self._flight_stale = True
+                self._dropped.add(flight)
+            for pair in pairs:
+                if pair == flight and pair in self._dropped and pair not in known:
+                    self._dropped.discard(pair)  # wanted again, under the same context: the capture in flight is kept
+                elif pair != flight and pair not in known:
                     self._queue.append((pair, context))
                     known.add(pair)
             self._start()
-        self._catalog.set_capturing(self.capturing())
+        with self._catalog.batch():
+            self._catalog.unplan(pairs)
+            self._catalog.set_capturing(self.capturing())
 
     def submit_task(self, task: Callable[[], Any], on_done: Callable[[Any, BaseException | None], None]) -> None:
         """Run ``task()`` on the capture thread after what is queued; ``on_done(result, error)`` runs on the serving
@@ -198,14 +228,28 @@ class BackgroundCapture:
         self.active = False
         return dropped
 
+    def stop(self) -> None:
+        """The registry was collected: the capture thread takes nothing more and ends after the capture in flight.
+
+        Takes no lock (it runs as the registry's finalizer, on whichever thread dropped it, perhaps inside a lock)."""
+        self._stopped = True
+
     def install(self) -> None:
-        """Between steps, on the serving thread: finished entries go live, failures are kept, tasks' results handed on."""
+        """Between steps, on the serving thread: finished entries go live, failures are kept, tasks' results handed on.
+
+        A key captured under another capture context than the registry's now is never installed: it is dropped
+        (``stats().stale_captures``) and queued again under the current one."""
         tasks = []
+        stale: list[Pair] = []
+        context = self._capturer.context
         with self._catalog.batch():
             while self._ready:
                 done = self._ready.popleft()
                 if isinstance(done, TaskDone):
                     tasks.append(done)  # handed on once the routes are rebuilt: their hooks see the routes as they are
+                elif done.context != context:
+                    if done.pair not in self._catalog.entries:  # else captured in the foreground meanwhile
+                        stale.append(done.pair)
                 elif done.entry is None:
                     self._catalog.fail_capture(done.pair, done.error)  # type: ignore[arg-type]
                     warnings.warn(
@@ -216,6 +260,10 @@ class BackgroundCapture:
                     )
                 elif done.pair not in self._catalog.entries:  # else captured in the foreground meanwhile
                     self._events.evicted(self._catalog.add(done.entry, background=True))
+            if stale:
+                self._catalog.counters.stale_captures += len(stale)
+                if context is not None:
+                    self.submit(stale, context, ordered=True)
             self._catalog.set_capturing(self.capturing())
         for task in tasks:
             task.on_done(task.result, task.error)
@@ -280,12 +328,18 @@ class BackgroundCapture:
         try:
             while True:
                 with self._cond:
+                    if self._stopped:
+                        self._queue.clear()
                     if not self._queue:
                         self._thread = None
                         self._cond.notify_all()
                         return
                     item = self._queue.popleft()
+                    if isinstance(item, tuple) and self._capturer.context is not None:
+                        item = (item[0], self._capturer.context)  # the registry's capture context as the capture starts
                     self._in_flight = item if isinstance(item, _Task) else item[0]
+                    self._flight_context = None if isinstance(item, _Task) else item[1]
+                    self._flight_stale = False
                     self._started += 1
                 self._finish(item, *self._run(item))
         finally:
@@ -296,7 +350,7 @@ class BackgroundCapture:
         try:
             if isinstance(item, _Task):
                 return item.run(), None
-            return self._capture_key(item[0], item[1], background=True), None
+            return self._capturer.capture_key(item[0], item[1], background=True), None
         except BaseException as exc:  # reported to the serving thread, never lost in this one
             return None, exc
 
@@ -309,8 +363,8 @@ class BackgroundCapture:
             else:
                 if error is not None and not isinstance(error, CaptureError):
                     error = CaptureError(item[0][0], item[0][1], error)
-                self._ready.append(Captured(item[0], result, error))
-            self._in_flight = None
+                self._ready.append(Captured(item[0], result, error, item[1]))
+            self._in_flight = self._flight_context = None
             self._cond.notify_all()
 
 
@@ -320,15 +374,16 @@ def _shorten_switch_interval() -> None:
         if _switch_state[0] == 1 and SWITCH_INTERVAL_S is not None and SWITCH_INTERVAL_S < sys.getswitchinterval():
             _switch_state[1] = sys.getswitchinterval()
             sys.setswitchinterval(SWITCH_INTERVAL_S)
+            _switch_state[2] = sys.getswitchinterval()
 
 
 def _restore_switch_interval() -> None:
     with _switch_lock:
         _switch_state[0] -= 1
         if _switch_state[0] == 0 and _switch_state[1] is not None:
-            if sys.getswitchinterval() == SWITCH_INTERVAL_S:  # unless someone else changed it meanwhile
+            if sys.getswitchinterval() == _switch_state[2]:  # unless someone else changed it meanwhile
                 sys.setswitchinterval(_switch_state[1])
-            _switch_state[1] = None
+            _switch_state[1] = _switch_state[2] = None
 
 
 @atexit.register
@@ -336,6 +391,7 @@ def _stop_all() -> None:
     """At interpreter exit, drop queued captures and let the one in flight finish (no capture left open)."""
     deadline = time.monotonic() + 60
     for background in list(_instances):
+        background.stop()
         with background._cond:
             background._queue.clear()
         background.wait(timeout=max(0.0, deadline - time.monotonic()))

@@ -43,9 +43,14 @@ __all__ = ["CaptureContext", "Capturer"]
 @attrs.frozen(slots=True)
 class CaptureContext:
     """What every capture of a registry runs under, whichever path captures: the payload eager breaks see
-    (``capture(context=...)``) and the serving thread's state."""
+    (``capture(context=...)``) and the serving thread's state.
 
-    payload: Any
+    Two contexts are equal when a capture under either computes the same: the same payload object and equal states
+    (the context variables are carried, not compared).  A background capture is installed only while its context
+    equals the registry's.
+    """
+
+    payload: Any = attrs.field(eq=id)  # identity: an engine's payload may not compare (tensors) or may change in place
     state: ServingState
 
 

@@ -28,7 +28,7 @@ class Counters:
 
     __slots__ = (
         "clock", "misses", "eager_fallbacks", "eager_tokens", "bad_batches", "misses_by_kind", "misses_by_reason",
-        "lazy_captures", "evictions", "background_captures", "plan_changes",
+        "lazy_captures", "evictions", "background_captures", "plan_changes", "stale_captures",
     )
 
     def __init__(self) -> None:
@@ -39,7 +39,7 @@ class Counters:
         self.misses = self.eager_fallbacks = self.eager_tokens = self.bad_batches = 0
         self.misses_by_kind = {"uniform": 0, "mixed": 0}
         self.misses_by_reason = dict.fromkeys(MISS_REASONS, 0)
-        self.lazy_captures = self.evictions = self.background_captures = self.plan_changes = 0
+        self.lazy_captures = self.evictions = self.background_captures = self.plan_changes = self.stale_captures = 0
 
     def count_miss(self, actual: BatchDescriptor, reason: str | None) -> None:
         """A batch no graph served: counted by kind, and by reason (a ``MISS_REASONS`` key) when one is known."""
@@ -123,6 +123,7 @@ class Catalog:
             misses_by_reason=dict(c.misses_by_reason),
             background_captures=c.background_captures,
             plan_changes=c.plan_changes,
+            stale_captures=c.stale_captures,
         )
 
     def reset_counters(self) -> None:
@@ -164,9 +165,10 @@ class Catalog:
             self.pending[pair] = None
         self._changed()
 
-    def unplan(self, pair: Pair) -> None:
-        """A lazy key that goes to the capture thread instead (it is listed in ``capturing`` from then on)."""
-        self.pending.pop(pair, None)
+    def unplan(self, pairs: Iterable[Pair]) -> None:
+        """Lazy keys that go to the capture thread instead (listed in ``capturing`` from then on, never in both)."""
+        for pair in pairs:
+            self.pending.pop(pair, None)
         self._changed()
 
     def set_capturing(self, pairs: Sequence[Pair]) -> None:

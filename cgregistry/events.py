@@ -2,11 +2,14 @@
 
 Observer hooks go through ``Plugins.notify`` (one implementation at a time, a raising one reported
 as a warning); an event nobody observes costs an attribute test.  Hooks are given the registry as a
-:class:`~cgregistry.contracts.RegistryView`: something to read, not to drive.
+:class:`~cgregistry.contracts.RegistryView`: something to read, not to drive.  Events hold it weakly: the
+capture thread, which reports through them, never keeps a registry the engine dropped alive (hooks of a
+registry already collected are not called).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,7 +34,7 @@ class Events:
     def __init__(self, plugins: Plugins, registry: RegistryView, backend: str) -> None:
         self._plugins = plugins
         self._notify = plugins.notify
-        self._registry = registry
+        self._registry = weakref.ref(registry)
         self._backend = backend  # the backend name EntryInfo records carry
         self.miss_observed = plugins.observed("cgregistry_miss")  # an unobserved miss costs nothing
 
@@ -43,47 +46,48 @@ class Events:
         registry = self._registry
 
         def choose(actual: BatchDescriptor, candidates: list[Match]) -> Any:
-            return hook(registry=registry, actual=actual, candidates=candidates)
+            return hook(registry=registry(), actual=actual, candidates=candidates)
 
         return choose, ", ".join(i.plugin_name for i in hook.get_hookimpls())
 
+    def _tell(self, hook_name: str, **kwargs: Any) -> None:
+        registry = self._registry()
+        if registry is not None:
+            self._notify(hook_name, registry=registry, **kwargs)
+
     def registry_created(self) -> None:
-        self._notify("cgregistry_registry_created", registry=self._registry)
+        self._tell("cgregistry_registry_created")
 
     def capture_started(self, key: BatchDescriptor, strategy: str) -> None:
-        self._notify("cgregistry_capture_started", registry=self._registry, key=key, strategy=strategy)
+        self._tell("cgregistry_capture_started", key=key, strategy=strategy)
 
     def capture_finished(self, key: BatchDescriptor, strategy: str, entry: Entry | None, error: CaptureError | None) -> None:
         info = entry.info(self._backend) if entry is not None else None
-        self._notify("cgregistry_capture_finished", registry=self._registry, key=key, strategy=strategy, entry=info, error=error)
+        self._tell("cgregistry_capture_finished", key=key, strategy=strategy, entry=info, error=error)
 
     def miss(self, actual: BatchDescriptor) -> None:
         if self.miss_observed:
-            self._notify("cgregistry_miss", registry=self._registry, actual=actual)
+            self._tell("cgregistry_miss", actual=actual)
 
     def entry_failed(self, entry: Entry, error: BaseException) -> None:
-        self._notify("cgregistry_entry_failed", registry=self._registry, key=entry.key, strategy=entry.strategy, error=error)
+        self._tell("cgregistry_entry_failed", key=entry.key, strategy=entry.strategy, error=error)
 
     def evicted(self, entries: Iterable[Entry]) -> None:
         for entry in entries:
-            self._notify(
-                "cgregistry_evicted", registry=self._registry, key=entry.key, strategy=entry.strategy, memory_bytes=entry.memory_bytes
-            )
+            self._tell("cgregistry_evicted", key=entry.key, strategy=entry.strategy, memory_bytes=entry.memory_bytes)
 
     def released(self, entries: Iterable[Entry]) -> None:
         for entry in entries:
-            self._notify(
-                "cgregistry_released", registry=self._registry, key=entry.key, strategy=entry.strategy, memory_bytes=entry.memory_bytes
-            )
+            self._tell("cgregistry_released", key=entry.key, strategy=entry.strategy, memory_bytes=entry.memory_bytes)
 
     def plan_changed(self, change: PlanChange) -> None:
-        self._notify("cgregistry_plan_changed", registry=self._registry, change=change)
+        self._tell("cgregistry_plan_changed", change=change)
 
     def refreshed(self, result: Refreshed) -> None:
-        self._notify("cgregistry_refreshed", registry=self._registry, result=result)
+        self._tell("cgregistry_refreshed", result=result)
 
     def slept(self, slept: Slept) -> None:
-        self._notify("cgregistry_slept", registry=self._registry, slept=slept)
+        self._tell("cgregistry_slept", slept=slept)
 
     def woke(self, keys: tuple[tuple[BatchDescriptor, str], ...]) -> None:
-        self._notify("cgregistry_woke", registry=self._registry, keys=keys)
+        self._tell("cgregistry_woke", keys=keys)

@@ -126,6 +126,9 @@ class Stats:
     misses_by_reason: Mapping[str, int] = attrs.field(factory=dict)  # MISS_REASONS: why each miss ran eagerly
     background_captures: int = 0  # entries captured beside the serving thread and installed
     plan_changes: int = 0  # plan changes made by adaptation (GraphRegistry(adapt=...))
+    # background captures discarded because the registry's capture context changed while they ran (captured again
+    # under the new one when still wanted)
+    stale_captures: int = 0
 
     @property
     def hit_rate(self) -> float:

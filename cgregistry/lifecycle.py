@@ -61,15 +61,17 @@ class Lifecycle:
     # ---------------------------------------------------------------- release, clear
 
     def release(self, key: BatchDescriptor, strategy: str | None) -> int:
-        """Remove the entries and keys of ``key`` (under ``strategy``, or any), queued ones included; how many."""
+        """Remove the entries and keys of ``key`` (under ``strategy``, or any), queued ones included; how many
+        (key, strategy) pairs went, each counted once."""
         self._background.install()
-        wanted = [p for p in self._background.capturing() if p[0] == key and (strategy is None or p[1] == strategy)]
+        wanted = {p for p in self._background.capturing() if p[0] == key and (strategy is None or p[1] == strategy)}
         self._background.discard(wanted)  # not captured yet: dropped (one in flight is discarded when it finishes)
-        if wanted and not any(p[0] == key and (strategy is None or p[1] == strategy) for p in self._catalog.pairs()):
+        held = {p for p in self._catalog.pairs() if p[0] == key and (strategy is None or p[1] == strategy)}
+        if wanted and not held:
             return len(wanted)
-        removed, count = self._catalog.release(key, strategy)
+        removed, _ = self._catalog.release(key, strategy)  # KeyError naming what is held when nothing matches
         self._released(removed)
-        return count + len(wanted)
+        return len(wanted | held)
 
     def clear(self) -> int:
         """Remove every entry, lazy key and queued capture; how many.  Counters stay."""

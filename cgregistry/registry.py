@@ -16,6 +16,7 @@ import collections
 import itertools
 import time
 import types
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -108,7 +109,8 @@ class GraphRegistry:
         if isinstance(owner, torch.nn.Module):
             capturer.watch.watch(owner, prefix="step.")  # a model as the step: its weights are what graphs read
         pacer = getattr(self.backend, "step_pacer", None)  # optional: the cuda backend bounds the serving thread's run-ahead
-        self._background = background = BackgroundCapture(capturer.capture_key, catalog, events, self.name, pacer() if pacer else None)
+        self._background = background = BackgroundCapture(capturer, catalog, events, self.name, pacer() if pacer else None)
+        weakref.finalize(self, background.stop)  # nothing of the capture thread's holds the registry; once it goes, so does the thread
         adapter = Adapter(adapt, catalog, capturer, background, events, self.name) if adapt is not None else None
         # The changes adaptation made, oldest first: the last 256 (stats().plan_changes counts them all).
         self.plan_changes: collections.deque[PlanChange] = (

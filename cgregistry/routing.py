@@ -13,6 +13,7 @@ rank's own, the match skips the excluded strategies.  Knows nothing of the regis
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -81,7 +82,7 @@ class RouteTable:
 
     __slots__ = (
         "_buffers", "_entries", "_failures", "_pairs", "_output_axes", "_chooser", "_chooser_names", "preference", "cap", "matcher", "cache",
-        "variant_cache", "capturing", "asleep",
+        "variant_cache", "capturing", "asleep", "_lock", "_generation",
     )
 
     def __init__(
@@ -103,6 +104,11 @@ class RouteTable:
         self.variant_cache: dict[tuple[BatchDescriptor, Variant], Route] = {}  # other runs, by (actual, variant)
         self.capturing: tuple[Pair, ...] = ()  # keys being captured in the background (not served yet)
         self.asleep = False  # the registry sleeps: every miss is "asleep"
+        # Rebuilds so far: a route built across a rebuild (a hook's match() on another thread racing the serving
+        # thread's changes) is handed back but never cached.  The lock orders that check and the cache write with
+        # the rebuild; the hot path's cache reads take no lock.
+        self._lock = threading.Lock()
+        self._generation = 0
 
     def _matcher(self, pairs: Sequence[Pair]) -> Matcher:
         return Matcher(pairs, self.preference, max_padding_tokens=self.cap.max_tokens, max_padding_ratio=self.cap.max_ratio)
@@ -110,17 +116,23 @@ class RouteTable:
     def rebuild(self, pairs: Sequence[Pair], capturing: Sequence[Pair] = (), asleep: bool = False) -> None:
         """A new matcher over ``pairs`` (``capturing``: keys not served yet, and ``asleep``: for miss reasons); every
         cached route is dropped (the caches are cleared in place)."""
-        self.matcher = self._matcher(pairs)
-        self._pairs = list(pairs)
-        self.capturing = tuple(capturing)
-        self.asleep = asleep
-        self.cache.clear()
-        self.variant_cache.clear()
+        with self._lock:
+            self._generation += 1
+            self.matcher = self._matcher(pairs)
+            self._pairs = list(pairs)
+            self.capturing = tuple(capturing)
+            self.asleep = asleep
+            self.cache.clear()
+            self.variant_cache.clear()
 
     def route(self, actual: BatchDescriptor, variant: Variant | None = None) -> Route:
-        """Build and cache the route for ``actual`` (under ``variant``: a group's agreed batch, excluded strategies)."""
+        """Build and cache the route for ``actual`` (under ``variant``: a group's agreed batch, excluded strategies).
+
+        Safe from any thread: a route whose building overlapped a ``rebuild()`` (its keys may be gone since) is
+        returned but not cached, so a cached route always reflects the keys as they are."""
         if not isinstance(actual, BatchDescriptor):
             raise not_a_descriptor(actual)
+        generation = self._generation
         copies = []
         for buf in self._buffers:
             rows = rows_for(buf.spec.axis, actual)
@@ -144,9 +156,11 @@ class RouteTable:
         if reason == "no_key_for_class":
             route.hint = self.matcher.uniform_hint(target, exclude)
         cache, cache_key = (self.cache, actual) if variant is None else (self.variant_cache, (actual, variant))
-        if len(cache) >= ROUTE_CACHE_LIMIT:
-            cache.clear()
-        cache[cache_key] = route  # type: ignore[index]
+        with self._lock:
+            if generation == self._generation:
+                if len(cache) >= ROUTE_CACHE_LIMIT:
+                    cache.clear()
+                cache[cache_key] = route  # type: ignore[index]
         return route
 
     def too_large(self, actual: BatchDescriptor) -> str | None:

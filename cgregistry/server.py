@@ -181,24 +181,30 @@ class Server:
     def _graph_for(
         self, actual: BatchDescriptor, route: Route, variant: Variant | None, inputs: dict[str, torch.Tensor]
     ) -> tuple[Route, dict[str, torch.Tensor]]:
-        """No live graph serves the batch: capture its lazy key now, or wait for the key the capture thread is taking."""
-        if route.pending is not None:
-            if not self._capturer.state_ok():
-                self._capturer.refuse_other_state()
-            # Capture resets the static buffers (and may reuse pool memory) an input can alias: keep copies.
-            inputs = {name: value.clone() for name, value in inputs.items()}
-            while route.pending is not None:  # a failed lazy capture drops its key: the next best may be lazy too
-                if self._background.busy:  # a capture in flight: the capture thread takes this key too
-                    self._catalog.unplan(route.pending)
-                    self._background.submit([route.pending], self._capturer.current())
-                else:
-                    self._capturer.capture_lazily(route.pending)
-                route = self._route(actual, variant)
-        if route.entry is None and route.miss_reason == "capturing":
+        """No live graph serves the batch: capture its lazy key now, or wait for the key the capture thread is taking.
+
+        The route handed back has an entry or a miss reason: a key the wait installed may have been evicted again in
+        the same install (under a memory budget), and is then captured lazily like any evicted key."""
+        waited = copied = False
+        while True:
+            if route.pending is not None:
+                if not self._capturer.state_ok():
+                    self._capturer.refuse_other_state()
+                if not copied:  # capture resets the static buffers (and may reuse pool memory) an input can alias
+                    inputs, copied = {name: value.clone() for name, value in inputs.items()}, True
+                while route.pending is not None:  # a failed lazy capture drops its key: the next best may be lazy too
+                    if self._background.busy:  # a capture in flight: the capture thread takes this key (no longer lazy)
+                        self._background.submit([route.pending], self._capturer.current())
+                    else:
+                        self._capturer.capture_lazily(route.pending)
+                    route = self._route(actual, variant)
+            if waited or route.entry is not None or route.miss_reason != "capturing":
+                return route, inputs
+            waited = True
             target = actual if variant is None or variant.agreed is None else variant.agreed
-            if self._background.await_cover(target, NO_EXCLUSION if variant is None else variant.exclude):
-                route = self._route(actual, variant)
-        return route, inputs
+            if not self._background.await_cover(target, NO_EXCLUSION if variant is None else variant.exclude):
+                return route, inputs
+            route = self._route(actual, variant)
 
     def _miss(
         self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any, reason: str | None, hint: str | None = None,

@@ -18,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.utils._python_dispatch as python_dispatch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -203,6 +205,33 @@ class _Op:
         self.waits = waits  # a collective: its result holds work to wait for, as the eager call did
 
 
+# torch keeps "a dispatch mode is active" in process-wide flags (TorchDispatchMode.__enter__ saves the old value in
+# the mode, __exit__ puts it back), and torch.compile skips every frame while the last one is set.  Recorders open on
+# two threads at once (two registries capturing in the background) exit in any order: the one that exits last puts
+# back what it saw when it opened, "a mode is active", and torch.compile would skip every frame for good.  So the
+# recorders open on any thread are kept here, and each exit leaves the flags as the recorders still open need them
+# (as they were before the first opened, once none is).
+_DISPATCH_FLAGS = (
+    "_is_in_torch_dispatch_mode", "_is_in_non_infra_torch_dispatch_mode", "_is_in_any_mode_without_ignore_compile_internals",
+)
+_recorders_lock = threading.Lock()
+_open_recorders: dict[_Recorder, bool] = {}  # recorder -> whether it leaves compiled code alone (ignore_compile_internals)
+_flags_outside: list[tuple[bool, ...]] = [()]  # the flags before the first open recorder opened
+
+
+def _dispatch_flags() -> tuple[bool, ...]:
+    return tuple(bool(getattr(python_dispatch, name, False)) for name in _DISPATCH_FLAGS)
+
+
+def _set_dispatch_flags(flags: tuple[bool, ...]) -> None:
+    for name, value in zip(_DISPATCH_FLAGS, flags):
+        if hasattr(python_dispatch, name):
+            setattr(python_dispatch, name, value)
+    setter = getattr(python_dispatch, "set_is_in_mode_without_ignore_compile_internals", None)  # torch's C++ copy
+    if setter is not None and len(flags) == len(_DISPATCH_FLAGS):
+        setter(flags[2])
+
+
 class _Recorder(TorchDispatchMode):
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -210,6 +239,23 @@ class _Recorder(TorchDispatchMode):
         # recorder); elsewhere torch.compile'd code falls back to eager under the recorder, since
         # Inductor kernels bypass the dispatcher and would be recorded as nothing.
         return runtime.see_compiled.get()
+
+    def __enter__(self) -> _Recorder:
+        with _recorders_lock:
+            if not _open_recorders:
+                _flags_outside[0] = _dispatch_flags()
+            _open_recorders[self] = self.ignore_compile_internals()
+            return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        with _recorders_lock:
+            super().__exit__(*exc)
+            del _open_recorders[self]
+            outside = _flags_outside[0]
+            if not _open_recorders:
+                _set_dispatch_flags(outside)
+            elif outside:  # torch put back what it saw when this one opened, perhaps before another thread's did
+                _set_dispatch_flags((True, True, outside[2] or not all(_open_recorders.values())))
 
     def __init__(self) -> None:
         super().__init__()
@@ -316,6 +362,33 @@ def _default_group_sequence() -> int | None:
         return None
 
 
+# The recording wrappers are installed once for every segment open at the time, on any thread (each records into its
+# own thread's recorder), and the originals put back when the last segment closes: a segment that saved and restored
+# ``getattr(dist, name)`` itself would, overlapping another thread's, save that one's wrapper and leave it installed.
+_wrappers_lock = threading.Lock()
+_wrappers: dict[str, Callable[..., Any]] = {}  # name -> the wrapper installed, while any segment is open
+_open_segments = [0]
+
+
+def _install_wrappers(dist: Any) -> None:
+    with _wrappers_lock:
+        _open_segments[0] += 1
+        if _open_segments[0] == 1:
+            for name in _COLLECTIVES:
+                _wrappers[name] = _recorded_collective(name, getattr(dist, name))
+                setattr(dist, name, _wrappers[name])
+
+
+def _remove_wrappers(dist: Any) -> None:
+    with _wrappers_lock:
+        _open_segments[0] -= 1
+        if _open_segments[0] == 0:
+            for name, wrapper in _wrappers.items():
+                if getattr(dist, name) is wrapper:  # else replaced meanwhile by someone else: theirs stays
+                    setattr(dist, name, wrapper.__wrapped__)  # type: ignore[attr-defined]
+            _wrappers.clear()
+
+
 @contextlib.contextmanager
 def _collectives_recorded(recorder: _Recorder) -> Iterator[None]:
     import torch.distributed as dist
@@ -323,15 +396,12 @@ def _collectives_recorded(recorder: _Recorder) -> Iterator[None]:
     if not dist.is_available():
         yield
         return
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
     token = _recording.set(recorder)
-    for name, original in originals.items():
-        setattr(dist, name, _recorded_collective(name, original))
+    _install_wrappers(dist)
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+        _remove_wrappers(dist)
         _recording.reset(token)
 
 
