@@ -768,18 +768,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="size the KV cache after the model and the plan's estimated graphs, so that everything takes "
                              "this share of the GPU's memory (0 < F <= 1; cuda, one process)")
     parser.add_argument("--background", action="store_true",
-                        help="capture on the registry's capture thread while serving (one process only: not with --tp > 1; "
-                             "modes without piecewise, which are the default then)")
+                        help="capture on the registry's capture thread while serving (one process only: not with --tp > 1)")
     args = parser.parse_args(argv)
     device = device_arg(parser, args.device)
-    if args.background:
-        piecewise = [m for m in args.mode or () if "piecewise" in m]
-        if piecewise:
-            parser.error(f"argument --background: not with {', '.join(piecewise)}: in this version a background capture of a "
-                         "piecewise-compiled step can fail (a StopIteration inside dynamo's compiled frame on the capture thread, seen "
-                         "after other models were compiled in the process; not diagnosed; the key is dropped with a warning); "
-                         "use full_and_breakable, full or breakable")
-        args.mode = args.mode or [m for m in MODES if "piecewise" not in m]
     utilization = args.gpu_memory_utilization
     if utilization is not None:
         if not 0 < utilization <= 1:

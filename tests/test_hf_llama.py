@@ -146,10 +146,11 @@ def test_an_engine_on_a_cache_sized_by_the_estimate_serves_like_hugging_face() -
     assert max(b for s in result.finished for b in s.blocks) == 8, "only the nine blocks the budget left were used"
 
 
-@pytest.mark.parametrize("mode", ["full", "full_and_breakable"])
+@pytest.mark.parametrize("mode", ["full", "full_and_breakable", "full_and_piecewise"])
 def test_background_capture_while_serving_then_the_hf_check(mode: str) -> None:
-    """Capture on the capture thread while the engine serves; the HF check (which switches the model's attention to
-    SDPA) waits for the capture, so no key is captured through HF's attention (it failed as graph-unsafe before)."""
+    """Capture on the capture thread while the engine serves, piecewise-compiled steps included, every key of the plan
+    captured; the HF check (which switches the model's attention to SDPA) waits for the capture, so no key is captured
+    through HF's attention (it failed as graph-unsafe before)."""
     result, reg = hf.serve("tiny", mode, device=CPU, shape=SHAPE, requests=6, max_prompt=12, max_new=4, backend="cpu",
                            background=True)
     assert reg is not None and reg.failures() == {} and reg.pending() == [] and reg.capturing() == []

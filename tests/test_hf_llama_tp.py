@@ -146,7 +146,6 @@ def test_the_engine_serves_a_sharded_model_through_a_group(mode: str, one_rank_g
                     "torchrun --standalone --nproc-per-node 2 examples/hf_llama.py --tp 2 ..."),
     (["--tp", "2", "--background"], "argument --background: not with --tp 2: the registry refuses capture(background=True) "
                                     "with torch.distributed initialized with more than one rank"),
-    (["--background", "--mode", "full_and_piecewise"], "argument --background: not with full_and_piecewise: "),
 ])
 def test_tensor_parallel_arguments_are_checked_before_any_work(
     argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
