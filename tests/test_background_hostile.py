@@ -14,6 +14,7 @@ import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry.testing import make_plugins
 from tests.test_background import HIDDEN, MAX_TOKENS, Engine, make
+from tests.serving_threads import run_in_thread
 
 
 def held_engine() -> Engine:
@@ -25,22 +26,6 @@ def held_engine() -> Engine:
 
 def inputs_for(n: int) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.arange(n) % 100, "slot_mapping": torch.arange(n)}
-
-
-def run_in_thread(fn, timeout: float) -> tuple[bool, dict]:
-    """Run ``fn`` on a daemon thread (it serves as the engine's serving thread); True if it finished in time."""
-    result: dict = {}
-
-    def target() -> None:
-        try:
-            result["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001
-            result["error"] = exc
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout)
-    return not t.is_alive(), result
 
 
 def test_recapturing_a_released_in_flight_key_captures_it() -> None:

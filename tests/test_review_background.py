@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -22,38 +22,12 @@ import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry.testing import make_plugins
 from tests.test_background import Engine, batch_inputs, eager, make
-
-HIDDEN = 16
-
-
-def run_in_thread(fn: Callable[[], Any], timeout: float) -> tuple[bool, dict]:
-    """Run ``fn`` on a daemon thread (as the engine's serving thread); True if it finished within ``timeout``."""
-    result: dict = {}
-
-    def target() -> None:
-        try:
-            result["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001
-            result["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return not thread.is_alive(), result
-
-
-def on_capture_thread() -> bool:
-    return threading.current_thread().name.startswith("cgregistry-capture")
-
+from tests.serving_threads import HIDDEN, matmul_registry, on_capture_thread, run_in_thread
 
 def wait_for_no_capture_threads(timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while any(t.name.startswith("cgregistry-capture") for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.01)
-
-
-def matmul_registry(step: Callable[..., Any], **kwargs: Any) -> cg.GraphRegistry:
-    return cg.GraphRegistry(step, {"x": cg.StaticInput((64, HIDDEN), torch.float32)}, backend="cpu", **kwargs)
 
 
 def capture_two_registries_at_once() -> None:

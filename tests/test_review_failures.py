@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from typing import Any, Callable
 
 import pytest
 import torch
@@ -15,29 +14,7 @@ import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry import background as background_module
 from tests.test_background import Engine, batch_inputs, eager, make
-
-HIDDEN = 16
-
-
-def run_in_thread(fn: Callable[[], Any], timeout: float) -> tuple[bool, dict]:
-    """Run ``fn`` on a daemon thread (as the engine's serving thread); True if it finished within ``timeout``."""
-    result: dict = {}
-
-    def target() -> None:
-        try:
-            result["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001
-            result["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return not thread.is_alive(), result
-
-
-def matmul_registry(step: Callable[..., Any], **kwargs: Any) -> cg.GraphRegistry:
-    return cg.GraphRegistry(step, {"x": cg.StaticInput((64, HIDDEN), torch.float32)}, backend="cpu", **kwargs)
-
+from tests.serving_threads import HIDDEN, matmul_registry, run_in_thread
 
 def test_a_step_does_not_wait_for_a_capture_whose_key_the_padding_cap_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch that no key being captured may serve under the padding cap runs eagerly at once, counted as a

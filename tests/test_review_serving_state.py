@@ -11,7 +11,6 @@ import textwrap
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 import torch
@@ -19,17 +18,9 @@ import torch
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry.testing import make_plugins
+from tests.serving_threads import HIDDEN, matmul_registry, on_capture_thread
 
-HIDDEN = 16
 ROOT = Path(__file__).parent.parent
-
-
-def on_capture_thread() -> bool:
-    return threading.current_thread().name.startswith("cgregistry-capture")
-
-
-def matmul_registry(step: Callable[..., Any], **kwargs: Any) -> cg.GraphRegistry:
-    return cg.GraphRegistry(step, {"x": cg.StaticInput((64, HIDDEN), torch.float32)}, backend="cpu", **kwargs)
 
 
 def test_a_background_capture_under_another_default_dtype_is_not_replayed_silently() -> None:
