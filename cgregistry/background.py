@@ -237,17 +237,20 @@ class BackgroundCapture:
     def install(self) -> None:
         """Between steps, on the serving thread: finished entries go live, failures are kept, tasks' results handed on.
 
-        A key captured under another capture context than the registry's now is never installed: it is dropped
+        A key captured under another capture context than the registry's now, or reading watched weights at other
+        addresses than they have now (replaced while it was captured), is never installed: it is dropped
         (``stats().stale_captures``) and queued again under the current one."""
         tasks = []
         stale: list[Pair] = []
         context = self._capturer.context
+        weights = self._capturer.watch.fingerprint() if self._ready else ()
         with self._catalog.batch():
             while self._ready:
                 done = self._ready.popleft()
                 if isinstance(done, TaskDone):
                     tasks.append(done)  # handed on once the routes are rebuilt: their hooks see the routes as they are
-                elif done.context != context:
+                elif done.context != context or (done.entry is not None and done.entry.weights != weights):
+                    # captured under another context, or reading weights a refresh() has since replaced
                     if done.pair not in self._catalog.entries:  # else captured in the foreground meanwhile
                         stale.append(done.pair)
                 elif done.entry is None:

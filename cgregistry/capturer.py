@@ -100,10 +100,14 @@ class Capturer:
         check_serves(key, self._plugins.strategy(strategy))
         self._one.check_fits(key)
 
-    def estimate(self, pairs: list[Pair], background: bool) -> MemoryEstimate:
-        """Probe and predict the capture of ``pairs`` (see :mod:`cgregistry.memory`), under the capture context, one
-        capture at a time; the per-key predictions are kept for inspection."""
-        ctx = self.current()
+    def estimate(self, pairs: list[Pair], background: bool, payload: Any = None) -> MemoryEstimate:
+        """Probe and predict the capture of ``pairs`` (see :mod:`cgregistry.memory`) under the context a capture from
+        this thread would run under (``payload``, else the recorded one), without recording it; one capture at a time;
+        the per-key predictions are kept for inspection."""
+        held = self.context
+        if payload is None and held is not None:
+            payload = held.payload
+        ctx = CaptureContext(payload, ServingState.current(self._one.device.type))
 
         def whole_graph(name: str) -> bool:
             return bool(getattr(self._plugins.strategy(name), "whole_graph", False))

@@ -52,6 +52,11 @@ class Lifecycle:
         self._name = name
         self.asleep: Slept | None = None
 
+    def refuse_asleep(self, call: str) -> None:
+        """``call`` runs the step: refused while the registry sleeps (the engine may have offloaded what the step reads)."""
+        if self.asleep is not None:
+            raise RuntimeError(f"{call} on registry {self._name!r} while it sleeps: reg.wake() first (it captures the plan it slept with)")
+
     def refuse_from_inside(self, call: str) -> None:
         """``call`` from a hook or the step inside a capture is refused: on the capture thread, and on the thread of a
         foreground capture (the capture would wait for itself, or go on without its context)."""

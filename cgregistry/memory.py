@@ -83,6 +83,7 @@ class MemoryEstimate:
     warmup_bytes: int  # the warm-up's activations the caching allocator keeps after capture
     static_input_bytes: int  # the registry's own static inputs (allocated when it was made)
     probes: tuple[Probe, ...]
+    shared_strategies: frozenset[str] = frozenset()  # strategies whose background keys share the pool (whole graphs)
 
     @property
     def capture_bytes(self) -> int:
@@ -100,8 +101,12 @@ class MemoryEstimate:
 
     def key_bytes(self, key: BatchDescriptor, strategy: str) -> int:
         """What a key of ``strategy`` adds beside the shared pool, for any key (interpolated): the price of a key in
-        ``CapturePlan.fit(max_bytes=...)``."""
-        return _interpolate(self.probes, key, strategy).own_bytes
+        ``CapturePlan.fit(max_bytes=...)``.  In a background estimate that includes the key's own static inputs, and
+        its own pool where its strategy does not share one (as ``keys`` counts them)."""
+        f = _interpolate(self.probes, key, strategy)
+        if not self.background:
+            return f.own_bytes
+        return f.own_bytes + f.input_bytes + (0 if strategy in self.shared_strategies else f.pool_bytes)
 
     def fixed_bytes(self) -> int:
         """What a plan with this estimate's largest keys takes whatever else it holds: the pool and the warm-up."""
@@ -203,7 +208,8 @@ def estimate_memory(
         first = (pool if shared and pair == shared[0] else 0) + (warmup if i == 0 else 0)
         keys.append(KeyMemory(pair[0], pair[1], own + first, own, f.pool_bytes, f.seconds, any(p.key == pair[0] and p.strategy == pair[1] for p in probes)))
     static = sum(buf.tensor.untyped_storage().nbytes() for buf in one.buffers.values())
-    return MemoryEstimate(backend.name, background, tuple(keys), pool, warmup, static, tuple(probes))
+    shared_strategies = frozenset(name for name in {p[1] for p in pairs} if whole_graph(name))
+    return MemoryEstimate(backend.name, background, tuple(keys), pool, warmup, static, tuple(probes), shared_strategies)
 
 
 def _with_graph_objects(

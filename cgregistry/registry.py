@@ -184,8 +184,7 @@ class GraphRegistry:
             check_flag("capture", flag, value)
         if lazy and background:
             raise ValueError("capture(lazy=True, background=True): choose one; lazy captures a key at its first use, background ahead of it")
-        if self._lifecycle.asleep is not None:
-            raise RuntimeError(f"capture() on registry {self.name!r} while it sleeps: reg.wake() first (it captures the plan it slept with)")
+        self._lifecycle.refuse_asleep("capture()")
         self._lifecycle.refuse_from_inside("capture()")
         todo = self._capturer.check(plan)
         if background:
@@ -228,16 +227,18 @@ class GraphRegistry:
         return self._background.capturing()
 
     def estimate_memory(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], *,
-                        background: bool = False) -> MemoryEstimate:
+                        background: bool = False, context: Any = None) -> MemoryEstimate:
         """The device memory ``capture(plan)`` (with ``background``) will take, per key and in all, and the seconds it
         will take; predicted before capture from a few keys captured into scratch pools and dropped, on static inputs
-        of their own (nothing of the engine's state is touched; nothing stays behind).  See docs/integration.md."""
+        of their own (nothing of the engine's state is touched; nothing stays behind; no capture context is recorded).
+        ``context``: the payload eager breaks see, as ``capture(context=...)`` takes it.  See docs/integration.md."""
         check_flag("estimate_memory", "background", background)
+        self._lifecycle.refuse_asleep("estimate_memory()")
         self._lifecycle.refuse_from_inside("estimate_memory()")
         todo = self._capturer.check(plan)
         self._background.install()
         return self._capturer.estimate([p for p in dict.fromkeys((e.descriptor, e.strategy) for e in todo)
-                                        if p not in self._catalog.entries], background)
+                                        if p not in self._catalog.entries], background, context)
 
     # ------------------------------------------------------------------ run
 

@@ -606,11 +606,15 @@ class Engine:
 
 
 def trace_requests(count: int, shape: EngineShape, vocab: int, max_prompt: int, max_new: int, seed: int = 0) -> list[Sequence]:
-    """Requests shaped by the bundled trace (its prompt and output lengths, folded into the engine's limits)."""
+    """Requests shaped by the bundled trace (its prompt and output lengths, folded into the engine's limits: a prompt
+    leaves room in the context for at least one new token)."""
+    if max_prompt < 1 or max_new < 1:
+        raise ValueError(f"trace_requests: max_prompt and max_new must be at least 1, got {max_prompt} and {max_new}")
+    longest = min(max_prompt, shape.max_context - 1)
     g = torch.Generator().manual_seed(seed)
     out = []
     for rid, req in enumerate(read_trace(limit=count)):
-        prompt = 1 + (req.prompt_tokens - 1) % max_prompt
+        prompt = 1 + (req.prompt_tokens - 1) % longest
         new = 1 + (req.output_tokens - 1) % max_new
         new = min(new, shape.max_context - prompt)
         out.append(Sequence(rid, torch.randint(0, vocab, (prompt,), generator=g).tolist(), new))
@@ -673,7 +677,7 @@ def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, r
             free, total = torch.cuda.mem_get_info(device)
             graph_and_kv_bytes = int(gpu_memory_utilization * total) - (total - free)  # type: ignore[operator]
         with torch.inference_mode():
-            estimate = reg.estimate_memory(plan) if reg is not None else None
+            estimate = reg.estimate_memory(plan, background=background) if reg is not None else None
         shape = size_kv_cache(model, shape, graph_and_kv_bytes, estimate)
         report.update(f"KV cache {shape.num_blocks} blocks ({shape.num_blocks * kv_block_bytes(model, shape) / 2**20:.0f} MiB), "
                       f"graphs estimated at {(estimate.capture_bytes if estimate else 0) / 2**20:.0f} MiB")

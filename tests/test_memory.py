@@ -154,6 +154,38 @@ def test_interpolation_between_probes_is_linear_in_tokens() -> None:
         estimate.key_bytes(B(8), "breakable")
 
 
+def test_a_background_estimate_prices_a_key_with_its_own_inputs_and_pool() -> None:
+    """In the background each key gets static inputs of its own, and a key of a strategy that does not share the pool
+    (eager breaks) a pool of its own: key_bytes, the price fit(max_bytes=...) pays, says so, as keys[i].bytes does."""
+    probes = (Probe(B(16), "breakable", 100, 10, 0, 5, 0.1), Probe(B(16), "full", 100, 10, 0, 5, 0.1))
+    background = MemoryEstimate("x", True, (), 100, 0, 0, probes, frozenset({"full"}))
+    foreground = MemoryEstimate("x", False, (), 100, 0, 0, probes, frozenset({"full"}))
+    assert background.key_bytes(B(16), "breakable") == 115 and background.key_bytes(B(16), "full") == 15
+    assert foreground.key_bytes(B(16), "breakable") == foreground.key_bytes(B(16), "full") == 10
+
+
+def test_an_estimate_takes_the_breaks_payload_records_no_context_and_is_refused_asleep() -> None:
+    """The recipe estimates before any capture: the breaks' payload is given as capture(context=...) takes it, the
+    estimate records no capture context, and a sleeping registry refuses it as it refuses capture()."""
+    seen: list[object] = []
+
+    @cg.eager_break
+    def scaled(h: torch.Tensor) -> torch.Tensor:
+        seen.append(cg.current_batch().payload)
+        return h * 2
+
+    reg = cg.GraphRegistry(lambda batch, x: scaled(x + 1) - 1, {"x": cg.StaticInput((16, 4), torch.float32)}, backend="cpu",
+                           preference=("breakable",))
+    plan = cg.CapturePlan.build(max_num_seqs=16, max_num_tokens=16, mode="breakable", capture_sizes=[8, 16])
+    padding = {"metadata": "all padding"}
+    reg.estimate_memory(plan, context=padding)
+    assert seen and all(p is padding for p in seen) and reg.capture_context is None
+    reg.capture(plan, context=padding)
+    reg.sleep()
+    with pytest.raises(RuntimeError, match=r"estimate_memory\(\) on registry .* while it sleeps: reg.wake\(\) first"):
+        reg.estimate_memory(plan)
+
+
 @pytest.mark.cuda
 def test_the_cuda_estimate_is_close_and_leaves_no_memory_behind() -> None:
     engine = Engine("cuda")
