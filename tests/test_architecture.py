@@ -99,6 +99,19 @@ def test_the_registry_is_a_thin_facade() -> None:
     assert len(assigned) <= 15, sorted(assigned)
 
 
+def private_attributes(tree: ast.AST) -> list[tuple[ast.Attribute, str]]:
+    """Every ``x._name`` read in ``tree`` (one leading underscore), with the name the attribute chain starts from
+    ("" where it starts from a call or a subscript)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            found.append((node, base.id if isinstance(base, ast.Name) else ""))
+    return found
+
+
 def private_reaches(path: Path) -> list[str]:
     """``module._name`` attribute reads where ``module`` is a cgregistry module bound by an import."""
     tree = ast.parse(path.read_text())
@@ -108,15 +121,7 @@ def private_reaches(path: Path) -> list[str]:
             aliases |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("cgregistry")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cgregistry"):
             aliases |= {a.asname or a.name for a in node.names if (f"{node.module}.{a.name}") in MODULES or node.module == "cgregistry"}
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-            base = node.value
-            while isinstance(base, ast.Attribute):
-                base = base.value
-            if isinstance(base, ast.Name) and base.id in aliases:
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
-    return found
+    return [f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}" for node, root in private_attributes(tree) if root in aliases]
 
 
 def private_imports(path: Path) -> list[str]:
@@ -132,18 +137,11 @@ def private_imports(path: Path) -> list[str]:
 def private_attribute_reads(path: Path) -> list[str]:
     """``obj._name`` reads outside the module that defines them: any attribute starting with one underscore on a
     name other than ``self`` / ``cls``, except other libraries' (torch's, Hugging Face's config fields)."""
-    tree = ast.parse(path.read_text())
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-            base = node.value
-            while isinstance(base, ast.Attribute):
-                base = base.value
-            root = base.id if isinstance(base, ast.Name) else ""
-            if root in {"self", "cls", "torch", "super"} or node.attr in THIRD_PARTY_PRIVATE:
-                continue
-            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
-    return found
+    return [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}"
+        for node, root in private_attributes(ast.parse(path.read_text()))
+        if root not in {"self", "cls", "torch", "super"} and node.attr not in THIRD_PARTY_PRIVATE
+    ]
 
 
 # Private names of other libraries that examples and tests must use: torch's, Hugging Face's and argparse's.

@@ -119,8 +119,14 @@ def test_the_kv_cache_gets_what_the_estimated_graphs_leave() -> None:
     small = hf.EngineShape(4, 16, 4, 4, kv_blocks=SHAPE.min_blocks)
     model = hf.build_model("tiny", CPU, small)
     reg, plan = hf.new_registry(model, small, "full", "cpu")
+    for layer in model.model.layers:
+        layer.self_attn.k_cache.fill_(7.0)  # a live server's cache
     estimate = reg.estimate_memory(plan)
     assert len(reg) == 0 and estimate.capture_bytes > 0
+    for layer in model.model.layers:
+        cache, others = layer.self_attn.k_cache, torch.ones(layer.self_attn.k_cache.shape[0], dtype=torch.bool)
+        others[small.scratch_slot] = False
+        assert cache[others].eq(7.0).all() and not cache[small.scratch_slot].eq(7.0).all(), "the probes wrote the scratch slot only"
     per_block = hf.kv_block_bytes(model, small)
     sized = hf.size_kv_cache(model, small, estimate.capture_bytes + 7 * per_block + per_block // 2, estimate)
     assert sized.num_blocks == 7 and model.model.layers[0].self_attn.k_cache.shape[0] == 7 * small.block_size

@@ -197,6 +197,12 @@ def _effective_loras(cases: list[int], active: int) -> int:
     return min((c for c in cases if c >= active), default=max(cases))
 
 
+def _graph_count(s: VllmSettings, decode_sizes: list[int], sizes: list[int], loras: list[int]) -> int:
+    """The uniform FULL keys, and the mixed ones where the mode has a mixed strategy, each once per LoRA case."""
+    mixed = _MODES[s.mode][1]
+    return (len(decode_sizes) + (len(sizes) if mixed else 0)) * len(loras)
+
+
 def _next(sizes: Iterable[int], tokens: int) -> int | None:
     return min((x for x in sizes if x >= tokens), default=None)
 
@@ -222,8 +228,7 @@ class V1Dispatcher:
 
     def graphs(self) -> int:
         """Graphs captured: each key once per LoRA case."""
-        mixed = _MODES[self.settings.mode][1]
-        return (len(self.decode_sizes) + (len(self.sizes) if mixed else 0)) * len(self.loras)
+        return _graph_count(self.settings, self.decode_sizes, self.sizes, self.loras)
 
     def dispatch(self, tokens: int, reqs: int, uniform_decode: bool, active_loras: int = 0) -> Served:
         """The graph V1 runs for a batch (``uniform_decode``: every request has ``q`` tokens)."""
@@ -263,8 +268,7 @@ class V2Manager:
 
     def graphs(self) -> int:
         """Graphs captured: each descriptor once per LoRA case."""
-        mixed = _MODES[self.settings.mode][1]
-        return (len(self.decode_sizes) + (len(self.sizes) if mixed else 0)) * len(self.loras)
+        return _graph_count(self.settings, self.decode_sizes, self.sizes, self.loras)
 
     def dispatch(self, tokens: int, reqs: int, uniform_decode: bool, active_loras: int = 0) -> Served:
         """The best descriptor V2 has for a batch: a uniform FULL one first, then a mixed one."""
