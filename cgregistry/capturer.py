@@ -19,7 +19,7 @@ import contextlib
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import attrs
@@ -34,7 +34,7 @@ from cgregistry.keyclasses import check_serves
 from cgregistry.memory import MemoryEstimate, estimate_memory
 from cgregistry.plan import PlanEntry
 from cgregistry.plugins import Plugins
-from cgregistry.serving_state import RECORDED_AT_CAPTURE, ServingState, ServingStateError
+from cgregistry.serving_state import RECORDED_AT_CAPTURE, ServingState, ServingStateError, StateTest
 from cgregistry.weights import WeightsMovedError, WeightWatch
 
 __all__ = ["CaptureContext", "Capturer"]
@@ -54,14 +54,6 @@ class CaptureContext:
     state: ServingState
 
 
-def _always() -> bool:
-    return True
-
-
-def _never() -> bool:
-    return False
-
-
 class Capturer:
     """Checks and captures keys into one catalog, under one capture context."""
 
@@ -76,7 +68,7 @@ class Capturer:
         # lock (a capture asked for from inside would wait for itself).
         self._here = threading.local()
         self.context: CaptureContext | None = None
-        self.state_ok: Callable[[], bool] = _always  # the hot path's test of the caller's state against the context's
+        self.state_test = StateTest()  # the hot path's test of the caller's state against the context's (changed in place)
         self.buffers = one.buffers  # the shared static inputs (an entry captured in the background has its own)
         self.watch = WeightWatch()  # the tensors graphs read: recorded again on a fresh pool and at refresh()
         self.watch.watch((f"static input {n!r}", buf.tensor) for n, buf in one.buffers.items())
@@ -154,7 +146,7 @@ class Capturer:
         if payload is None and held is not None:
             payload = held.payload
         self.context = CaptureContext(payload, state)
-        self.state_ok = ServingState.checker(self._one.device.type)  # on this thread, in the state just recorded
+        self.state_test.take(self._one.device.type)  # on this thread, in the state just recorded
 
     def current(self, recorded_at: str = RECORDED_AT_CAPTURE) -> CaptureContext:
         """The context every capture runs under (recorded now, on the calling thread, at ``recorded_at``, if no
@@ -166,12 +158,12 @@ class Capturer:
     def forget(self) -> None:
         """No context (after ``clear()``): the next capture request records one."""
         self.context = None
-        self.state_ok = _always
+        self.state_test.passing()
 
     def refuse_other_state(self) -> None:
-        """After ``state_ok()`` said no: raise ``ServingStateError`` naming how the caller's state differs from the
+        """After ``state_test()`` said no: raise ``ServingStateError`` naming how the caller's state differs from the
         capture context's in what a replay computes, or ``WeightsMovedError`` naming a watched tensor that moved since
-        the graphs were captured; a difference that changes no result (grad mode) becomes the state ``state_ok``
+        the graphs were captured; a difference that changes no result (grad mode) becomes the state ``state_test``
         compares with from now on."""
         if self.context is not None:
             self.context.state.check(self._name)
@@ -183,15 +175,15 @@ class Capturer:
                 "old weights; call reg.refresh() after a weight update (it keeps what reads the new addresses and captures "
                 "the rest again), or update weights in place (param.copy_, load_state_dict without assign=True)"
             )
-        self.state_ok = ServingState.checker(self._one.device.type)
+        self.state_test.take(self._one.device.type)
 
     def _weights_changed(self, what: str) -> None:
         """A watched module registered a parameter, buffer or submodule (any thread): the next replay compares addresses."""
-        self.state_ok = _never
+        self.state_test.failing()
 
     def weights_refreshed(self) -> None:
         """After ``refresh()``: replays compare the serving state alone again."""
-        self.state_ok = ServingState.checker(self._one.device.type)
+        self.state_test.take(self._one.device.type)
 
     # ---------------------------------------------------------------- capturing
 

@@ -3,16 +3,18 @@
 One ``run()``: the route of the batch's shape (one dict lookup once the shape was seen), every
 input checked before anything is touched, then the graph (a lazy key captured first, or the key
 being captured in the background waited for) or the eager step; the state check, copy in,
-replay, counters, outputs.  Debug mode is a subclass chosen at construction (the way pluggy
-swaps its call executor), so the plain path pays nothing for it.  Work beside the step
-(installing background captures, counting steps for adaptation) is one flag test when there is
-none.
+replay, counters, outputs, in one function body (on a seen shape with no inputs, no Python
+function runs between the lock and the replay).  Debug mode is a subclass chosen at
+construction (the way pluggy swaps its call executor) that wraps ``run``, so the plain path
+pays nothing for it.  Work beside the step (installing background captures, counting steps
+for adaptation) is one flag test when there is none.
 """
 
 from __future__ import annotations
 
 import _thread
 import inspect
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -50,7 +52,7 @@ class ConcurrentRunError(CgregistryError, RuntimeError):
 
 
 # Refusals raised before a run() copies anything in: debug mode's outputs of the run before stay readable.
-_REFUSED_BEFORE_COPY = (InputError, ServingStateError, WeightsMovedError)
+_REFUSED_BEFORE_COPY = (InputError, ServingStateError, WeightsMovedError, ConcurrentRunError)
 
 
 class Server:
@@ -67,6 +69,7 @@ class Server:
         self._variants = catalog.routes.variant_cache
         self._counters = catalog.counters
         self._capturer = capturer
+        self._state = capturer.state_test  # changed in place by the capturer: read attribute by attribute below
         self._background = background
         self._adapter = adapter
         self._events = events
@@ -94,15 +97,61 @@ class Server:
             if self._adapter is not None or self._background.active:
                 self._between_steps(actual)
             if group is None and exclude is None:
+                variant = None
                 try:
                     route = self._cache.get(actual)
                 except TypeError:  # unhashable: not a descriptor
                     raise not_a_descriptor(actual) from None
                 if route is None:
                     route = self._routes.route(actual)
-                return self._serve(actual, route, None, context, inputs)
-            variant = self._variant(actual, group, exclude)
-            return self._serve(actual, self._route(actual, variant), variant, context, inputs)
+            else:
+                variant = self._variant(actual, group, exclude)
+                route = self._route(actual, variant)
+            # Every input is checked before anything is touched, on the graph and the eager path alike.
+            copies = route.copies
+            if inputs or copies:
+                if len(inputs) != len(copies):
+                    raise self._bad_names(inputs)
+                try:
+                    for buf, rows in copies:
+                        buf.check(inputs[buf.name], rows)
+                except KeyError:
+                    raise self._bad_names(inputs) from None
+            entry = route.entry
+            if entry is None:
+                if route.pending is not None or route.miss_reason == "capturing":
+                    route, inputs = self._graph_for(actual, route, variant, inputs)
+                    entry, copies = route.entry, route.copies
+                    for buf, rows in copies:  # a background entry's own inputs: checked (and their views made) too
+                        buf.check(inputs[buf.name], rows)
+                if entry is None:
+                    return self._miss(actual, inputs, context, route.miss_reason, route.hint)
+            state = self._state  # a graph computes what it computed at capture: refuse another autocast or dtype
+            if not (state.guard() and state.flag() == state.flag_was):
+                self._capturer.refuse_other_state()
+            if copies:
+                for buf, rows in copies:
+                    buf.write(inputs[buf.name], rows)
+            try:
+                if entry.has_breaks:
+                    batch = route.batch_context if context is None else BreakContext(actual, entry.key, context)
+                    token = runtime.batch.set(batch)
+                    try:
+                        entry.replay()
+                    finally:
+                        runtime.batch.reset(token)
+                else:
+                    entry.replay()
+            except Exception as exc:
+                return self._replay_failed(entry, exc, actual, inputs, context)
+            entry.replays += 1
+            entry.padded_tokens += route.pad_tokens
+            entry.graph_tokens += route.real_tokens
+            entry.last_step = next(self._counters.clock)
+            out = route.single_output
+            if out is not None:
+                return out.detach()  # a fresh view per run: a caller's unsqueeze_() or t_() stays with the caller
+            return entry.slicer.sliced(route.out_rows)
         finally:
             self._release()
 
@@ -134,50 +183,6 @@ class Server:
             background.install()
             background.pace()
 
-    def _serve(self, actual: BatchDescriptor, route: Route, variant: Variant | None, context: Any, inputs: dict[str, torch.Tensor]) -> Any:
-        """Check, (find a graph,) copy in, replay, count, hand out."""
-        # Every input is checked before anything is touched, on the graph and the eager path alike.
-        if len(inputs) != len(route.copies):
-            raise self._bad_names(inputs)
-        try:
-            for buf, rows in route.copies:
-                buf.check(inputs[buf.name], rows)
-        except KeyError:
-            raise self._bad_names(inputs) from None
-        entry = route.entry
-        if entry is None:
-            if route.pending is not None or route.miss_reason == "capturing":
-                route, inputs = self._graph_for(actual, route, variant, inputs)
-                entry = route.entry
-                for buf, rows in route.copies:  # a background entry's own inputs: checked (and their views made) too
-                    buf.check(inputs[buf.name], rows)
-            if entry is None:
-                return self._miss(actual, inputs, context, route.miss_reason, route.hint)
-        if not self._capturer.state_ok():  # a graph computes what it computed at capture: refuse another autocast or dtype
-            self._capturer.refuse_other_state()
-        for buf, rows in route.copies:
-            buf.write(inputs[buf.name], rows)
-        try:
-            if entry.has_breaks:
-                batch = route.batch_context if context is None else BreakContext(actual, entry.key, context)
-                token = runtime.batch.set(batch)
-                try:
-                    entry.replay()
-                finally:
-                    runtime.batch.reset(token)
-            else:
-                entry.replay()
-        except Exception as exc:
-            return self._replay_failed(entry, exc, actual, inputs, context)
-        entry.replays += 1
-        entry.padded_tokens += route.pad_tokens
-        entry.graph_tokens += route.real_tokens
-        entry.last_step = next(self._counters.clock)
-        out = route.single_output
-        if out is not None:
-            return out.detach()  # a fresh view per run: a caller's unsqueeze_() or t_() stays with the caller
-        return entry.slicer.sliced(route.out_rows)
-
     def _graph_for(
         self, actual: BatchDescriptor, route: Route, variant: Variant | None, inputs: dict[str, torch.Tensor]
     ) -> tuple[Route, dict[str, torch.Tensor]]:
@@ -188,7 +193,7 @@ class Server:
         waited = copied = False
         while True:
             if route.pending is not None:
-                if not self._capturer.state_ok():
+                if not self._state():
                     self._capturer.refuse_other_state()
                 if not copied:  # capture resets the static buffers (and may reuse pool memory) an input can alias
                     inputs, copied = {name: value.clone() for name, value in inputs.items()}, True
@@ -338,28 +343,43 @@ class DebugServer(Server):
     """``Server`` with debug mode's checks: moved tensors before a replay, stale outputs after.
 
     An output passed back as the next input is read before this run overwrites it; a run
-    refused for its batch, its inputs, its serving state or moved weights overwrites nothing; eager
-    outputs are the caller's own.
+    refused for its batch, its inputs, its serving state or moved weights overwrites nothing, nor does
+    a miss whose eager step refuses the batch; eager outputs are the caller's own.  It wraps
+    ``Server.run`` (the plain path stays free of debug checks) and learns whether a refused run touched
+    the static buffers from the paths that may before raising: a lazy capture (or a wait for the capture
+    thread, counted as one), and a failed replay.
     """
 
     def __init__(self, *args: Any, watch: WeightWatch) -> None:
         super().__init__(*args)
         self._watch = watch
         self._clock = [0]  # run() count, for the stale-output check
+        self._here = threading.local()  # .touched: this thread's run wrote the static buffers (for a refusal's count)
 
-    def _serve(self, actual: BatchDescriptor, route: Route, variant: Variant | None, context: Any, inputs: dict[str, torch.Tensor]) -> Any:
+    def run(
+        self, actual: BatchDescriptor, /, *, context: Any = None, group: Any = None, exclude: Any = None, **inputs: torch.Tensor
+    ) -> Any:
         if self._catalog.entries:  # with no graph, nothing reads the watched addresses yet
             check_addresses(self._watch)
-        inputs = {name: plain(value) for name, value in inputs.items()}
-        clock = self._clock
-        clock[0] += 1
+        inputs = {name: plain(value) for name, value in inputs.items()}  # outputs of earlier runs: read while still fresh
         eager_before = self._counters.eager_fallbacks
+        self._here.touched = False
+        clock = self._clock
         try:
-            out = super()._serve(actual, route, variant, context, inputs)
+            out = super().run(actual, context=context, group=group, exclude=exclude, **inputs)
         except Exception as exc:
-            if isinstance(exc, _REFUSED_BEFORE_COPY) or (route.entry is None and route.pending is None):
-                clock[0] -= 1  # refused before anything ran, or refused by the eager step: nothing was overwritten
+            if not isinstance(exc, _REFUSED_BEFORE_COPY) and self._here.touched:
+                clock[0] += 1  # the static buffers were written before the refusal: earlier outputs are stale
             raise
+        clock[0] += 1
         if self._counters.eager_fallbacks != eager_before:
             return out
         return checked(out, clock[0], clock)
+
+    def _graph_for(self, *args: Any) -> tuple[Route, dict[str, torch.Tensor]]:
+        self._here.touched = True  # a lazy capture resets the static buffers (a wait for the capture thread counts too)
+        return super()._graph_for(*args)
+
+    def _replay_failed(self, *args: Any) -> Any:
+        self._here.touched = True  # the inputs were copied in and the graph ran
+        return super()._replay_failed(*args)

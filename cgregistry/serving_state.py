@@ -30,7 +30,7 @@ import torch
 
 from cgregistry.errors import CgregistryError
 
-__all__ = ["AUTOCAST_DEVICE_TYPES", "RECORDED_AT_CAPTURE", "RECORDED_AT_REFIT", "ServingState", "ServingStateError"]
+__all__ = ["AUTOCAST_DEVICE_TYPES", "RECORDED_AT_CAPTURE", "RECORDED_AT_REFIT", "ServingState", "ServingStateError", "StateTest"]
 
 # The device types whose autocast state is recorded (the registry's own device type is added).
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover - builds without it: the Python comparis
     GlobalStateGuard = None
 
 # What GlobalStateGuard compares of a record (torch/csrc/dynamo/guards.cpp): autocast of these device types, the
-# default dtype and the cuBLAS flags below.  The checker compares the rest of the record itself.
+# default dtype and the cuBLAS flags below.  StateTest compares the rest of the record itself.
 _GUARDED_AUTOCAST = ("cpu", "cuda")
 _GUARDED_FLAGS = frozenset({
     "torch.backends.cuda.matmul.allow_tf32",
@@ -51,7 +51,7 @@ _GUARDED_FLAGS = frozenset({
 
 # Process-wide flags that change what a matmul computes (TF32, reduced-precision reductions): a graph keeps the
 # kernels it was captured with, eager follows the flags.  cuDNN's TF32 flag is read through its C getter where torch
-# has one (the checker reads it on every replay; the module property costs three times as much).
+# has one (StateTest reads it on every replay; the module property costs three times as much).
 _MATMUL_FLAGS: tuple[tuple[str, Callable[[], bool]], ...] = (
     ("torch.backends.cuda.matmul.allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32),
     ("torch.backends.cudnn.allow_tf32",
@@ -204,19 +204,44 @@ class ServingState:
                 f"does not; {_ADVICE.get(self.recorded_at, _ADVICE[RECORDED_AT_CAPTURE])}"
             )
 
-    @staticmethod
-    def checker(device_type: str = "cpu") -> Callable[[], bool]:
-        """A test for the hot path: True while the calling thread's state is what it is now, in every field
-        ``differences()`` compares (two C calls: ``GlobalStateGuard`` and the one recorded flag it does not cover,
-        cuDNN's TF32; a registry device type whose autocast the guard does not cover adds its own test).
 
-        False may also mean a difference that changes no result (grad mode, the thread count): the
-        caller then asks ``differences()`` of the recorded state, and takes a new checker if there
-        is none.  Call it on the thread it will check, in the state to compare with.
-        """
+_TRUE: Callable[[], bool] = True.__bool__  # C callables answering True and False: a test that always passes or fails
+_FALSE: Callable[[], bool] = False.__bool__
+
+
+class StateTest:
+    """The hot path's test of the calling thread's state against a record: ``guard() and flag() == flag_was``.
+
+    The server reads the three attributes where it replays (no Python frame per replay: two C calls,
+    dynamo's ``GlobalStateGuard`` and cuDNN's TF32 flag, which the guard does not cover).  Changed
+    in place (``take``, ``passing``, ``failing``), so whoever holds it sees the current test.  False may
+    also mean a difference that changes no result (grad mode, the thread count): the caller then asks
+    ``ServingState.differences()`` of the record, and ``take``s the state again if there is none.
+    """
+
+    __slots__ = ("guard", "flag", "flag_was")
+
+    def __init__(self) -> None:
+        self.passing()
+
+    def __call__(self) -> bool:
+        return self.guard() and self.flag() == self.flag_was
+
+    def passing(self) -> None:
+        """Pass whatever the state (nothing recorded to compare with)."""
+        self.guard, self.flag, self.flag_was = _TRUE, _TRUE, True
+
+    def failing(self) -> None:
+        """Fail whatever the state, until the next ``take`` (the caller then looks at what changed)."""
+        self.guard, self.flag, self.flag_was = _FALSE, _TRUE, True
+
+    def take(self, device_type: str = "cpu") -> None:
+        """Pass while the calling thread's state is what it is now, in every field ``ServingState.differences()``
+        compares (``device_type``: the registry's, whose autocast counts too).  Call it on the thread it will check."""
         now = ServingState.current(device_type)
         if GlobalStateGuard is None:
-            return lambda: not now.differences()
+            self.guard, self.flag, self.flag_was = (lambda: not now.differences()), _TRUE, True
+            return
         guard = GlobalStateGuard().check
         rest = [(read, was) for (name, read), was in zip(_MATMUL_FLAGS, now.matmul_flags) if name not in _GUARDED_FLAGS]
         rest += [
@@ -225,5 +250,6 @@ class ServingState:
         ]
         if len(rest) == 1:  # the usual case: cuDNN's TF32 flag alone
             ((read, was),) = rest
-            return lambda: guard() and read() == was
-        return lambda: guard() and all(read() == was for read, was in rest)
+            self.guard, self.flag, self.flag_was = guard, read, was
+        else:
+            self.guard, self.flag, self.flag_was = (lambda: guard() and all(read() == was for read, was in rest)), _TRUE, True
