@@ -1,15 +1,14 @@
 """Predicted against actual device memory of capture(plan) on the GPU (issue 27).
 
-Each configuration runs in a fresh process (the caching allocator starts empty): build the
-registry, estimate once (the process's first graphs, as an engine's estimate is: what stays of it is
-split into the caching allocator's part, which must be none, and the rest: kernels loaded, cuBLAS
-handles and the memory the driver keeps from dead graphs for later ones), ``est =
-reg.estimate_memory(plan)`` again (checking with ``torch.cuda.mem_get_info`` that a second estimate
-leaves nothing behind), then ``reg.capture(plan)`` and the device memory it took (``mem_get_info``
-before and after).  Target: the predicted ``capture_bytes`` within 5% (or 32 MiB,
-whichever is larger) of what capture took.  Configurations: the demo decoder in ``full``,
-``full_and_piecewise``, ``full_and_breakable``, with LoRA counts and spec depths, and the Hugging Face
-Llama engine of examples/hf_llama.py.
+Each configuration runs in a fresh process (the caching allocator starts empty) and follows the
+engine's recipe: build the registry, ``reg.estimate_memory(plan)`` (the process's first graphs, as an
+engine's estimate is; what stays of it is split into the caching allocator's part, which must be none,
+and the rest: kernels loaded, cuBLAS handles and the memory the driver keeps from dead graphs), then
+``reg.capture(plan)`` and the device memory it took (``torch.cuda.mem_get_info`` before and after).
+Target: the predicted ``capture_bytes`` within 5% (or 32 MiB, whichever is larger) of what capture
+took.  Then ``clear()`` and a second estimate, which must leave nothing behind.  Configurations: the
+demo decoder in ``full``, ``full_and_piecewise``, ``full_and_breakable``, with LoRA counts and spec
+depths, and the Hugging Face Llama engine of examples/hf_llama.py.
 
     PYTHONPATH=. python3 benchmarks/gpu_memory.py            # every configuration, a table at the end
     PYTHONPATH=. python3 benchmarks/gpu_memory.py --one NAME  # one, printing a JSON line
@@ -18,6 +17,7 @@ Llama engine of examples/hf_llama.py.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import subprocess
@@ -82,29 +82,35 @@ def one(name: str) -> dict[str, Any]:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free0, reserved0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
-        cold = reg.estimate_memory(plan)  # the process's first graphs, as an engine's estimate is
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        free_cold, reserved_cold = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
         t = time.perf_counter()
-        est = reg.estimate_memory(plan)  # a second: what stays behind once kernels are loaded and handles made
+        cold = reg.estimate_memory(plan)  # the process's first graphs, as an engine's estimate is
         estimate_s = time.perf_counter() - t
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        free1 = torch.cuda.mem_get_info()[0]
+        free1, reserved_cold = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
         t = time.perf_counter()
-        reg.capture(plan)
+        reg.capture(plan)  # what the engine's recipe does next: the estimate is judged against this
         torch.cuda.synchronize()
         capture_s = time.perf_counter() - t
         free2 = torch.cuda.mem_get_info()[0]
+        per_key = {f"{e.key} [{e.strategy}]": (e.predicted_bytes, e.device_bytes) for e in reg.entries()}
+        reg.clear()
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free3 = torch.cuda.mem_get_info()[0]
+        est = reg.estimate_memory(plan)  # a second, once graphs were captured and dropped: it must leave nothing
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free4 = torch.cuda.mem_get_info()[0]
     taken = free1 - free2
-    per_key = {f"{e.key} [{e.strategy}]": (e.predicted_bytes, e.device_bytes) for e in reg.entries()}
     worst = max((abs((p or 0) - (d or 0)) for p, d in per_key.values()), default=0)
     return {
-        "name": name, "keys": len(plan), "probes": len(est.probes), "predicted": est.capture_bytes, "taken": taken,
-        "left_behind": free_cold - free1,
-        "left_cold": free0 - free_cold, "left_cold_allocator": reserved_cold - reserved0, "cold_predicted": cold.capture_bytes, "pool": est.pool_bytes, "warmup": est.warmup_bytes, "per_key": est.capture_bytes - est.pool_bytes - est.warmup_bytes,
-        "estimate_s": estimate_s, "capture_s": capture_s, "predicted_capture_s": est.capture_seconds, "worst_key_error": worst,
+        "name": name, "keys": len(plan), "probes": len(cold.probes), "predicted": cold.capture_bytes, "taken": taken,
+        "second_predicted": est.capture_bytes, "left_behind": free3 - free4, "left_cold": free0 - free1,
+        "left_cold_allocator": reserved_cold - reserved0, "pool": cold.pool_bytes, "warmup": cold.warmup_bytes,
+        "per_key": cold.capture_bytes - cold.pool_bytes - cold.warmup_bytes, "estimate_s": estimate_s, "capture_s": capture_s,
+        "predicted_capture_s": cold.capture_seconds, "worst_key_error": worst,
     }
 
 
@@ -127,20 +133,19 @@ def main() -> None:
         rows.append(json.loads(lines[-1]))
         print(rows[-1], flush=True)
     mib = 2**20
-    for r in rows:
-        err = r["cold_predicted"] - r["taken"]
-        print(f"{r['name']}: the first estimate predicted {r['cold_predicted'] / mib:.0f} MiB ({err / r['taken'] * 100:+.1f}%); it left "
-              f"{r['left_cold'] / mib:.0f} MiB ({r['left_cold_allocator'] / mib:.0f} MiB of it in the caching allocator)")
     print(f"\n{'configuration':38} {'keys':>4} {'probes':>6} {'predicted':>10} {'taken':>9} {'error':>7} {'within':>6} "
-          f"{'left':>6} {'cold':>6} {'pool':>8} {'warm-up':>8} {'per key':>8} {'est s':>6} {'capt s':>6} {'pred s':>6}")
+          f"{'2nd':>8} {'2nd err':>7} {'left':>6} {'cold':>6} {'pool':>8} {'warm-up':>8} {'per key':>8} {'est s':>6} {'capt s':>6} {'pred s':>6}")
     for r in rows:
         err = r["predicted"] - r["taken"]
         ok = abs(err) <= max(0.05 * r["taken"], 32 * mib)
+        err2 = r["second_predicted"] - r["taken"]
         print(f"{r['name']:38} {r['keys']:4d} {r['probes']:6d} {r['predicted'] / mib:8.0f}Mi {r['taken'] / mib:7.0f}Mi "
-              f"{err / max(1, r['taken']) * 100:6.1f}% {'yes' if ok else 'NO':>6} {r['left_behind'] / mib:5.0f}Mi {r['left_cold'] / mib:5.0f}Mi "
+              f"{err / max(1, r['taken']) * 100:6.1f}% {'yes' if ok else 'NO':>6} {r['second_predicted'] / mib:6.0f}Mi "
+              f"{err2 / max(1, r['taken']) * 100:6.1f}% {r['left_behind'] / mib:5.0f}Mi {r['left_cold'] / mib:5.0f}Mi "
               f"{r['pool'] / mib:6.0f}Mi {r['warmup'] / mib:6.0f}Mi {r['per_key'] / mib:6.0f}Mi {r['estimate_s']:6.2f} "
               f"{r['capture_s']:6.2f} {r['predicted_capture_s']:6.2f}")
-
+    print("predicted: the process's first estimate (an engine's); taken: what capture(plan) took right after it; 2nd: an estimate "
+          "after the plan was captured and cleared; left: what that one left on the device; cold: what the first left")
 
 if __name__ == "__main__":
     main()

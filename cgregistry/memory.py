@@ -9,8 +9,10 @@ memory back before it returns.  Each probe splits what the device gave it into t
 needs (its activations and outputs), the warm-up's activations the caching allocator keeps, and
 the rest: the driver's graph objects.  What each further key adds to a shared pool (its graph
 objects, its outputs kept alive, the pool's rounding: a megabyte or two, lost in one capture's
-rounding) is measured over ``GRAPH_OBJECT_COPIES`` copies of each group's smallest key captured into
-one scratch pool.  The other keys are interpolated by token count.
+rounding) is measured first, over ``GRAPH_OBJECT_COPIES`` copies of each group's smallest key captured
+into one scratch pool after the largest key (as a plan's capture fills its pool), all groups' copies
+alive together (the driver hands what a dropped graph held to the next one, which would then measure
+as free).  The other keys are interpolated by token count.
 
 A plan captured in the foreground shares one pool, as large as its largest need, and the warm-up
 of its largest key; each key adds its graph objects.  In the background a strategy with eager
@@ -188,12 +190,14 @@ def estimate_memory(
     todo = _probe_keys(pairs) if measured else list(pairs)
     probes: list[Probe] = []
     with paused_gc():
+        own: dict[tuple[str, int], int] = {}
         if measured and todo:
             _probe(one, todo[0], strategies, run, payload, device_memory, release)  # first use: kernels load, handles are made
+            own = _graph_object_bytes(todo, one, strategies, run, payload, device_memory, release)
         for pair in todo:
             probes.append(_probe(one, pair, strategies, run, payload, device_memory, release))
-        if measured:
-            probes = _with_graph_objects(probes, one, strategies, run, payload, device_memory, release)
+        if own:
+            probes = [attrs.evolve(p, own_bytes=own[(p.strategy, p.key.num_active_loras)]) for p in probes]
     gc.collect()
     release()
     figures = {pair: _interpolate(probes, *pair) for pair in pairs}
@@ -212,42 +216,50 @@ def estimate_memory(
     return MemoryEstimate(backend.name, background, tuple(keys), pool, warmup, static, tuple(probes), shared_strategies)
 
 
-def _with_graph_objects(
-    probes: list[Probe], one: EntryCapture, strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
+def _graph_object_bytes(
+    pairs: Sequence[Pair], one: EntryCapture, strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
     device_memory: Callable[[], tuple[int, int]], release: Callable[[], None],
-) -> list[Probe]:
-    """``probes`` with each group's bytes a key adds to a shared pool, measured over ``GRAPH_OBJECT_COPIES`` copies.
+) -> dict[tuple[str, int], int]:
+    """What a key of each group (strategy, LoRA count) adds to a shared pool, measured over ``GRAPH_OBJECT_COPIES`` copies.
 
-    A plan's keys share one pool: beyond the largest need, each adds its graph objects and what stays alive in
-    the pool (its outputs, the pool's rounding).  The smallest key of the group is captured once into a fresh
-    scratch pool, then ``GRAPH_OBJECT_COPIES`` times more into the same pool, all alive; what the device gave
-    the copies, less their own scratch inputs, is shared out.  The driver keeps what dead graphs held for later
-    ones, so this sees the graph objects only where the process has not captured (and dropped) graphs before:
-    an engine's first estimate does, a second one in the same process sees less (docs/performance.md).
+    ``pairs`` largest first.  A plan's capture takes its largest key first: one pool as large as that key's need,
+    and the warm-up's activations left in the caching allocator; each further key adds its graph objects and
+    whatever of its own does not fit in those (outputs kept alive, static buffers between eager breaks).  So the
+    largest key is captured first into one scratch pool, unmeasured, then each group's smallest key
+    ``GRAPH_OBJECT_COPIES`` times into the same pool; what the device gave the copies, less their own scratch
+    inputs, is shared out.  The driver keeps what dead graphs held and gives it to later ones, so every group's
+    copies stay alive until all are measured (a group measured in what an earlier one gave back would see none of
+    its own), and this runs before the probes capture and drop theirs.  A second estimate in the same process
+    still measures less than the first (docs/performance.md).
     """
-    groups: dict[tuple[str, int], Probe] = {}
-    for p in probes:
-        group = (p.strategy, p.key.num_active_loras)
-        if group not in groups or p.key.num_tokens < groups[group].key.num_tokens:
-            groups[group] = p
+    groups: dict[tuple[str, int], Pair] = {}
+    for pair in pairs:
+        group = (pair[1], pair[0].num_active_loras)
+        if group not in groups or pair[0].num_tokens < groups[group][0].num_tokens:
+            groups[group] = pair
     own = {}
-    for group, smallest in groups.items():
-        release()
-        pool = one.backend.new_pool()
+    release()
+    pool = one.backend.new_pool()
 
-        def capture() -> Any:
-            return run(one.capture, smallest.key, smallest.strategy, strategies(smallest.strategy), payload, scratch=True, scratch_pool=pool)
+    def capture(key: BatchDescriptor, name: str) -> Any:
+        return run(one.capture, key, name, strategies(name), payload, scratch=True, scratch_pool=pool)
 
-        first = capture()
-        used = device_memory()[0]
-        copies = [capture() for _ in range(GRAPH_OBJECT_COPIES)]
-        used_after = device_memory()[0]
+    alive: list[Any] = [capture(*pairs[0])]  # the plan's pool and cached warm-up, as capture has them: not measured
+    for group, (key, name) in groups.items():
+        used, reserved = device_memory()
+        copies = [capture(key, name) for _ in range(GRAPH_OBJECT_COPIES)]
+        used_after, reserved_after = device_memory()
+        # Outside the caching allocator: graph objects.  Inside: the copies' scratch inputs (which may also have come
+        # out of the cached warm-up), then what each copy keeps in the pool.
         inputs = sum(buf.tensor.untyped_storage().nbytes() for entry in copies for buf in entry.buffers or ())
-        own[group] = max(0, used_after - used - inputs) // GRAPH_OBJECT_COPIES
-        del first, copies, capture
-        gc.collect()
-        release()
-    return [attrs.evolve(p, own_bytes=own[(p.strategy, p.key.num_active_loras)]) for p in probes]
+        held = reserved_after - reserved
+        outside = max(0, used_after - used - held)
+        own[group] = (outside + max(0, held - inputs)) // GRAPH_OBJECT_COPIES
+        alive += copies
+    del alive, copies
+    gc.collect()
+    release()
+    return own
 
 
 def _probe(
