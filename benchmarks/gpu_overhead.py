@@ -23,6 +23,11 @@ import torch
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 
+try:
+    from benchmarks.timing import copy_replay_slice, doubling_graph
+except ImportError:  # run as a script from benchmarks/
+    from timing import copy_replay_slice, doubling_graph  # type: ignore[no-redef]
+
 
 def host_us(fn: Callable[[], object], calls: int, rounds: int) -> tuple[float, float]:
     """Median and minimum over rounds of host microseconds per call (GPU drained between rounds)."""
@@ -49,20 +54,9 @@ def main() -> None:
     live = torch.randn(n, 256, device="cuda")
     held = torch.randn(n, 256, device="cuda")
 
-    static = torch.zeros(64, 256, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        static[:n] * 2
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        out = static[:n] * 2
+    graph, static, out = doubling_graph(n)
 
-    def hand() -> torch.Tensor:
-        static[:n].copy_(live)
-        graph.replay()
-        return out[:n]
+    hand = copy_replay_slice(graph, static, out, live)
 
     reg = cg.GraphRegistry(lambda b, x: x * 2, {"x": cg.StaticInput((64, 256), torch.float32)}, backend="cuda")
     reg.capture([(batch, "full")], progress=False)

@@ -25,6 +25,33 @@ def per_call_us(fn: Callable[[], object], iters: int, repeats: int = 7) -> float
     return statistics.median(samples)
 
 
+def doubling_graph(rows: int, static_rows: int = 64, width: int = 256) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    """A one-kernel graph, ``out = static[:rows] * 2``, captured by hand after a side-stream warm-up: the bare replay
+    the overhead benchmarks hold ``run()`` against.  Returns the graph, its static input and its output."""
+    static = torch.zeros(static_rows, width, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        static[:rows] * 2
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = static[:rows] * 2
+    return graph, static, out
+
+
+def copy_replay_slice(graph: torch.cuda.CUDAGraph, static: torch.Tensor, out: torch.Tensor, live: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """What an engine writes by hand around ``doubling_graph``: copy the live rows in, replay, slice the output."""
+    rows = live.shape[0]
+
+    def hand() -> torch.Tensor:
+        static[:rows].copy_(live)
+        graph.replay()
+        return out[:rows]
+
+    return hand
+
+
 def static_graph(
     model: Callable[..., torch.Tensor],
     batch: object,
