@@ -28,7 +28,7 @@ from cgregistry.buffers import InputError
 from cgregistry.capturer import Capturer
 from cgregistry.catalog import Catalog
 from cgregistry.debug import checked, check_addresses, plain
-from cgregistry.weights import WeightsMovedError, WeightWatch
+from cgregistry.weights import WeightWatch
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.distributed import agree
 from cgregistry.entries import Entry
@@ -37,7 +37,6 @@ from cgregistry.events import Events
 from cgregistry.matcher import Match, excluded
 from cgregistry.routing import NO_EXCLUSION, Route, Variant, not_a_descriptor
 from cgregistry.runtime import BreakContext
-from cgregistry.serving_state import ServingStateError
 
 __all__ = ["ConcurrentRunError", "DebugServer", "Server"]
 
@@ -51,8 +50,6 @@ class ConcurrentRunError(CgregistryError, RuntimeError):
     same one from inside it: from the step or a hook)."""
 
 
-# Refusals raised before a run() copies anything in: debug mode's outputs of the run before stay readable.
-_REFUSED_BEFORE_COPY = (InputError, ServingStateError, WeightsMovedError, ConcurrentRunError)
 
 
 class Server:
@@ -69,7 +66,7 @@ class Server:
         self._variants = catalog.routes.variant_cache
         self._counters = catalog.counters
         self._capturer = capturer
-        self._state = capturer.state_test  # changed in place by the capturer: read attribute by attribute below
+        self._state = capturer.state_test  # changed in place by the capturer: its parts read as one tuple below
         self._background = background
         self._adapter = adapter
         self._events = events
@@ -126,8 +123,8 @@ class Server:
                         buf.check(inputs[buf.name], rows)
                 if entry is None:
                     return self._miss(actual, inputs, context, route.miss_reason, route.hint)
-            state = self._state  # a graph computes what it computed at capture: refuse another autocast or dtype
-            if not (state.guard() and state.flag() == state.flag_was):
+            guard, flag, flag_was = self._state.parts  # a graph computes what it computed at capture: refuse another autocast or dtype
+            if not (guard() and flag() == flag_was):
                 self._capturer.refuse_other_state()
             if copies:
                 for buf, rows in copies:
@@ -158,9 +155,10 @@ class Server:
     def _busy(self) -> ConcurrentRunError:
         """The refusal of a run() while another is in progress: from inside that run() on this thread (the step or a
         hook called back), or beside it on another thread.  Told apart here, off the hot path, by this thread's frames."""
-        frame, runs = inspect.currentframe(), 0  # the refused run() is one frame of Server.run; an outer one, another
+        code = type(self).run.__code__  # Server.run, or the debug wrapper around it
+        frame, runs = inspect.currentframe(), 0  # the refused run() is one frame of it; an outer one, another
         while frame is not None and runs < 2:
-            runs += frame.f_code is Server.run.__code__ and frame.f_locals.get("self") is self
+            runs += frame.f_code is code and frame.f_locals.get("self") is self
             frame = frame.f_back
         if runs == 2:
             return ConcurrentRunError(
@@ -201,7 +199,7 @@ class Server:
                     if self._background.busy:  # a capture in flight: the capture thread takes this key (no longer lazy)
                         self._background.submit([route.pending], self._capturer.current())
                     else:
-                        self._capturer.capture_lazily(route.pending)
+                        self._capture_lazily(route.pending)
                     route = self._route(actual, variant)
             if waited or route.entry is not None or route.miss_reason != "capturing":
                 return route, inputs
@@ -210,6 +208,10 @@ class Server:
             if not self._background.await_cover(target, NO_EXCLUSION if variant is None else variant.exclude):
                 return route, inputs
             route = self._route(actual, variant)
+
+    def _capture_lazily(self, key: Any) -> None:
+        """Capture a lazy key now, on this thread (it resets the static buffers to their fills)."""
+        self._capturer.capture_lazily(key)
 
     def _miss(
         self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any, reason: str | None, hint: str | None = None,
@@ -345,41 +347,51 @@ class DebugServer(Server):
     An output passed back as the next input is read before this run overwrites it; a run
     refused for its batch, its inputs, its serving state or moved weights overwrites nothing, nor does
     a miss whose eager step refuses the batch; eager outputs are the caller's own.  It wraps
-    ``Server.run`` (the plain path stays free of debug checks) and learns whether a refused run touched
-    the static buffers from the paths that may before raising: a lazy capture (or a wait for the capture
-    thread, counted as one), and a failed replay.
+    ``Server.run`` under a lock of its own (so the clock and the stamps of one run are not interleaved
+    with another thread's), leaving the plain path free of debug checks, and learns whether a refused
+    run touched the static buffers from the paths that may before raising: a lazy capture and a failed
+    replay (an interrupt, which may come anywhere, counts as touching).
     """
 
     def __init__(self, *args: Any, watch: WeightWatch) -> None:
         super().__init__(*args)
         self._watch = watch
         self._clock = [0]  # run() count, for the stale-output check
-        self._here = threading.local()  # .touched: this thread's run wrote the static buffers (for a refusal's count)
+        self._here = threading.local()  # .touches: how often this thread's runs wrote the static buffers (only grows)
+        self._debug_lock = _thread.allocate_lock()
 
     def run(
         self, actual: BatchDescriptor, /, *, context: Any = None, group: Any = None, exclude: Any = None, **inputs: torch.Tensor
     ) -> Any:
-        if self._catalog.entries:  # with no graph, nothing reads the watched addresses yet
-            check_addresses(self._watch)
-        inputs = {name: plain(value) for name, value in inputs.items()}  # outputs of earlier runs: read while still fresh
-        eager_before = self._counters.eager_fallbacks
-        self._here.touched = False
-        clock = self._clock
+        if not self._debug_lock.acquire(False):
+            raise self._busy()
         try:
-            out = super().run(actual, context=context, group=group, exclude=exclude, **inputs)
-        except Exception as exc:
-            if not isinstance(exc, _REFUSED_BEFORE_COPY) and self._here.touched:
-                clock[0] += 1  # the static buffers were written before the refusal: earlier outputs are stale
-            raise
-        clock[0] += 1
-        if self._counters.eager_fallbacks != eager_before:
-            return out
-        return checked(out, clock[0], clock)
+            if self._catalog.entries:  # with no graph, nothing reads the watched addresses yet
+                check_addresses(self._watch)
+            inputs = {name: plain(value) for name, value in inputs.items()}  # outputs of earlier runs: read while still fresh
+            eager_before = self._counters.eager_fallbacks
+            here, clock = self._here, self._clock
+            touches = getattr(here, "touches", 0)
+            try:
+                out = super().run(actual, context=context, group=group, exclude=exclude, **inputs)
+            except BaseException as exc:
+                if getattr(here, "touches", 0) != touches or not isinstance(exc, Exception):
+                    clock[0] += 1  # the static buffers may have been written before the refusal: earlier outputs are stale
+                raise
+            clock[0] += 1
+            if self._counters.eager_fallbacks != eager_before:
+                return out
+            return checked(out, clock[0], clock)
+        finally:
+            self._debug_lock.release()
 
-    def _graph_for(self, *args: Any) -> tuple[Route, dict[str, torch.Tensor]]:
-        self._here.touched = True  # a lazy capture resets the static buffers (a wait for the capture thread counts too)
-        return super()._graph_for(*args)
+    def _touch(self) -> None:
+        self._here.touches = getattr(self._here, "touches", 0) + 1
+
+    def _capture_lazily(self, key: Any) -> None:
+        self._touch()  # a lazy capture resets the static buffers
+        super()._capture_lazily(key)
 
     def _replay_failed(self, *args: Any) -> Any:
-        self._here.touched = True  # the inputs were copied in and the graph ran
+        self._touch()  # the inputs were copied in and the graph ran
         return super()._replay_failed(*args)

@@ -212,35 +212,37 @@ _FALSE: Callable[[], bool] = False.__bool__
 class StateTest:
     """The hot path's test of the calling thread's state against a record: ``guard() and flag() == flag_was``.
 
-    The server reads the three attributes where it replays (no Python frame per replay: two C calls,
-    dynamo's ``GlobalStateGuard`` and cuDNN's TF32 flag, which the guard does not cover).  Changed
-    in place (``take``, ``passing``, ``failing``), so whoever holds it sees the current test.  False may
-    also mean a difference that changes no result (grad mode, the thread count): the caller then asks
+    The server reads ``parts``, the triple ``(guard, flag, flag_was)``, where it replays (no Python
+    frame per replay: two C calls, dynamo's ``GlobalStateGuard`` and cuDNN's TF32 flag, which the guard
+    does not cover).  Changed in place (``take``, ``passing``, ``failing``), one tuple swapped whole, so
+    whoever holds it sees the current test and never half of two.  False may also mean a difference
+    that changes no result (grad mode, the thread count): the caller then asks
     ``ServingState.differences()`` of the record, and ``take``s the state again if there is none.
     """
 
-    __slots__ = ("guard", "flag", "flag_was")
+    __slots__ = ("parts",)
 
     def __init__(self) -> None:
         self.passing()
 
     def __call__(self) -> bool:
-        return self.guard() and self.flag() == self.flag_was
+        guard, flag, flag_was = self.parts
+        return guard() and flag() == flag_was
 
     def passing(self) -> None:
         """Pass whatever the state (nothing recorded to compare with)."""
-        self.guard, self.flag, self.flag_was = _TRUE, _TRUE, True
+        self.parts = (_TRUE, _TRUE, True)
 
     def failing(self) -> None:
         """Fail whatever the state, until the next ``take`` (the caller then looks at what changed)."""
-        self.guard, self.flag, self.flag_was = _FALSE, _TRUE, True
+        self.parts = (_FALSE, _TRUE, True)
 
     def take(self, device_type: str = "cpu") -> None:
         """Pass while the calling thread's state is what it is now, in every field ``ServingState.differences()``
         compares (``device_type``: the registry's, whose autocast counts too).  Call it on the thread it will check."""
         now = ServingState.current(device_type)
         if GlobalStateGuard is None:
-            self.guard, self.flag, self.flag_was = (lambda: not now.differences()), _TRUE, True
+            self.parts = ((lambda: not now.differences()), _TRUE, True)
             return
         guard = GlobalStateGuard().check
         rest = [(read, was) for (name, read), was in zip(_MATMUL_FLAGS, now.matmul_flags) if name not in _GUARDED_FLAGS]
@@ -250,6 +252,6 @@ class StateTest:
         ]
         if len(rest) == 1:  # the usual case: cuDNN's TF32 flag alone
             ((read, was),) = rest
-            self.guard, self.flag, self.flag_was = guard, read, was
+            self.parts = (guard, read, was)
         else:
-            self.guard, self.flag, self.flag_was = (lambda: guard() and all(read() == was for read, was in rest)), _TRUE, True
+            self.parts = ((lambda: guard() and all(read() == was for read, was in rest)), _TRUE, True)
