@@ -50,8 +50,6 @@ class ConcurrentRunError(CgregistryError, RuntimeError):
     same one from inside it: from the step or a hook)."""
 
 
-
-
 class Server:
     """Serves batches from a catalog's routes: replay, or the eager step."""
 

@@ -13,12 +13,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch import nn
-
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry import serving_state
 from cgregistry.testing import make_plugins
+from tests.test_serving_safety import Tiny
 
 
 def breakable_registry(in_break: Callable[[], None]) -> cg.GraphRegistry:
@@ -116,14 +115,6 @@ def test_waiting_for_a_failed_background_capture_then_an_eager_refusal_overwrite
 
 def test_a_weight_change_on_another_thread_mid_check_does_not_let_a_cudnn_flag_change_through(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state test is read whole: a ``failing()`` from another thread between its parts must not mix them."""
-
-    class Tiny(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = nn.Linear(3, 3)
-
-        def forward(self, batch: B, x: torch.Tensor) -> torch.Tensor:
-            return self.proj(x)
 
     model = Tiny()
     real_guard = serving_state.GlobalStateGuard
