@@ -147,5 +147,6 @@ def main() -> None:
     print("predicted: the process's first estimate (an engine's); taken: what capture(plan) took right after it; 2nd: an estimate "
           "after the plan was captured and cleared; left: what that one left on the device; cold: what the first left")
 
+
 if __name__ == "__main__":
     main()

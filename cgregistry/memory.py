@@ -38,6 +38,7 @@ from cgregistry.text import text_table
 __all__ = ["GRAPH_OBJECT_COPIES", "KeyMemory", "MemoryEstimate", "Probe", "estimate_memory"]
 
 GRAPH_OBJECT_COPIES = 8  # captures of a group's smallest key into one pool that measure what a key adds to it
+Group = tuple[str, int]  # (strategy, LoRA count): keys whose bytes are measured and interpolated together
 
 
 @attrs.frozen(slots=True)
@@ -161,11 +162,17 @@ def _interpolate(probes: Sequence[Probe], key: BatchDescriptor, strategy: str) -
                  mix(low.seconds, high.seconds))
 
 
+def _groups(pairs: Sequence[Pair]) -> dict[Group, list[Pair]]:
+    """``pairs`` by strategy and LoRA count, in order."""
+    groups: dict[Group, list[Pair]] = {}
+    for key, strategy in pairs:
+        groups.setdefault((strategy, key.num_active_loras), []).append((key, strategy))
+    return groups
+
+
 def _probe_keys(pairs: Sequence[Pair]) -> list[Pair]:
     """The largest and the smallest key of each strategy and LoRA count: what interpolation needs."""
-    groups: dict[tuple[str, int], list[Pair]] = {}
-    for pair in pairs:
-        groups.setdefault((pair[1], pair[0].num_active_loras), []).append(pair)
+    groups = _groups(pairs)
 
     def size(pair: Pair) -> tuple[int, int]:
         return (pair[0].num_tokens, pair[0].num_reqs or 0)
@@ -190,7 +197,7 @@ def estimate_memory(
     todo = _probe_keys(pairs) if measured else list(pairs)
     probes: list[Probe] = []
     with paused_gc():
-        own: dict[tuple[str, int], int] = {}
+        own: dict[Group, int] = {}
         if measured and todo:
             _probe(one, todo[0], strategies, run, payload, device_memory, release)  # first use: kernels load, handles are made
             own = _graph_object_bytes(todo, one, strategies, run, payload, device_memory, release)
@@ -219,7 +226,7 @@ def estimate_memory(
 def _graph_object_bytes(
     pairs: Sequence[Pair], one: EntryCapture, strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
     device_memory: Callable[[], tuple[int, int]], release: Callable[[], None],
-) -> dict[tuple[str, int], int]:
+) -> dict[Group, int]:
     """What a key of each group (strategy, LoRA count) adds to a shared pool, measured over ``GRAPH_OBJECT_COPIES`` copies.
 
     ``pairs`` largest first.  A plan's capture takes its largest key first: one pool as large as that key's need,
@@ -232,11 +239,6 @@ def _graph_object_bytes(
     its own), and this runs before the probes capture and drop theirs.  A second estimate in the same process
     still measures less than the first (docs/performance.md).
     """
-    groups: dict[tuple[str, int], Pair] = {}
-    for pair in pairs:
-        group = (pair[1], pair[0].num_active_loras)
-        if group not in groups or pair[0].num_tokens < groups[group][0].num_tokens:
-            groups[group] = pair
     own = {}
     release()
     pool = one.backend.new_pool()
@@ -245,7 +247,8 @@ def _graph_object_bytes(
         return run(one.capture, key, name, strategies(name), payload, scratch=True, scratch_pool=pool)
 
     alive: list[Any] = [capture(*pairs[0])]  # the plan's pool and cached warm-up, as capture has them: not measured
-    for group, (key, name) in groups.items():
+    for group, members in _groups(pairs).items():
+        key, name = min(members, key=lambda pair: pair[0].num_tokens)  # the group's smallest (the first, on a tie)
         used, reserved = device_memory()
         copies = [capture(key, name) for _ in range(GRAPH_OBJECT_COPIES)]
         used_after, reserved_after = device_memory()
