@@ -5,7 +5,8 @@ Separate processes on a shared host differ by more than the change being measure
 each checkout's package is imported in turn into this one process (``sys.modules`` purged
 between), its registries built, and then every case is sampled once per round (200 calls,
 the GPU drained after each), the order rotated round by round.  Cases, on a one-kernel
-graph: a bare replay, a replay plus ``detach()`` (the fresh output view ``run()`` hands out),
+graph: a bare replay (torch's ``CUDAGraph.replay``, what an engine calls), the same replay through the C++ method
+(what the cuda backend binds, ``direct_replay``), a replay plus ``detach()`` (the fresh output view ``run()`` hands out),
 the hand-written copy + replay + slice, and for each checkout ``run()`` with no inputs, with
 one input, and with no inputs on a registry whose capture ran in the background (where the
 checkout has background capture).  Public API only:
@@ -22,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from types import ModuleType
 
@@ -94,7 +96,11 @@ def main() -> None:
         graph.replay()
         return out.detach()
 
-    cases: dict[str, Callable[[], object]] = {"bare replay": graph.replay, "replay + detach": replay_and_detach, "hand copy+replay+slice": hand}
+    cpp_replay = types.MethodType(torch._C._CUDAGraph.replay, graph)  # torch's Python wrapper skipped, as cuda.py does
+    cases: dict[str, Callable[[], object]] = {
+        "bare replay": graph.replay, "bare C++ replay": cpp_replay, "replay + detach": replay_and_detach,
+        "hand copy+replay+slice": hand,
+    }
     for tree in args.trees:
         cases.update(checkout_cases(tree, held, live))
     samples: dict[str, list[float]] = {name: [] for name in cases}

@@ -11,6 +11,7 @@ import collections
 import contextlib
 import contextvars
 import threading
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from cgregistry.markers import hookimpl
 if TYPE_CHECKING:
     from cgregistry.plugins import BackendRegistrar
 
-__all__ = ["CudaBackend", "CudaGraph", "CudaSegment", "StepPacer", "clear_cublas_workspaces", "non_owning_alias"]
+__all__ = ["CudaBackend", "CudaGraph", "CudaSegment", "StepPacer", "clear_cublas_workspaces", "direct_replay", "non_owning_alias"]
 
 
 def _reserved_bytes() -> int:
@@ -53,14 +54,40 @@ def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
     return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
 
+_C_GRAPH = getattr(torch._C, "_CUDAGraph", None)
+# What torch's Python CUDAGraph.replay may do besides calling the C++ replay: check the input-liveness tracker
+# that only capture_begin(check_input_liveness=True) sets.  A wrapper that names anything else is called as it is.
+_WRAPPER_NAMES = frozenset({"_tracker", "check_alive", "pool", "super", "replay"})
+
+
+def direct_replay(graph: Any, wrapper: Callable[..., None] | None = None, c_replay: Any = None) -> Callable[[], None]:
+    """``graph``'s C++ replay as a bound method, without torch's Python wrapper where the wrapper has nothing to do.
+
+    ``torch.cuda.CUDAGraph.replay`` is a Python method (a frame and a ``super()`` call, about 0.2 µs a replay)
+    whose only work is the input-liveness check, and this backend never turns that check on.  The wrapper is
+    kept when the graph has a tracker, or when its code refers to anything but that check (a later torch).
+    ``wrapper``/``c_replay``: the graph class's ``replay`` and the C++ base's (tests pass their own)."""
+    if c_replay is None:
+        c_replay = getattr(_C_GRAPH, "replay", None)
+    if wrapper is None:
+        wrapper = getattr(type(graph), "replay", None)
+    if c_replay is None or getattr(graph, "_tracker", None) is not None:
+        return graph.replay
+    if wrapper is not c_replay:
+        code = getattr(wrapper, "__code__", None)
+        if code is None or not set(code.co_names) <= _WRAPPER_NAMES:
+            return graph.replay
+    return types.MethodType(c_replay, graph)  # a pybind11 function has no __get__: bind it this way
+
+
 class CudaGraph:
-    """One captured torch.cuda.CUDAGraph; ``replay`` is the graph's own bound method."""
+    """One captured torch.cuda.CUDAGraph; ``replay`` is its C++ replay, bound (``direct_replay``)."""
 
     __slots__ = ("graph", "replay", "memory_bytes")
 
     def __init__(self, graph: torch.cuda.CUDAGraph, memory_bytes: int) -> None:
         self.graph = graph
-        self.replay = graph.replay
+        self.replay = direct_replay(graph)
         self.memory_bytes = memory_bytes
 
 
