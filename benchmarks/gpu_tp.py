@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
         if not worst <= args.tolerance:
             raise SystemExit(f"rank {rank}: logits differ from TP=1 by {worst:.3g} (tolerance {args.tolerance})")
     finally:
-        dist.destroy_process_group()
+        groups = group = model = None  # this frame's references: every group must be freed before exit
+        hf.release_process_group()
 
 
 def report(args: argparse.Namespace, device: torch.device, world: int, shape: Any, rows: list[tuple], agreed: dict[str, float],

@@ -6,6 +6,7 @@ checks itself against eager and raises on any mismatch, which fails the parent.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -135,6 +136,7 @@ def main(rank: int, world: int, comm: str, init_file: str) -> None:
             scenario(rank, world, device, backend)
             dist.barrier()
     finally:
+        gc.collect()  # registries (reference cycles) holding the group go while it is up, not at interpreter exit
         dist.destroy_process_group()
     if os.environ.get("CGREGISTRY_DIST_VERBOSE"):
         print(f"rank {rank}/{world} ({comm}): data, tensor and pipeline parallel checks passed", flush=True)

@@ -81,4 +81,5 @@ def main(rank: int, world: int, init_file: str) -> None:
             print(f"refused: {background.value}\nrefused: {adapting.value}", flush=True)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        result = reg = model = background = adapting = None  # this frame's references: the group goes before exit
+        hf.release_process_group()
