@@ -41,6 +41,8 @@ import statistics
 import sys
 import threading
 import time
+import traceback
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -376,8 +378,11 @@ def main(argv: list[str] | None = None) -> None:
         if not worst <= args.tolerance:
             raise SystemExit(f"rank {rank}: logits differ from TP=1 by {worst:.3g} (tolerance {args.tolerance})")
     finally:
+        subgroups = [weakref.ref(g) for g in groups.values()]
         groups = group = model = None  # this frame's references: every group must be freed before exit
-        hf.release_process_group()
+        if sys.exc_info()[2] is not None:
+            traceback.clear_frames(sys.exc_info()[2])
+        hf.release_process_group(subgroups)
 
 
 def report(args: argparse.Namespace, device: torch.device, world: int, shape: Any, rows: list[tuple], agreed: dict[str, float],

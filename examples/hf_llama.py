@@ -45,6 +45,7 @@ import math
 import os
 import sys
 import time
+import traceback
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -834,18 +835,22 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if group is not None:
             group = result = reg = stats = None  # this frame's references to the group and the last registry
+            if sys.exc_info()[2] is not None:  # a failing mode: its frames (model, registry) must not keep the group
+                traceback.clear_frames(sys.exc_info()[2])
             release_process_group()
 
 
-def release_process_group() -> None:
+def release_process_group(subgroups: list[weakref.ref[Any]] | None = None) -> None:
     """Destroy the process group, and make sure nothing keeps it until interpreter exit: a gloo group freed while the
     interpreter finalizes can abort the process ("terminate called without an active exception"; 15 of 25 runs of a
     two-rank script that kept the group in a global, 0 of 25 when it dropped it first).  Registries live in reference
     cycles and their graphs hold the group's collectives, so they are collected here, while the interpreter is whole."""
-    released = weakref.ref(torch.distributed.group.WORLD)
+    if not torch.distributed.is_initialized():
+        return
+    released = [weakref.ref(torch.distributed.group.WORLD), *(subgroups or [])]  # subgroups: the caller's new_group()s
     gc.collect()
     torch.distributed.destroy_process_group()
-    if released() is not None:
+    if any(ref() is not None for ref in released):
         print("warning: the process group is still referenced after destroy_process_group(); drop every registry "
               "and model that holds it first (a gloo group freed at interpreter exit can abort the process)",
               file=sys.stderr, flush=True)

@@ -55,28 +55,39 @@ def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
 
 
 _C_GRAPH = getattr(torch._C, "_CUDAGraph", None)
-# What torch's Python CUDAGraph.replay may do besides calling the C++ replay: check the input-liveness tracker
-# that only capture_begin(check_input_liveness=True) sets.  A wrapper that names anything else is called as it is.
-_WRAPPER_NAMES = frozenset({"_tracker", "check_alive", "pool", "super", "replay"})
+# The code of the torch CUDAGraph.replay wrappers known to do nothing but call the C++ replay when the graph has no
+# input-liveness tracker: torch 2.11 (``super().replay()``) and 2.13 (the tracker check first).  Any other code,
+# a decorated or patched wrapper included, is called as it is.
+_KNOWN_WRAPPERS = frozenset({("super", "replay"), ("_tracker", "check_alive", "pool", "super", "replay")})
+
+
+def _known_wrapper(wrapper: Any) -> bool:
+    code = getattr(wrapper, "__code__", None)
+    return (
+        code is not None and code.co_names in _KNOWN_WRAPPERS and code.co_freevars == ("__class__",)
+        and not any(isinstance(const, types.CodeType) for const in code.co_consts)
+        and getattr(wrapper, "__closure__", None) is not None and len(wrapper.__closure__) == 1
+    )
 
 
 def direct_replay(graph: Any, wrapper: Callable[..., None] | None = None, c_replay: Any = None) -> Callable[[], None]:
     """``graph``'s C++ replay as a bound method, without torch's Python wrapper where the wrapper has nothing to do.
 
-    ``torch.cuda.CUDAGraph.replay`` is a Python method (a frame and a ``super()`` call, about 0.2 µs a replay)
-    whose only work is the input-liveness check, and this backend never turns that check on.  The wrapper is
-    kept when the graph has a tracker, or when its code refers to anything but that check (a later torch).
-    ``wrapper``/``c_replay``: the graph class's ``replay`` and the C++ base's (tests pass their own)."""
+    ``torch.cuda.CUDAGraph.replay`` is a Python method (a frame and a ``super()`` call, about 0.15 µs a replay
+    on an H200) whose only other work is the input-liveness check, which this backend never turns on.  The
+    wrapper is kept for a graph with a tracker, for a subclass of ``CUDAGraph``, and for wrapper code other than
+    the known ones (a later torch, a decorated or patched ``replay``).  Decided once, when the graph is wrapped
+    after capture: ``replay`` patched later is not seen.  ``wrapper``/``c_replay``: stand-ins for tests."""
+    if wrapper is None:
+        if type(graph) is not torch.cuda.CUDAGraph:
+            return graph.replay
+        wrapper = torch.cuda.CUDAGraph.replay
     if c_replay is None:
         c_replay = getattr(_C_GRAPH, "replay", None)
-    if wrapper is None:
-        wrapper = getattr(type(graph), "replay", None)
     if c_replay is None or getattr(graph, "_tracker", None) is not None:
         return graph.replay
-    if wrapper is not c_replay:
-        code = getattr(wrapper, "__code__", None)
-        if code is None or not set(code.co_names) <= _WRAPPER_NAMES:
-            return graph.replay
+    if wrapper is not c_replay and not _known_wrapper(wrapper):
+        return graph.replay
     return types.MethodType(c_replay, graph)  # a pybind11 function has no __get__: bind it this way
 
 
