@@ -41,7 +41,6 @@ import statistics
 import sys
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -380,8 +379,6 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         subgroups = [weakref.ref(g) for g in groups.values()]
         groups = group = model = None  # this frame's references: every group must be freed before exit
-        if sys.exc_info()[2] is not None:
-            traceback.clear_frames(sys.exc_info()[2])
         hf.release_process_group(subgroups)
 
 

@@ -835,8 +835,6 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if group is not None:
             group = result = reg = stats = None  # this frame's references to the group and the last registry
-            if sys.exc_info()[2] is not None:  # a failing mode: its frames (model, registry) must not keep the group
-                traceback.clear_frames(sys.exc_info()[2])
             release_process_group()
 
 
@@ -844,9 +842,13 @@ def release_process_group(subgroups: list[weakref.ref[Any]] | None = None) -> No
     """Destroy the process group, and make sure nothing keeps it until interpreter exit: a gloo group freed while the
     interpreter finalizes can abort the process ("terminate called without an active exception"; 15 of 25 runs of a
     two-rank script that kept the group in a global, 0 of 25 when it dropped it first).  Registries live in reference
-    cycles and their graphs hold the group's collectives, so they are collected here, while the interpreter is whole."""
+    cycles and their graphs hold the group's collectives, so they are collected here, while the interpreter is whole.
+    The caller drops its own references first; called from a ``finally`` while an error propagates, the error's
+    frames are cleared (the traceback still prints)."""
     if not torch.distributed.is_initialized():
         return
+    if sys.exc_info()[2] is not None:  # called while a failure propagates: its frames (model, registry) hold the group
+        traceback.clear_frames(sys.exc_info()[2])
     released = [weakref.ref(torch.distributed.group.WORLD), *(subgroups or [])]  # subgroups: the caller's new_group()s
     gc.collect()
     torch.distributed.destroy_process_group()

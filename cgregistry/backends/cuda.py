@@ -66,7 +66,6 @@ def _known_wrapper(wrapper: Any) -> bool:
     return (
         code is not None and code.co_names in _KNOWN_WRAPPERS and code.co_freevars == ("__class__",)
         and not any(isinstance(const, types.CodeType) for const in code.co_consts)
-        and getattr(wrapper, "__closure__", None) is not None and len(wrapper.__closure__) == 1
     )
 
 
