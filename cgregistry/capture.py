@@ -92,7 +92,7 @@ class EntryCapture:
 
     def capture(
         self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, *, background: bool = False, scratch: bool = False,
-        scratch_pool: Any = None,
+        scratch_pool: Any = None, scratch_inputs: Mapping[str, StaticBuffer] | None = None,
     ) -> Entry:
         """Warm up and capture ``step(key, **views)`` with ``strategy``; ``payload`` is what eager breaks see.
 
@@ -100,28 +100,33 @@ class EntryCapture:
         (sized for the key, at their fills), since the shared ones hold the live batch being served;
         and a strategy that runs eager code during capture (breaks) gets a pool of its own, since
         that code really executes and could write memory a graph being replayed now is using.
-        ``scratch``: captured as in the background, into a pool of its own whatever the strategy,
-        to be measured and dropped (a memory estimate's probe); into ``scratch_pool`` where given (probes
-        sharing one pool, as a plan's keys do).
+        ``scratch``: captured to be measured and dropped (a memory estimate), never into the shared pool nor on the
+        shared static inputs: into ``scratch_pool`` (a pool of its own if None), on ``scratch_inputs`` (buffers as
+        large as the registry's, reset to their fills, as a foreground capture uses the shared ones) or, if None, on
+        inputs of its own sized for the key (as in the background).  Otherwise it runs as ``background`` says, on the
+        same streams, so that it takes what that capture would.
         """
-        if background or scratch:  # on streams of the capturing thread's own where the backend has them (cuda)
+        if background:  # on streams of the capturing thread's own where the backend has them (cuda)
             with getattr(self.backend, "background_context", contextlib.nullcontext)():
-                return self._capture(key, strategy_name, strategy, payload, True, scratch, scratch_pool)
-        return self._capture(key, strategy_name, strategy, payload, False, False)
+                return self._capture(key, strategy_name, strategy, payload, True, scratch, scratch_pool, scratch_inputs)
+        return self._capture(key, strategy_name, strategy, payload, False, scratch, scratch_pool, scratch_inputs)
 
     def _capture(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, background: bool, scratch: bool,
-                 scratch_pool: Any = None) -> Entry:
+                 scratch_pool: Any = None, scratch_inputs: Mapping[str, StaticBuffer] | None = None) -> Entry:
         device_memory = getattr(self.backend, "device_memory", None)  # (used, reserved) bytes, where the backend measures them
         used_before = device_memory()[0] if device_memory is not None else 0
         buffers = self.buffers
         pool = self._shared_pool()
-        if background:
+        own_inputs = background or (scratch and scratch_inputs is None)
+        if scratch:
+            pool = scratch_pool if scratch_pool is not None else self.backend.new_pool()
+        elif background and not getattr(strategy, "whole_graph", False):
+            pool = self.backend.new_pool()
+        if own_inputs:
             buffers = {name: buf.sized(self._key_rows(buf, key)) for name, buf in buffers.items()}
-            if scratch and scratch_pool is not None:
-                pool = scratch_pool
-            elif scratch or not getattr(strategy, "whole_graph", False):
-                pool = self.backend.new_pool()
         else:
+            if scratch_inputs is not None:
+                buffers = scratch_inputs
             for buf in buffers.values():
                 buf.reset()  # never an earlier batch's rows: the step may write engine state at them
         views = {name: buf.view(self._key_rows(buf, key)) for name, buf in buffers.items()}
@@ -163,7 +168,7 @@ class EntryCapture:
         entry = Entry(key, strategy_name, graph, OutputSlicer(self.backend.share_outputs(leaves), spec), seconds)
         if device_memory is not None:  # what the device gave this capture: pool, warm-up, driver objects, own inputs
             entry.device_bytes = max(0, device_memory()[0] - used_before)
-        if background:
+        if own_inputs:
             entry.buffers = tuple(buffers.values())  # in the registry's input order, as routes copy them
         if pool is self.pool:
             self._pool_entries.add(entry)

@@ -1,23 +1,21 @@
 """The memory ledger: the device memory a plan's capture will take, known before it is captured.
 
 Engines size their KV cache before they capture (graphs bake in its address), so they need the
-graphs' bytes first.  ``reg.estimate_memory(plan)`` captures a few of the plan's keys (the
-largest and the smallest of each strategy and LoRA count; every key where the backend measures
-no device memory, as the cpu emulator) into pools of their own, on static inputs of their own at
-their fills (so nothing of the engine's state is touched), measures each, drops it, and gives the
-memory back before it returns.  Each probe splits what the device gave it into the pool the graph
-needs (its activations and outputs), the warm-up's activations the caching allocator keeps, and
-the rest: the driver's graph objects.  What each further key adds to a shared pool (its graph
-objects, its outputs kept alive, the pool's rounding: a megabyte or two, lost in one capture's
-rounding) is measured first, over ``GRAPH_OBJECT_COPIES`` copies of each group's smallest key captured
-into one scratch pool after the largest key (as a plan's capture fills its pool), all groups' copies
-alive together (the driver hands what a dropped graph held to the next one, which would then measure
-as free).  The other keys are interpolated by token count.
+graphs' bytes first.  ``reg.estimate_memory(plan)`` captures the plan as ``capture(plan)`` would (the
+same order, streams, pool sharing and warm-up) but into a scratch pool, on static inputs of its own at
+their fills (so nothing of the engine's state is touched), measures what each key took of the device,
+drops everything and gives the memory back before it returns.
 
-A plan captured in the foreground shares one pool, as large as its largest need, and the warm-up
-of its largest key; each key adds its graph objects.  In the background a strategy with eager
-breaks gets a pool per key, and every key static inputs of its own.  ``MemoryEstimate`` says it
-per key, in capture order, and ``key_bytes`` prices any key for ``CapturePlan.fit(max_bytes=...)``.
+Why the whole plan and not a few keys extrapolated: what a key adds depends on what was captured
+before it (a warm-up's cached activations serve later keys' eager breaks and the outputs they keep,
+the driver hands what a dead graph held to the next one), and on an H200 a model of a few probes
+missed a Hugging Face ``full_and_breakable`` plan by 10% while this measures within about 1%
+(docs/performance.md).  What the estimate leaves on the device (the process's first CUDA work:
+kernels loaded, cuBLAS handles; and what the driver keeps of its dropped graphs) the capture that
+follows reuses rather than takes again, so it is taken off the first keys' bytes.
+
+The per-key table says what each key adds in capture order; ``key_bytes`` prices any key (its
+strategy's measured keys interpolated by token count) for ``CapturePlan.fit(max_bytes=...)``.
 """
 
 from __future__ import annotations
@@ -35,21 +33,18 @@ from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Pair
 from cgregistry.text import text_table
 
-__all__ = ["GRAPH_OBJECT_COPIES", "KeyMemory", "MemoryEstimate", "Probe", "estimate_memory"]
-
-GRAPH_OBJECT_COPIES = 8  # captures of a group's smallest key into one pool that measure what a key adds to it
-Group = tuple[str, int]  # (strategy, LoRA count): keys whose bytes are measured and interpolated together
+__all__ = ["KeyMemory", "MemoryEstimate", "Probe", "estimate_memory"]
 
 
 @attrs.frozen(slots=True)
 class Probe:
-    """One key captured to be measured: what its capture took, split by where it went."""
+    """One key captured to be measured, and its price: what it adds to a plan beside the pool and warm-up every plan pays."""
 
     key: BatchDescriptor
     strategy: str
     pool_bytes: int  # the pool it needs (the graph's activations and outputs)
-    own_bytes: int  # beside any pool: the driver's graph objects (on cpu: the graph's own count)
-    warmup_bytes: int  # the warm-up's activations the caching allocator keeps
+    own_bytes: int  # what it adds beside the shared pool and warm-up, less its own inputs and pool (on cpu: the graph's own count)
+    warmup_bytes: int  # the warm-up's activations apart (0 where a key's bytes are measured whole, as the estimate does)
     input_bytes: int  # static inputs of its own (a background capture's)
     seconds: float
 
@@ -64,7 +59,7 @@ class KeyMemory:
     own_bytes: int  # what it alone adds beside the shared pool (graph objects, its own pool and inputs in the background)
     pool_bytes: int  # its need in a pool
     capture_seconds: float
-    probed: bool  # measured by a probe (else interpolated from probes of its strategy)
+    probed: bool  # measured (every key of an estimated plan is; ``key_bytes`` interpolates others)
 
 
 def _size(n: float) -> str:
@@ -162,30 +157,12 @@ def _interpolate(probes: Sequence[Probe], key: BatchDescriptor, strategy: str) -
                  mix(low.seconds, high.seconds))
 
 
-def _groups(pairs: Sequence[Pair]) -> dict[Group, list[Pair]]:
-    """``pairs`` by strategy and LoRA count, in order."""
-    groups: dict[Group, list[Pair]] = {}
-    for key, strategy in pairs:
-        groups.setdefault((strategy, key.num_active_loras), []).append((key, strategy))
-    return groups
-
-
-def _probe_keys(pairs: Sequence[Pair]) -> list[Pair]:
-    """The largest and the smallest key of each strategy and LoRA count: what interpolation needs."""
-    groups = _groups(pairs)
-
-    def size(pair: Pair) -> tuple[int, int]:
-        return (pair[0].num_tokens, pair[0].num_reqs or 0)
-
-    chosen = {p for group in groups.values() for p in (max(group, key=size), min(group, key=size))}
-    return sorted(chosen, key=size, reverse=True)
-
-
 def estimate_memory(
     one: EntryCapture, pairs: Sequence[Pair], strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
     *, background: bool, whole_graph: Callable[[str], bool],
 ) -> MemoryEstimate:
-    """Probe ``pairs`` (plan order) and predict their capture; nothing stays behind (see the module's docstring).
+    """Capture ``pairs`` (plan order) as ``capture(pairs, background=background)`` would, into scratch, measure each key,
+    and let everything go (see the module's docstring).
 
     ``strategies(name)`` gives a strategy object; ``run(fn, *args, **kwargs)`` runs a capture under the registry's
     capture context; ``whole_graph(name)``: the strategy shares the pool in the background too.
@@ -193,97 +170,56 @@ def estimate_memory(
     backend = one.backend
     device_memory = getattr(backend, "device_memory", None)
     release = getattr(backend, "release_cached", None) or (lambda: None)
-    measured = device_memory is not None
-    todo = _probe_keys(pairs) if measured else list(pairs)
-    probes: list[Probe] = []
-    with paused_gc():
-        own: dict[Group, int] = {}
-        if measured and todo:
-            _probe(one, todo[0], strategies, run, payload, device_memory, release)  # first use: kernels load, handles are made
-            own = _graph_object_bytes(todo, one, strategies, run, payload, device_memory, release)
-        for pair in todo:
-            probes.append(_probe(one, pair, strategies, run, payload, device_memory, release))
-        if own:
-            probes = [attrs.evolve(p, own_bytes=own[(p.strategy, p.key.num_active_loras)]) for p in probes]
-    gc.collect()
-    release()
-    figures = {pair: _interpolate(probes, *pair) for pair in pairs}
     order = background_order(pairs) if background else list(pairs)
-    shared = [p for p in order if not background or whole_graph(p[1])]
-    pool = max((figures[p].pool_bytes for p in shared), default=0)
-    warmup = max((p.warmup_bytes for p in probes), default=0)
-    keys = []
-    for i, pair in enumerate(order):
-        f = figures[pair]
-        own = f.own_bytes + (f.input_bytes + (0 if whole_graph(pair[1]) else f.pool_bytes) if background else 0)
-        first = (pool if shared and pair == shared[0] else 0) + (warmup if i == 0 else 0)
-        keys.append(KeyMemory(pair[0], pair[1], own + first, own, f.pool_bytes, f.seconds, any(p.key == pair[0] and p.strategy == pair[1] for p in probes)))
-    static = sum(buf.tensor.untyped_storage().nbytes() for buf in one.buffers.values())
-    shared_strategies = frozenset(name for name in {p[1] for p in pairs} if whole_graph(name))
-    return MemoryEstimate(backend.name, background, tuple(keys), pool, warmup, static, tuple(probes), shared_strategies)
-
-
-def _graph_object_bytes(
-    pairs: Sequence[Pair], one: EntryCapture, strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
-    device_memory: Callable[[], tuple[int, int]], release: Callable[[], None],
-) -> dict[Group, int]:
-    """What a key of each group (strategy, LoRA count) adds to a shared pool, measured over ``GRAPH_OBJECT_COPIES`` copies.
-
-    ``pairs`` largest first.  A plan's capture takes its largest key first: one pool as large as that key's need,
-    and the warm-up's activations left in the caching allocator; each further key adds its graph objects and
-    whatever of its own does not fit in those (outputs kept alive, static buffers between eager breaks).  So the
-    largest key is captured first into one scratch pool, unmeasured, then each group's smallest key
-    ``GRAPH_OBJECT_COPIES`` times into the same pool; what the device gave the copies, less their own scratch
-    inputs, is shared out.  The driver keeps what dead graphs held and gives it to later ones, so every group's
-    copies stay alive until all are measured (a group measured in what an earlier one gave back would see none of
-    its own), and this runs before the probes capture and drop theirs.  A second estimate in the same process
-    still measures less than the first (docs/performance.md).
-    """
-    own = {}
+    gc.collect()
     release()
+    used_before = device_memory()[0] if device_memory is not None else 0
+    measured = _capture_all(one, order, strategies, run, payload, background, whole_graph, measures=device_memory is not None)
+    gc.collect()
+    release()
+    left = max(0, device_memory()[0] - used_before) if device_memory is not None else 0
+    probes, taken = [p for p, _ in measured], [t for _, t in measured]
+    for i, t in enumerate(taken):  # what the estimate left, the capture that follows reuses: off the first keys
+        cut = min(left, t)
+        taken[i], left = t - cut, left - cut
+        probes[i] = attrs.evolve(probes[i], own_bytes=max(0, probes[i].own_bytes - cut))
+    shared = [p for p in probes if not background or whole_graph(p.strategy)]
+    pool_bytes = max((p.pool_bytes for p in shared), default=0) if device_memory is not None else 0
+    if device_memory is not None and len(probes) > 1:  # the first key also took the pool and the warm-up: priced as the next of its kind
+        first = probes[0]
+        like = [p for p in probes[1:] if (p.strategy, p.key.num_active_loras) == (first.strategy, first.key.num_active_loras)]
+        probes[0] = attrs.evolve(first, own_bytes=min(first.own_bytes, like[0].own_bytes if like else 0))
+    strategies_sharing = frozenset(name for name in {p[1] for p in pairs} if whole_graph(name))
+    estimate = MemoryEstimate(backend.name, background, (), pool_bytes, 0, _static_bytes(one), tuple(probes), strategies_sharing)
+    keys = tuple(KeyMemory(p.key, p.strategy, t, estimate.key_bytes(p.key, p.strategy), p.pool_bytes, p.seconds, True)
+                 for p, t in zip(probes, taken))
+    warmup = max(0, sum(taken) - pool_bytes - sum(k.own_bytes for k in keys)) if device_memory is not None else 0
+    return attrs.evolve(estimate, keys=keys, warmup_bytes=warmup)
+
+
+def _capture_all(
+    one: EntryCapture, order: Sequence[Pair], strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
+    background: bool, whole_graph: Callable[[str], bool], *, measures: bool,
+) -> list[tuple[Probe, int]]:
+    """Each key of ``order`` captured into scratch, all alive until the last is measured (as a plan's entries are while
+    it is captured), then dropped on return: its probe, and what it took of the device (cpu: the emulator's count)."""
     pool = one.backend.new_pool()
-
-    def capture(key: BatchDescriptor, name: str) -> Any:
-        return run(one.capture, key, name, strategies(name), payload, scratch=True, scratch_pool=pool)
-
-    alive: list[Any] = [capture(*pairs[0])]  # the plan's pool and cached warm-up, as capture has them: not measured
-    for group, members in _groups(pairs).items():
-        key, name = min(members, key=lambda pair: pair[0].num_tokens)  # the group's smallest (the first, on a tie)
-        used, reserved = device_memory()
-        copies = [capture(key, name) for _ in range(GRAPH_OBJECT_COPIES)]
-        used_after, reserved_after = device_memory()
-        # Outside the caching allocator: graph objects.  Inside: the copies' scratch inputs (which may also have come
-        # out of the cached warm-up), then what each copy keeps in the pool.
-        inputs = sum(buf.tensor.untyped_storage().nbytes() for entry in copies for buf in entry.buffers or ())
-        held = reserved_after - reserved
-        outside = max(0, used_after - used - held)
-        own[group] = (outside + max(0, held - inputs)) // GRAPH_OBJECT_COPIES
-        alive += copies
-    del alive, copies
-    gc.collect()
-    release()
-    return own
+    inputs = None if background else {name: buf.sized(buf.capacity) for name, buf in one.buffers.items()}
+    entries, measured = [], []
+    with paused_gc():
+        for key, name in order:
+            shares = not background or whole_graph(name)
+            entry = run(one.capture, key, name, strategies(name), payload, background=background, scratch=True,
+                        scratch_pool=pool if shares else None, scratch_inputs=inputs)
+            entries.append(entry)
+            if not measures:  # the emulator counts a graph's bytes, and nothing else
+                measured.append((Probe(key, name, 0, entry.memory_bytes, 0, 0, entry.capture_seconds), entry.memory_bytes))
+                continue
+            own_inputs = sum(buf.tensor.untyped_storage().nbytes() for buf in entry.buffers or ()) if background else 0
+            price = entry.device_bytes - own_inputs - (0 if shares else entry.memory_bytes)  # key_bytes adds those back
+            measured.append((Probe(key, name, entry.memory_bytes, max(0, price), 0, own_inputs, entry.capture_seconds), entry.device_bytes))
+    return measured
 
 
-def _probe(
-    one: EntryCapture, pair: Pair, strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
-    device_memory: Callable[[], tuple[int, int]] | None, release: Callable[[], None],
-) -> Probe:
-    """Capture ``pair`` into a scratch pool on scratch inputs, measure, and let everything go."""
-    key, name = pair
-    if device_memory is None:
-        entry = run(one.capture, key, name, strategies(name), payload, scratch=True)
-        return Probe(key, name, 0, entry.memory_bytes, 0, 0, entry.capture_seconds)
-    release()
-    used, reserved = device_memory()
-    entry = run(one.capture, key, name, strategies(name), payload, scratch=True)
-    used_after, reserved_after = device_memory()
-    device, held = used_after - used, reserved_after - reserved
-    inputs = sum(buf.tensor.untyped_storage().nbytes() for buf in entry.buffers or ())
-    pool = entry.memory_bytes
-    probe = Probe(key, name, pool, max(0, device - held), max(0, held - pool - inputs), inputs, entry.capture_seconds)
-    del entry
-    gc.collect()
-    release()
-    return probe
-
+def _static_bytes(one: EntryCapture) -> int:
+    return sum(buf.tensor.untyped_storage().nbytes() for buf in one.buffers.values())

@@ -3,6 +3,7 @@ touches no engine state; plans and adaptation fit under a byte budget exactly; s
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -33,6 +34,22 @@ def test_the_cpu_estimate_equals_what_capture_then_reports_key_by_key() -> None:
     assert estimate.static_input_bytes == 2 * 64 * 8  # two long inputs of 64 rows
     assert estimate.total_bytes == estimate.capture_bytes + estimate.static_input_bytes
     assert all(e.predicted_bytes == actual[(e.key, e.strategy)] for e in reg.entries()), "entries show what was predicted"
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_the_estimate_keeps_no_graph_alive_once_it_returns(background: bool) -> None:
+    """Every scratch graph is dropped before the estimate measures what it left (a graph kept alive would hold its pool,
+    counted as left behind and taken off the prediction)."""
+    from cgregistry.entries import Entry
+
+    def alive() -> int:
+        gc.collect()
+        return sum(isinstance(o, Entry) for o in gc.get_objects())
+
+    reg = make(Engine())
+    before = alive()
+    assert reg.estimate_memory(PLAN, background=background).capture_bytes > 0
+    assert alive() == before, "a scratch entry outlived the estimate"
 
 
 def test_an_estimate_for_a_background_capture_and_of_keys_already_held() -> None:
