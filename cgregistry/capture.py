@@ -103,13 +103,17 @@ class EntryCapture:
         ``scratch``: captured to be measured and dropped (a memory estimate), never into the shared pool nor on the
         shared static inputs: into ``scratch_pool`` (a pool of its own if None), on ``scratch_inputs`` (buffers as
         large as the registry's, reset to their fills, as a foreground capture uses the shared ones) or, if None, on
-        inputs of its own sized for the key (as in the background).  Otherwise it runs as ``background`` says, on the
-        same streams, so that it takes what that capture would.
+        inputs of its own sized for the key (as in the background).  It is as safe beside a serving thread as a
+        background capture, and warmed up on the streams ``background`` says, so that it takes what that capture would.
         """
-        if background:  # on streams of the capturing thread's own where the backend has them (cuda)
-            with getattr(self.backend, "background_context", contextlib.nullcontext)():
-                return self._capture(key, strategy_name, strategy, payload, True, scratch, scratch_pool, scratch_inputs)
-        return self._capture(key, strategy_name, strategy, payload, False, scratch, scratch_pool, scratch_inputs)
+        if background or scratch:  # on streams of the capturing thread's own where the backend has them (cuda)
+            layout = runtime.foreground_layout.set(scratch and not background)
+            try:
+                with getattr(self.backend, "background_context", contextlib.nullcontext)():
+                    return self._capture(key, strategy_name, strategy, payload, background, scratch, scratch_pool, scratch_inputs)
+            finally:
+                runtime.foreground_layout.reset(layout)
+        return self._capture(key, strategy_name, strategy, payload, False, False)
 
     def _capture(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, background: bool, scratch: bool,
                  scratch_pool: Any = None, scratch_inputs: Mapping[str, StaticBuffer] | None = None) -> Entry:
@@ -139,7 +143,7 @@ class EntryCapture:
         token = runtime.batch.set(BreakContext(key, key, payload))
         rows_token = runtime.axis_rows.set(frozenset(v.shape[0] for v in views.values()) | {key.num_tokens})
         strategy_token = runtime.capture_strategy.set(strategy)
-        background_token = runtime.background_capture.set(background)
+        background_token = runtime.background_capture.set(background or scratch)
         try:
             with torch.inference_mode():
                 warm_leaves, spec = flatten(self.backend.warmup(body, self._warmup_runs))

@@ -93,7 +93,7 @@ class Capturer:
         self._one.check_fits(key)
 
     def estimate(self, pairs: list[Pair], background: bool, payload: Any = None) -> MemoryEstimate:
-        """Probe and predict the capture of ``pairs`` (see :mod:`cgregistry.memory`) under the context a capture from
+        """Measure and predict the capture of ``pairs`` (see :mod:`cgregistry.memory`) under the context a capture from
         this thread would run under (``payload``, else the recorded one), without recording it; one capture at a time;
         the per-key predictions are kept for inspection."""
         held = self.context

@@ -42,9 +42,9 @@ class Probe:
 
     key: BatchDescriptor
     strategy: str
-    pool_bytes: int  # the pool it needs (the graph's activations and outputs)
-    own_bytes: int  # what it adds beside the shared pool and warm-up, less its own inputs and pool (on cpu: the graph's own count)
-    warmup_bytes: int  # the warm-up's activations apart (0 where a key's bytes are measured whole, as the estimate does)
+    pool_bytes: int  # what its capture grew its pool by (its own pool's size where it has one)
+    own_bytes: int  # its price: the driver's graph objects and the tensors it keeps alive (cpu: the graph's own count)
+    warmup_bytes: int  # kept for records made by hand (an estimate prices the warm-up once, in ``MemoryEstimate.warmup_bytes``)
     input_bytes: int  # static inputs of its own (a background capture's)
     seconds: float
 
@@ -174,23 +174,23 @@ def estimate_memory(
     gc.collect()
     release()
     used_before = device_memory()[0] if device_memory is not None else 0
-    measured = _capture_all(one, order, strategies, run, payload, background, whole_graph, measures=device_memory is not None)
-    gc.collect()
-    release()
+    try:
+        measured = _capture_all(one, order, strategies, run, payload, background, whole_graph, device_memory)
+    finally:  # on an error too: nothing captured for the estimate outlives it (the error's frames are cleared)
+        gc.collect()
+        release()
     left = max(0, device_memory()[0] - used_before) if device_memory is not None else 0
-    probes, taken = [p for p, _ in measured], [t for _, t in measured]
+    probes = [p for p, _ in measured]
+    taken = [t for _, t in measured]
     for i, t in enumerate(taken):  # what the estimate left, the capture that follows reuses: off the first keys
         cut = min(left, t)
         taken[i], left = t - cut, left - cut
-        probes[i] = attrs.evolve(probes[i], own_bytes=max(0, probes[i].own_bytes - cut))
+    if device_memory is not None:
+        probes = _priced_first(probes)
     shared = [p for p in probes if not background or whole_graph(p.strategy)]
     pool_bytes = max((p.pool_bytes for p in shared), default=0) if device_memory is not None else 0
-    if device_memory is not None and len(probes) > 1:  # the first key also took the pool and the warm-up: priced as the next of its kind
-        first = probes[0]
-        like = [p for p in probes[1:] if (p.strategy, p.key.num_active_loras) == (first.strategy, first.key.num_active_loras)]
-        probes[0] = attrs.evolve(first, own_bytes=min(first.own_bytes, like[0].own_bytes if like else 0))
-    strategies_sharing = frozenset(name for name in {p[1] for p in pairs} if whole_graph(name))
-    estimate = MemoryEstimate(backend.name, background, (), pool_bytes, 0, _static_bytes(one), tuple(probes), strategies_sharing)
+    sharing = frozenset(name for name in {p[1] for p in pairs} if whole_graph(name))
+    estimate = MemoryEstimate(backend.name, background, (), pool_bytes, 0, _static_bytes(one), tuple(probes), sharing)
     keys = tuple(KeyMemory(p.key, p.strategy, t, estimate.key_bytes(p.key, p.strategy), p.pool_bytes, p.seconds, True)
                  for p, t in zip(probes, taken))
     warmup = max(0, sum(taken) - pool_bytes - sum(k.own_bytes for k in keys)) if device_memory is not None else 0
@@ -199,26 +199,55 @@ def estimate_memory(
 
 def _capture_all(
     one: EntryCapture, order: Sequence[Pair], strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
-    background: bool, whole_graph: Callable[[str], bool], *, measures: bool,
+    background: bool, whole_graph: Callable[[str], bool], device_memory: Callable[[], tuple[int, int]] | None,
 ) -> list[tuple[Probe, int]]:
     """Each key of ``order`` captured into scratch, all alive until the last is measured (as a plan's entries are while
-    it is captured), then dropped on return: its probe, and what it took of the device (cpu: the emulator's count)."""
+    it is captured), then dropped: its probe, and what it took of the device (cpu: the emulator's count).
+
+    A key's price (``Probe.own_bytes``) is what stays of its capture whatever else is captured: what it took outside the
+    caching allocator (the driver's graph objects) and the tensors it keeps alive in it (results kept between eager
+    breaks: 64 KiB a token on the Hugging Face engine).  The rest (the pool growing to its need, the warm-up's cache)
+    is the pool and warm-up every plan pays, priced once (``fixed_bytes``); in the background its own inputs and pool
+    are its own (``key_bytes`` adds them)."""
     pool = one.backend.new_pool()
+    live = getattr(one.backend, "live_bytes", None) or (lambda: 0)
     inputs = None if background else {name: buf.sized(buf.capacity) for name, buf in one.buffers.items()}
-    entries, measured = [], []
-    with paused_gc():
-        for key, name in order:
-            shares = not background or whole_graph(name)
-            entry = run(one.capture, key, name, strategies(name), payload, background=background, scratch=True,
-                        scratch_pool=pool if shares else None, scratch_inputs=inputs)
-            entries.append(entry)
-            if not measures:  # the emulator counts a graph's bytes, and nothing else
-                measured.append((Probe(key, name, 0, entry.memory_bytes, 0, 0, entry.capture_seconds), entry.memory_bytes))
-                continue
-            own_inputs = sum(buf.tensor.untyped_storage().nbytes() for buf in entry.buffers or ()) if background else 0
-            price = entry.device_bytes - own_inputs - (0 if shares else entry.memory_bytes)  # key_bytes adds those back
-            measured.append((Probe(key, name, entry.memory_bytes, max(0, price), 0, own_inputs, entry.capture_seconds), entry.device_bytes))
-    return measured
+    entries: list[Any] = []
+    measured = []
+    try:
+        with paused_gc():
+            for key, name in order:
+                shares = not background or whole_graph(name)
+                before, live_before = (device_memory(), live()) if device_memory is not None else ((0, 0), 0)
+                entry = run(one.capture, key, name, strategies(name), payload, background=background, scratch=True,
+                            scratch_pool=pool if shares else None, scratch_inputs=inputs)
+                entries.append(entry)
+                if device_memory is None:  # the emulator counts a graph's bytes, and nothing else
+                    measured.append((Probe(key, name, 0, entry.memory_bytes, 0, 0, entry.capture_seconds), entry.memory_bytes))
+                    continue
+                used, reserved = device_memory()
+                own_inputs = sum(buf.tensor.untyped_storage().nbytes() for buf in entry.buffers or ()) if background else 0
+                outside = max(0, (used - before[0]) - (reserved - before[1]))
+                kept = max(0, live() - live_before - own_inputs)  # tensors it keeps alive (results kept between eager breaks)
+                price = outside + kept
+                measured.append((Probe(key, name, entry.memory_bytes, price, 0, own_inputs, entry.capture_seconds), entry.device_bytes))
+        return measured
+    finally:  # the entries die here, also when a capture raised (its traceback keeps this frame)
+        entries.clear()
+        entry = inputs = None  # noqa: F841
+
+
+def _priced_first(probes: list[Probe]) -> list[Probe]:
+    """The first key's price: what it took outside the allocator also holds the process's first CUDA work (kernels,
+    cuBLAS handles), so it is priced as the next key of its strategy and LoRA count, else of its strategy, else as
+    the median key (a plan of one key keeps its own, on the safe side)."""
+    if len(probes) < 2:
+        return probes
+    first, rest = probes[0], probes[1:]
+    like = ([p for p in rest if (p.strategy, p.key.num_active_loras) == (first.strategy, first.key.num_active_loras)]
+            or [p for p in rest if p.strategy == first.strategy])
+    price = like[0].own_bytes if like else sorted(p.own_bytes for p in rest)[len(rest) // 2]
+    return [attrs.evolve(first, own_bytes=price), *rest]
 
 
 def _static_bytes(one: EntryCapture) -> int:

@@ -229,8 +229,9 @@ class GraphRegistry:
     def estimate_memory(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], *,
                         background: bool = False, context: Any = None) -> MemoryEstimate:
         """The device memory ``capture(plan)`` (with ``background``) will take, per key and in all, and the seconds it
-        will take; predicted before capture from a few keys captured into scratch pools and dropped, on static inputs
-        of their own (nothing of the engine's state is touched; nothing stays behind; no capture context is recorded).
+        will take; measured before capture by capturing the plan into a scratch pool and dropping it, on static inputs
+        of their own (nothing of the engine's state is touched; what stays on the device, the capture reuses; no
+        capture context is recorded).
         ``context``: the payload eager breaks see, as ``capture(context=...)`` takes it.  See docs/integration.md."""
         check_flag("estimate_memory", "background", background)
         self._lifecycle.refuse_asleep("estimate_memory()")

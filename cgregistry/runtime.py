@@ -56,6 +56,10 @@ axis_rows: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("cgre
 # The entry being captured is captured beside a serving thread (the cuda backend then captures in
 # thread-local mode, so that thread's CUDA calls stay legal).
 background_capture: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_background_capture", default=False)
+# The entry is a foreground estimate's scratch capture: as safe as a background one, but warmed up on the
+# capture's own stream, as a foreground capture is (the caching allocator keeps a cache per stream, so the
+# background's warm-up stream would make the memory measured differ from what the capture then takes).
+foreground_layout: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_foreground_layout", default=False)
 # The cpu emulator records compiled code's ops (a piecewise capture) instead of running models uncompiled.
 see_compiled: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_cpu_see_compiled", default=False)
 

@@ -321,7 +321,7 @@ class CudaBackend:
     def warmup(self, fn: Callable[[], Any], runs: int) -> Any:
         # Beside a serving thread the warm-up (the only capture work that runs on the GPU) takes a stream of the
         # highest priority: an engine that runs ahead of the GPU keeps it full, and the warm-up would wait behind it.
-        background = runtime.background_capture.get()
+        background = runtime.background_capture.get() and not runtime.foreground_layout.get()
         stream = self._side_stream("warmup", priority=-100) if background else self._side_stream()
         stream.wait_stream(torch.cuda.current_stream())
         out = None
@@ -402,6 +402,11 @@ class CudaBackend:
         allocator holds (``memory_reserved``)."""
         free, total = torch.cuda.mem_get_info()
         return total - free, _reserved_bytes()
+
+    def live_bytes(self) -> int:
+        """Bytes of live tensors in the caching allocator (``memory_allocated``): what a capture keeps alive, such as the
+        results kept between eager breaks, shows here and not in a pool's growth."""
+        return torch.cuda.memory_allocated()
 
     def release_cached(self) -> None:
         """The caching allocator's unused blocks back to the driver (after a registry freed its graphs and inputs)."""
