@@ -2,20 +2,22 @@
 
 Engines size their KV cache before they capture (graphs bake in its address), so they need the
 graphs' bytes first.  ``reg.estimate_memory(plan)`` captures the plan as ``capture(plan)`` would (the
-same order, streams, pool sharing and warm-up) but into a scratch pool, on static inputs of its own at
-their fills (so nothing of the engine's state is touched), measures what each key took of the device,
-drops everything and gives the memory back before it returns.
+same order, pool sharing and warm-up stream) but into a scratch pool, on static inputs of its own at
+their fills (so nothing of the engine's state is touched), with a background capture's safety beside
+a serving thread; it measures what each key took of the device, drops everything, and predicts what
+dropping it gave back.
 
 Why the whole plan and not a few keys extrapolated: what a key adds depends on what was captured
 before it (a warm-up's cached activations serve later keys' eager breaks and the outputs they keep,
 the driver hands what a dead graph held to the next one), and on an H200 a model of a few probes
-missed a Hugging Face ``full_and_breakable`` plan by 10% while this measures within about 1%
+missed a Hugging Face ``full_and_breakable`` plan by 10% where this predicts it to the byte
 (docs/performance.md).  What the estimate leaves on the device (the process's first CUDA work:
 kernels loaded, cuBLAS handles; and what the driver keeps of its dropped graphs) the capture that
 follows reuses rather than takes again, so it is taken off the first keys' bytes.
 
 The per-key table says what each key adds in capture order; ``key_bytes`` prices any key (its
-strategy's measured keys interpolated by token count) for ``CapturePlan.fit(max_bytes=...)``.
+strategy's measured keys interpolated by token count: what stays of a key whatever else is
+captured) for ``CapturePlan.fit(max_bytes=...)``, and ``fixed_bytes`` the pool and warm-up.
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ class KeyMemory:
 
     key: BatchDescriptor
     strategy: str
-    bytes: int  # what capturing it adds, in order: the first key carries the shared pool and the warm-up
-    own_bytes: int  # what it alone adds beside the shared pool (graph objects, its own pool and inputs in the background)
-    pool_bytes: int  # its need in a pool
+    bytes: int  # what capturing it adds, in order (the first keys also carry the pool, the warm-up, what the estimate left)
+    own_bytes: int  # its price, ``key_bytes``: graph objects, kept tensors (in the background its own pool and inputs too)
+    pool_bytes: int  # what its capture grew its pool by (its own pool's size where it has one)
     capture_seconds: float
     probed: bool  # measured (every key of an estimated plan is; ``key_bytes`` interpolates others)
 
@@ -77,8 +79,8 @@ class MemoryEstimate:
     backend: str
     background: bool
     keys: tuple[KeyMemory, ...]
-    pool_bytes: int  # the shared pool (its largest need)
-    warmup_bytes: int  # the warm-up's activations the caching allocator keeps after capture
+    pool_bytes: int  # the shared pool (the largest growth one key gave it)
+    warmup_bytes: int  # the rest of the fixed part: capture_bytes less the pool and every key's price (the warm-up's cache)
     static_input_bytes: int  # the registry's own static inputs (allocated when it was made)
     probes: tuple[Probe, ...]
     shared_strategies: frozenset[str] = frozenset()  # strategies whose background keys share the pool (whole graphs)
@@ -173,18 +175,23 @@ def estimate_memory(
     order = background_order(pairs) if background else list(pairs)
     gc.collect()
     release()
-    used_before = device_memory()[0] if device_memory is not None else 0
+    held: list[int] = []  # the device memory in use once every key is captured, before they are dropped
     try:
-        measured = _capture_all(one, order, strategies, run, payload, background, whole_graph, device_memory)
+        measured = _capture_all(one, order, strategies, run, payload, background, whole_graph, device_memory, held)
     finally:  # on an error too: nothing captured for the estimate outlives it (the error's frames are cleared)
         gc.collect()
         release()
-    left = max(0, device_memory()[0] - used_before) if device_memory is not None else 0
     probes = [p for p, _ in measured]
     taken = [t for _, t in measured]
-    for i, t in enumerate(taken):  # what the estimate left, the capture that follows reuses: off the first keys
-        cut = min(left, t)
-        taken[i], left = t - cut, left - cut
+    if device_memory is not None and taken:
+        # What dropping the scratch graphs gave back is what the capture will take: what the estimate leaves (kernels
+        # loaded, cuBLAS handles, what the driver keeps of dead graphs) the capture reuses.  The difference from the
+        # keys' own measurements (that, and what ran between them) is taken from, or given to, the first keys.
+        change = (held[0] - device_memory()[0]) - sum(taken)
+        taken[0] += max(0, change)
+        for i, t in enumerate(taken):
+            cut = min(max(0, -change), t)
+            taken[i], change = t - cut, change + cut
     if device_memory is not None:
         probes = _priced_first(probes)
     shared = [p for p in probes if not background or whole_graph(p.strategy)]
@@ -199,10 +206,11 @@ def estimate_memory(
 
 def _capture_all(
     one: EntryCapture, order: Sequence[Pair], strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
-    background: bool, whole_graph: Callable[[str], bool], device_memory: Callable[[], tuple[int, int]] | None,
+    background: bool, whole_graph: Callable[[str], bool], device_memory: Callable[[], tuple[int, int]] | None, held: list[int],
 ) -> list[tuple[Probe, int]]:
     """Each key of ``order`` captured into scratch, all alive until the last is measured (as a plan's entries are while
-    it is captured), then dropped: its probe, and what it took of the device (cpu: the emulator's count).
+    it is captured), then dropped: its probe, and what it took of the device (cpu: the emulator's count); ``held`` gets
+    the device memory in use with all of them alive.
 
     A key's price (``Probe.own_bytes``) is what stays of its capture whatever else is captured: what it took outside the
     caching allocator (the driver's graph objects) and the tensors it keeps alive in it (results kept between eager
@@ -211,7 +219,9 @@ def _capture_all(
     are its own (``key_bytes`` adds them)."""
     pool = one.backend.new_pool()
     live = getattr(one.backend, "live_bytes", None) or (lambda: 0)
+    before_inputs = device_memory()[0] if device_memory is not None else 0
     inputs = None if background else {name: buf.sized(buf.capacity) for name, buf in one.buffers.items()}
+    scratch_inputs = device_memory()[0] - before_inputs if device_memory is not None else 0  # a capture has its own
     entries: list[Any] = []
     measured = []
     try:
@@ -231,6 +241,9 @@ def _capture_all(
                 kept = max(0, live() - live_before - own_inputs)  # tensors it keeps alive (results kept between eager breaks)
                 price = outside + kept
                 measured.append((Probe(key, name, entry.memory_bytes, price, 0, own_inputs, entry.capture_seconds), entry.device_bytes))
+        if device_memory is not None:
+            one.backend.synchronize()
+            held.append(device_memory()[0] - scratch_inputs)
         return measured
     finally:  # the entries die here, also when a capture raised (its traceback keeps this frame)
         entries.clear()
