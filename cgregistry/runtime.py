@@ -19,7 +19,7 @@ import attrs
 from cgregistry.descriptor import BatchDescriptor
 
 __all__ = [
-    "BreakContext", "BreakSite", "axis_rows", "background_capture", "barrier", "batch", "capture_strategy", "cpu_capturing", "current_batch", "eager_batch", "marked",
+    "BreakContext", "BreakSite", "axis_rows", "background_capture", "barrier", "batch", "capture_strategy", "cpu_capturing", "current_batch", "eager_batch", "foreground_layout", "marked",
     "on_mark", "see_compiled", "site",
 ]
 
