@@ -107,12 +107,8 @@ class EntryCapture:
         background capture, and warmed up on the streams ``background`` says, so that it takes what that capture would.
         """
         if background or scratch:  # on streams of the capturing thread's own where the backend has them (cuda)
-            layout = runtime.foreground_layout.set(scratch and not background)
-            try:
-                with getattr(self.backend, "background_context", contextlib.nullcontext)():
-                    return self._capture(key, strategy_name, strategy, payload, background, scratch, scratch_pool, scratch_inputs)
-            finally:
-                runtime.foreground_layout.reset(layout)
+            with getattr(self.backend, "background_context", contextlib.nullcontext)():
+                return self._capture(key, strategy_name, strategy, payload, background, scratch, scratch_pool, scratch_inputs)
         return self._capture(key, strategy_name, strategy, payload, False, False)
 
     def _capture(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, background: bool, scratch: bool,
@@ -144,6 +140,7 @@ class EntryCapture:
         rows_token = runtime.axis_rows.set(frozenset(v.shape[0] for v in views.values()) | {key.num_tokens})
         strategy_token = runtime.capture_strategy.set(strategy)
         background_token = runtime.background_capture.set(background or scratch)
+        layout_token = runtime.foreground_layout.set(scratch and not background)
         try:
             with torch.inference_mode():
                 warm_leaves, spec = flatten(self.backend.warmup(body, self._warmup_runs))
@@ -165,6 +162,7 @@ class EntryCapture:
             raise CaptureError(key, strategy_name, exc) from exc
         finally:
             runtime.background_capture.reset(background_token)
+            runtime.foreground_layout.reset(layout_token)
             runtime.capture_strategy.reset(strategy_token)
             runtime.axis_rows.reset(rows_token)
             runtime.batch.reset(token)

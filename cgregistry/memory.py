@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import bisect
 import gc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
 
 from cgregistry.background import background_order
+from cgregistry.buffers import StaticBuffer
 from cgregistry.capture import EntryCapture, paused_gc
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Pair
@@ -175,9 +176,8 @@ def estimate_memory(
     order = background_order(pairs) if background else list(pairs)
     gc.collect()
     release()
-    held: list[int] = []  # the device memory in use once every key is captured, before they are dropped
     try:
-        measured = _capture_all(one, order, strategies, run, payload, background, whole_graph, device_memory, held)
+        measured, held = _capture_all(one, order, strategies, run, payload, background, whole_graph, device_memory)
     finally:  # on an error too: nothing captured for the estimate outlives it (the error's frames are cleared)
         gc.collect()
         release()
@@ -187,17 +187,19 @@ def estimate_memory(
         # What dropping the scratch graphs gave back is what the capture will take: what the estimate leaves (kernels
         # loaded, cuBLAS handles, what the driver keeps of dead graphs) the capture reuses.  The difference from the
         # keys' own measurements (that, and what ran between them) is taken from, or given to, the first keys.
-        change = (held[0] - device_memory()[0]) - sum(taken)
-        taken[0] += max(0, change)
-        for i, t in enumerate(taken):
-            cut = min(max(0, -change), t)
-            taken[i], change = t - cut, change + cut
+        change = (held - device_memory()[0]) - sum(taken)
+        if change >= 0:
+            taken[0] += change
+        else:
+            for i, t in enumerate(taken):
+                cut = min(-change, t)
+                taken[i], change = t - cut, change + cut
     if device_memory is not None:
         probes = _priced_first(probes)
     shared = [p for p in probes if not background or whole_graph(p.strategy)]
     pool_bytes = max((p.pool_bytes for p in shared), default=0) if device_memory is not None else 0
     sharing = frozenset(name for name in {p[1] for p in pairs} if whole_graph(name))
-    estimate = MemoryEstimate(backend.name, background, (), pool_bytes, 0, _static_bytes(one), tuple(probes), sharing)
+    estimate = MemoryEstimate(backend.name, background, (), pool_bytes, 0, _storage_bytes(one.buffers.values()), tuple(probes), sharing)
     keys = tuple(KeyMemory(p.key, p.strategy, t, estimate.key_bytes(p.key, p.strategy), p.pool_bytes, p.seconds, True)
                  for p, t in zip(probes, taken))
     warmup = max(0, sum(taken) - pool_bytes - sum(k.own_bytes for k in keys)) if device_memory is not None else 0
@@ -206,11 +208,11 @@ def estimate_memory(
 
 def _capture_all(
     one: EntryCapture, order: Sequence[Pair], strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
-    background: bool, whole_graph: Callable[[str], bool], device_memory: Callable[[], tuple[int, int]] | None, held: list[int],
-) -> list[tuple[Probe, int]]:
+    background: bool, whole_graph: Callable[[str], bool], device_memory: Callable[[], tuple[int, int]] | None,
+) -> tuple[list[tuple[Probe, int]], int]:
     """Each key of ``order`` captured into scratch, all alive until the last is measured (as a plan's entries are while
-    it is captured), then dropped: its probe, and what it took of the device (cpu: the emulator's count); ``held`` gets
-    the device memory in use with all of them alive.
+    it is captured), then dropped: each key's probe and what it took of the device (cpu: the emulator's count), and the
+    device memory in use with all of them alive (0 where the backend measures none).
 
     A key's price (``Probe.own_bytes``) is what stays of its capture whatever else is captured: what it took outside the
     caching allocator (the driver's graph objects) and the tensors it keeps alive in it (results kept between eager
@@ -236,15 +238,15 @@ def _capture_all(
                     measured.append((Probe(key, name, 0, entry.memory_bytes, 0, 0, entry.capture_seconds), entry.memory_bytes))
                     continue
                 used, reserved = device_memory()
-                own_inputs = sum(buf.tensor.untyped_storage().nbytes() for buf in entry.buffers or ()) if background else 0
+                own_inputs = _storage_bytes(entry.buffers or ()) if background else 0
                 outside = max(0, (used - before[0]) - (reserved - before[1]))
                 kept = max(0, live() - live_before - own_inputs)  # tensors it keeps alive (results kept between eager breaks)
                 price = outside + kept
                 measured.append((Probe(key, name, entry.memory_bytes, price, 0, own_inputs, entry.capture_seconds), entry.device_bytes))
-        if device_memory is not None:
-            one.backend.synchronize()
-            held.append(device_memory()[0] - scratch_inputs)
-        return measured
+        if device_memory is None:
+            return measured, 0
+        one.backend.synchronize()
+        return measured, device_memory()[0] - scratch_inputs
     finally:  # the entries die here, also when a capture raised (its traceback keeps this frame)
         entries.clear()
         entry = inputs = None  # noqa: F841
@@ -263,5 +265,5 @@ def _priced_first(probes: list[Probe]) -> list[Probe]:
     return [attrs.evolve(first, own_bytes=price), *rest]
 
 
-def _static_bytes(one: EntryCapture) -> int:
-    return sum(buf.tensor.untyped_storage().nbytes() for buf in one.buffers.values())
+def _storage_bytes(buffers: Iterable[StaticBuffer]) -> int:
+    return sum(buf.tensor.untyped_storage().nbytes() for buf in buffers)
