@@ -44,12 +44,37 @@ def test_the_estimate_keeps_no_graph_alive_once_it_returns(background: bool) -> 
 
     def alive() -> int:
         gc.collect()
-        return sum(isinstance(o, Entry) for o in gc.get_objects())
+        return sum(type(o) is Entry for o in gc.get_objects())
 
     reg = make(Engine())
     before = alive()
     assert reg.estimate_memory(PLAN, background=background).capture_bytes > 0
     assert alive() == before, "a scratch entry outlived the estimate"
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_an_estimate_whose_capture_fails_keeps_nothing_while_its_error_is_held(background: bool) -> None:
+    """A key that fails to capture mid-plan: the error reaches the caller, and the keys captured before it are already
+    dropped while the caller still holds the error (whose traceback keeps the estimate's frames)."""
+    from cgregistry.entries import Entry
+
+    engine = Engine()
+    failing = PLAN.entries[len(PLAN.entries) // 2].descriptor
+
+    def step(batch: B, **inputs: torch.Tensor) -> torch.Tensor:
+        if batch == failing:
+            raise RuntimeError(f"no graph for {batch}")
+        return plain(batch, **inputs)
+
+    engine.step, plain = step, engine.step  # type: ignore[method-assign]
+    reg = make(engine)
+    gc.collect()
+    before = sum(type(o) is Entry for o in gc.get_objects())
+    with pytest.raises(cg.CaptureError, match="no graph for") as caught:
+        reg.estimate_memory(PLAN, background=background)
+    gc.collect()
+    assert caught.value is not None and sum(type(o) is Entry for o in gc.get_objects()) == before
+    assert len(reg) == 0 and reg.stats().hits == 0
 
 
 def test_an_estimate_for_a_background_capture_and_of_keys_already_held() -> None:
