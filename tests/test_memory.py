@@ -39,17 +39,20 @@ def test_the_cpu_estimate_equals_what_capture_then_reports_key_by_key() -> None:
 @pytest.mark.parametrize("background", [False, True])
 def test_the_estimate_keeps_no_graph_alive_once_it_returns(background: bool) -> None:
     """Every scratch graph is dropped before the estimate measures what it left (a graph kept alive would hold its pool,
-    counted as left behind and taken off the prediction)."""
+    counted as left behind and taken off the prediction), and its steps wrote the KV cache at the scratch slot only."""
     from cgregistry.entries import Entry
 
     def alive() -> int:
         gc.collect()
         return sum(type(o) is Entry for o in gc.get_objects())
 
-    reg = make(Engine())
+    engine = Engine()
+    reg = make(engine)
+    cache = engine.cache.clone()
     before = alive()
     assert reg.estimate_memory(PLAN, background=background).capture_bytes > 0
     assert alive() == before, "a scratch entry outlived the estimate"
+    assert torch.equal(engine.cache[:SCRATCH], cache[:SCRATCH]), "the scratch captures wrote outside the scratch slot"
 
 
 @pytest.mark.parametrize("background", [False, True])
