@@ -4,7 +4,7 @@ One ``run()``: the route of the batch's shape (one dict lookup once the shape wa
 input checked before anything is touched, then the graph (a lazy key captured first, or the key
 being captured in the background waited for) or the eager step; the state check, copy in,
 replay, counters, outputs, in one function body (on a seen shape with no inputs, no Python
-function runs between the lock and the replay).  Debug mode is a subclass chosen at
+function runs between taking the turn and the replay).  Debug mode is a subclass chosen at
 construction (the way pluggy swaps its call executor) that wraps ``run``, so the plain path
 pays nothing for it.  Work beside the step (installing background captures, counting steps
 for adaptation) is one flag test when there is none.
@@ -70,8 +70,10 @@ class Server:
         self._events = events
         self._input_names = input_names
         self._name = name
-        self._running = _thread.allocate_lock()
-        self._acquire, self._release = self._running.acquire, self._running.release
+        # The one permission to serve: run() takes it with list.pop() and gives it back with append(), each one atomic
+        # (the GIL, or the list's own lock without one), at half a lock's acquire and release.
+        self._turn: list[None] = [None]
+        self._take, self._give = self._turn.pop, self._turn.append
         self._exclusions: dict[Any, frozenset[str]] = {}  # exclude= values already checked, to their strategy sets
         self._warned: set[str] = set()  # miss reasons already warned about
         self._unmarked = 0  # misses of batches that uniform keys would serve had they been marked uniform
@@ -80,14 +82,16 @@ class Server:
 
     def running(self) -> bool:
         """Whether a ``run()`` is in progress (a step or a hook calling back would wait for itself)."""
-        return self._running.locked()
+        return not self._turn
 
     def run(
         self, actual: BatchDescriptor, /, *, context: Any = None, group: Any = None, exclude: Any = None, **inputs: torch.Tensor
     ) -> Any:
         """``GraphRegistry.run``: a registry hands this method out as its own ``run`` (no call in between)."""
-        if not self._acquire(False):
-            raise self._busy()
+        try:
+            self._take()
+        except IndexError:  # another run() holds the turn
+            raise self._busy() from None
         try:
             if self._adapter is not None or self._background.active:
                 self._between_steps(actual)
@@ -148,7 +152,7 @@ class Server:
                 return out.detach()  # a fresh view per run: a caller's unsqueeze_() or t_() stays with the caller
             return entry.slicer.sliced(route.out_rows)
         finally:
-            self._release()
+            self._give(None)
 
     def _busy(self) -> ConcurrentRunError:
         """The refusal of a run() while another is in progress: from inside that run() on this thread (the step or a
