@@ -7,9 +7,10 @@ between), its registries built, and then every case is sampled once per round (2
 the GPU drained after each), the order rotated round by round.  Cases, on a one-kernel
 graph: a bare replay (torch's ``CUDAGraph.replay``, what an engine calls), the same replay through the C++ method
 (what the cuda backend binds, ``direct_replay``), a replay plus ``detach()`` (the fresh output view ``run()`` hands out),
-the hand-written copy + replay + slice, and for each checkout ``run()`` with no inputs, with
-one input, and with no inputs on a registry whose capture ran in the background (where the
-checkout has background capture).  Public API only:
+the hand-written copy + replay + slice, and for each checkout ``run()`` with no inputs (on one
+descriptor object, and on a descriptor built each step with ``BatchDescriptor.decode`` as an
+engine's loop builds one), with one input, and with no inputs on a registry whose capture ran
+in the background (where the checkout has background capture).  Public API only:
 
     python3 benchmarks/gpu_overhead_ab.py OLD_CHECKOUT .       # each argument holds a cgregistry/ package
     taskset -c 5 python3 benchmarks/gpu_overhead_ab.py OLD .   # one core: steadier still
@@ -72,8 +73,10 @@ def checkout_cases(tree: str, held: torch.Tensor, live: torch.Tensor) -> dict[st
             raise SystemExit(f"{tree}: run() gave a wrong result")
         if background is not None and not torch.equal(background.run(batch), held * 2):
             raise SystemExit(f"{tree}: run() after a background capture gave a wrong result")
+    decode = cg.BatchDescriptor.decode
     cases: dict[str, Callable[[], object]] = {
         f"{tree}: no inputs": lambda: plain.run(batch),
+        f"{tree}: no inputs, descriptor built each step": lambda: plain.run(decode(N)),  # what an engine's loop does
         f"{tree}: one input": lambda: one.run(batch, x=live),
     }
     if background is not None:
