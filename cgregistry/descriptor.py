@@ -7,7 +7,7 @@ captured for the key can serve the batch after padding.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import attrs
 
@@ -31,42 +31,12 @@ def _check_count(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"BatchDescriptor.{name} must be {bound}, got {value}")
 
 
-INTERNED_MAX = 4096  # distinct descriptors kept for reuse; past it a table starts again (a mixed-batch engine meets many)
-_interned: dict[tuple[Any, ...], tuple[BatchDescriptor, tuple[type, ...]]] = {}  # positional values: (descriptor, their types)
-_decoded: dict[tuple[int, int, int], BatchDescriptor] = {}  # decode()'s checked ints: descriptor
-
-
-def _keep(table: dict[Any, Any], key: Any, value: Any) -> None:
-    """``table[key] = value``, the table started again first if it holds ``INTERNED_MAX`` already."""
-    if len(table) >= INTERNED_MAX:
-        table.clear()
-    table[key] = value
-
-
-class _Interning(type):
-    """BatchDescriptor's metaclass: ``BatchDescriptor(*values)`` with the same positional values, of the same types, as
-    a descriptor built before returns that one, already checked and hashed.
-
-    An engine builds a descriptor every step; this skips attrs' ``__init__``, the checks and the first hash (together
-    more than ``run()``'s own overhead), and the route lookup then finds the key by identity.  Keyword arguments and
-    subclasses build as usual.  The types are part of the match, so ``BatchDescriptor(8.0)`` still raises after
-    ``BatchDescriptor(8)`` was built."""
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        if kwargs or cls is not BatchDescriptor:
-            return super().__call__(*args, **kwargs)
-        kinds = tuple(map(type, args))
-        hit = _interned.get(args)
-        if hit is not None and hit[1] == kinds:
-            return hit[0]
-        made = super().__call__(*args)  # checked: raises for bad values, which are never kept
-        hash(made)  # computed once, here
-        _keep(_interned, args, (made, kinds))
-        return made
+DECODED_MAX = 16384  # distinct decode shapes kept; past it the table starts again (more than requests x depths x LoRA counts)
+_decoded: dict[tuple[int, int, int], BatchDescriptor] = {}  # decode()'s checked arguments: the descriptor built for them
 
 
 @attrs.frozen(slots=True, cache_hash=True, repr=False)
-class BatchDescriptor(metaclass=_Interning):
+class BatchDescriptor:
     """The shape of one model step.
 
     ``num_reqs=None`` means "any request count" (a relaxed key); ``uniform``
@@ -108,18 +78,26 @@ class BatchDescriptor(metaclass=_Interning):
 
     @classmethod
     def decode(cls, num_reqs: int, spec_depth: int = 0, num_active_loras: int = 0) -> BatchDescriptor:
-        """A uniform batch of ``num_reqs`` requests, each with ``1 + spec_depth`` tokens."""
+        """A uniform batch of ``num_reqs`` requests, each with ``1 + spec_depth`` tokens.
+
+        The same arguments give back the descriptor built for them before, already checked and hashed: an engine
+        builds one every decode step, and this skips attrs' ``__init__``, the checks and the first hash (together
+        more than ``run()``'s own overhead); ``run()`` then finds its route by identity."""
         if not (type(num_reqs) is int and type(spec_depth) is int and type(num_active_loras) is int
                 and num_reqs >= 1 and spec_depth >= 0 and num_active_loras >= 0):  # one test on the hot path
             _check_count("num_reqs", num_reqs, 1)  # before the arithmetic, so the error names what was passed
             _check_count("spec_depth", spec_depth, 0)
             _check_count("num_active_loras", num_active_loras, 0)
-        key = (num_reqs, spec_depth, num_active_loras)  # checked ints above: equal keys are equal batches
-        made = _decoded.get(key) if cls is BatchDescriptor else None
+        if cls is not BatchDescriptor:  # a subclass builds its own
+            return cls(num_reqs * (1 + spec_depth), num_reqs, num_active_loras, spec_depth, True)
+        key = (num_reqs, spec_depth, num_active_loras)  # exact ints, checked above: equal keys are equal batches
+        made = _decoded.get(key)
         if made is None:
             made = cls(num_reqs * (1 + spec_depth), num_reqs, num_active_loras, spec_depth, True)
-            if cls is BatchDescriptor:
-                _keep(_decoded, key, made)
+            hash(made)  # computed once, here
+            if len(_decoded) >= DECODED_MAX:
+                _decoded.clear()
+            _decoded[key] = made
         return made
 
     @property
@@ -164,4 +142,3 @@ class BatchDescriptor(metaclass=_Interning):
         return f"Batch({', '.join(parts)})"
 
     __str__ = __repr__
-
