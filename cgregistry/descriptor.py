@@ -80,9 +80,9 @@ class BatchDescriptor:
     def decode(cls, num_reqs: int, spec_depth: int = 0, num_active_loras: int = 0) -> BatchDescriptor:
         """A uniform batch of ``num_reqs`` requests, each with ``1 + spec_depth`` tokens.
 
-        The same arguments give back the descriptor built for them before, already checked and hashed: an engine
-        builds one every decode step, and this skips attrs' ``__init__``, the checks and the first hash (together
-        more than ``run()``'s own overhead); ``run()`` then finds its route by identity."""
+        The same arguments give back the descriptor built for them before (its hash cached since its first use): an
+        engine builds one every decode step, and this skips attrs' ``__init__``, the checks and the first hash
+        (together more than ``run()``'s own overhead); ``run()`` then finds its route by identity."""
         if not (type(num_reqs) is int and type(spec_depth) is int and type(num_active_loras) is int
                 and num_reqs >= 1 and spec_depth >= 0 and num_active_loras >= 0):  # one test on the hot path
             _check_count("num_reqs", num_reqs, 1)  # before the arithmetic, so the error names what was passed
@@ -94,7 +94,6 @@ class BatchDescriptor:
         made = _decoded.get(key)
         if made is None:
             made = cls(num_reqs * (1 + spec_depth), num_reqs, num_active_loras, spec_depth, True)
-            hash(made)  # computed once, here
             if len(_decoded) >= DECODED_MAX:
                 _decoded.clear()
             _decoded[key] = made
