@@ -243,13 +243,13 @@ class BackgroundCapture:
         tasks = []
         stale: list[Pair] = []
         context = self._capturer.context
-        weights = self._capturer.watch.fingerprint() if self._ready else ()
+        watch = self._capturer.watch
         with self._catalog.batch():
             while self._ready:
                 done = self._ready.popleft()
                 if isinstance(done, TaskDone):
                     tasks.append(done)  # handed on once the routes are rebuilt: their hooks see the routes as they are
-                elif done.context != context or (done.entry is not None and done.entry.weights != weights):
+                elif done.context != context or (done.entry is not None and not watch.reads_current(done.entry.weights)):
                     # captured under another context, or reading weights a refresh() has since replaced
                     if done.pair not in self._catalog.entries:  # else captured in the foreground meanwhile
                         stale.append(done.pair)

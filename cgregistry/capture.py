@@ -50,6 +50,7 @@ class EntryCapture:
     def __init__(
         self, step: Callable[..., Any], buffers: Mapping[str, StaticBuffer], backend: Backend, output_axes: OutputAxes, warmup_runs: int,
     ) -> None:
+        self.step = step  # the engine's step: what every capture runs
         self._step = step
         self.buffers = buffers
         self.backend = backend

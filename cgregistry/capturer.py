@@ -35,7 +35,7 @@ from cgregistry.memory import MemoryEstimate, estimate_memory
 from cgregistry.plan import PlanEntry
 from cgregistry.plugins import Plugins
 from cgregistry.serving_state import RECORDED_AT_CAPTURE, ServingState, ServingStateError, StateTest
-from cgregistry.weights import WeightsMovedError, WeightWatch
+from cgregistry.weights import WeightsMovedError, WeightWatch, reached
 
 __all__ = ["CaptureContext", "Capturer"]
 
@@ -70,9 +70,11 @@ class Capturer:
         self.context: CaptureContext | None = None
         self.state_test = StateTest()  # the hot path's test of the caller's state against the context's (changed in place)
         self.buffers = one.buffers  # the shared static inputs (an entry captured in the background has its own)
-        self.watch = WeightWatch()  # the tensors graphs read: recorded again on a fresh pool and at refresh()
+        self.watch = WeightWatch()  # the tensors graphs read: each entry keeps where they were at its capture
         self.watch.watch((f"static input {n!r}", buf.tensor) for n, buf in one.buffers.items())
-        self.watch.on_change = self._weights_changed
+        self._warned_unwatched = False
+        self._opaque: list[str] = []  # what the step reads without its contents being looked into
+        self.watch_step()
 
     # ---------------------------------------------------------------- checks
 
@@ -145,6 +147,7 @@ class Capturer:
                 )
         if payload is None and held is not None:
             payload = held.payload
+        self.watch_step()
         self.context = CaptureContext(payload, state)
         self.state_test.take(self._one.device.type)  # on this thread, in the state just recorded
 
@@ -155,6 +158,32 @@ class Capturer:
             self.record(None, recorded_at)
         return self.context  # type: ignore[return-value]
 
+    def watch_step(self) -> None:
+        """Watch every module and tensor the step reaches (itself, a bound method's object, closure cells, ``partial``
+        arguments, the module-level names its code uses); looked for again at each ``capture()``, so one made or rebound
+        since is seen."""
+        found = reached(self._one.step)
+        for name, read in found.modules:
+            self.watch.watch(read, prefix=f"{name}.")
+        for name, read in found.tensors:
+            self.watch.watch_read(name, read)
+        self._opaque = found.opaque
+
+    def warn_unwatched(self) -> None:
+        """Once per registry: the step reads values not looked into and no module is watched, so a weight replaced by
+        assignment inside them would go unseen."""
+        if self.watch.modules_watched or not self._opaque or self._warned_unwatched:
+            return
+        self._warned_unwatched = True
+        warnings.warn(
+            f"cgregistry: registry {self._name!r} found no module the step reads, and it reads "
+            f"{', '.join(map(repr, self._opaque[:4]))} without their contents being looked into; a weight in them "
+            "replaced by assignment (load_state_dict(assign=True), a new nn.Parameter) would go unseen and graphs would "
+            "read the old memory: name what the step reads with reg.watch(model)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
     def forget(self) -> None:
         """No context (after ``clear()``): the next capture request records one."""
         self.context = None
@@ -162,28 +191,28 @@ class Capturer:
 
     def refuse_other_state(self) -> None:
         """After ``state_test()`` said no: raise ``ServingStateError`` naming how the caller's state differs from the
-        capture context's in what a replay computes, or ``WeightsMovedError`` naming a watched tensor that moved since
-        the graphs were captured; a difference that changes no result (grad mode) becomes the state ``state_test``
-        compares with from now on."""
+        capture context's in what a replay computes; a difference that changes no result (grad mode) becomes the state
+        ``state_test`` compares with from now on."""
         if self.context is not None:
             self.context.state.check(self._name)
-        moved = self.watch.moved() if self._catalog.entries else []
-        if moved:
-            more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
-            raise WeightsMovedError(
-                f"run() on registry {self._name!r}: {moved[0]}{more} since its graphs were captured, so they would read the "
-                "old weights; call reg.refresh() after a weight update (it keeps what reads the new addresses and captures "
-                "the rest again), or update weights in place (param.copy_, load_state_dict without assign=True)"
-            )
         self.state_test.take(self._one.device.type)
 
-    def _weights_changed(self, what: str) -> None:
-        """A watched module registered a parameter, buffer or submodule (any thread): the next replay compares addresses."""
-        self.state_test.failing()
-
-    def weights_refreshed(self) -> None:
-        """After ``refresh()``: replays compare the serving state alone again."""
-        self.state_test.take(self._one.device.type)
+    def check_weights(self, entry: Entry) -> None:
+        """After the watch's generation moved past ``entry``'s: raise ``WeightsMovedError`` naming a watched tensor the
+        entry's graph would read at its old address; else the entry is of the current generation from now on."""
+        watch = self.watch
+        generation = watch.generation
+        moved = watch.moved_for(entry.weights)
+        if not moved:
+            entry.generation = generation
+            return
+        more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
+        raise WeightsMovedError(
+            f"run() on registry {self._name!r}: {moved[0]}{more} since the graph of {entry.key} [{entry.strategy}] was "
+            "captured, so it would read the old weights; call reg.refresh() after a weight update (it keeps what reads "
+            "the new addresses and captures the rest again), or update weights in place (param.copy_, load_state_dict "
+            "without assign=True)"
+        )
 
     # ---------------------------------------------------------------- capturing
 
@@ -235,10 +264,11 @@ class Capturer:
                 here.holding = True
                 try:
                     self._events.capture_started(key, name)
-                    weights = self.watch.fingerprint()  # what the graph will read
+                    generation = self.watch.generation  # taken first: a move during the capture makes it older
+                    weights = self.watch.seen()  # what the graph will read
                     try:
                         entry = ctx.state.run(self._one.capture, key, name, strategy, ctx.payload, background=background)
-                        entry.weights = weights
+                        entry.weights, entry.generation = weights, generation
                     except BaseException as exc:
                         error = exc if isinstance(exc, CaptureError) else CaptureError(key, name, exc)
                         self._events.capture_finished(key, name, None, error)

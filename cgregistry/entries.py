@@ -5,6 +5,7 @@ Plain data, kept by the :class:`~cgregistry.catalog.Catalog`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from cgregistry.descriptor import BatchDescriptor
@@ -22,7 +23,7 @@ class Entry:
     __slots__ = (
         "key", "strategy", "graph", "replay", "slicer", "capture_seconds", "memory_bytes",
         "replays", "padded_tokens", "graph_tokens", "last_step", "key_class", "has_breaks", "buffers", "weights",
-        "device_bytes", "__weakref__",
+        "generation", "device_bytes", "__weakref__",
     )
 
     def __init__(self, key: BatchDescriptor, strategy: str, graph: Any, slicer: OutputSlicer, seconds: float) -> None:
@@ -40,7 +41,8 @@ class Entry:
         self.key_class = key_class(key, strategy)
         self.has_breaks = bool(getattr(graph, "breaks", 0))  # eager breaks read current_batch() at replay
         self.buffers: tuple[Any, ...] | None = None  # static inputs of its own (captured in the background), else shared
-        self.weights: tuple[int | None, ...] = ()  # the watched tensors' addresses at its capture (WeightWatch.fingerprint)
+        self.weights: Mapping[str, int | None] = {}  # the watched tensors' addresses at its capture (WeightWatch.seen)
+        self.generation = 0  # the watch's generation at its capture: a replay in a later one checks the addresses first
         # Device memory its capture took (measured where the backend can: pool growth, warm-up, driver objects), else
         # the graph's own count; what memory_budget sums.
         self.device_bytes = self.memory_bytes

@@ -104,14 +104,24 @@ class Lifecycle:
         self._background.install()
         watch = self._capturer.watch
         moved = tuple(watch.moved())
-        now = watch.fingerprint()
-        stale = [pair for pair, entry in self._catalog.entries.items() if entry.weights != now]
+        verdicts: dict[int, bool] = {}  # entries captured in one generation share what they read: compared once
+        stale = []
+        for pair, entry in self._catalog.entries.items():
+            current = verdicts.get(id(entry.weights))
+            if current is None:
+                current = verdicts[id(entry.weights)] = watch.reads_current(entry.weights)
+            if not current:
+                stale.append(pair)
         queued = self._background.capturing()  # in flight or queued: perhaps captured with the old weights
-        kept = tuple(pair for pair in self._catalog.entries if pair not in set(stale))
+        dropped = set(stale)
+        kept = tuple(pair for pair in self._catalog.entries if pair not in dropped)
         self._background.discard(queued)
         removed = self._catalog.release_pairs(stale)
         watch.rebase()
-        self._capturer.weights_refreshed()
+        seen, generation = watch.seen(), watch.generation
+        for pair in kept:  # they read every watched tensor where it is: of the new generation
+            entry = self._catalog.entries[pair]
+            entry.weights, entry.generation = seen, generation
         self._released(removed)
         again = list(dict.fromkeys([*stale, *queued]))
         if again and self.asleep is None:

@@ -105,9 +105,6 @@ class GraphRegistry:
         self._catalog = catalog = Catalog(buffers, output_axes, self.preference, cap, memory_budget, chooser, chooser_names)
         one = EntryCapture(step, buffers, self.backend, output_axes, warmup_runs)
         self._capturer = capturer = Capturer(one, catalog, events, self.plugins, self.name)
-        owner = step if isinstance(step, torch.nn.Module) else getattr(step, "__self__", None)
-        if isinstance(owner, torch.nn.Module):
-            capturer.watch.watch(owner, prefix="step.")  # a model as the step: its weights are what graphs read
         pacer = getattr(self.backend, "step_pacer", None)  # optional: the cuda backend bounds the serving thread's run-ahead
         self._background = background = BackgroundCapture(capturer, catalog, events, self.name, pacer() if pacer else None)
         weakref.finalize(self, background.stop)  # nothing of the capture thread's holds the registry; once it goes, so does the thread
@@ -190,6 +187,7 @@ class GraphRegistry:
         if background:
             refuse_with_collectives()
         self._capturer.record(context)
+        self._capturer.warn_unwatched()
         self._background.install()
         pairs = [(e.descriptor, e.strategy) for e in dict.fromkeys(todo) if (e.descriptor, e.strategy) not in self._catalog.entries]
         if background:
@@ -293,7 +291,8 @@ class GraphRegistry:
         """Call after a weight update: graphs that read the watched weights where they are now stay (an in-place update
         keeps them all); the others are dropped at once and captured again, now or, with ``background``, on the capture
         thread while ``run()`` serves eagerly.  Until then a replay against moved weights raises ``WeightsMovedError``.
-        The step's module (when the step is a module or its method) and whatever ``watch()`` names are watched."""
+        The modules the step reaches (itself, its object, closure cells, ``partial`` arguments, the module-level names
+        its code uses) and whatever ``watch()`` names are watched."""
         check_flag("refresh", "background", background)
         return self._lifecycle.refresh(background)
 
@@ -309,9 +308,10 @@ class GraphRegistry:
         return self._lifecycle.wake(background)
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module, prefix: str = "") -> None:
-        """Tensors captured graphs read whose address debug mode checks before each replay: ``(name, tensor)``
-        pairs, or a module (every parameter and buffer, looked up by name, so a replaced one is caught too).
-        Static inputs are always checked, and so is the step itself when it is a module or a module's method."""
+        """Tensors captured graphs read, beside the modules the step reaches (found without being named): ``(name,
+        tensor)`` pairs, or a module (every parameter and buffer, looked up by name, so a replaced one is caught too).
+        A replay of a graph that would read one where it no longer is raises ``WeightsMovedError``; each is compared
+        with its address now, so a watch added after capture keeps every graph.  Static inputs are always watched."""
         self._capturer.watch.watch(named, prefix)
 
     def failures(self) -> dict[Pair, BaseException]:

@@ -65,6 +65,7 @@ class Server:
         self._counters = catalog.counters
         self._capturer = capturer
         self._state = capturer.state_test  # changed in place by the capturer: its parts read as one tuple below
+        self._weights = capturer.watch  # its generation moves when a watched tensor may have moved
         self._background = background
         self._adapter = adapter
         self._events = events
@@ -128,6 +129,8 @@ class Server:
             guard, flag, flag_was = self._state.parts  # a graph computes what it computed at capture: refuse another autocast or dtype
             if not (guard() and flag() == flag_was):
                 self._capturer.refuse_other_state()
+            if entry.generation != self._weights.generation:  # a watched tensor may have moved since its capture
+                self._capturer.check_weights(entry)
             if copies:
                 for buf, rows in copies:
                     buf.write(inputs[buf.name], rows)

@@ -1,0 +1,188 @@
+"""A graph serves only under what it was captured under: the weights it read where they were, and the serving state.
+
+Whatever path the engine takes (a later capture, refresh(), a step that is a closure over its model), a replay either
+computes what eager computes now or is refused with a named error.  Eager is the oracle throughout.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+
+import cgregistry as cg
+from cgregistry import BatchDescriptor as B
+from tests.conftest import device_of
+
+WIDTH, MAX_TOKENS = 8, 16
+PLAN = cg.CapturePlan.build(max_num_seqs=MAX_TOKENS, max_num_tokens=MAX_TOKENS, mode="full", capture_sizes=[4, 8])
+INPUTS = {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)}
+
+# A module the step reaches through its globals, as README.md's example does.
+GLOBAL_LINEAR = torch.nn.Linear(WIDTH, WIDTH)
+
+
+def global_step(batch: B, x: torch.Tensor) -> torch.Tensor:
+    return GLOBAL_LINEAR(x)
+
+
+def fresh_state(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g).to(v.device) for k, v in module.state_dict().items()}
+
+
+def x_of(n: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, WIDTH, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def closure_step(lin: torch.nn.Module):  # type: ignore[no-untyped-def]
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return lin(x)
+
+    return step
+
+
+def partial_step(lin: torch.nn.Module):  # type: ignore[no-untyped-def]
+    def apply(module: torch.nn.Module, batch: B, x: torch.Tensor) -> torch.Tensor:
+        return module(x)
+
+    return functools.partial(apply, lin)
+
+
+class Model(torch.nn.Module):
+    """A module as the step: the registry watches it without being told."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, batch: B, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class Engine:
+    """A plain object (no module) whose step method reads its model."""
+
+    def __init__(self, lin: torch.nn.Module) -> None:
+        self.model = lin
+
+    def step(self, batch: B, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+STEPS = {
+    "closure": closure_step,
+    "partial": partial_step,
+    "engine method": lambda lin: Engine(lin).step,
+}
+
+
+@pytest.mark.parametrize("how", sorted(STEPS))
+def test_an_assigned_weight_of_a_module_the_step_reaches_is_refused_then_refreshed(backend: str, how: str) -> None:
+    device = device_of(backend)
+    lin = torch.nn.Linear(WIDTH, WIDTH).to(device)
+    reg = cg.GraphRegistry(STEPS[how](lin), INPUTS, backend=backend)
+    reg.capture(PLAN)
+    lin.load_state_dict(fresh_state(lin, 1), assign=True)
+    with pytest.raises(cg.WeightsMovedError, match=r"weight moved"):
+        reg.run(B.decode(3), x=x_of(3, device))
+    result = reg.refresh()
+    assert result.kept == () and set(result.recaptured) == {(e.descriptor, e.strategy) for e in PLAN} and result.moved
+    x = x_of(3, device, seed=2)
+    with torch.inference_mode():
+        torch.testing.assert_close(reg.run(B.decode(3), x=x), lin(x))
+
+
+def test_a_module_the_step_reads_through_its_globals_is_watched() -> None:
+    reg = cg.GraphRegistry(global_step, INPUTS, backend="cpu")
+    reg.capture(PLAN)
+    saved = GLOBAL_LINEAR.state_dict()
+    try:
+        GLOBAL_LINEAR.load_state_dict(fresh_state(GLOBAL_LINEAR, 1), assign=True)
+        with pytest.raises(cg.WeightsMovedError):
+            reg.run(B.decode(3), x=x_of(3, torch.device("cpu")))
+        assert reg.refresh().moved
+        x = x_of(3, torch.device("cpu"))
+        with torch.inference_mode():
+            torch.testing.assert_close(reg.run(B.decode(3), x=x), GLOBAL_LINEAR(x))
+    finally:
+        GLOBAL_LINEAR.load_state_dict(saved, assign=True)
+
+
+def test_a_step_whose_modules_cannot_be_found_is_warned_about_at_capture() -> None:
+    modules = {"lin": torch.nn.Linear(WIDTH, WIDTH)}
+    reg = cg.GraphRegistry(lambda batch, x: modules["lin"](x), INPUTS, backend="cpu")
+    with pytest.warns(RuntimeWarning, match=r"found no module the step reads, and it reads 'modules' .*reg\.watch\(model\)"):
+        reg.capture(PLAN)
+    reg.watch(modules["lin"])  # the engine says what it reads: no more warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg.capture(cg.CapturePlan.build(max_num_seqs=MAX_TOKENS, max_num_tokens=MAX_TOKENS, mode="full", capture_sizes=[2]))
+
+
+def test_a_step_that_reads_no_state_is_not_warned_about() -> None:
+    reg = cg.GraphRegistry(lambda batch, x: torch.tanh(x) + 1, INPUTS, backend="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg.capture(PLAN)
+
+
+def test_a_tensor_in_a_closure_moved_by_data_assignment_is_found_by_refresh() -> None:
+    w = torch.randn(WIDTH, WIDTH)
+    reg = cg.GraphRegistry(lambda batch, x: x @ w, INPUTS, backend="cpu")
+    reg.capture(PLAN)
+    w.data = torch.randn(WIDTH, WIDTH)  # announces nothing: refresh() compares
+    result = reg.refresh()
+    assert result.moved and result.moved[0].startswith("w moved from") and result.kept == ()
+    x = x_of(3, torch.device("cpu"))
+    torch.testing.assert_close(reg.run(B.decode(3), x=x), x @ w)
+
+
+def test_a_later_capture_does_not_rearm_graphs_that_read_moved_weights(backend: str) -> None:
+    device = device_of(backend)
+    lin = Model().to(device)
+    reg = cg.GraphRegistry(lin, INPUTS, backend=backend)  # a module as the step: watched
+    reg.capture(PLAN)
+    lin.load_state_dict(fresh_state(lin, 1), assign=True)
+    with pytest.raises(cg.WeightsMovedError):
+        reg.run(B.decode(3), x=x_of(3, device))
+    # One more key, captured after the move: it reads the new weights and serves; the old graphs stay refused.
+    reg.capture([(B.decode(2), "full")])
+    x = x_of(2, device)
+    with torch.inference_mode():
+        torch.testing.assert_close(reg.run(B.decode(2), x=x), lin(B.decode(2), x))
+        with pytest.raises(cg.WeightsMovedError):
+            reg.run(B.decode(3), x=x_of(3, device))
+    result = reg.refresh()
+    assert (B.decode(2), "full") in result.kept and set(result.recaptured) == {(e.descriptor, e.strategy) for e in PLAN}
+    with torch.inference_mode():
+        torch.testing.assert_close(reg.run(B.decode(3), x=x_of(3, device)), lin(B.decode(3), x_of(3, device)))
+
+
+def test_refresh_outside_the_autocast_block_does_not_let_a_replay_outside_it_through() -> None:
+    lin = Model()
+    reg = cg.GraphRegistry(lin, INPUTS, backend="cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reg.capture(PLAN)
+        assert reg.run(B.decode(3), x=x_of(3, torch.device("cpu"))).dtype == torch.bfloat16
+    with torch.no_grad():
+        lin.linear.weight.mul_(2)  # an in-place sync, outside the block
+    assert reg.refresh().recaptured == ()
+    with pytest.raises(cg.ServingStateError, match=r"no autocast now, autocast\(cpu, torch.bfloat16\) at capture"):
+        reg.run(B.decode(3), x=x_of(3, torch.device("cpu")))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+        x = x_of(3, torch.device("cpu"))
+        torch.testing.assert_close(reg.run(B.decode(3), x=x), lin(B.decode(3), x))
+
+
+def test_watch_after_capture_keeps_every_graph_at_the_next_in_place_refresh() -> None:
+    lin, other = Model(), torch.nn.Linear(WIDTH, WIDTH)
+    reg = cg.GraphRegistry(lin, INPUTS, backend="cpu")
+    reg.capture(PLAN)
+    reg.watch(other)
+    with torch.no_grad():
+        lin.linear.weight.add_(1)
+    result = reg.refresh()
+    assert result.recaptured == () and result.moved == () and len(result.kept) == len(PLAN)
