@@ -19,7 +19,7 @@ from cgregistry.registry import GraphRegistry
 # Models with eager parts: attention as an eager break, piecewise compilation
 from cgregistry.breaks import capture_barrier, eager_break, graph_break
 from cgregistry.compiler import PiecewiseCompiler, compile_piecewise
-from cgregistry.runtime import BreakContext, current_batch, eager_batch
+from cgregistry.runtime import BreakContext, FrozenReadWarning, current_batch, eager_batch
 
 # Inspection: entries, statistics, explanations, snapshots
 from cgregistry.inspection import ClassStats, EntryInfo, Refreshed, Slept, Snapshot, Stats, load_snapshot
@@ -80,5 +80,7 @@ __all__ = [
     "BreakError", "CaptureError", "CgregistryError", "ConcurrentRunError", "DebugError", "GraphUnsafeOpError",
     "InputError", "OutputError", "PiecewiseError", "PluginError", "ServingStateError", "SnapshotError", "StaleOutputError",
     "WeightsMovedError",
+    # warnings
+    "FrozenReadWarning",
     "__version__",
 ]

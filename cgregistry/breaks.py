@@ -150,6 +150,9 @@ def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = Non
         label = name or getattr(func, "__qualname__", repr(func))
 
         def call(args: tuple, kwargs: dict) -> Any:
+            return runtime.unrecorded(dispatch, args, kwargs)  # marked host code: what it reads is not frozen unseen
+
+        def dispatch(args: tuple, kwargs: dict) -> Any:
             site = runtime.site.get()
             if site is None:
                 return func(*args, **kwargs)

@@ -147,7 +147,12 @@ class EntryCapture:
                 warm_leaves, spec = flatten(self.backend.warmup(body, self._warmup_runs))
                 self._check_outputs(warm_leaves, spec, key)
                 del warm_leaves
-                graph, out = strategy.capture(body, self.backend, pool)
+                recording = runtime.Recording()
+                recording_token = runtime.recording.set(recording)
+                try:
+                    graph, out = strategy.capture(body, self.backend, pool)
+                finally:
+                    runtime.recording.reset(recording_token)
                 leaves, captured_spec = flatten(out)
                 del out
                 if captured_spec != spec:
@@ -171,6 +176,7 @@ class EntryCapture:
         entry = Entry(key, strategy_name, graph, OutputSlicer(self.backend.share_outputs(leaves), spec), seconds)
         if device_memory is not None:  # what the device gave this capture: pool, warm-up, driver objects, own inputs
             entry.device_bytes = max(0, device_memory()[0] - used_before)
+        entry.read_live_batch = recording.live_batch_reads > 0
         if own_inputs:
             entry.buffers = tuple(buffers.values())  # in the registry's input order, as routes copy them
         if pool is self.pool:

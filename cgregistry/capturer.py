@@ -34,6 +34,7 @@ from cgregistry.keyclasses import check_serves
 from cgregistry.memory import MemoryEstimate, estimate_memory
 from cgregistry.plan import PlanEntry
 from cgregistry.plugins import Plugins
+from cgregistry.warn import warn
 from cgregistry.serving_state import RECORDED_AT_CAPTURE, ServingState, ServingStateError, StateTest
 from cgregistry.weights import WeightsMovedError, WeightWatch, reached
 
@@ -73,6 +74,7 @@ class Capturer:
         self.watch = WeightWatch()  # the tensors graphs read: each entry keeps where they were at its capture
         self.watch.watch((f"static input {n!r}", buf.tensor) for n, buf in one.buffers.items())
         self._warned_unwatched = False
+        self._warned_no_break = False
         self._opaque: list[str] = []  # what the step reads without its contents being looked into
         self.watch_step()
 
@@ -279,10 +281,23 @@ class Capturer:
                         raise
                 finally:
                     here.holding = False
+            if (not self._warned_no_break and entry.read_live_batch and not key.uniform
+                    and getattr(entry.graph, "breaks", None) == 0):
+                self._warn_no_break(entry)
             evicted = [] if background else self._catalog.add(entry)
             self._events.capture_finished(key, name, entry, None)
             self._events.evicted(evicted)
         return entry
+
+    def _warn_no_break(self, entry: Entry) -> None:
+        """Once per registry: a mixed key of a strategy that splits at eager breaks was captured with none, while the
+        step read the live batch (``current_batch()``) outside an eager break."""
+        self._warned_no_break = True
+        warn(
+            f"cgregistry: registry {self._name!r} captured the mixed key {entry.key} [{entry.strategy}] with no eager "
+            "break, and the step called current_batch() while it was recorded: the whole step is one graph, and the "
+            "host code that read the batch ran once, at capture. Mark such functions with @cgregistry.eager_break"
+        )
 
     def capture_all(self, pairs: list[Pair], progress: bool | None) -> list[EntryInfo]:
         """Capture ``pairs`` in order, now.  A failure stops its strategy (its later keys are not tried) but not the

@@ -156,6 +156,9 @@ class _Split(nn.Module):
         self.label = label
 
     def forward(self, *args: Any) -> Any:
+        return runtime.unrecorded(self._run, args)  # runs eagerly at every replay: what it reads is live
+
+    def _run(self, args: tuple) -> Any:
         site = runtime.site.get()
         if site is None:
             return self.region(*args)

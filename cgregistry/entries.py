@@ -23,7 +23,7 @@ class Entry:
     __slots__ = (
         "key", "strategy", "graph", "replay", "slicer", "capture_seconds", "memory_bytes",
         "replays", "padded_tokens", "graph_tokens", "last_step", "key_class", "has_breaks", "buffers", "weights",
-        "generation", "device_bytes", "__weakref__",
+        "generation", "read_live_batch", "device_bytes", "__weakref__",
     )
 
     def __init__(self, key: BatchDescriptor, strategy: str, graph: Any, slicer: OutputSlicer, seconds: float) -> None:
@@ -42,6 +42,7 @@ class Entry:
         self.has_breaks = bool(getattr(graph, "breaks", 0))  # eager breaks read current_batch() at replay
         self.buffers: tuple[Any, ...] | None = None  # static inputs of its own (captured in the background), else shared
         self.weights: Mapping[str, int | None] = {}  # the watched tensors' addresses at its capture (WeightWatch.seen)
+        self.read_live_batch = False  # its recording called current_batch() outside an eager break
         self.generation = 0  # the watch's generation at its capture: a replay in a later one checks the addresses first
         # Device memory its capture took (measured where the backend can: pool growth, warm-up, driver objects), else
         # the graph's own count; what memory_budget sums.

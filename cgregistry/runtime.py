@@ -19,8 +19,8 @@ import attrs
 from cgregistry.descriptor import BatchDescriptor
 
 __all__ = [
-    "BreakContext", "BreakSite", "axis_rows", "background_capture", "barrier", "batch", "capture_strategy", "cpu_capturing", "current_batch", "eager_batch", "foreground_layout", "marked",
-    "on_mark", "see_compiled", "site",
+    "BreakContext", "BreakSite", "FrozenReadWarning", "Recording", "RecordingBatch", "axis_rows", "background_capture", "barrier", "batch", "capture_strategy", "cpu_capturing", "current_batch", "eager_batch", "foreground_layout", "marked",
+    "on_mark", "recording", "see_compiled", "site", "unrecorded",
 ]
 
 
@@ -60,6 +60,20 @@ background_capture: contextvars.ContextVar[bool] = contextvars.ContextVar("cgreg
 # capture's own stream, as a foreground capture is (the caching allocator keeps a cache per stream, so the
 # background's warm-up stream would make the memory measured differ from what the capture then takes).
 foreground_layout: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_foreground_layout", default=False)
+
+
+class Recording:
+    """A strategy recording the step into a graph on this thread (warm-up excluded): what host code outside an eager
+    break reads now is frozen into the graph.  Counts the reads of the live batch there."""
+
+    __slots__ = ("live_batch_reads",)
+
+    def __init__(self) -> None:
+        self.live_batch_reads = 0
+
+
+# The recording in progress on this thread; None outside one, and inside an eager break's body.
+recording: contextvars.ContextVar[Recording | None] = contextvars.ContextVar("cgregistry_recording", default=None)
 # The cpu emulator records compiled code's ops (a piecewise capture) instead of running models uncompiled.
 see_compiled: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_cpu_see_compiled", default=False)
 
@@ -69,9 +83,71 @@ marked: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 on_mark: list[Callable[[Callable[..., Any]], None]] = []
 
 
-def current_batch() -> BreakContext | None:
-    """The live batch (actual, key, payload) while a step or an eager break runs under a registry."""
-    return batch.get()
+def unrecorded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` as host code that runs eagerly at every replay (an eager break, a piecewise split): the
+    recording in progress, if any, is set aside, so what it reads of the live batch is not reported as frozen."""
+    if recording.get() is None:
+        return fn(*args, **kwargs)
+    token = recording.set(None)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        recording.reset(token)
+
+
+class FrozenReadWarning(RuntimeWarning):
+    """Host code read the live batch's payload while a graph was being recorded, outside an eager break: what it read
+    is baked into the graph, and every replay reuses it."""
+
+
+class RecordingBatch:
+    """``current_batch()`` while a graph is being recorded outside an eager break: ``key`` is the key captured, and
+    ``actual`` and ``payload`` (what capture runs on and was given, never a live batch's) warn when read
+    (:class:`FrozenReadWarning`), naming the line that read them."""
+
+    __slots__ = ("key", "_context")
+
+    def __init__(self, context: BreakContext) -> None:
+        self.key, self._context = context.key, context
+
+    @property
+    def actual(self) -> BatchDescriptor:
+        self._frozen("actual")
+        return self._context.actual
+
+    @property
+    def payload(self) -> Any:
+        self._frozen("payload")
+        return self._context.payload
+
+    def _frozen(self, field: str) -> None:
+        from cgregistry.warn import warn
+
+        strategy = getattr(capture_strategy.get(), "name", None)
+        where = f" [{strategy}]" if isinstance(strategy, str) else ""
+        warn(
+            f"cgregistry: current_batch().{field} read while capturing {self.key}{where}, outside an eager break: what it "
+            "returns now is frozen into the graph and every replay reuses it (a live batch's lengths, say). Mark the "
+            "function that reads it with @cgregistry.eager_break, so that the breakable strategy runs it eagerly at "
+            "each replay, or read only .key and static inputs there",
+            FrozenReadWarning,
+        )
+
+    def __repr__(self) -> str:
+        return f"RecordingBatch(actual={self.actual!r}, key={self.key!r})"
+
+
+def current_batch() -> BreakContext | RecordingBatch | None:
+    """The live batch (actual, key, payload) while a step or an eager break runs under a registry.
+
+    While a graph is being recorded outside an eager break, its ``payload`` warns when read (see ``RecordingBatch``)."""
+    context = batch.get()
+    if context is not None:
+        live = recording.get()
+        if live is not None:
+            live.live_batch_reads += 1
+            return RecordingBatch(context)
+    return context
 
 
 @contextlib.contextmanager

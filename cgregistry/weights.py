@@ -238,6 +238,10 @@ _INERT = (types.ModuleType, type, str, bytes, int, float, complex, bool, type(No
           types.BuiltinFunctionType, types.BuiltinMethodType)
 
 
+# Packages whose functions are not looked into: they hold no engine weights of their own.
+_LIBRARIES = frozenset({"cgregistry", "torch", "functools", "typing"})
+
+
 @attrs.frozen
 class Reached:
     """What a step reads, found by ``reached``: modules and tensors (each as its name and a callable that reads it
@@ -266,8 +270,8 @@ def reached(step: Callable[..., Any]) -> Reached:
             tensors.setdefault(name, read)
         elif isinstance(found, (types.FunctionType, functools.partial, types.MethodType)):
             visit(found, depth + 1, name)
-        elif not isinstance(found, _INERT) and not callable(found):
-            opaque.append(name)
+        elif depth == 0 and not isinstance(found, _INERT) and not callable(found):
+            opaque.append(name)  # read by the step's own code: a container or an object it looks into
 
     def attributes(obj: Any, name: str, depth: int) -> None:
         for attr, found in list(getattr(obj, "__dict__", {}).items()):
@@ -293,8 +297,11 @@ def reached(step: Callable[..., Any]) -> Reached:
                 attributes(owner, label, depth)
             visit(fn.__func__, depth, label)
         elif isinstance(fn, types.FunctionType):
+            wrapped = getattr(fn, "__wrapped__", None)  # functools.wraps: what a decorator (eager_break) wraps
+            if wrapped is not None:
+                visit(wrapped, depth, label)
             code = fn.__code__
-            if id(code) in seen_code:
+            if id(code) in seen_code or fn.__globals__.get("__name__", "").partition(".")[0] in _LIBRARIES:
                 return
             seen_code.add(id(code))
             for name, cell in zip(code.co_freevars, fn.__closure__ or ()):

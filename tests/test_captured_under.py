@@ -186,3 +186,66 @@ def test_watch_after_capture_keeps_every_graph_at_the_next_in_place_refresh() ->
         lin.linear.weight.add_(1)
     result = reg.refresh()
     assert result.recaptured == () and result.moved == () and len(result.kept) == len(PLAN)
+
+
+class Attention(torch.nn.Module):
+    """Reads the per-request lengths of the live batch from the payload, as a varlen kernel launch does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lens = cg.current_batch().payload or []  # the line a frozen read is reported at
+        scale = torch.ones(x.shape[0], 1)
+        for r, n in enumerate(lens[: x.shape[0]]):
+            scale[r] = n
+        return x * scale
+
+
+@cg.eager_break
+def marked_attention(x: torch.Tensor) -> torch.Tensor:
+    lens = cg.current_batch().payload or []
+    scale = torch.ones(x.shape[0], 1)
+    for r, n in enumerate(lens[: x.shape[0]]):
+        scale[r] = n
+    return x * scale
+
+
+def test_reading_the_payload_outside_an_eager_break_while_recording_is_warned_at_the_line() -> None:
+    attention = Attention()
+    reg = cg.GraphRegistry(lambda batch, x: attention(x) + 1, INPUTS, backend="cpu")
+    plan = cg.CapturePlan.build(max_num_seqs=4, max_num_tokens=MAX_TOKENS)  # full_and_breakable, the default
+    with pytest.warns(cg.FrozenReadWarning, match=r"current_batch\(\)\.payload read while capturing .*outside an eager break") as record:
+        reg.capture(plan, context=[1, 1, 1, 1])
+    frozen = [w for w in record if issubclass(w.category, cg.FrozenReadWarning)]
+    assert frozen[0].filename == __file__ and "payload" in open(__file__).readlines()[frozen[0].lineno - 1]
+
+
+def test_a_mixed_key_captured_with_no_eager_break_while_the_step_reads_the_batch_is_warned_about_once() -> None:
+    reg = cg.GraphRegistry(lambda batch, x: x * cg.current_batch().key.num_tokens, INPUTS, backend="cpu")
+    plan = cg.CapturePlan.build(max_num_seqs=4, max_num_tokens=MAX_TOKENS)
+    with pytest.warns(RuntimeWarning, match=r"captured the mixed key .*\[breakable\] with no eager break, and the step") as record:
+        reg.capture(plan)
+    assert sum("with no eager break" in str(w.message) for w in record) == 1
+    assert record[0].filename == __file__, "the warning points at the engine's capture() call"
+    quiet = cg.GraphRegistry(lambda batch, x: torch.tanh(x), INPUTS, backend="cpu")  # no host code: nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet.capture(plan)
+
+
+def test_reading_the_actual_batch_outside_an_eager_break_while_recording_is_warned() -> None:
+    reg = cg.GraphRegistry(lambda batch, x: x * cg.current_batch().actual.num_tokens, INPUTS, backend="cpu")
+    with pytest.warns(cg.FrozenReadWarning, match=r"current_batch\(\)\.actual read while capturing Batch\(tokens=8.* \[full\]"):
+        reg.capture(PLAN)
+
+
+def test_a_marked_function_reading_the_payload_is_not_warned_about_and_serves_the_live_lengths() -> None:
+    reg = cg.GraphRegistry(lambda batch, x: marked_attention(x) + 1, INPUTS, backend="cpu")
+    plan = cg.CapturePlan.build(max_num_seqs=4, max_num_tokens=MAX_TOKENS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg.capture(plan)
+    batch = B(7, 4, uniform=False)
+    x = torch.randn(7, WIDTH)
+    with torch.inference_mode(), cg.eager_batch(batch, [1, 3, 2, 1]):
+        want = marked_attention(x) + 1
+    torch.testing.assert_close(reg.run(batch, x=x, context=[1, 3, 2, 1]), want)
+    assert reg.match(batch).strategy == "breakable"
