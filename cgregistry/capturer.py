@@ -299,10 +299,11 @@ class Capturer:
             "host code that read the batch ran once, at capture. Mark such functions with @cgregistry.eager_break"
         )
 
-    def capture_all(self, pairs: list[Pair], progress: bool | None) -> list[EntryInfo]:
+    def capture_all(self, pairs: list[Pair], progress: bool | None, *, untried_lazily: bool = False) -> list[EntryInfo]:
         """Capture ``pairs`` in order, now.  A failure stops its strategy (its later keys are not tried) but not the
         others, whose keys are all captured; each failed key is kept in the catalog's failures (as on every capture
-        path), then the first failure is raised, naming what each other failing strategy raised and what else happened."""
+        path), then the first failure is raised, naming what each other failing strategy raised and what else happened.
+        ``untried_lazily``: keys held before (a refresh, a wake) that were not tried are planned lazily, never lost."""
         if progress is None:
             progress = len(pairs) > 1 and sys.stderr.isatty()
         ctx = self.current()
@@ -326,7 +327,9 @@ class Capturer:
             if hasattr(bar, "close"):
                 bar.close()
         if failed:
-            raise _summary(failed, skipped, captured)
+            if untried_lazily and skipped:
+                self._catalog.plan_lazily(skipped)
+            raise _summary(failed, skipped, captured, lazily=untried_lazily)
         return captured
 
     def capture_lazily(self, pair: Pair) -> None:
@@ -345,7 +348,7 @@ class Capturer:
             self._catalog.counters.lazy_captures += 1
 
 
-def _summary(failed: dict[str, CaptureError], skipped: list[Pair], captured: list[EntryInfo]) -> CaptureError:
+def _summary(failed: dict[str, CaptureError], skipped: list[Pair], captured: list[EntryInfo], lazily: bool = False) -> CaptureError:
     """The first failure of a plan's capture (its cause as ``__cause__``), with what each other failing strategy raised,
     what was not tried and what was captured."""
     first = next(iter(failed.values()))
@@ -356,7 +359,8 @@ def _summary(failed: dict[str, CaptureError], skipped: list[Pair], captured: lis
     by_strategy: dict[str, int] = {}
     for _, strategy in skipped:
         by_strategy[strategy] = by_strategy.get(strategy, 0) + 1
-    notes += [f"; {n} later key{'s' if n > 1 else ''} of strategy {s!r} not tried" for s, n in by_strategy.items()]
+    then = " (planned lazily: captured at first use)" if lazily else ""
+    notes += [f"; {n} later key{'s' if n > 1 else ''} of strategy {s!r} not tried{then}" for s, n in by_strategy.items()]
     kept = sorted({info.strategy for info in captured})
     notes.append(f"; {len(captured)} entries captured" + (f" ({', '.join(kept)})" if kept else "") + ", and they stay")
     error = CaptureError(first.descriptor, first.strategy, _cause(first), note="".join(notes))

@@ -80,6 +80,7 @@ class Slept:
     keys: tuple[tuple[BatchDescriptor, str], ...]  # the plan wake() captures again, hottest first
     memory_bytes: int  # the released graphs' measured memory
     input_bytes: int  # the registry's own static inputs
+    lazy: tuple[tuple[BatchDescriptor, str], ...] = ()  # keys lazy at sleep (never used, or evicted): lazy again at wake
 
 
 @attrs.frozen(slots=True)

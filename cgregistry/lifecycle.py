@@ -18,6 +18,8 @@ import gc
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
+
 from cgregistry.adapter import Adapter
 from cgregistry.background import BackgroundCapture
 from cgregistry.buffers import StaticBuffer
@@ -66,8 +68,10 @@ class Lifecycle:
     # ---------------------------------------------------------------- release, clear
 
     def release(self, key: BatchDescriptor, strategy: str | None) -> int:
-        """Remove the entries and keys of ``key`` (under ``strategy``, or any), queued ones included; how many
-        (key, strategy) pairs went, each counted once."""
+        """Remove the entries and keys of ``key`` (under ``strategy``, or any), queued ones included, and from the plan
+        slept with; how many (key, strategy) pairs went, each counted once."""
+        if self.asleep is not None:
+            return self._release_slept(key, strategy)
         self._background.install()
         wanted = {p for p in self._background.capturing() if p[0] == key and (strategy is None or p[1] == strategy)}
         self._background.discard(wanted)  # not captured yet: dropped (one in flight is discarded when it finishes)
@@ -78,9 +82,30 @@ class Lifecycle:
         self._released(removed)
         return len(wanted | held)
 
+    def _release_slept(self, key: BatchDescriptor, strategy: str | None) -> int:
+        """``release()`` while asleep: the key leaves the plan ``wake()`` captures (KeyError naming the plan if absent)."""
+        slept = self.asleep
+        assert slept is not None
+
+        def wanted(pair: Pair) -> bool:
+            return pair[0] == key and (strategy is None or pair[1] == strategy)
+
+        gone = {p for p in (*slept.keys, *slept.lazy) if wanted(p)}
+        if not gone:
+            held = sorted({f"{k} [{s}]" for k, s in (*slept.keys, *slept.lazy)})
+            raise KeyError(f"no entry for {key}{'' if strategy is None else f' [{strategy}]'} in the plan slept with: {held}")
+        self.asleep = attrs.evolve(slept, keys=tuple(p for p in slept.keys if not wanted(p)),
+                                   lazy=tuple(p for p in slept.lazy if not wanted(p)))
+        return len(gone)
+
     def clear(self) -> int:
-        """Remove every entry, lazy key and queued capture; how many.  Counters stay."""
+        """Remove every entry, lazy key and queued capture, and the plan slept with; how many.  Counters stay."""
         self.refuse_from_inside("clear()")
+        if self.asleep is not None:  # nothing is captured: the plan wake() would capture is what there is to clear
+            slept = self.asleep
+            self.asleep = attrs.evolve(slept, keys=(), lazy=())
+            self._capturer.forget()
+            return len(slept.keys) + len(slept.lazy)
         self._background.install()
         dropped = self._background.cancel()
         if self._adapter is not None:
@@ -129,7 +154,7 @@ class Lifecycle:
                 self._capturer.renew_if_unused()
                 self._background.submit(again, self._capturer.current())
             else:
-                self._capturer.capture_all(again, progress=None)
+                self._capturer.capture_all(again, progress=None, untried_lazily=True)
         result = Refreshed(kept, tuple(again), moved, background)
         self._events.refreshed(result)
         return result
@@ -143,7 +168,8 @@ class Lifecycle:
             return self.asleep
         self._background.install()
         entries = sorted(self._catalog.entries.values(), key=_heat, reverse=True)
-        keys = [e.pair for e in entries] + [p for p in [*self._catalog.pending, *self._background.capturing()]]
+        keys = [e.pair for e in entries] + self._background.capturing()  # what was (being) captured: captured again
+        lazy = [p for p in self._catalog.pending if p not in keys]  # never used, or evicted: lazy again
         memory = sum(e.memory_bytes for e in entries)
         self._background.cancel()
         if self._adapter is not None:
@@ -155,7 +181,7 @@ class Lifecycle:
         release = getattr(self._backend, "release_cached", None)  # cuda: the allocator's cached blocks back to the driver
         if release is not None:
             release()
-        self.asleep = Slept(tuple(dict.fromkeys(keys)), memory, inputs)
+        self.asleep = Slept(tuple(dict.fromkeys(keys)), memory, inputs, tuple(lazy))
         self._events.slept(self.asleep)
         return self.asleep
 
@@ -170,10 +196,12 @@ class Lifecycle:
         self.asleep = None
         self._catalog.set_asleep(False)
         keys = [p for p in slept.keys if p not in self._catalog.entries]
+        self._catalog.plan_lazily(p for p in slept.lazy if p not in self._catalog.entries)
         if background:
             self._capturer.renew_if_unused()
             self._background.submit(keys, self._capturer.current(), ordered=True)
         else:
-            self._capturer.capture_all(sorted(keys, key=lambda p: (-p[0].num_tokens, -(p[0].num_reqs or 0))), progress=None)
+            self._capturer.capture_all(sorted(keys, key=lambda p: (-p[0].num_tokens, -(p[0].num_reqs or 0))), progress=None,
+                                       untried_lazily=True)
         self._events.woke(tuple(keys))
         return tuple(keys)

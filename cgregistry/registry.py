@@ -275,7 +275,8 @@ class GraphRegistry:
 
         The graph objects go at once.  Their pool memory stays with the pool while
         other entries share it, and goes back to the allocator when the last entry
-        is released (``clear()``); a later capture of the key works as before.
+        is released (``clear()``); a later capture of the key works as before.  While asleep,
+        the key leaves the plan ``wake()`` captures.
         """
         if not isinstance(key, BatchDescriptor):
             raise TypeError(f"release() needs a BatchDescriptor, got {key!r}")
@@ -284,7 +285,8 @@ class GraphRegistry:
     def clear(self) -> int:
         """Remove every entry and pending key; return how many.  The pool goes back to the
         allocator (and to the driver on ``torch.cuda.empty_cache()``); counters are kept.
-        Background captures queued are dropped (the one in flight is waited for, then discarded)."""
+        Background captures queued are dropped (the one in flight is waited for, then discarded).  While asleep, it
+        empties the plan ``wake()`` would capture, and returns how many keys that plan held."""
         return self._lifecycle.clear()
 
     def refresh(self, background: bool = False) -> Refreshed:
@@ -302,8 +304,9 @@ class GraphRegistry:
         return self._lifecycle.sleep()
 
     def wake(self, background: bool = True) -> tuple[Pair, ...]:
-        """Take the static inputs back and capture the plan slept with again, hottest keys first (with ``background``,
-        while ``run()`` serves); the keys it captures."""
+        """Take the static inputs back and capture the keys that were captured (or being captured) at ``sleep()`` again,
+        hottest first (with ``background``, while ``run()`` serves); keys that were lazy then (never used, or evicted)
+        are lazy again.  The keys it captures."""
         check_flag("wake", "background", background)
         return self._lifecycle.wake(background)
 
