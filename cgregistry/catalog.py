@@ -252,8 +252,9 @@ class Catalog:
         return entry
 
     def _changed(self) -> None:
-        if self._deferred:
+        if self._deferred:  # the matcher is rebuilt at the end of batch(); no route cached before this change serves
             self._dirty = True
+            self.routes.invalidate()
             return
         self._dirty = False
         self.routes.rebuild(self.pairs(), self.capturing, self.asleep)

@@ -125,6 +125,14 @@ class RouteTable:
             self.cache.clear()
             self.variant_cache.clear()
 
+    def invalidate(self) -> None:
+        """The entries changed while the matcher's rebuild waits (a plan being captured): drop every cached route, so
+        the next run builds one from the entries as they are (a lazy key captured since is no longer pending)."""
+        with self._lock:
+            self._generation += 1
+            self.cache.clear()
+            self.variant_cache.clear()
+
     def route(self, actual: BatchDescriptor, variant: Variant | None = None) -> Route:
         """Build and cache the route for ``actual`` (under ``variant``: a group's agreed batch, excluded strategies).
 

@@ -271,7 +271,27 @@ def reached(step: Callable[..., Any]) -> Reached:
         elif isinstance(found, (types.FunctionType, functools.partial, types.MethodType)):
             visit(found, depth + 1, name)
         elif depth == 0 and not isinstance(found, _INERT) and not callable(found):
-            opaque.append(name)  # read by the step's own code: a container or an object it looks into
+            inside(found, name, read, depth)  # read by the step's own code: a container or an object it looks into
+
+    def inside(found: Any, name: str, read: Callable[[], Any], depth: int) -> None:
+        """One level into a container or a plain object the step reads: its modules and tensors are watched (read anew
+        through it); one holding other objects that are neither is opaque (not looked into further)."""
+        if isinstance(found, Mapping):
+            items = [(f"{name}[{k!r}]", v, lambda r=read, k=k: _item(r(), k)) for k, v in list(found.items())]
+        elif isinstance(found, (list, tuple)):
+            items = [(f"{name}[{i}]", v, lambda r=read, i=i: _item(r(), i)) for i, v in enumerate(found)]
+        elif isinstance(found, (set, frozenset)):
+            items = [(name, v, lambda: None) for v in found]
+        else:
+            items = [(f"{name}.{a}", v, lambda r=read, a=a: getattr(r(), a, None))
+                     for a, v in list(getattr(found, "__dict__", {}).items())]
+            if not hasattr(found, "__dict__"):
+                opaque.append(name)
+        held = [(n, v, r) for n, v, r in items if isinstance(v, (nn.Module, torch.Tensor))]
+        for item_name, item, item_read in held:
+            value(item, item_name, item_read, depth + 1)
+        if not held and any(not isinstance(v, _INERT) and not callable(v) for _, v, _ in items):
+            opaque.append(name)
 
     def attributes(obj: Any, name: str, depth: int) -> None:
         for attr, found in list(getattr(obj, "__dict__", {}).items()):
@@ -324,6 +344,13 @@ def reached(step: Callable[..., Any]) -> Reached:
     roots = list(modules.values())
     inner = {id(sub) for _, read in roots for sub in list(read().modules())[1:]}
     return Reached([(n, r) for n, r in roots if id(r()) not in inner], list(tensors.items()), list(dict.fromkeys(opaque)))
+
+
+def _item(container: Any, key: Any) -> Any:
+    try:
+        return container[key]
+    except (KeyError, IndexError, TypeError):
+        return None
 
 
 def _cell(cell: Any) -> Any:

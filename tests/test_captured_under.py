@@ -111,12 +111,28 @@ def test_a_module_the_step_reads_through_its_globals_is_watched() -> None:
         GLOBAL_LINEAR.load_state_dict(saved, assign=True)
 
 
-def test_a_step_whose_modules_cannot_be_found_is_warned_about_at_capture() -> None:
-    modules = {"lin": torch.nn.Linear(WIDTH, WIDTH)}
+def test_modules_in_a_dict_the_step_reads_are_watched() -> None:
+    modules = {"lin": torch.nn.Linear(WIDTH, WIDTH), "name": "a string"}
     reg = cg.GraphRegistry(lambda batch, x: modules["lin"](x), INPUTS, backend="cpu")
-    with pytest.warns(RuntimeWarning, match=r"found no module the step reads, and it reads 'modules' .*reg\.watch\(model\)"):
+    reg.capture(PLAN)
+    modules["lin"].load_state_dict(fresh_state(modules["lin"], 1), assign=True)
+    with pytest.raises(cg.WeightsMovedError, match=r"modules\['lin'\]\.weight moved"):
+        reg.run(B.decode(3), x=x_of(3, torch.device("cpu")))
+
+
+class Holder:
+    """Holds the engine's parts two levels down: not looked into."""
+
+    def __init__(self) -> None:
+        self.parts = {"model": {"lin": torch.nn.Linear(WIDTH, WIDTH)}}
+
+
+def test_a_step_whose_modules_cannot_be_found_is_warned_about_at_capture() -> None:
+    holder = Holder()
+    reg = cg.GraphRegistry(lambda batch, x: holder.parts["model"]["lin"](x), INPUTS, backend="cpu")
+    with pytest.warns(RuntimeWarning, match=r"found no module the step reads, and it reads 'holder' .*reg\.watch\(model\)"):
         reg.capture(PLAN)
-    reg.watch(modules["lin"])  # the engine says what it reads: no more warning
+    reg.watch(holder.parts["model"]["lin"])  # the engine says what it reads: no more warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         reg.capture(cg.CapturePlan.build(max_num_seqs=MAX_TOKENS, max_num_tokens=MAX_TOKENS, mode="full", capture_sizes=[2]))
