@@ -268,10 +268,8 @@ class StaticBuffer:
         """
         shape = self._shapes.get(rows)
         if shape is None:
-            shape = torch.Size((rows, *self.spec.shape[1:]))
-            if rows > self.capacity:
-                self._shapes[rows] = shape
-            elif self.tensor.untyped_storage().nbytes():  # released (asleep): the view is made after restore()
+            shape = torch.Size((rows, *self.spec.shape[1:]))  # an oversize batch's (it runs eagerly): never kept
+            if rows <= self.capacity and self.tensor.untyped_storage().nbytes():  # released (asleep): made at restore()
                 self.view(rows)  # caches the shape too
         try:
             ok = (

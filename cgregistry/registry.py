@@ -317,6 +317,11 @@ class GraphRegistry:
         with its address now, so a watch added after capture keeps every graph.  Static inputs are always watched."""
         self._capturer.watch.watch(named, prefix)
 
+    def watched(self) -> list[str]:
+        """The names of the tensors replays check (static inputs, the modules and tensors the step reaches, what
+        ``watch()`` named); a module's tensors removed since the last ``refresh()`` are forgotten then."""
+        return self._capturer.watch.names()
+
     def failures(self) -> dict[Pair, BaseException]:
         """Entries removed because their replay raised where eager did not, and keys whose capture failed (in
         ``capture(plan)``, lazily or in the background), with the error; a key captured later leaves this list."""

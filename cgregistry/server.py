@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import _thread
 import inspect
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Mapping
@@ -75,6 +76,7 @@ class Server:
         # (the GIL, or the list's own lock without one), at half a lock's acquire and release.
         self._turn: list[None] = [None]
         self._take, self._give = self._turn.pop, self._turn.append
+        self._recovery = threading.Lock()  # one thread at a time decides whether a missing turn was lost
         self._exclusions: dict[Any, frozenset[str]] = {}  # exclude= values already checked, to their strategy sets
         self._warned: set[str] = set()  # miss reasons already warned about
         self._unmarked = 0  # misses of batches that uniform keys would serve had they been marked uniform
@@ -91,8 +93,8 @@ class Server:
         """``GraphRegistry.run``: a registry hands this method out as its own ``run`` (no call in between)."""
         try:
             self._take()
-        except IndexError:  # another run() holds the turn
-            raise self._busy() from None
+        except IndexError:  # another run() holds the turn, or an interrupt lost it: told apart off the hot path
+            self._take_lost_turn()
         try:
             if self._adapter is not None or self._background.active:
                 self._between_steps(actual)
@@ -156,6 +158,27 @@ class Server:
             return entry.slicer.sliced(route.out_rows)
         finally:
             self._give(None)
+
+    def _take_lost_turn(self) -> None:
+        """The turn was not there: refuse (``ConcurrentRunError``) while a ``run()`` of this server is in progress on any
+        thread; with none, an asynchronous exception (a signal handler's ``KeyboardInterrupt``) landed between taking
+        the turn and the ``try`` that gives it back, or inside that ``finally``: the turn is restored and taken."""
+        with self._recovery:
+            if not self._turn and self._runs_in_progress() <= 1:  # ours, the refused one, is the only run() in progress
+                self._give(None)
+            try:
+                self._take()
+            except IndexError:
+                raise self._busy() from None
+
+    def _runs_in_progress(self) -> int:
+        """How many ``Server.run`` frames of this server are on any thread's stack (the caller's own included)."""
+        code, count = Server.run.__code__, 0
+        for frame in list(sys._current_frames().values()):
+            while frame is not None:
+                count += frame.f_code is code and frame.f_locals.get("self") is self
+                frame = frame.f_back
+        return count
 
     def _busy(self) -> ConcurrentRunError:
         """The refusal of a run() while another is in progress: from inside that run() on this thread (the step or a

@@ -213,6 +213,10 @@ class WeightWatch:
         if moved:
             self.generation += 1
 
+    def names(self) -> list[str]:
+        """The watched tensors' names, in watch order."""
+        return list(self._watched)
+
     def __len__(self) -> int:
         return len(self._watched)
 

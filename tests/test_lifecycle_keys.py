@@ -107,3 +107,36 @@ def test_wake_under_a_budget_evicts_nothing_that_was_not_held() -> None:
     budgeted.wake(background=False)
     assert budgeted.stats().evictions == evictions, "wake captures what was held, not what had been evicted"
     assert accounted(budgeted) == PAIRS
+
+
+def test_adapters_loaded_and_unloaded_are_forgotten_at_refresh() -> None:
+    reg, model = make()
+    reg.capture(PLAN)
+    watched = len(reg.watched())
+    assert "step.linear.weight" in reg.watched()
+    for i in range(8):
+        adapter = torch.nn.Linear(WIDTH, 2, bias=False)
+        setattr(model, f"lora_{i}", adapter)  # registered: the next replay compares addresses
+        reg.refresh()
+        delattr(model, f"lora_{i}")
+        reg.refresh()
+        serve(reg, model, 3)
+    assert len(reg.watched()) == watched
+
+
+def test_oversize_eager_batches_of_every_size_keep_no_state_per_size_in_the_static_inputs() -> None:
+    """Every distinct large prefill runs eagerly: the static inputs' checks keep nothing per size (the route cache is
+    bounded on its own)."""
+    import tracemalloc
+
+    reg, _ = make()
+    reg.capture(PLAN)
+    tracemalloc.start()
+    try:
+        for n in range(MAX_TOKENS + 1, MAX_TOKENS + 2001):
+            with torch.inference_mode():
+                reg.run(B(n, 1, uniform=False), x=torch.zeros(n, WIDTH))
+        kept = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*cgregistry*buffers.py")])
+    finally:
+        tracemalloc.stop()
+    assert sum(stat.size for stat in kept.statistics("filename")) < 20_000
