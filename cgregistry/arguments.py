@@ -22,7 +22,9 @@ def check_flag(call: str, name: str, value: object) -> None:
 
 
 def check_budget(value: object) -> None:
-    if value is not None and (type(value) is not int or value < 0):
+    if value is not None and type(value) is not int:
+        raise TypeError(f"memory_budget must be an int byte count >= 0 or None, got {value!r} ({type(value).__name__})")
+    if value is not None and value < 0:
         raise ValueError(f"memory_budget must be a byte count >= 0 or None, got {value!r}")
 
 

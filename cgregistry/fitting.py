@@ -262,8 +262,12 @@ def fit_families(
     """
     if max_graphs is not None and (type(max_graphs) is not int or max_graphs < 1):
         raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
-    if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0 or pricing is None):
-        raise ValueError(f"max_bytes must be a byte count >= 0 with a pricing (a memory estimate), got {max_bytes!r} priced by {pricing!r}")
+    if max_bytes is not None and type(max_bytes) is not int:
+        raise TypeError(f"max_bytes must be an int byte count >= 0, got {max_bytes!r} ({type(max_bytes).__name__})")
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"max_bytes must be a byte count >= 0, got {max_bytes!r}")
+    if max_bytes is not None and pricing is None:
+        raise ValueError(f"max_bytes={max_bytes} needs memory=reg.estimate_memory(plan) to price each key, got none")
     if max_graphs is None and max_bytes is None:
         raise ValueError("fit needs max_graphs, max_bytes (with a memory estimate to price keys), or both")
     per_size = len(settings.used_lora_counts)

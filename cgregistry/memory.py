@@ -138,7 +138,11 @@ def _interpolate(probes: Sequence[Probe], key: BatchDescriptor, strategy: str) -
     """A key's figures from the probes of its strategy (and LoRA count, where probed), linear in token count."""
     same = [p for p in probes if p.strategy == strategy]
     if not same:
-        raise KeyError(f"no probe of strategy {strategy!r}: estimate a plan that holds its keys")
+        priced = sorted({p.strategy for p in probes})
+        raise ValueError(
+            f"this memory estimate prices no key of strategy {strategy!r} (it prices {priced}): estimate a plan that "
+            "holds keys of every strategy to be priced, e.g. reg.estimate_memory(plan) of the plan the engine captures"
+        )
     exact = [p for p in same if p.key == key]
     if exact:
         return exact[0]
