@@ -177,19 +177,20 @@ def test_a_later_capture_does_not_rearm_graphs_that_read_moved_weights(backend: 
         torch.testing.assert_close(reg.run(B.decode(3), x=x_of(3, device)), lin(B.decode(3), x_of(3, device)))
 
 
-def test_refresh_outside_the_autocast_block_does_not_let_a_replay_outside_it_through() -> None:
-    lin = Model()
-    reg = cg.GraphRegistry(lin, INPUTS, backend="cpu")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+def test_refresh_outside_the_autocast_block_does_not_let_a_replay_outside_it_through(backend: str) -> None:
+    device = device_of(backend)
+    lin = Model().to(device)
+    reg = cg.GraphRegistry(lin, INPUTS, backend=backend)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         reg.capture(PLAN)
-        assert reg.run(B.decode(3), x=x_of(3, torch.device("cpu"))).dtype == torch.bfloat16
+        assert reg.run(B.decode(3), x=x_of(3, device)).dtype == torch.bfloat16
     with torch.no_grad():
         lin.linear.weight.mul_(2)  # an in-place sync, outside the block
     assert reg.refresh().recaptured == ()
-    with pytest.raises(cg.ServingStateError, match=r"no autocast now, autocast\(cpu, torch.bfloat16\) at capture"):
-        reg.run(B.decode(3), x=x_of(3, torch.device("cpu")))
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
-        x = x_of(3, torch.device("cpu"))
+    with pytest.raises(cg.ServingStateError, match=rf"no autocast now, autocast\({device.type}, torch.bfloat16\) at capture"):
+        reg.run(B.decode(3), x=x_of(3, device))
+    with torch.autocast(device.type, dtype=torch.bfloat16), torch.inference_mode():
+        x = x_of(3, device)
         torch.testing.assert_close(reg.run(B.decode(3), x=x), lin(B.decode(3), x))
 
 
@@ -209,7 +210,7 @@ class Attention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lens = cg.current_batch().payload or []  # the line a frozen read is reported at
-        scale = torch.ones(x.shape[0], 1)
+        scale = torch.ones(x.shape[0], 1, device=x.device)
         for r, n in enumerate(lens[: x.shape[0]]):
             scale[r] = n
         return x * scale
@@ -224,9 +225,9 @@ def marked_attention(x: torch.Tensor) -> torch.Tensor:
     return x * scale
 
 
-def test_reading_the_payload_outside_an_eager_break_while_recording_is_warned_at_the_line() -> None:
+def test_reading_the_payload_outside_an_eager_break_while_recording_is_warned_at_the_line(backend: str) -> None:
     attention = Attention()
-    reg = cg.GraphRegistry(lambda batch, x: attention(x) + 1, INPUTS, backend="cpu")
+    reg = cg.GraphRegistry(lambda batch, x: attention(x) + 1, INPUTS, backend=backend)
     plan = cg.CapturePlan.build(max_num_seqs=4, max_num_tokens=MAX_TOKENS)  # full_and_breakable, the default
     with pytest.warns(cg.FrozenReadWarning, match=r"current_batch\(\)\.payload read while capturing .*outside an eager break") as record:
         reg.capture(plan, context=[1, 1, 1, 1])
