@@ -244,12 +244,13 @@ class BackgroundCapture:
         stale: list[Pair] = []
         context = self._capturer.context
         watch = self._capturer.watch
+        current = watch.seen() if self._ready else {}  # read once: entries captured since the last change share it
         with self._catalog.batch():
             while self._ready:
                 done = self._ready.popleft()
                 if isinstance(done, TaskDone):
                     tasks.append(done)  # handed on once the routes are rebuilt: their hooks see the routes as they are
-                elif done.context != context or (done.entry is not None and not watch.reads_current(done.entry.weights)):
+                elif done.context != context or (done.entry is not None and not watch.reads_current(done.entry.weights, current)):
                     # captured under another context, or reading weights a refresh() has since replaced
                     if done.pair not in self._catalog.entries:  # else captured in the foreground meanwhile
                         stale.append(done.pair)

@@ -36,7 +36,8 @@ from cgregistry.plan import PlanEntry
 from cgregistry.plugins import Plugins
 from cgregistry.warn import warn
 from cgregistry.serving_state import RECORDED_AT_CAPTURE, ServingState, ServingStateError, StateTest
-from cgregistry.weights import WeightsMovedError, WeightWatch, reached
+from cgregistry.reach import reached
+from cgregistry.weights import WeightsMovedError, WeightWatch
 
 __all__ = ["CaptureContext", "Capturer"]
 
@@ -165,10 +166,11 @@ class Capturer:
         arguments, the module-level names its code uses); looked for again at each ``capture()``, so one made or rebound
         since is seen."""
         found = reached(self._one.step)
+        added = bool(self._catalog.entries or self._catalog.capturing)  # what is new to the step now, its graphs miss
         for name, read in found.modules:
-            self.watch.watch(read, prefix=f"{name}.")
+            self.watch.watch(read, prefix=f"{name}.", added=added)
         for name, read in found.tensors:
-            self.watch.watch_read(name, read)
+            self.watch.watch_read(name, read, added=added)
         self._opaque = found.opaque
 
     def warn_unwatched(self) -> None:
@@ -204,7 +206,7 @@ class Capturer:
         entry's graph would read at its old address; else the entry is of the current generation from now on."""
         watch = self.watch
         generation = watch.generation
-        moved = watch.moved_for(entry.weights)
+        moved = watch.moved_for(entry.weights)  # what was added to a watched module since is looked for first
         if not moved:
             entry.generation = generation
             return

@@ -127,14 +127,16 @@ class Lifecycle:
         """After a weight update: keep the graphs that read the weights where they are, capture the others again."""
         self.refuse_from_inside("refresh()")
         self._background.install()
+        self._capturer.watch_step()  # a module the step reaches through a global or a container since
         watch = self._capturer.watch
-        moved = tuple(watch.moved())
+        now = watch.now()  # one read of every address (what was added to a watched module since included)
+        moved = tuple(watch.moved(now))
         verdicts: dict[int, bool] = {}  # entries captured in one generation share what they read: compared once
         stale = []
         for pair, entry in self._catalog.entries.items():
             current = verdicts.get(id(entry.weights))
             if current is None:
-                current = verdicts[id(entry.weights)] = watch.reads_current(entry.weights)
+                current = verdicts[id(entry.weights)] = watch.reads_current(entry.weights, now)
             if not current:
                 stale.append(pair)
         queued = self._background.capturing()  # in flight or queued: perhaps captured with the old weights
@@ -142,7 +144,7 @@ class Lifecycle:
         kept = tuple(pair for pair in self._catalog.entries if pair not in dropped)
         self._background.discard(queued)
         removed = self._catalog.release_pairs(stale)
-        watch.rebase()
+        watch.rebase(now)
         seen, generation = watch.seen(), watch.generation
         for pair in kept:  # they read every watched tensor where it is: of the new generation
             entry = self._catalog.entries[pair]

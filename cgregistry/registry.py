@@ -275,9 +275,8 @@ class GraphRegistry:
 
         The graph objects go at once.  Their pool memory stays with the pool while
         other entries share it, and goes back to the allocator when the last entry
-        is released (``clear()``); a later capture of the key works as before.  While asleep,
-        the key leaves the plan ``wake()`` captures.
-        """
+        is released (``clear()``); a later capture of the key works as before (asleep: it leaves
+        the plan ``wake()`` captures)."""
         if not isinstance(key, BatchDescriptor):
             raise TypeError(f"release() needs a BatchDescriptor, got {key!r}")
         return self._lifecycle.release(key, strategy)
@@ -285,8 +284,8 @@ class GraphRegistry:
     def clear(self) -> int:
         """Remove every entry and pending key; return how many.  The pool goes back to the
         allocator (and to the driver on ``torch.cuda.empty_cache()``); counters are kept.
-        Background captures queued are dropped (the one in flight is waited for, then discarded).  While asleep, it
-        empties the plan ``wake()`` would capture, and returns how many keys that plan held."""
+        Background captures queued are dropped (the one in flight is waited for, then discarded).  Asleep: it
+        empties the plan ``wake()`` would capture."""
         return self._lifecycle.clear()
 
     def refresh(self, background: bool = False) -> Refreshed:
@@ -304,22 +303,18 @@ class GraphRegistry:
         return self._lifecycle.sleep()
 
     def wake(self, background: bool = True) -> tuple[Pair, ...]:
-        """Take the static inputs back and capture the keys that were captured (or being captured) at ``sleep()`` again,
-        hottest first (with ``background``, while ``run()`` serves); keys that were lazy then (never used, or evicted)
-        are lazy again.  The keys it captures."""
+        """Take the static inputs back and capture again what was captured (or queued) at ``sleep()``, hottest first
+        (``background``: while ``run()`` serves; lazy keys stay lazy); the keys it captures."""
         check_flag("wake", "background", background)
         return self._lifecycle.wake(background)
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module, prefix: str = "") -> None:
-        """Tensors captured graphs read, beside the modules the step reaches (found without being named): ``(name,
-        tensor)`` pairs, or a module (every parameter and buffer, looked up by name, so a replaced one is caught too).
-        A replay of a graph that would read one where it no longer is raises ``WeightsMovedError``; each is compared
-        with its address now, so a watch added after capture keeps every graph.  Static inputs are always watched."""
+        """Tensors graphs read beside what the step reaches (found unnamed): ``(name, tensor)`` pairs, or a module (its
+        tensors by name, so a replaced one is caught); compared from their addresses now (no graph goes stale)."""
         self._capturer.watch.watch(named, prefix)
 
     def watched(self) -> list[str]:
-        """The names of the tensors replays check (static inputs, the modules and tensors the step reaches, what
-        ``watch()`` named); a module's tensors removed since the last ``refresh()`` are forgotten then."""
+        """The names of the tensors replays check: static inputs, what the step reaches, what ``watch()`` named."""
         return self._capturer.watch.names()
 
     def failures(self) -> dict[Pair, BaseException]:

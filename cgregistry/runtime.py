@@ -64,7 +64,7 @@ foreground_layout: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregi
 
 class Recording:
     """A strategy recording the step into a graph on this thread (warm-up excluded): what host code outside an eager
-    break reads now is frozen into the graph.  Counts the reads of the live batch there."""
+    break reads now is frozen into the graph.  Counts the reads of the batch's ``actual`` and ``payload`` there."""
 
     __slots__ = ("live_batch_reads",)
 
@@ -100,29 +100,32 @@ class FrozenReadWarning(RuntimeWarning):
     is baked into the graph, and every replay reuses it."""
 
 
-class RecordingBatch:
-    """``current_batch()`` while a graph is being recorded outside an eager break: ``key`` is the key captured, and
-    ``actual`` and ``payload`` (what capture runs on and was given, never a live batch's) warn when read
-    (:class:`FrozenReadWarning`), naming the line that read them."""
+class RecordingBatch(BreakContext):
+    """``current_batch()`` while a graph is being recorded outside an eager break: a ``BreakContext`` whose ``actual``
+    and ``payload`` (what capture runs on and was given, never a live batch's) warn when read
+    (:class:`FrozenReadWarning`), naming the line that read them; ``key`` reads freely."""
 
-    __slots__ = ("key", "_context")
+    __slots__ = ("_recording",)
 
-    def __init__(self, context: BreakContext) -> None:
-        self.key, self._context = context.key, context
+    def __init__(self, context: BreakContext, recording: Recording) -> None:
+        for field in ("actual", "key", "payload"):  # the slots themselves, under the warning properties
+            getattr(BreakContext, field).__set__(self, getattr(context, field))
+        object.__setattr__(self, "_recording", recording)
 
-    @property
+    @property  # type: ignore[override]
     def actual(self) -> BatchDescriptor:
         self._frozen("actual")
-        return self._context.actual
+        return _ACTUAL.__get__(self)
 
-    @property
+    @property  # type: ignore[override]
     def payload(self) -> Any:
         self._frozen("payload")
-        return self._context.payload
+        return _PAYLOAD.__get__(self)
 
     def _frozen(self, field: str) -> None:
         from cgregistry.warn import warn
 
+        self._recording.live_batch_reads += 1
         strategy = getattr(capture_strategy.get(), "name", None)
         where = f" [{strategy}]" if isinstance(strategy, str) else ""
         warn(
@@ -134,7 +137,10 @@ class RecordingBatch:
         )
 
     def __repr__(self) -> str:
-        return f"RecordingBatch(actual={self.actual!r}, key={self.key!r})"
+        return f"RecordingBatch(actual={_ACTUAL.__get__(self)!r}, key={self.key!r})"
+
+
+_ACTUAL, _PAYLOAD = BreakContext.__dict__["actual"], BreakContext.__dict__["payload"]  # the slots of the fields
 
 
 def current_batch() -> BreakContext | RecordingBatch | None:
@@ -145,8 +151,7 @@ def current_batch() -> BreakContext | RecordingBatch | None:
     if context is not None:
         live = recording.get()
         if live is not None:
-            live.live_batch_reads += 1
-            return RecordingBatch(context)
+            return RecordingBatch(context, live)
     return context
 
 

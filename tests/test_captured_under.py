@@ -121,18 +121,28 @@ def test_modules_in_a_dict_the_step_reads_are_watched() -> None:
 
 
 class Holder:
-    """Holds the engine's parts two levels down: not looked into."""
+    """The engine's parts three levels down, and a table too large to look into."""
 
     def __init__(self) -> None:
         self.parts = {"model": {"lin": torch.nn.Linear(WIDTH, WIDTH)}}
+        self.table = {i: torch.nn.Linear(WIDTH, WIDTH) for i in range(300)}
+
+
+def test_modules_held_a_few_levels_down_in_an_engine_object_are_watched() -> None:
+    holder = Holder()
+    reg = cg.GraphRegistry(lambda batch, x: holder.parts["model"]["lin"](x), INPUTS, backend="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg.capture(PLAN)
+    assert "holder.parts['model']['lin'].weight" in reg.watched()
 
 
 def test_a_step_whose_modules_cannot_be_found_is_warned_about_at_capture() -> None:
     holder = Holder()
-    reg = cg.GraphRegistry(lambda batch, x: holder.parts["model"]["lin"](x), INPUTS, backend="cpu")
-    with pytest.warns(RuntimeWarning, match=r"found no module the step reads, and it reads 'holder' .*reg\.watch\(model\)"):
+    reg = cg.GraphRegistry(lambda batch, x: holder.table[7](x), INPUTS, backend="cpu")
+    with pytest.warns(RuntimeWarning, match=r"found no module the step reads, and it reads 'holder.table' .*reg\.watch\(model\)"):
         reg.capture(PLAN)
-    reg.watch(holder.parts["model"]["lin"])  # the engine says what it reads: no more warning
+    reg.watch(holder.table[7])  # the engine says what it reads: no more warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         reg.capture(cg.CapturePlan.build(max_num_seqs=MAX_TOKENS, max_num_tokens=MAX_TOKENS, mode="full", capture_sizes=[2]))
@@ -236,13 +246,17 @@ def test_reading_the_payload_outside_an_eager_break_while_recording_is_warned_at
 
 
 def test_a_mixed_key_captured_with_no_eager_break_while_the_step_reads_the_batch_is_warned_about_once() -> None:
-    reg = cg.GraphRegistry(lambda batch, x: x * cg.current_batch().key.num_tokens, INPUTS, backend="cpu")
+    reg = cg.GraphRegistry(lambda batch, x: x * len(cg.current_batch().payload or ()), INPUTS, backend="cpu")
     plan = cg.CapturePlan.build(max_num_seqs=4, max_num_tokens=MAX_TOKENS)
     with pytest.warns(RuntimeWarning, match=r"captured the mixed key .*\[breakable\] with no eager break, and the step") as record:
         reg.capture(plan)
-    assert sum("with no eager break" in str(w.message) for w in record) == 1
-    assert record[0].filename == __file__, "the warning points at the engine's capture() call"
+    no_break = [w for w in record if "with no eager break" in str(w.message)]
+    assert len(no_break) == 1 and no_break[0].filename == __file__, "once, pointing at the engine's capture() call"
+    keyed = cg.GraphRegistry(lambda batch, x: x * cg.current_batch().key.num_tokens, INPUTS, backend="cpu")
     quiet = cg.GraphRegistry(lambda batch, x: torch.tanh(x), INPUTS, backend="cpu")  # no host code: nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        keyed.capture(plan)  # the key is what the graph is captured for: reading it is not a frozen read
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quiet.capture(plan)

@@ -1,0 +1,204 @@
+"""The registry finds the weights a step reads however the engine holds its model, and nothing the step does not read:
+after an assign-style sync of any of them a replay is refused (or, for a change torch does not announce, refresh()
+captures again), and every served output equals eager."""
+
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import cgregistry as cg
+from cgregistry import BatchDescriptor as B
+
+WIDTH = 8
+INPUTS = {"x": cg.StaticInput((8, WIDTH), torch.float32)}
+KEY = [(B(8), "full")]
+X = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0))
+MODEL = nn.Linear(WIDTH, WIDTH)  # a module-level model, read by StepModule.forward
+
+
+def assign_new(module: nn.Module) -> None:
+    module.load_state_dict({k: torch.randn_like(v) for k, v in module.state_dict().items()}, assign=True)
+
+
+class Runner:
+    def __init__(self) -> None:
+        self.model = nn.Linear(WIDTH, WIDTH)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+class Engine:
+    """The model one object down, and bookkeeping the step writes but never reads."""
+
+    def __init__(self) -> None:
+        self.runner = Runner()
+        self.last_logits = torch.zeros(1)
+
+    def step(self, batch: B, x: torch.Tensor) -> torch.Tensor:
+        out = self.runner.model(x)
+        self.last_logits = out
+        return out
+
+
+class StepModule(nn.Module):
+    def forward(self, batch: B, x: torch.Tensor) -> torch.Tensor:
+        return MODEL(x)
+
+
+def engine_method() -> tuple[Callable[..., Any], nn.Module]:
+    engine = Engine()
+    return engine.step, engine.runner.model
+
+
+def callable_object() -> tuple[Callable[..., Any], nn.Module]:
+    runner = Runner()
+    return (lambda batch, x: runner(x)), runner.model
+
+
+def default_argument() -> tuple[Callable[..., Any], nn.Module]:
+    model = nn.Linear(WIDTH, WIDTH)
+
+    def step(batch: B, x: torch.Tensor, model: nn.Module = model) -> torch.Tensor:
+        return model(x)
+
+    return step, model
+
+
+def python_module_attribute() -> tuple[Callable[..., Any], nn.Module]:
+    state = types.ModuleType("engine_state")
+    state.model = nn.Linear(WIDTH, WIDTH)  # type: ignore[attr-defined]
+    sys.modules["engine_state"] = state
+    return (lambda batch, x: state.model(x)), state.model  # type: ignore[attr-defined]
+
+
+def module_reading_a_global() -> tuple[Callable[..., Any], nn.Module]:
+    return StepModule(), MODEL
+
+
+def two_closures_over_two_models() -> tuple[Callable[..., Any], nn.Module]:
+    def over(m: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: m(x)  # both closures name their model ``m``
+
+    target, draft = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+    first, second = over(target), over(draft)
+    return (lambda batch, x: first(x) + second(x)), draft
+
+
+LAYOUTS = {f.__name__: f for f in (engine_method, callable_object, default_argument, python_module_attribute,
+                                   module_reading_a_global, two_closures_over_two_models)}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_an_assigned_model_is_refused_then_refreshed_however_the_engine_holds_it(layout: str) -> None:
+    step, model = LAYOUTS[layout]()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg.capture(KEY)
+    try:
+        assign_new(model)
+        with pytest.raises(cg.WeightsMovedError):
+            reg.run(B(8), x=X)
+        assert reg.refresh().recaptured == tuple(KEY)
+        with torch.inference_mode():
+            torch.testing.assert_close(reg.run(B(8), x=X), step(B(8), X))
+    finally:
+        model.load_state_dict(saved, assign=True)
+
+
+def test_an_adapter_registered_on_a_watched_module_is_refused_at_the_next_run() -> None:
+    class WithAdapters(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base, self.adapters = nn.Linear(WIDTH, WIDTH), nn.ModuleDict()
+
+        def forward(self, batch: B, x: torch.Tensor) -> torch.Tensor:
+            return self.base(x) + sum((a(x) for a in self.adapters.values()), torch.zeros_like(x))
+
+    model = WithAdapters()
+    reg = cg.GraphRegistry(model, INPUTS, backend="cpu")
+    reg.capture(KEY)
+    model.adapters["lora0"] = nn.Linear(WIDTH, WIDTH)
+    with pytest.raises(cg.WeightsMovedError, match=r"step\.adapters\.lora0\.weight was added"):
+        reg.run(B(8), x=X)
+    assert reg.refresh().recaptured == tuple(KEY)
+    with torch.inference_mode():
+        torch.testing.assert_close(reg.run(B(8), x=X), model(B(8), X))
+
+
+def test_an_adapter_put_in_a_plain_dict_the_step_reads_is_found_by_refresh() -> None:
+    base, adapters = nn.Linear(WIDTH, WIDTH), {"a0": nn.Linear(WIDTH, WIDTH)}
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return base(x) + sum((a(x) for a in adapters.values()), torch.zeros_like(x))
+
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    reg.capture(KEY)
+    adapters["a1"] = nn.Linear(WIDTH, WIDTH)  # announces nothing: refresh() looks again
+    assert reg.refresh().recaptured == tuple(KEY)
+    with torch.inference_mode():
+        torch.testing.assert_close(reg.run(B(8), x=X), step(B(8), X))
+
+
+def test_a_rebound_global_that_was_a_submodule_is_found_by_refresh() -> None:
+    scope: dict[str, Any] = {}
+    exec(  # a module of the engine's own: globals the step reads, one of them an alias of a submodule
+        "import torch\n"
+        "model = torch.nn.ModuleDict({'body': torch.nn.Linear(8, 8), 'head': torch.nn.Linear(8, 8)})\n"
+        "head = model['head']\n"
+        "def step(batch, x):\n"
+        "    return head(model['body'](x))\n",
+        scope,
+    )
+    reg = cg.GraphRegistry(scope["step"], INPUTS, backend="cpu")
+    reg.capture(KEY)
+    scope["head"] = nn.Linear(WIDTH, WIDTH)
+    assert reg.refresh().recaptured == tuple(KEY)
+    with torch.inference_mode():
+        torch.testing.assert_close(reg.run(B(8), x=X), scope["step"](B(8), X))
+
+
+def test_bookkeeping_the_step_writes_but_never_reads_is_not_watched() -> None:
+    step, model = engine_method()
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu", debug=True)
+    reg.capture(KEY)
+    for _ in range(3):  # each step rebinds engine.last_logits: no DebugError, no recapture
+        reg.run(B(8), x=X).clone()
+    with torch.no_grad():
+        model.weight.mul_(2)
+    assert reg.refresh().recaptured == () and not any("last_logits" in n for n in reg.watched())
+
+
+def test_capturing_again_watches_nothing_twice() -> None:
+    step, _ = engine_method()
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    reg.capture(KEY)
+    watched = reg.watched()
+    for _ in range(5):
+        reg.capture(KEY)
+    assert reg.watched() == watched
+
+
+def test_the_batch_seen_while_recording_is_a_break_context() -> None:
+    seen: list[object] = []
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        seen.append(cg.current_batch())
+        return x * 2
+
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg.capture(KEY)
+        print(seen[-1])  # its repr reads nothing frozen
+    assert len(seen) == 2 and all(isinstance(b, cg.BreakContext) and b.key == B(8) for b in seen)
