@@ -9,7 +9,6 @@ comes back between two steps: cold keys released, new keys queued for background
 from __future__ import annotations
 
 import collections
-import warnings
 from typing import Any
 
 import attrs
@@ -21,6 +20,7 @@ from cgregistry.catalog import Catalog
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.events import Events
 from cgregistry.serving_state import RECORDED_AT_REFIT
+from cgregistry.warn import warn
 
 __all__ = ["PLAN_CHANGES_KEPT", "Adapter", "refuse_with_collectives"]
 
@@ -104,7 +104,7 @@ class Adapter:
             refuse_with_collectives("adaptation (GraphRegistry(adapt=...))", RANKS_WOULD_DIVERGE)
         except RuntimeError as exc:  # initialized after the registry was made: stop adapting, say so once
             self.adapt = None
-            warnings.warn(f"cgregistry: registry {self._name!r}: {exc}; adaptation is off from now on", RuntimeWarning, stacklevel=5)
+            warn(f"cgregistry: registry {self._name!r}: {exc}; adaptation is off from now on")
             return
         weights = traffic.steps()
         traffic.decay(adapt.decay)
@@ -141,7 +141,7 @@ class Adapter:
         if self._catalog.asleep:  # proposed before sleep(): its keys are not captured while asleep
             return
         if error is not None:
-            warnings.warn(f"cgregistry: registry {self._name!r}: refit failed: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=6)
+            warn(f"cgregistry: registry {self._name!r}: refit failed: {type(error).__name__}: {error}")
             return
         if change is None:
             return
@@ -155,8 +155,8 @@ class Adapter:
             except (ValueError, KeyError) as exc:
                 if pair not in self._warned:
                     self._warned.add(pair)
-                    warnings.warn(f"cgregistry: registry {self._name!r}: a refit proposed {pair[0]} ({pair[1]}), which this registry "
-                                  f"cannot capture ({exc}); the key is left out", RuntimeWarning, stacklevel=6)
+                    warn(f"cgregistry: registry {self._name!r}: a refit proposed {pair[0]} ({pair[1]}), which this registry "
+                                  f"cannot capture ({exc}); the key is left out")
                 continue
             added.append(pair)
         removed = [p for p in change.removed if catalog.holds(p)]

@@ -23,7 +23,6 @@ import atexit
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -36,6 +35,7 @@ from cgregistry.catalog import Catalog
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry, Pair
 from cgregistry.events import Events
+from cgregistry.warn import warn
 
 __all__ = ["SWITCH_INTERVAL_S", "WAIT_LIMIT_S", "BackgroundCapture", "Captured", "TaskDone", "background_order"]
 
@@ -256,12 +256,9 @@ class BackgroundCapture:
                         stale.append(done.pair)
                 elif done.entry is None:
                     self._catalog.fail_capture(done.pair, done.error)  # type: ignore[arg-type]
-                    warnings.warn(
+                    warn(
                         f"cgregistry: background {done.error}; the key is dropped and its batches go to the next best "
-                        "key (or run eagerly); reg.failures() keeps the error",
-                        RuntimeWarning,
-                        stacklevel=5,
-                    )
+                        "key (or run eagerly); reg.failures() keeps the error")
                 elif done.pair not in self._catalog.entries:  # else captured in the foreground meanwhile
                     self._events.evicted(self._catalog.add(done.entry, background=True))
             if stale:

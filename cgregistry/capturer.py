@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -34,9 +33,9 @@ from cgregistry.keyclasses import check_serves
 from cgregistry.memory import MemoryEstimate, estimate_memory
 from cgregistry.plan import PlanEntry
 from cgregistry.plugins import Plugins
-from cgregistry.warn import warn
-from cgregistry.serving_state import RECORDED_AT_CAPTURE, ServingState, ServingStateError, StateTest
 from cgregistry.reach import reached
+from cgregistry.serving_state import RECORDED_AT_CAPTURE, ServingState, ServingStateError, StateTest
+from cgregistry.warn import warn
 from cgregistry.weights import WeightsMovedError, WeightWatch
 
 __all__ = ["CaptureContext", "Capturer"]
@@ -124,13 +123,10 @@ class Capturer:
         for strategy in sorted({s for k, s in pairs if k.uniform}):
             first = next((r for r in relaxed if order.index(r) < order.index(strategy)), None)
             if first is not None:
-                warnings.warn(
+                warn(
                     f"cgregistry: uniform keys of strategy {strategy!r} rank after {first!r} in this registry's "
                     f"preference {tuple(order)}; {first!r} keys cover those batches first, so {strategy!r} graphs may "
-                    f"never replay. Put it first: GraphRegistry(..., preference=({strategy!r}, {first!r}, ...))",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+                    f"never replay. Put it first: GraphRegistry(..., preference=({strategy!r}, {first!r}, ...))")
 
     # ---------------------------------------------------------------- the capture context
 
@@ -179,14 +175,11 @@ class Capturer:
         if self.watch.modules_watched or not self._opaque or self._warned_unwatched:
             return
         self._warned_unwatched = True
-        warnings.warn(
+        warn(
             f"cgregistry: registry {self._name!r} found no module the step reads, and it reads "
             f"{', '.join(map(repr, self._opaque[:4]))} without their contents being looked into; a weight in them "
             "replaced by assignment (load_state_dict(assign=True), a new nn.Parameter) would go unseen and graphs would "
-            "read the old memory: name what the step reads with reg.watch(model)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+            "read the old memory: name what the step reads with reg.watch(model)")
 
     def forget(self) -> None:
         """No context (after ``clear()``): the next capture request records one."""
@@ -341,11 +334,8 @@ class Capturer:
             self.capture_key(pair, self.current())
         except CaptureError as exc:
             self._catalog.fail_capture(pair, exc)
-            warnings.warn(
-                f"cgregistry: lazy {exc}; the key is dropped and the step goes on to the next best key (or runs eagerly)",
-                RuntimeWarning,
-                stacklevel=5,
-            )
+            warn(
+                f"cgregistry: lazy {exc}; the key is dropped and the step goes on to the next best key (or runs eagerly)")
         else:
             self._catalog.counters.lazy_captures += 1
 

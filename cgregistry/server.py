@@ -16,7 +16,6 @@ import _thread
 import inspect
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,6 +37,7 @@ from cgregistry.events import Events
 from cgregistry.matcher import Match, excluded
 from cgregistry.routing import NO_EXCLUSION, Route, Variant, not_a_descriptor
 from cgregistry.runtime import BreakContext
+from cgregistry.warn import warn
 
 __all__ = ["ConcurrentRunError", "DebugServer", "Server"]
 
@@ -251,12 +251,9 @@ class Server:
         if hint is not None:
             self._unmarked += 1
             if self._unmarked == UNIFORM_HINT_AFTER:
-                warnings.warn(
+                warn(
                     f"cgregistry: registry {self._name!r}: {UNIFORM_HINT_AFTER} batches ran eagerly as mixed batches while "
-                    f"uniform keys would serve them, such as {hint} (shown once; reg.explain(batch) says it for each)",
-                    RuntimeWarning,
-                    stacklevel=5,
-                )
+                    f"uniform keys would serve them, such as {hint} (shown once; reg.explain(batch) says it for each)")
         self._events.miss(actual)
         return self._eager(actual, inputs, context)
 
@@ -270,11 +267,8 @@ class Server:
         else:
             why = self._routes.too_large(actual) or "another rank's batch does not fit a static input"
             what = f"{actual} runs eagerly: {why}; enlarge that StaticInput to serve such batches"
-        warnings.warn(
-            f"cgregistry: registry {self._name!r}: {what} (shown once; stats().misses_by_reason counts every such miss)",
-            RuntimeWarning,
-            stacklevel=6,
-        )
+        warn(
+            f"cgregistry: registry {self._name!r}: {what} (shown once; stats().misses_by_reason counts every such miss)")
 
     def _eager(self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any = None) -> Any:
         counters = self._counters
@@ -299,12 +293,9 @@ class Server:
         out = self._eager(actual, inputs, context)  # raises (and counts) when the batch is at fault
         self._counters.count_miss(actual, "failed")  # the step ran eagerly: a miss, for the broken entry
         self._catalog.fail_replay(entry, error)
-        warnings.warn(
+        warn(
             f"cgregistry: replay of {entry.key} [{entry.strategy}] raised {type(error).__name__}: {error}, while the "
-            "same batch ran eagerly; the entry was removed and the step's eager result returned",
-            RuntimeWarning,
-            stacklevel=6,
-        )
+            "same batch ran eagerly; the entry was removed and the step's eager result returned")
         self._events.entry_failed(entry, error)
         return out
 
