@@ -140,6 +140,11 @@ class BackgroundCapture:
         """Work queued or in flight (a task included)."""
         return bool(self._queue) or self._in_flight is not None
 
+    @property
+    def settled(self) -> bool:
+        """Nothing queued, in flight, or finished and not installed yet."""
+        return not self.busy and not self._ready
+
     def queued(self) -> list[Pair]:
         """Keys waiting or being captured now, in capture order."""
         with self._cond:

@@ -214,10 +214,10 @@ class GraphRegistry:
         if self._server.running():
             raise RuntimeError("wait_captured() while a run() is in progress (from the step or a hook) would wait for itself")
         deadline = None if timeout is None or timeout == float("inf") else time.monotonic() + timeout
-        while True:  # installing a refit queues its new keys: wait for those too
+        while True:  # installing a refit queues its new keys, which may even finish before the check: wait for those too
             done = self._background.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             self._background.install()
-            if not done or not self._background.busy:
+            if not done or self._background.settled:
                 return done
 
     def capturing(self) -> list[Pair]:
