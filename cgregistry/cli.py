@@ -94,8 +94,6 @@ def _flagged(message: str, args: argparse.Namespace) -> str:
     sizes = "--capture-sizes" if args.capture_sizes is None else f"--capture-sizes={_csv(args.capture_sizes)}"
 
     def too_large(m: re.Match[str]) -> str:
-        if args.max_capture_size is None and args.capture_sizes is not None:  # the largest size set the maximum
-            return f"{sizes}: the largest, {m[1]}, exceeds --max-num-tokens={m[2]}"
         return f"--max-capture-size={m[1]} exceeds --max-num-tokens={m[2]}"
 
     def sizes_too_large(m: re.Match[str]) -> str:
