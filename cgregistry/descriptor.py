@@ -7,6 +7,7 @@ captured for the key can serve the batch after padding.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import attrs
@@ -98,6 +99,27 @@ class BatchDescriptor:
                 _decoded.clear()
             _decoded[key] = made
         return made
+
+    @classmethod
+    def from_query_lens(cls, query_lens: Sequence[int], num_active_loras: int = 0, *,
+                        spec_depth: int | None = None) -> BatchDescriptor:
+        """The batch of requests with these query lengths (new tokens per request this step), so that the engine need
+        not decide uniformity and depth by hand: uniform when every request has the same length ``1 + d`` (spec depth
+        ``d``; with ``spec_depth`` given, only when ``d`` is that depth: other equal lengths are a mixed batch), mixed
+        otherwise."""
+        lens = list(query_lens)
+        if not lens:
+            raise ValueError("from_query_lens() needs at least one request's query length, got none")
+        bad = [n for n in lens if type(n) is not int or n < 1]
+        if bad:
+            raise ValueError(f"from_query_lens() takes query lengths as ints >= 1, got {bad[0]!r} (of {lens[:8]}"
+                             f"{' ...' if len(lens) > 8 else ''})")
+        if spec_depth is not None:
+            _check_count("spec_depth", spec_depth, 0)
+        first = lens[0]
+        if all(n == first for n in lens) and (spec_depth is None or first == 1 + spec_depth):
+            return cls.decode(len(lens), first - 1, num_active_loras)
+        return cls(sum(lens), len(lens), num_active_loras)
 
     @property
     def query_len(self) -> int | None:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cgregistry import BatchDescriptor, Padding
 
@@ -79,3 +81,18 @@ def test_relaxed_drops_request_count_and_uniformity() -> None:
     assert r == B(8, None, 2, 1, False)
     assert r.relaxed() is r
     assert r.covers(d)
+
+
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=12), st.integers(0, 3), st.one_of(st.none(), st.integers(0, 5)))
+def test_from_query_lens_agrees_with_a_brute_force_reading_of_the_lengths(lens: list[int], loras: int, depth: int | None) -> None:
+    made = B.from_query_lens(lens, loras, spec_depth=depth)
+    uniform = len(set(lens)) == 1 and (depth is None or lens[0] == 1 + depth)
+    assert made.uniform == uniform and made.num_tokens == sum(lens) and made.num_reqs == len(lens)
+    assert made.num_active_loras == loras and made.spec_depth == (lens[0] - 1 if uniform else 0)
+    assert made == (B.decode(len(lens), lens[0] - 1, loras) if uniform else B(sum(lens), len(lens), loras))
+
+
+@pytest.mark.parametrize(("lens", "message"), [([], "at least one"), ([1, 0], "got 0"), ([1, 2.0], "got 2.0")])
+def test_from_query_lens_names_a_bad_length(lens: list[object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        B.from_query_lens(lens)  # type: ignore[arg-type]
