@@ -16,7 +16,7 @@ from cgregistry.buffers import StaticBuffer
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry, Pair
 from cgregistry.inspection import MISS_REASONS, ClassStats, Stats
-from cgregistry.matcher import PaddingCap
+from cgregistry.matcher import DEFAULT_PREFERENCE, PaddingCap
 from cgregistry.outputs import OutputAxes
 from cgregistry.routing import Chooser, RouteTable
 
@@ -54,13 +54,15 @@ class Catalog:
 
     __slots__ = (
         "entries", "pending", "failures", "capturing", "asleep", "memory_budget", "routes", "counters", "predicted", "_retired",
-        "_deferred", "_dirty",
+        "_deferred", "_dirty", "follows_plans",
     )
 
     def __init__(
-        self, buffers: Mapping[str, StaticBuffer], output_axes: OutputAxes, preference: Sequence[str], cap: PaddingCap,
+        self, buffers: Mapping[str, StaticBuffer], output_axes: OutputAxes, preference: Sequence[str] | None, cap: PaddingCap,
         memory_budget: int | None, chooser: Chooser | None = None, chooser_names: str = "",
     ) -> None:
+        self.follows_plans = preference is None  # no preference given: captured plans' strategy orders are adopted
+        preference = DEFAULT_PREFERENCE if preference is None else preference
         self.entries: dict[Pair, Entry] = {}
         self.pending: dict[Pair, None] = {}  # lazy keys, captured on first need (evicted ones return here)
         self.failures: dict[Pair, BaseException] = {}
@@ -158,6 +160,22 @@ class Catalog:
         evicted = self._evict_over_budget(keep=pair)
         self._changed()
         return evicted
+
+    def follow_plan(self, pairs: Iterable[Pair]) -> tuple[str, ...]:
+        """A registry given no preference ranks a plan's strategies as the plan does: the strategy whose keys are all
+        uniform (the plan's decode strategy) before the one that serves mixed batches (it would cover decode batches
+        too), ahead of the rest; the preference now."""
+        if not self.follows_plans:
+            return self.routes.preference
+        keys: dict[str, bool] = {}
+        for key, strategy in pairs:
+            keys[strategy] = keys.get(strategy, True) and key.uniform
+        order = sorted(keys, key=lambda s: not keys[s])  # stable: the plan's order otherwise
+        preference = tuple(dict.fromkeys([*order, *self.routes.preference]))
+        if preference != self.routes.preference:
+            self.routes.preference = preference
+            self._changed()
+        return preference
 
     def plan_lazily(self, pairs: Iterable[Pair]) -> None:
         """Keys captured by the first ``run()`` they are the best match for."""

@@ -53,15 +53,12 @@ _names = itertools.count(1)  # default registry names: registry-1, registry-2, .
 class GraphRegistry:
     """Captured graphs for one step function, keyed by BatchDescriptor.
 
-    ``step(batch, **inputs)`` is the engine's forward: it gets the padded key and
-    views of the static buffers sized for it, and returns a tensor or a pytree of
-    tensors whose leading dimension is the padded token (or request) count.
-    ``output_axis`` names that axis ("tokens", "reqs", "reqs+1"), or is a tree
-    shaped like the output with one axis per tensor leaf.
-
-    Outputs returned by ``run`` are views of graph memory: valid until the next
-    ``run`` on this registry, and only while the registry lives (on CUDA they do
-    not own the pool).  Not thread-safe: call ``run`` from one thread.
+    ``step(batch, **inputs)`` is the engine's forward: it gets the padded key and views of the static buffers sized
+    for it, and returns a tensor or a pytree of tensors whose leading dimension is the padded token (or request)
+    count.  ``output_axis`` names that axis ("tokens", "reqs", "reqs+1"), or is a tree shaped like the output with
+    one axis per tensor leaf.  ``preference``: strategies, most preferred first; left out, each captured plan's
+    order is adopted (its decode strategy first).  Outputs returned by ``run`` are views of graph memory: valid until
+    the next ``run``, and only while the registry lives.  Not thread-safe: call ``run`` from one thread.
     """
 
     def __init__(
@@ -71,7 +68,7 @@ class GraphRegistry:
         *,
         backend: str = "auto",
         output_axis: Any = "tokens",
-        preference: Sequence[str] = DEFAULT_PREFERENCE,
+        preference: Sequence[str] | None = None,
         warmup_runs: int = 1,
         plugins: Plugins | None = None,
         name: str | None = None,
@@ -96,13 +93,13 @@ class GraphRegistry:
         self.backend = self.plugins.backend(backend)
         self.device = self.backend.device()
         self.output_axis = output_axis
-        self.preference = tuple(preference)
+        self.preference = tuple(DEFAULT_PREFERENCE if preference is None else preference)
         self.warmup_runs = warmup_runs
         self.debug = bool(debug)
         buffers = {key: StaticBuffer(key, spec, self.device) for key, spec in inputs.items()}
         events = Events(self.plugins, self, self.backend.name)
         chooser, chooser_names = events.chooser()
-        self._catalog = catalog = Catalog(buffers, output_axes, self.preference, cap, memory_budget, chooser, chooser_names)
+        self._catalog = catalog = Catalog(buffers, output_axes, preference, cap, memory_budget, chooser, chooser_names)
         one = EntryCapture(step, buffers, self.backend, output_axes, warmup_runs)
         self._capturer = capturer = Capturer(one, catalog, events, self.plugins, self.name)
         pacer = getattr(self.backend, "step_pacer", None)  # optional: the cuda backend bounds the serving thread's run-ahead
@@ -184,6 +181,8 @@ class GraphRegistry:
         self._lifecycle.refuse_asleep("capture()")
         self._lifecycle.refuse_from_inside("capture()")
         todo = self._capturer.check(plan)
+        if isinstance(plan, CapturePlan):  # a registry given no preference adopts the plan's strategy order
+            self.preference = self._catalog.follow_plan((e.descriptor, e.strategy) for e in plan)
         if background:
             refuse_with_collectives()
         self._capturer.record(context)

@@ -397,15 +397,17 @@ def test_explain_agrees_with_match_when_the_batch_is_too_large_for_a_static_inpu
 def test_capture_warns_when_a_decode_strategy_can_never_win() -> None:
     plugins = vendor_plugins()
     plan = cg.CapturePlan.build(max_num_seqs=4, max_num_tokens=16, mode=("vendor-exact", "breakable"), plugins=plugins)
-    shadowed = cg.GraphRegistry(lambda b, x: x + 1, {"x": cg.StaticInput((16,), torch.float32)}, backend="cpu", plugins=plugins)
+    shadowed = cg.GraphRegistry(lambda b, x: x + 1, {"x": cg.StaticInput((16,), torch.float32)}, backend="cpu", plugins=plugins,
+                                preference=("full", "piecewise", "breakable"))
     with pytest.warns(RuntimeWarning, match=r"uniform keys of strategy 'vendor-exact' rank after 'breakable'.*preference=\('vendor-exact', 'breakable'"):
         shadowed.capture(plan)
     assert shadowed.match(B.decode(3)).strategy == "breakable", "the warning is true: breakable serves decode batches"
-    ordered = cg.GraphRegistry(lambda b, x: x + 1, {"x": cg.StaticInput((16,), torch.float32)}, backend="cpu", plugins=plugins,
-                               preference=("vendor-exact", "breakable"))
+    ordered = cg.GraphRegistry(lambda b, x: x + 1, {"x": cg.StaticInput((16,), torch.float32)}, backend="cpu", plugins=plugins)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ordered.capture(plan)
-    assert ordered.match(B.decode(3)).strategy == "vendor-exact"
+        ordered.capture(plan)  # no preference given: the plan's order (its decode strategy first) is adopted
+    assert ordered.match(B.decode(3)).strategy == "vendor-exact" and ordered.preference[:2] == ("vendor-exact", "breakable")
+    assert ordered.stats().hits == 0 and ordered.run(B.decode(3), x=torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+    assert ordered.stats().by_strategy["vendor-exact"] == 1
