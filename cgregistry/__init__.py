@@ -34,7 +34,7 @@ from cgregistry.backends.cpu import GraphUnsafeOpError
 from cgregistry.buffers import InputError
 from cgregistry.capture import CaptureError
 from cgregistry.compiler import PiecewiseError
-from cgregistry.debug import DebugError, StaleOutputError
+from cgregistry.debug import DebugError, MovedTensorError, StaleOutputError
 from cgregistry.errors import CgregistryError
 from cgregistry.inspection import SnapshotError
 from cgregistry.outputs import OutputError
@@ -78,7 +78,7 @@ __all__ = [
     "Plugins", "make_plugin_manager", "plugin",
     # errors
     "BreakError", "CaptureError", "CgregistryError", "ConcurrentRunError", "DebugError", "GraphUnsafeOpError",
-    "InputError", "OutputError", "PiecewiseError", "PluginError", "ServingStateError", "SnapshotError", "StaleOutputError",
+    "InputError", "MovedTensorError", "OutputError", "PiecewiseError", "PluginError", "ServingStateError", "SnapshotError", "StaleOutputError",
     "WeightsMovedError",
     # warnings
     "FrozenReadWarning",

@@ -16,6 +16,7 @@ refused by :class:`~cgregistry.background.BackgroundCapture` the same way.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 from collections.abc import Iterable, Iterator
@@ -39,6 +40,8 @@ from cgregistry.warn import warn
 from cgregistry.weights import WeightsMovedError, WeightWatch
 
 __all__ = ["CaptureContext", "Capturer"]
+
+_log = logging.getLogger("cgregistry")
 
 
 @attrs.frozen(slots=True)
@@ -75,6 +78,7 @@ class Capturer:
         self.watch.watch((f"static input {n!r}", buf.tensor) for n, buf in one.buffers.items())
         self._warned_unwatched = False
         self._warned_no_break = False
+        self._said_uncovered = False
         self._opaque: list[str] = []  # what the step reads without its contents being looked into
         self.watch_step()
 
@@ -168,6 +172,24 @@ class Capturer:
         for name, read in found.tensors:
             self.watch.watch_read(name, read, added=added)
         self._opaque = found.opaque
+
+    def say_uncovered(self, plan: object, cap: Any) -> None:
+        """Once per registry, in the ``cgregistry`` log (INFO): the token ranges a plan leaves to eager steps (a default
+        ``max_capture_size`` of twice ``max_num_seqs`` leaves most mixed batches of a small engine there).  ``run()``
+        warns when such batches turn out to be most of the traffic; ``stats().misses_by_reason`` counts them."""
+        uncovered = getattr(plan, "uncovered", None)
+        if self._said_uncovered or uncovered is None or getattr(plan, "max_num_tokens", None) is None:
+            return
+        ranges = uncovered(max_padding_tokens=cap.max_tokens, max_padding_ratio=cap.max_ratio)
+        self._said_uncovered = True
+        if ranges:
+            said = [f"{r.kind}{'' if r.spec_depth in (None, 0) else f' (spec {r.spec_depth})'}"
+                    f"{f' with {r.num_active_loras} LoRAs' if r.num_active_loras else ''} batches of {r.min_tokens}-"
+                    f"{r.max_tokens} tokens{' (over the padding cap)' if r.reason == 'padding_cap' else ''}"
+                    for r in ranges[:4]]
+            more = f" and {len(ranges) - 4} more ranges" if len(ranges) > 4 else ""
+            _log.info("registry %r: no key serves %s%s: they run eagerly (plan.uncovered() lists them)",
+                      self._name, "; ".join(said), more)
 
     def warn_unwatched(self) -> None:
         """Once per registry: the step reads values not looked into and no module is watched, so a weight replaced by
@@ -265,6 +287,8 @@ class Capturer:
                     weights = self.watch.seen()  # what the graph will read
                     try:
                         entry = ctx.state.run(self._one.capture, key, name, strategy, ctx.payload, background=background)
+                        if self.watch.generation != generation:  # the step registered tensors while it warmed up
+                            weights = self.watch.joined(weights)
                         entry.weights, entry.generation = weights, generation
                     except BaseException as exc:
                         error = exc if isinstance(exc, CaptureError) else CaptureError(key, name, exc)

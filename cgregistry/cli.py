@@ -101,7 +101,7 @@ def _flagged(message: str, args: argparse.Namespace) -> str:
 
     rules: list[tuple[str, Callable[[re.Match[str]], str]]] = [
         (r"\bmax_capture_size=(\d+) exceeds max_num_tokens=(\d+)", too_large),
-        (r"\bcapture_sizes holds \[([\d, ]+)\] exceeds max_num_tokens=(\d+)", sizes_too_large),
+        (r"\bcapture_sizes \[([\d, ]+)\] exceed max_num_tokens=(\d+)", sizes_too_large),
         (r"\bcapture_sizes \[([^\]]*)\] exceed", lambda m: f"{sizes}: {m[1]} exceed"),
         (r"\blora_counts \[([^\]]*)\]", lambda m: f"--lora-counts={m[1].replace(' ', '')}"),
         (r"\bspec depth (\d+) needs", lambda m: f"depth {m[1]} of --spec-depths needs"),

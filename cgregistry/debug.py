@@ -26,13 +26,18 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from cgregistry.errors import CgregistryError
-from cgregistry.weights import WeightWatch
+from cgregistry.weights import WeightsMovedError, WeightWatch
 
-__all__ = ["AddressWatch", "CheckedOutput", "DebugError", "StaleOutputError", "check_addresses"]
+__all__ = ["AddressWatch", "CheckedOutput", "DebugError", "MovedTensorError", "StaleOutputError", "check_addresses"]
 
 
 class DebugError(CgregistryError, RuntimeError):
     """A tensor a graph reads is no longer where it was at capture (names it)."""
+
+
+class MovedTensorError(DebugError, WeightsMovedError):
+    """Debug mode's check found a watched tensor moved: a ``DebugError`` and a ``WeightsMovedError`` alike, so an engine's
+    ``except cg.WeightsMovedError`` catches it whether debug mode is on or not."""
 
 
 class StaleOutputError(CgregistryError, RuntimeError):
@@ -47,7 +52,7 @@ def check_addresses(watch: WeightWatch) -> None:
     """Raise ``DebugError`` naming the first watched tensor that moved since capture (debug mode, before each replay)."""
     moved = watch.moved()
     if moved:
-        raise DebugError(
+        raise MovedTensorError(
             f"{moved[0]} since capture; captured graphs still read the old address. Update it in place "
             "(tensor.copy_(new), load_state_dict without assign=True) instead of replacing it, or call reg.refresh()"
         )

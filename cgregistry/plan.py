@@ -382,8 +382,9 @@ class PlanSettings:
                 raise ValueError(f"size_multiple={m} exceeds max_num_tokens={self.max_num_tokens}: no key can hold a batch")
         if top > self.max_num_tokens:
             given = f"max_capture_size={top}" if self.max_capture_size is not None else (
-                f"capture_sizes holds {[s for s in sizes if s > self.max_num_tokens]}" if sizes else f"the largest size {top}")
-            raise ValueError(f"{given} exceeds max_num_tokens={self.max_num_tokens}: no batch can be that large")
+                f"capture_sizes {[s for s in sizes if s > self.max_num_tokens]}" if sizes else f"the largest size {top}")
+            raise ValueError(f"{given} exceed{'' if sizes and self.max_capture_size is None else 's'} max_num_tokens="
+                             f"{self.max_num_tokens}: no batch can be that large")
         default_sizes = sizes is None
         if sizes is None:
             sizes = tuple(sorted({_round_up(s, m) for s in default_ladder(top)}))

@@ -31,7 +31,8 @@ MAX_ITEMS = 256  # a larger container is not looked into (reported as opaque)
 MAX_OBJECTS = 4096  # objects looked into in all
 # Packages whose code and objects hold no engine weights: not followed.
 LIBRARIES = frozenset({"cgregistry", "torch", "functools", "typing", "builtins", "transformers", "numpy", "attrs"})
-_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL", "LOAD_NAME"})
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+_ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 # Values that hold no tensor a graph reads.
 _INERT = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, type,
           types.BuiltinFunctionType, types.BuiltinMethodType, types.CodeType)
@@ -59,7 +60,7 @@ class _Walk:
         self.module_ids: set[int] = set()
         self.tensors: dict[str, Callable[[], Any]] = {}
         self.opaque: list[str] = []
-        self.loads: set[str] = set()  # the global and attribute names the code followed loads
+        self.loads: set[str] = set()  # the attribute names the code followed loads
         self.objects: list[tuple[Any, str, Callable[[], Any], int]] = []  # looked into once the code is followed
         self.code: set[int] = set()  # functions followed
         self.taken: set[tuple[int, str]] = set()  # (object, attribute) pairs already followed
@@ -123,8 +124,8 @@ class _Walk:
         if depth > MAX_DEPTH or id(fn) in self.code or fn.__globals__.get("__name__", "").partition(".")[0] in LIBRARIES:
             return
         self.code.add(id(fn))  # by function, not code: closures of one code object hold different cells
-        names = _loads(code)
-        self.loads |= names
+        names, attributes = _loads(code, _GLOBAL_LOADS), _loads(code, _ATTRIBUTE_LOADS)
+        self.loads |= attributes
         for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
                 found = cell.cell_contents
@@ -173,12 +174,13 @@ class _Walk:
                     self.function(method, depth + 1, label)
 
 
-def _loads(code: types.CodeType) -> set[str]:
-    """The global and attribute names ``code`` and the code nested in it load (stores are bookkeeping, not reads)."""
-    names = {i.argval for i in dis.get_instructions(code) if i.opname in _LOADS and isinstance(i.argval, str)}
+def _loads(code: types.CodeType, ops: frozenset[str]) -> set[str]:
+    """The names ``code`` and the code nested in it load with ``ops`` (globals, or attributes; stores are bookkeeping,
+    not reads)."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ops and isinstance(i.argval, str)}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _loads(const)
+            names |= _loads(const, ops)
     return names
 
 

@@ -187,6 +187,7 @@ class GraphRegistry:
             refuse_with_collectives()
         self._capturer.record(context)
         self._capturer.warn_unwatched()
+        self._capturer.say_uncovered(plan, self._catalog.routes.cap)
         self._background.install()
         pairs = [(e.descriptor, e.strategy) for e in dict.fromkeys(todo) if (e.descriptor, e.strategy) not in self._catalog.entries]
         if background:
@@ -308,8 +309,8 @@ class GraphRegistry:
         return self._lifecycle.wake(background)
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module, prefix: str = "") -> None:
-        """Tensors graphs read beside what the step reaches (found unnamed): ``(name, tensor)`` pairs, or a module (its
-        tensors by name, so a replaced one is caught); compared from their addresses now (no graph goes stale)."""
+        """Tensors graphs read beside what the step reaches (found unnamed): ``(name, tensor)`` pairs, a module or a list
+        of modules (tensors by name: a replaced one is caught); compared from their addresses now (no graph goes stale)."""
         self._capturer.watch.watch(named, prefix)
 
     def watched(self) -> list[str]:

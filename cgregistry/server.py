@@ -44,6 +44,8 @@ __all__ = ["ConcurrentRunError", "DebugServer", "Server"]
 _WARN_ONCE = ("no_graphs", "above_capacity")  # misses that mean the engine is set up wrong, warned about once
 # Misses of batches not marked uniform that uniform keys would serve, before the one warning about them.
 UNIFORM_HINT_AFTER = 16
+# Misses above the largest key of their kind before the one warning, if they are at least half of the steps so far.
+ABOVE_LARGEST_HINT_AFTER = 16
 
 
 class ConcurrentRunError(CgregistryError, RuntimeError):
@@ -80,6 +82,7 @@ class Server:
         self._exclusions: dict[Any, frozenset[str]] = {}  # exclude= values already checked, to their strategy sets
         self._warned: set[str] = set()  # miss reasons already warned about
         self._unmarked = 0  # misses of batches that uniform keys would serve had they been marked uniform
+        self._above = 0  # misses of batches larger than every key of their kind
 
     # ---------------------------------------------------------------- run
 
@@ -248,6 +251,10 @@ class Server:
         if reason in _WARN_ONCE and reason not in self._warned:
             self._warned.add(reason)  # type: ignore[arg-type]
             self._warn_miss(actual, reason)  # type: ignore[arg-type]
+        if reason == "above_largest_key":
+            self._above += 1
+            if self._above == ABOVE_LARGEST_HINT_AFTER:
+                self._warn_above_largest(actual)
         if hint is not None:
             self._unmarked += 1
             if self._unmarked == UNIFORM_HINT_AFTER:
@@ -256,6 +263,19 @@ class Server:
                     f"uniform keys would serve them, such as {hint} (shown once; reg.explain(batch) says it for each)")
         self._events.miss(actual)
         return self._eager(actual, inputs, context)
+
+    def _warn_above_largest(self, actual: BatchDescriptor) -> None:
+        """Once: batches larger than every key of their kind are most of the steps so far (the plan's largest key is
+        too small for this traffic)."""
+        replays = sum(e.replays for e in list(self._catalog.entries.values()))
+        if self._above * 2 < self._above + replays:
+            return
+        warn(
+            f"cgregistry: registry {self._name!r}: {self._above} of the {self._above + replays} graph-eligible steps so "
+            f"far ran eagerly because no key of their kind is that large (such as {actual}); raise the plan's "
+            "max_capture_size (CapturePlan.uncovered() lists the ranges left out; shown once; "
+            "stats().misses_by_reason['above_largest_key'] counts every such miss)"
+        )
 
     def _warn_miss(self, actual: BatchDescriptor, reason: str) -> None:
         """The first miss of a kind an engine should not meet in steady serving (shown once per registry)."""

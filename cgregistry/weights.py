@@ -162,9 +162,18 @@ class WeightWatch:
             if added:
                 self.generation += 1
             return
-        for name, tensor in named:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"watch() takes (name, tensor) pairs or an nn.Module, got {name!r}: {type(tensor).__name__}")
+        items = list(named)
+        if items and all(isinstance(item, nn.Module) for item in items):  # a list of modules: each under its index
+            for i, module in enumerate(items):
+                self.watch(module, f"{prefix}[{i}].", added)
+            return
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+                raise TypeError(
+                    "watch() takes an nn.Module, a list of modules, or (name, tensor) pairs; got an item "
+                    f"{type(item).__name__}{f' {item!r}' if not isinstance(item, (nn.Module, torch.Tensor)) else ''}"
+                )
+            name, tensor = item
             self._watched[f"{prefix}{name}"] = (_Tensor(lambda t=tensor: t), tensor.data_ptr())
 
     def watch_read(self, name: str, read: Callable[[], Any], added: bool = False) -> None:
@@ -204,6 +213,13 @@ class WeightWatch:
         if now != self._last_seen:
             self._last_seen = now
         return self._last_seen
+
+    def joined(self, before: Seen) -> Seen:
+        """What a graph read whose capture began at ``before``, when a watched module registered tensors meanwhile (a
+        cache the step makes at its first call): ``before``'s addresses, and those of the tensors new since.  A tensor
+        ``before`` holds that moved meanwhile keeps its old address, so that graph stays stale (the safe side)."""
+        now = self.seen()
+        return {**{name: ptr for name, ptr in now.items() if name not in before}, **before}
 
     def reads_current(self, seen: Seen, now: Mapping[str, int | None] | None = None) -> bool:
         """Whether a graph that read ``seen`` reads every watched tensor where it is ``now``: a tensor watched after its

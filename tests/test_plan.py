@@ -83,7 +83,7 @@ def test_explicit_sizes() -> None:
     ("kwargs", "message"),
     [
         ({"capture_sizes": [8, 600], "max_capture_size": 512}, r"capture_sizes \[600\] exceed max_capture_size=512"),
-        ({"capture_sizes": [8, 2000]}, r"capture_sizes holds \[2000\] exceeds max_num_tokens=1024"),
+        ({"capture_sizes": [8, 2000]}, r"capture_sizes \[2000\] exceed max_num_tokens=1024"),
         ({"capture_sizes": [8, 64], "max_capture_size": 32}, r"capture_sizes \[64\] exceed max_capture_size=32"),
         ({"max_capture_size": 2000}, "max_capture_size=2000 exceeds max_num_tokens=1024"),
         ({"capture_sizes": [0, 8]}, "capture_sizes must hold ints >= 1, got 0"),

@@ -202,3 +202,62 @@ def test_the_batch_seen_while_recording_is_a_break_context() -> None:
         reg.capture(KEY)
         print(seen[-1])  # its repr reads nothing frozen
     assert len(seen) == 2 and all(isinstance(b, cg.BreakContext) and b.key == B(8) for b in seen)
+
+
+class LazyCache(nn.Module):
+    """Registers a buffer at its first call, as a rotary embedding's cache does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "cache"):
+            self.register_buffer("cache", torch.linspace(0, 1, WIDTH), persistent=False)
+        return self.linear(x) * self.cache
+
+
+def test_a_buffer_the_step_registers_at_its_first_call_refuses_no_graph() -> None:
+    model = LazyCache()
+    reg = cg.GraphRegistry(lambda batch, x: model(x), {"x": cg.StaticInput((16, WIDTH), torch.float32)}, backend="cpu")
+    reg.capture(cg.CapturePlan.build(max_num_seqs=16, max_num_tokens=16, mode="full"))
+    with torch.inference_mode():
+        for n in (3, 9, 16):  # every key, the first captured (the largest) included
+            x = torch.randn(n, WIDTH)
+            torch.testing.assert_close(reg.run(B.decode(n), x=x), model(x))
+    assert reg.refresh().recaptured == ()
+
+
+def test_an_attribute_name_is_not_taken_for_a_global_of_the_same_name() -> None:
+    scope: dict[str, Any] = {}
+    exec("import torch\nweight = torch.randn(8, 8)\nmodel = torch.nn.Linear(8, 8)\n"
+         "def step(batch, x):\n    return x @ model.weight.T\n", scope)
+    reg = cg.GraphRegistry(scope["step"], INPUTS, backend="cpu")
+    reg.capture(KEY)
+    assert "weight" not in reg.watched() and "model.weight" in reg.watched()
+    scope["weight"] = torch.randn(WIDTH, WIDTH)  # an unrelated global rebound: nothing to capture again
+    assert reg.refresh().recaptured == ()
+
+
+def test_debug_mode_refuses_moved_weights_with_an_error_the_plain_mode_handler_catches() -> None:
+    step, model = engine_method()
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu", debug=True)
+    reg.capture(KEY)
+    assign_new(model)
+    with pytest.raises(cg.WeightsMovedError):
+        reg.run(B(8), x=X)
+    with pytest.raises(cg.DebugError):
+        reg.run(B(8), x=X)
+
+
+def test_watch_takes_a_list_of_modules_and_names_a_bad_item() -> None:
+    models = [nn.Linear(WIDTH, WIDTH) for _ in range(300)]  # too many to look into
+    reg = cg.GraphRegistry(lambda batch, x: models[299](x), INPUTS, backend="cpu")
+    reg.watch(models, prefix="models")
+    assert "models[299].weight" in reg.watched()
+    reg.capture(KEY)
+    assign_new(models[299])
+    with pytest.raises(cg.WeightsMovedError, match=r"models\[299\]\.weight"):
+        reg.run(B(8), x=X)
+    with pytest.raises(TypeError, match=r"watch\(\) takes an nn.Module, a list of modules, or \(name, tensor\) pairs; got an item str"):
+        reg.watch(["weight"])
