@@ -173,7 +173,7 @@ def test_version_comes_from_package_metadata() -> None:
 
 def test_every_error_shares_one_base_and_keeps_its_builtin_one() -> None:
     errors = [getattr(cg, n) for n in cg.__all__ if n.endswith("Error") and n != "CgregistryError"]
-    assert len(errors) == 13
+    assert len(errors) == 14
     for error in errors:
         assert issubclass(error, cg.CgregistryError), error
         assert issubclass(error, (ValueError, TypeError, RuntimeError)), error
