@@ -41,7 +41,7 @@ class Entry:
         self.key_class = key_class(key, strategy)
         self.has_breaks = bool(getattr(graph, "breaks", 0))  # eager breaks read current_batch() at replay
         self.buffers: tuple[Any, ...] | None = None  # static inputs of its own (captured in the background), else shared
-        self.weights: Mapping[str, int | None] = {}  # the watched tensors' addresses at its capture (WeightWatch.seen)
+        self.weights: Mapping[str, Any] = {}  # the watched tensors' layouts at its capture (WeightWatch.seen)
         self.read_live_batch = False  # its recording called current_batch() outside an eager break
         self.generation = 0  # the watch's generation at its capture: a replay in a later one checks the addresses first
         # Device memory its capture took (measured where the backend can: pool growth, warm-up, driver objects), else

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import inspect
 import sys
 import types
 from collections.abc import Callable, Mapping
@@ -26,9 +27,9 @@ from torch import nn
 
 __all__ = ["Reached", "reached"]
 
-MAX_DEPTH = 4  # functions and objects followed from the step
+MAX_DEPTH = 7  # functions and objects followed from the step (an engine's model may be five attributes down)
 MAX_ITEMS = 256  # a larger container is not looked into (reported as opaque)
-MAX_OBJECTS = 4096  # objects looked into in all
+MAX_VALUES = 4096  # values looked at in all; past that, what is left is opaque
 # Packages whose code and objects hold no engine weights: not followed.
 LIBRARIES = frozenset({"cgregistry", "torch", "functools", "typing", "builtins", "transformers", "numpy", "attrs"})
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
@@ -64,24 +65,33 @@ class _Walk:
         self.objects: list[tuple[Any, str, Callable[[], Any], int]] = []  # looked into once the code is followed
         self.code: set[int] = set()  # functions followed
         self.taken: set[tuple[int, str]] = set()  # (object, attribute) pairs already followed
+        self.values = 0  # values looked at so far (MAX_VALUES)
 
     def run(self, step: Callable[..., Any]) -> Reached:
         self.value(step, "step", lambda: step, -1)
-        looked = 0
         while True:  # objects are looked into by the names the code loads; following them may load more
             before, count = len(self.loads), len(self.taken)
             for obj, label, read, depth in list(self.objects):
-                looked += 1
-                if looked > MAX_OBJECTS:
-                    break
                 self.look_into(obj, label, read, depth)
-            if (len(self.loads), len(self.taken)) == (before, count) or looked > MAX_OBJECTS:
+            if (len(self.loads), len(self.taken)) == (before, count):
                 break
         modules = [(name, read) for (name, _), read in self.modules.items()]
         return Reached(modules, list(self.tensors.items()), list(dict.fromkeys(self.opaque)))
 
     def value(self, found: Any, label: str, read: Callable[[], Any], depth: int) -> None:
-        if depth > MAX_DEPTH or isinstance(found, _INERT):
+        """Look at one value the code reaches; one that cannot be looked at (a proxy that raises, say) is opaque."""
+        try:
+            self._value(found, label, read, depth)
+        except Exception:  # an engine's object may raise from anything we ask of it: say so, never fail the registry
+            self.opaque.append(label)
+
+    def _value(self, found: Any, label: str, read: Callable[[], Any], depth: int) -> None:
+        if isinstance(found, _INERT):
+            return
+        self.values += 1
+        if depth > MAX_DEPTH or self.values > MAX_VALUES:
+            if not isinstance(found, (types.FunctionType, types.MethodType, types.ModuleType)):
+                self.opaque.append(label)  # too deep or too many to look into: the engine can watch() it
             return
         if isinstance(found, nn.Module):
             if (label, id(found)) not in self.modules:  # two closures may each call their own model ``m``
@@ -89,8 +99,9 @@ class _Walk:
                 if id(found) not in self.module_ids:
                     self.module_ids.add(id(found))
                     forward = getattr(type(found), "forward", None)
-                    if isinstance(forward, types.FunctionType):  # a module class of the engine's own: its code too
-                        self.function(forward, depth + 1, label)
+                    if isinstance(forward, types.FunctionType) and _package(forward.__module__) not in LIBRARIES:
+                        self.function(forward, depth + 1, label)  # a module class of the engine's own: its code too,
+                        self.objects.append((found, label, read, depth))  # and what it holds outside its tables
         elif isinstance(found, torch.Tensor):
             self.tensors.setdefault(label, read)
         elif isinstance(found, functools.partial):
@@ -108,9 +119,9 @@ class _Walk:
         elif isinstance(found, (Mapping, list, tuple)):
             self.objects.append((found, label, read, depth))
         elif isinstance(found, types.ModuleType):
-            if found.__name__.partition(".")[0] not in LIBRARIES | sys.stdlib_module_names:
+            if _package(found.__name__) not in LIBRARIES | sys.stdlib_module_names:
                 self.objects.append((found, label, read, depth))
-        elif getattr(type(found), "__module__", "").partition(".")[0] not in LIBRARIES:
+        elif _package(getattr(type(found), "__module__", None)) not in LIBRARIES:
             call = getattr(type(found), "__call__", None)
             if isinstance(call, types.FunctionType):  # an object with __call__: its code and what it holds
                 self.function(call, depth + 1, label)
@@ -121,7 +132,7 @@ class _Walk:
         if wrapped is not None:
             self.value(wrapped, label, lambda: wrapped, depth - 1)
         code = fn.__code__
-        if depth > MAX_DEPTH or id(fn) in self.code or fn.__globals__.get("__name__", "").partition(".")[0] in LIBRARIES:
+        if depth > MAX_DEPTH or id(fn) in self.code or _package(fn.__globals__.get("__name__")) in LIBRARIES:
             return
         self.code.add(id(fn))  # by function, not code: closures of one code object hold different cells
         names, attributes = _loads(code, _GLOBAL_LOADS), _loads(code, _ATTRIBUTE_LOADS)
@@ -142,7 +153,13 @@ class _Walk:
                 self.value(scope[name], name, lambda s=scope, n=name: s.get(n), depth)
 
     def look_into(self, obj: Any, label: str, read: Callable[[], Any], depth: int) -> None:
-        """A container's items, or the attributes of an object (a plain one, a Python module) that the code loads."""
+        """A container's items, or the attributes of an object that the code loads; one that raises is opaque."""
+        try:
+            self._look_into(obj, label, read, depth)
+        except Exception:
+            self.opaque.append(label)
+
+    def _look_into(self, obj: Any, label: str, read: Callable[[], Any], depth: int) -> None:
         if isinstance(obj, (Mapping, list, tuple)):
             if (id(obj), "") in self.taken:
                 return
@@ -161,17 +178,28 @@ class _Walk:
             return
         attributes = getattr(obj, "__dict__", None)
         if not isinstance(attributes, Mapping):
+            attributes = {}
+        slots = {n for klass in type(obj).__mro__ for n in getattr(klass, "__slots__", ()) if isinstance(n, str)}
+        if not attributes and not slots:
             self.opaque.append(label)
             return
         for name in [n for n in self.loads if (id(obj), n) not in self.taken]:
-            if name in attributes:
+            if name in attributes or name in slots:
                 self.taken.add((id(obj), name))
-                self.value(attributes[name], f"{label}.{name}", lambda r=read, n=name: getattr(r(), n, None), depth + 1)
+                found = attributes[name] if name in attributes else getattr(obj, name, None)
+                self.value(found, f"{label}.{name}", lambda r=read, n=name: getattr(r(), n, None), depth + 1)
             elif not isinstance(obj, types.ModuleType):
-                method = getattr(type(obj), name, None)
-                if isinstance(method, types.FunctionType):  # a method the code calls: its code too
+                member = inspect.getattr_static(type(obj), name, None)
+                if isinstance(member, property) and isinstance(member.fget, types.FunctionType):
+                    member = member.fget  # a property the code reads: its getter's code, and what that loads
+                if isinstance(member, types.FunctionType):  # a method the code calls: its code too
                     self.taken.add((id(obj), name))
-                    self.function(method, depth + 1, label)
+                    self.function(member, depth + 1, label)
+
+
+def _package(name: object) -> str:
+    """The top-level package of a module name (anything else: the empty name)."""
+    return name.partition(".")[0] if isinstance(name, str) else ""
 
 
 def _loads(code: types.CodeType, ops: frozenset[str]) -> set[str]:

@@ -267,7 +267,7 @@ class Server:
     def _warn_above_largest(self, actual: BatchDescriptor) -> None:
         """Once: batches larger than every key of their kind are most of the steps so far (the plan's largest key is
         too small for this traffic)."""
-        replays = sum(e.replays for e in list(self._catalog.entries.values()))
+        replays = self._catalog.stats().hits  # removed and recaptured entries' replays included
         if self._above * 2 < self._above + replays:
             return
         warn(

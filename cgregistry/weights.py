@@ -29,7 +29,18 @@ from cgregistry.errors import CgregistryError
 
 __all__ = ["WeightWatch", "WeightsMovedError"]
 
-Seen = Mapping[str, "int | None"]  # a watched tensor's name to its address when a graph was captured
+# Where a tensor's memory is and how a kernel reads it: (address, shape, strides, dtype).  A replacement at the same
+# address with another layout (a weight re-registered as its transposed view) moves it too.
+Layout = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]
+Seen = Mapping[str, "Layout | None"]  # a watched tensor's name to its layout when a graph was captured
+
+
+def _layout(tensor: torch.Tensor) -> Layout:
+    try:
+        strides = tensor.stride()
+    except RuntimeError:  # a sparse or nested tensor: its address and shape say what there is to say
+        strides = ()
+    return (tensor.data_ptr(), tuple(tensor.shape), strides, tensor.dtype)
 
 
 class WeightsMovedError(CgregistryError, RuntimeError):
@@ -48,7 +59,7 @@ class _ModuleSlot:
         self.table = table  # "_parameters" or "_buffers"
         self.name = name
 
-    def data_ptr(self) -> int | None:
+    def layout(self) -> Layout | None:
         module = self.root()
         if not isinstance(module, nn.Module):
             return None
@@ -57,7 +68,7 @@ class _ModuleSlot:
         except AttributeError:  # the submodule was removed
             return None
         tensor = getattr(module, self.table).get(self.name)
-        return None if tensor is None else tensor.data_ptr()
+        return None if tensor is None else _layout(tensor)
 
 
 class _Tensor:
@@ -68,9 +79,9 @@ class _Tensor:
     def __init__(self, read: Callable[[], Any]) -> None:
         self.read = read
 
-    def data_ptr(self) -> int | None:
+    def layout(self) -> Layout | None:
         tensor = self.read()
-        return tensor.data_ptr() if isinstance(tensor, torch.Tensor) else None
+        return _layout(tensor) if isinstance(tensor, torch.Tensor) else None
 
 
 def _module_slots(root: Callable[[], Any], prefix: str) -> list[tuple[str, _ModuleSlot]]:
@@ -131,12 +142,13 @@ class WeightWatch:
     added to a watched module since), and a generation that moves whenever one may have moved."""
 
     def __init__(self) -> None:
-        self._watched: dict[str, tuple[_ModuleSlot | _Tensor, int | None]] = {}  # name -> (source, baseline address)
+        self._watched: dict[str, tuple[_ModuleSlot | _Tensor, Layout | None]] = {}  # name -> (source, baseline address)
         self._roots: list[_Root] = []
+        self._stems: dict[str, list[_Root]] = {}  # the roots by prefix stem (``model`` for ``model.``, ``model#2.``)
         self.generation = 0  # moves when a watched module registers something, or rebase() finds a move
         self._walked: tuple[int, tuple[int, ...]] = (-1, ())  # (generation, the roots' objects) at the last walk
         self.modules_watched = False  # whether any module is watched (a step reading none is warned about)
-        self._last_seen: dict[str, int | None] = {}
+        self._last_seen: dict[str, Layout | None] = {}
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | nn.Module | Callable[[], Any], prefix: str = "",
               added: bool = False) -> None:
@@ -148,16 +160,18 @@ class WeightWatch:
         if isinstance(named, nn.Module) or callable(named) and not isinstance(named, Iterable):
             read: Callable[[], Any] = (lambda m=named: m) if isinstance(named, nn.Module) else named
             module = read()
-            taken = [root for root in self._roots if _stem(root.prefix) == _stem(prefix)]
+            taken = self._stems.setdefault(_stem(prefix), [])
             if any(root.read() is module for root in taken):
                 return
             if taken:
                 prefix = f"{_stem(prefix)}#{len(taken) + 1}."
             _install_hooks()
-            self._roots.append(_Root(read, prefix))
+            root = _Root(read, prefix)
+            self._roots.append(root)
+            taken.append(root)
             self.modules_watched = True
             for name, slot in _module_slots(read, prefix):
-                self._watched.setdefault(name, (slot, None if added else slot.data_ptr()))
+                self._watched.setdefault(name, (slot, None if added else slot.layout()))
             self._listen(module)
             if added:
                 self.generation += 1
@@ -174,14 +188,14 @@ class WeightWatch:
                     f"{type(item).__name__}{f' {item!r}' if not isinstance(item, (nn.Module, torch.Tensor)) else ''}"
                 )
             name, tensor = item
-            self._watched[f"{prefix}{name}"] = (_Tensor(lambda t=tensor: t), tensor.data_ptr())
+            self._watched[f"{prefix}{name}"] = (_Tensor(lambda t=tensor: t), _layout(tensor))
 
     def watch_read(self, name: str, read: Callable[[], Any], added: bool = False) -> None:
         """Watch the tensor ``read()`` returns (a global or a closure cell, read anew at each comparison); ``added`` as
         for ``watch``."""
         if name not in self._watched:
             source = _Tensor(read)
-            self._watched[name] = (source, None if added else source.data_ptr())
+            self._watched[name] = (source, None if added else source.layout())
             if added:
                 self.generation += 1
 
@@ -202,10 +216,10 @@ class WeightWatch:
             self._listen(root.read())
         self._walked = (self.generation, objects)
 
-    def now(self) -> dict[str, int | None]:
+    def now(self) -> dict[str, Layout | None]:
         """Every watched tensor's address now (None: removed), after ``sync``."""
         self.sync()
-        return {name: source.data_ptr() for name, (source, _) in self._watched.items()}
+        return {name: source.layout() for name, (source, _) in self._watched.items()}
 
     def seen(self) -> Seen:
         """What a graph captured now reads (the same object as long as nothing moved, so entries share it)."""
@@ -221,7 +235,7 @@ class WeightWatch:
         now = self.seen()
         return {**{name: ptr for name, ptr in now.items() if name not in before}, **before}
 
-    def reads_current(self, seen: Seen, now: Mapping[str, int | None] | None = None) -> bool:
+    def reads_current(self, seen: Seen, now: Mapping[str, Layout | None] | None = None) -> bool:
         """Whether a graph that read ``seen`` reads every watched tensor where it is ``now``: a tensor watched after its
         capture counts where it was when it was watched, one added to a watched module since makes it stale."""
         if now is None:
@@ -234,7 +248,7 @@ class WeightWatch:
         """Each watched tensor a graph that read ``seen`` would read at its old address (or not at all), and why."""
         return self._moved_for(seen, self.now(), first_only=False)
 
-    def _moved_for(self, seen: Seen, now: Mapping[str, int | None], first_only: bool) -> list[str]:
+    def _moved_for(self, seen: Seen, now: Mapping[str, Layout | None], first_only: bool) -> list[str]:
         found = []
         watched = self._watched
         for name, ptr in now.items():
@@ -247,19 +261,19 @@ class WeightWatch:
             found.append(f"{name} was removed")
         return found
 
-    def moved(self, now: Mapping[str, int | None] | None = None) -> list[str]:
+    def moved(self, now: Mapping[str, Layout | None] | None = None) -> list[str]:
         """Each watched tensor whose address is not its baseline (where it was watched or last rebased)."""
         if now is None:
             now = self.now()
         return [_move(name, base, now[name]) for name, (_, base) in self._watched.items() if now[name] != base]
 
-    def rebase(self, now: Mapping[str, int | None] | None = None) -> None:
+    def rebase(self, now: Mapping[str, Layout | None] | None = None) -> None:
         """Every tensor's baseline becomes its address ``now``; a removed one is forgotten; the generation moves if
         anything had moved, come or gone."""
         if now is None:
             now = self.now()
         changed = False
-        watched: dict[str, tuple[_ModuleSlot | _Tensor, int | None]] = {}
+        watched: dict[str, tuple[_ModuleSlot | _Tensor, Layout | None]] = {}
         for name, (source, base) in self._watched.items():
             ptr = now[name]
             changed = changed or ptr != base
@@ -287,11 +301,14 @@ def _stem(prefix: str) -> str:
     return prefix.removesuffix(".").partition("#")[0]
 
 
-def _move(name: str, was: int | None, now: int | None) -> str:
+def _move(name: str, was: Layout | None, now: Layout | None) -> str:
     if now is None:
         return f"{name} was removed"
     if was is None:
         return f"{name} was added"
-    return f"{name} moved from {was:#x} to {now:#x}"
+    if was[0] != now[0]:
+        return f"{name} moved from {was[0]:#x} to {now[0]:#x}"
+    return (f"{name} changed layout at {now[0]:#x}: shape {list(was[1])} strides {list(was[2])} {was[3]} to shape "
+            f"{list(now[1])} strides {list(now[2])} {now[3]}")
 
 

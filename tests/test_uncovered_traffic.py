@@ -48,3 +48,16 @@ def test_a_few_large_batches_among_many_served_ones_are_not_warned_about() -> No
             reg.run(B.decode(3), x=torch.ones(3, 4))
             if i % 2:
                 reg.run(B(40 + i, 4), x=torch.ones(40 + i, 4))
+
+
+def test_steps_served_before_a_recapture_count_against_the_warning() -> None:
+    reg = make()
+    reg.capture(PLAN)
+    for _ in range(4 * ABOVE_LARGEST_HINT_AFTER):
+        reg.run(B.decode(4), x=torch.ones(4, 4))
+    reg.clear()
+    reg.capture(PLAN)  # the entries are new; the steps they served before still count
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(ABOVE_LARGEST_HINT_AFTER):
+            reg.run(B(40 + i, 4), x=torch.ones(40 + i, 4))

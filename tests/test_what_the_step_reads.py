@@ -261,3 +261,67 @@ def test_watch_takes_a_list_of_modules_and_names_a_bad_item() -> None:
         reg.run(B(8), x=X)
     with pytest.raises(TypeError, match=r"watch\(\) takes an nn.Module, a list of modules, or \(name, tensor\) pairs; got an item str"):
         reg.watch(["weight"])
+
+
+class Deep:
+    """An engine whose model is five objects down, behind a property, beside a slotted holder and a plain tensor."""
+
+    __slots__ = ("_executor", "adapter_b")
+
+    def __init__(self) -> None:
+        self._executor = types.SimpleNamespace(worker=types.SimpleNamespace(
+            runner=types.SimpleNamespace(wrapper=types.SimpleNamespace(model=nn.Linear(WIDTH, WIDTH)))))
+        self.adapter_b = torch.zeros(WIDTH)
+
+    @property
+    def executor(self) -> Any:
+        return self._executor
+
+    def step(self, batch: B, x: torch.Tensor) -> torch.Tensor:
+        return self.executor.worker.runner.wrapper.model(x) + self.adapter_b
+
+
+def test_a_model_deep_in_an_engine_behind_a_property_and_slots_is_watched() -> None:
+    engine = Deep()
+    reg = cg.GraphRegistry(engine.step, INPUTS, backend="cpu")
+    reg.capture(KEY)
+    assert "step.executor.worker.runner.wrapper.model.weight" not in reg.watched()  # named by where the code reads it
+    assert any(n.endswith("wrapper.model.weight") for n in reg.watched()) and "step.adapter_b" in reg.watched()
+    engine.adapter_b = torch.ones(WIDTH)  # a plain tensor rebound: refresh() finds it
+    assert reg.refresh().recaptured == tuple(KEY)
+    with torch.inference_mode():
+        torch.testing.assert_close(reg.run(B(8), x=X), engine.step(B(8), X))
+
+
+def test_a_weight_re_registered_as_a_view_at_the_same_address_is_refused() -> None:
+    lin = nn.Linear(WIDTH, WIDTH)
+    reg = cg.GraphRegistry(lambda batch, x: lin(x), INPUTS, backend="cpu")
+    reg.capture(KEY)
+    lin.weight = nn.Parameter(lin.weight.detach().t(), requires_grad=False)  # same memory, another layout
+    with pytest.raises(cg.WeightsMovedError, match=r"lin\.weight changed layout at 0x[0-9a-f]+: shape \[8, 8\] strides \[8, 1\]"):
+        reg.run(B(8), x=X)
+    assert reg.refresh().recaptured == tuple(KEY)
+    with torch.inference_mode():
+        torch.testing.assert_close(reg.run(B(8), x=X), lin(X))
+
+
+@pytest.mark.parametrize("name", [None, 7])
+def test_a_step_made_by_exec_with_an_odd_module_name_is_read(name: object) -> None:
+    scope: dict[str, Any] = {"__name__": name, "lin": nn.Linear(WIDTH, WIDTH)}
+    exec("def step(batch, x):\n    return lin(x)\n", scope)
+    reg = cg.GraphRegistry(scope["step"], INPUTS, backend="cpu")
+    assert "lin.weight" in reg.watched()
+
+
+def test_an_engine_object_that_raises_when_looked_at_is_opaque_not_fatal() -> None:
+    class Hostile:
+        def __getattribute__(self, name: str) -> Any:
+            raise RuntimeError(f"proxy: {name}")
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    hostile = Hostile()
+    reg = cg.GraphRegistry(lambda batch, x: hostile(x) * 2, INPUTS, backend="cpu")  # builds; capture warns what it missed
+    with pytest.warns(RuntimeWarning, match="found no module the step reads, and it reads 'hostile'"):
+        reg.capture(KEY)
