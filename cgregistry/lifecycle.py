@@ -144,8 +144,8 @@ class Lifecycle:
         kept = tuple(pair for pair in self._catalog.entries if pair not in dropped)
         self._background.discard(queued)
         removed = self._catalog.release_pairs(stale)
-        watch.rebase(now)
-        seen, generation = watch.seen(), watch.generation
+        seen = watch.rebase(now)
+        generation = watch.generation
         for pair in kept:  # they read every watched tensor where it is: of the new generation
             entry = self._catalog.entries[pair]
             entry.weights, entry.generation = seen, generation

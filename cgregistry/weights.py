@@ -267,9 +267,9 @@ class WeightWatch:
             now = self.now()
         return [_move(name, base, now[name]) for name, (_, base) in self._watched.items() if now[name] != base]
 
-    def rebase(self, now: Mapping[str, Layout | None] | None = None) -> None:
-        """Every tensor's baseline becomes its address ``now``; a removed one is forgotten; the generation moves if
-        anything had moved, come or gone."""
+    def rebase(self, now: Mapping[str, Layout | None] | None = None) -> Seen:
+        """Every tensor's baseline becomes its layout ``now`` (read once, by the caller or here); a removed one is
+        forgotten; the generation moves if anything had moved, come or gone.  What a graph captured now reads."""
         if now is None:
             now = self.now()
         changed = False
@@ -282,6 +282,10 @@ class WeightWatch:
         self._watched = watched
         if changed:
             self.generation += 1
+        current = {name: base for name, (_, base) in watched.items()}
+        if current != self._last_seen:
+            self._last_seen = current
+        return self._last_seen
 
     def names(self) -> list[str]:
         """The watched tensors' names, in watch order."""
