@@ -153,8 +153,9 @@ class BackgroundCapture:
             return head + [item[0] for item in self._queue if isinstance(item, tuple)]
 
     def capturing(self) -> list[Pair]:
-        """Keys queued, in flight, or captured and not installed yet (not served by a graph yet)."""
-        return self.queued() + [r.pair for r in list(self._ready) if isinstance(r, Captured) and r.entry is not None]
+        """Keys queued, in flight, or finished and not installed yet (not served by a graph yet; one whose capture
+        failed is listed until the install moves it to ``failures()``: never in neither)."""
+        return self.queued() + [r.pair for r in list(self._ready) if isinstance(r, Captured)]
 
     def on_capture_thread(self) -> bool:
         """Whether the caller runs on this registry's capture thread (a hook or the step during a capture)."""
