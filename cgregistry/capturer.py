@@ -178,7 +178,8 @@ class Capturer:
         ``max_capture_size`` of twice ``max_num_seqs`` leaves most mixed batches of a small engine there).  ``run()``
         warns when such batches turn out to be most of the traffic; ``stats().misses_by_reason`` counts them."""
         uncovered = getattr(plan, "uncovered", None)
-        if self._said_uncovered or uncovered is None or getattr(plan, "max_num_tokens", None) is None:
+        if (self._said_uncovered or uncovered is None or getattr(plan, "max_num_tokens", None) is None
+                or not _log.isEnabledFor(logging.INFO)):  # nobody listens: no matcher sweep at every start-up
             return
         ranges = uncovered(max_padding_tokens=cap.max_tokens, max_padding_ratio=cap.max_ratio)
         self._said_uncovered = True
