@@ -205,8 +205,7 @@ class ServingState:
             )
 
 
-_TRUE: Callable[[], bool] = True.__bool__  # C callables answering True and False: a test that always passes or fails
-_FALSE: Callable[[], bool] = False.__bool__
+_TRUE: Callable[[], bool] = True.__bool__  # a C callable answering True: a test that always passes
 
 
 class StateTest:
@@ -214,7 +213,7 @@ class StateTest:
 
     The server reads ``parts``, the triple ``(guard, flag, flag_was)``, where it replays (no Python
     frame per replay: two C calls, dynamo's ``GlobalStateGuard`` and cuDNN's TF32 flag, which the guard
-    does not cover).  Changed in place (``take``, ``passing``, ``failing``), one tuple swapped whole, so
+    does not cover).  Changed in place (``take``, ``passing``), one tuple swapped whole, so
     whoever holds it sees the current test and never half of two.  False may also mean a difference
     that changes no result (grad mode, the thread count): the caller then asks
     ``ServingState.differences()`` of the record, and ``take``s the state again if there is none.
@@ -232,10 +231,6 @@ class StateTest:
     def passing(self) -> None:
         """Pass whatever the state (nothing recorded to compare with)."""
         self.parts = (_TRUE, _TRUE, True)
-
-    def failing(self) -> None:
-        """Fail whatever the state, until the next ``take`` (the caller then looks at what changed)."""
-        self.parts = (_FALSE, _TRUE, True)
 
     def take(self, device_type: str = "cpu") -> None:
         """Pass while the calling thread's state is what it is now, in every field ``ServingState.differences()``
