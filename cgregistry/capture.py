@@ -51,7 +51,6 @@ class EntryCapture:
         self, step: Callable[..., Any], buffers: Mapping[str, StaticBuffer], backend: Backend, output_axes: OutputAxes, warmup_runs: int,
     ) -> None:
         self.step = step  # the engine's step: what every capture runs
-        self._step = step
         self.buffers = buffers
         self.backend = backend
         self.device = backend.device()
@@ -131,7 +130,7 @@ class EntryCapture:
             for buf in buffers.values():
                 buf.reset()  # never an earlier batch's rows: the step may write engine state at them
         views = {name: buf.view(self._key_rows(buf, key)) for name, buf in buffers.items()}
-        step = self._step
+        step = self.step
 
         def body() -> Any:
             return step(key, **views)

@@ -311,12 +311,13 @@ class Capturer:
 
     def _warn_no_break(self, entry: Entry) -> None:
         """Once per registry: a mixed key of a strategy that splits at eager breaks was captured with none, while the
-        step read the live batch (``current_batch()``) outside an eager break."""
+        step read the batch's ``actual`` or ``payload`` outside an eager break."""
         self._warned_no_break = True
         warn(
             f"cgregistry: registry {self._name!r} captured the mixed key {entry.key} [{entry.strategy}] with no eager "
-            "break, and the step called current_batch() while it was recorded: the whole step is one graph, and the "
-            "host code that read the batch ran once, at capture. Mark such functions with @cgregistry.eager_break"
+            "break, and the step read current_batch().actual or .payload while it was recorded: the whole step is one "
+            "graph, and the host code that read the batch ran once, at capture. Mark such functions with "
+            "@cgregistry.eager_break"
         )
 
     def capture_all(self, pairs: list[Pair], progress: bool | None, *, untried_lazily: bool = False) -> list[EntryInfo]:

@@ -42,7 +42,7 @@ class Entry:
         self.has_breaks = bool(getattr(graph, "breaks", 0))  # eager breaks read current_batch() at replay
         self.buffers: tuple[Any, ...] | None = None  # static inputs of its own (captured in the background), else shared
         self.weights: Mapping[str, Any] = {}  # the watched tensors' layouts at its capture (WeightWatch.seen)
-        self.read_live_batch = False  # its recording called current_batch() outside an eager break
+        self.read_live_batch = False  # its recording read current_batch().actual or .payload outside an eager break
         self.generation = 0  # the watch's generation at its capture: a replay in a later one checks the addresses first
         # Device memory its capture took (measured where the backend can: pool growth, warm-up, driver objects), else
         # the graph's own count; what memory_budget sums.
