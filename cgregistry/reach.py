@@ -174,8 +174,6 @@ class _Walk:
             for name, item, item_read in items:
                 self.value(item, name, item_read, depth + 1)
             return
-        if isinstance(obj, (set, frozenset)):
-            return
         attributes = getattr(obj, "__dict__", None)
         if not isinstance(attributes, Mapping):
             attributes = {}
