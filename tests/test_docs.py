@@ -17,7 +17,7 @@ ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 # Pages whose blocks continue one another (one registry or plan through the page).
-SEQUENTIAL = {"inspection.md", "plans-and-workloads.md", "writing-plugins.md", "adaptive.md", "lifecycle.md"}
+SEQUENTIAL = {"inspection.md", "minimal-engine.md", "plans-and-workloads.md", "writing-plugins.md", "adaptive.md", "lifecycle.md"}
 SEQUENTIAL_NOTE = "The blocks of this page run in order, as one session"
 
 

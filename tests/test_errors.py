@@ -98,3 +98,11 @@ def test_load_snapshot_still_refuses_what_is_not_a_ratio(value: object) -> None:
     data["max_padding_ratio"] = value
     with pytest.raises(cg.SnapshotError, match="snapshot field max_padding_ratio: expected a finite number >= 0"):
         cg.load_snapshot(data)
+
+
+def test_inputs_passed_by_position_are_refused_naming_the_registry_method() -> None:
+    for debug in (False, True):
+        reg = cg.GraphRegistry(lambda batch, x: x * 2, {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu", debug=debug)
+        with pytest.raises(TypeError, match=r"GraphRegistry\.run\(\) takes 2 positional arguments but 3 were given"):
+            reg.run(B(2), torch.ones(2))
+        torch.testing.assert_close(reg.run(B(2), x=torch.ones(2)), torch.full((2,), 2.0))
