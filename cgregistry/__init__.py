@@ -30,19 +30,7 @@ from cgregistry import plugin
 from cgregistry.plugins import Plugins, make_plugin_manager
 
 # Errors: each is a CgregistryError and keeps its builtin base (ValueError, RuntimeError, ...)
-from cgregistry.backends.cpu import GraphUnsafeOpError
-from cgregistry.buffers import InputError
-from cgregistry.capture import CaptureError
-from cgregistry.compiler import PiecewiseError
-from cgregistry.debug import DebugError, MovedTensorError, StaleOutputError
-from cgregistry.errors import CgregistryError
-from cgregistry.inspection import SnapshotError
-from cgregistry.outputs import OutputError
-from cgregistry.plugins import PluginError
-from cgregistry.registry import ConcurrentRunError
-from cgregistry.serving_state import ServingStateError
-from cgregistry.weights import WeightsMovedError
-from cgregistry.strategies.breakable import BreakError
+from cgregistry.errors import BreakError, CaptureError, CgregistryError, ConcurrentRunError, DebugError, GraphUnsafeOpError, InputError, MovedTensorError, OutputError, PiecewiseError, PluginError, ServingStateError, SnapshotError, StaleOutputError, WeightsMovedError
 
 from cgregistry.version import __version__
 

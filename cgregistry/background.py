@@ -30,12 +30,12 @@ from typing import Any, Protocol
 
 import attrs
 
-from cgregistry.capture import CaptureError
 from cgregistry.catalog import Catalog
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry, Pair
 from cgregistry.events import Events
 from cgregistry.warn import warn
+from cgregistry.errors import CaptureError
 
 __all__ = ["SWITCH_INTERVAL_S", "WAIT_LIMIT_S", "BackgroundCapture", "Captured", "TaskDone", "background_order"]
 

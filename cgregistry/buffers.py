@@ -22,7 +22,7 @@ import attrs
 import torch
 
 from cgregistry.descriptor import BatchDescriptor
-from cgregistry.errors import CgregistryError
+from cgregistry.errors import InputError
 
 __all__ = ["AXES", "REPEAT_LAST", "UNSET", "InputError", "StaticBuffer", "StaticInput", "describe_rows", "rows_for"]
 
@@ -45,10 +45,6 @@ def describe_rows(axis: str, rows: int) -> str:
     if axis == "reqs+1":
         return f"{rows} rows: {rows - 1} reqs + 1"
     return f"{rows} {axis}"
-
-
-class InputError(CgregistryError, ValueError):
-    """A live input does not fit its static buffer (name, shape, dtype or device)."""
 
 
 def _shape(value: object) -> tuple[int, ...]:

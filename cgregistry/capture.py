@@ -27,21 +27,11 @@ from cgregistry.backends import Backend
 from cgregistry.buffers import StaticBuffer, describe_rows, rows_for
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry
-from cgregistry.errors import CgregistryError
-from cgregistry.outputs import OutputAxes, OutputError, OutputSlicer, flatten
-from cgregistry.registrars import PluginError
+from cgregistry.errors import CaptureError, OutputError, PluginError
+from cgregistry.outputs import OutputAxes, OutputSlicer, flatten
 from cgregistry.runtime import BreakContext
 
 __all__ = ["CaptureError", "EntryCapture", "frozen_gc", "paused_gc"]
-
-
-class CaptureError(CgregistryError, RuntimeError):
-    """Capturing one entry failed; the registry is as it was before that entry."""
-
-    def __init__(self, descriptor: BatchDescriptor, strategy: str, cause: BaseException, note: str = "") -> None:
-        super().__init__(f"capturing {descriptor} with strategy {strategy!r} failed: {type(cause).__name__}: {cause}{note}")
-        self.descriptor = descriptor
-        self.strategy = strategy
 
 
 class EntryCapture:

@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from cgregistry.capture import CaptureError, EntryCapture, frozen_gc, paused_gc
+from cgregistry.capture import EntryCapture, frozen_gc, paused_gc
 from cgregistry.catalog import Catalog
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry, Pair
@@ -35,9 +35,10 @@ from cgregistry.memory import MemoryEstimate, estimate_memory
 from cgregistry.plan import PlanEntry
 from cgregistry.plugins import Plugins
 from cgregistry.reach import reached
-from cgregistry.serving_state import RECORDED_AT_CAPTURE, ServingState, ServingStateError, StateTest
+from cgregistry.serving_state import RECORDED_AT_CAPTURE, ServingState, StateTest
 from cgregistry.warn import warn
-from cgregistry.weights import WeightsMovedError, WeightWatch
+from cgregistry.weights import WeightWatch
+from cgregistry.errors import CaptureError, ServingStateError, WeightsMovedError
 
 __all__ = ["CaptureContext", "Capturer"]
 

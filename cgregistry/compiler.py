@@ -35,15 +35,11 @@ from torch.utils._sympy.value_ranges import ValueRanges
 
 from cgregistry import breaks, runtime
 from cgregistry.descriptor import BatchDescriptor
-from cgregistry.errors import CgregistryError
+from cgregistry.errors import PiecewiseError
 
 __all__ = ["DEFAULT_MAX_TRACES", "PiecewiseCompiler", "PiecewiseError", "PiecewiseModel", "SplittingOps", "WholeGraph", "compile_piecewise"]
 
 DEFAULT_MAX_TRACES = 4  # one dynamic trace serves every size; slack for specialize_size_one and retries
-
-
-class PiecewiseError(CgregistryError, RuntimeError):
-    """The model could not be traced or split as asked; the message says where and what to do."""
 
 
 def _op_name(target: object) -> str | None:

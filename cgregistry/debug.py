@@ -25,23 +25,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from cgregistry.errors import CgregistryError
-from cgregistry.weights import WeightsMovedError, WeightWatch
+from cgregistry.errors import DebugError, MovedTensorError, StaleOutputError
+from cgregistry.weights import WeightWatch
 
 __all__ = ["AddressWatch", "CheckedOutput", "DebugError", "MovedTensorError", "StaleOutputError", "check_addresses"]
-
-
-class DebugError(CgregistryError, RuntimeError):
-    """A tensor a graph reads is no longer where it was at capture (names it)."""
-
-
-class MovedTensorError(DebugError, WeightsMovedError):
-    """Debug mode's check found a watched tensor moved: a ``DebugError`` and a ``WeightsMovedError`` alike, so an engine's
-    ``except cg.WeightsMovedError`` catches it whether debug mode is on or not."""
-
-
-class StaleOutputError(CgregistryError, RuntimeError):
-    """An output of an earlier ``run()`` was read after a later one overwrote it (names it)."""
 
 
 # The address watch lives in cgregistry.weights (refresh() compares addresses too); its old name stays here.

@@ -1,4 +1,4 @@
-"""The base of cgregistry's own error classes: a leaf module that imports nothing of the package.
+"""Every error class of cgregistry's own, in one module that imports nothing of the package.
 
 Each error class also keeps the builtin base that says what kind of mistake it is
 (``InputError`` is a ``ValueError``, ``CaptureError`` a ``RuntimeError``), so
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CgregistryError"]
+__all__ = [
+    "CgregistryError", "InputError", "OutputError", "CaptureError", "PluginError", "BreakError", "PiecewiseError", "GraphUnsafeOpError", "ServingStateError", "WeightsMovedError", "DebugError", "MovedTensorError", "StaleOutputError", "ConcurrentRunError", "SnapshotError",
+]
 
 
 def _rebuild(cls: type[BaseException], args: tuple[Any, ...]) -> BaseException:
@@ -31,3 +33,72 @@ class CgregistryError(Exception):
         # other arguments than its message (CaptureError's descriptor, strategy and cause); rebuild
         # from the message and restore the attributes instead.
         return (_rebuild, (type(self), self.args), self.__dict__ or None)
+
+
+class InputError(CgregistryError, ValueError):
+    """A live input does not fit its static buffer (name, shape, dtype or device)."""
+
+
+class OutputError(CgregistryError, TypeError):
+    """A step returned something the registry cannot slice (names the leaf)."""
+
+
+class CaptureError(CgregistryError, RuntimeError):
+    """Capturing one entry failed; the registry is as it was before that entry (``descriptor``: the key, a ``BatchDescriptor``)."""
+
+    def __init__(self, descriptor: Any, strategy: str, cause: BaseException, note: str = "") -> None:
+        super().__init__(f"capturing {descriptor} with strategy {strategy!r} failed: {type(cause).__name__}: {cause}{note}")
+        self.descriptor = descriptor
+        self.strategy = strategy
+
+
+class PluginError(CgregistryError, ValueError):
+    """A plugin registered something invalid (names the plugin)."""
+
+
+class BreakError(CgregistryError, RuntimeError):
+    """An eager break misbehaved (names the break): wrong return at replay, unjoined stream, nesting."""
+
+
+class PiecewiseError(CgregistryError, RuntimeError):
+    """The model could not be traced or split as asked; the message says where and what to do."""
+
+
+class GraphUnsafeOpError(CgregistryError, RuntimeError):
+    """An op that a CUDA graph capture cannot contain; names the op and where it was called."""
+
+    def __init__(self, op: str, why: str, where: str) -> None:
+        super().__init__(f"graph-unsafe op {op} at {where}: {why}")
+        self.op = op
+        self.why = why
+        self.where = where
+
+
+class ServingStateError(CgregistryError, RuntimeError):
+    """A graph would be replayed under another state (autocast, default dtype, matmul flags) than it was captured under."""
+
+
+class WeightsMovedError(CgregistryError, RuntimeError):
+    """A graph would read a watched weight where it was at capture, after the weight moved (call ``reg.refresh()``)."""
+
+
+class DebugError(CgregistryError, RuntimeError):
+    """A tensor a graph reads is no longer where it was at capture (names it)."""
+
+
+class MovedTensorError(DebugError, WeightsMovedError):
+    """Debug mode's check found a watched tensor moved: a ``DebugError`` and a ``WeightsMovedError`` alike, so an engine's
+    ``except cg.WeightsMovedError`` catches it whether debug mode is on or not."""
+
+
+class StaleOutputError(CgregistryError, RuntimeError):
+    """An output of an earlier ``run()`` was read after a later one overwrote it (names it)."""
+
+
+class ConcurrentRunError(CgregistryError, RuntimeError):
+    """``run()`` was called while another ``run()`` on the same registry was in progress (on another thread, or on the
+    same one from inside it: from the step or a hook)."""
+
+
+class SnapshotError(CgregistryError, ValueError):
+    """A snapshot that cannot be read (names the field or the schema version)."""

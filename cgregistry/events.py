@@ -14,7 +14,6 @@ from collections.abc import Iterable
 from typing import Any
 
 from cgregistry.adaptive import PlanChange
-from cgregistry.capture import CaptureError
 from cgregistry.contracts import RegistryView
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry
@@ -22,6 +21,7 @@ from cgregistry.inspection import Refreshed, Slept
 from cgregistry.matcher import Match
 from cgregistry.plugins import Plugins
 from cgregistry.routing import Chooser
+from cgregistry.errors import CaptureError
 
 __all__ = ["Events"]
 

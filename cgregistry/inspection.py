@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from cgregistry.descriptor import BatchDescriptor
-from cgregistry.errors import CgregistryError
+from cgregistry.errors import SnapshotError
 from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Matcher
 from cgregistry.text import text_table
 
@@ -28,10 +28,6 @@ __all__ = [
 
 SNAPSHOT_SCHEMA = 3  # 2: stats.bad_batches; 3: entries' device_bytes and predicted_bytes
 _READABLE_SCHEMAS = (1, 2, 3)  # older schemas lack only fields that have defaults
-
-
-class SnapshotError(CgregistryError, ValueError):
-    """A snapshot that cannot be read (names the field or the schema version)."""
 
 
 def key_class(key: BatchDescriptor, strategy: str) -> str:

@@ -17,15 +17,11 @@ import torch
 
 from cgregistry.buffers import AXES, rows_for
 from cgregistry.descriptor import BatchDescriptor
-from cgregistry.errors import CgregistryError
+from cgregistry.errors import OutputError
 
 __all__ = ["OutputAxes", "OutputError", "OutputSlicer", "flatten", "unflatten"]
 
 Spec = Any  # None for a tensor leaf, ("const", None, None) for a None leaf, or (container type, keys, child specs)
-
-
-class OutputError(CgregistryError, TypeError):
-    """A step returned something the registry cannot slice (names the leaf)."""
 
 
 def flatten(obj: Any, path: str = "output", leaf: type = torch.Tensor) -> tuple[list[Any], Spec]:

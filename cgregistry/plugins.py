@@ -18,8 +18,9 @@ import pluggy
 
 from cgregistry import hookspecs
 from cgregistry.contracts import Backend, Strategy
-from cgregistry.registrars import BackendRegistrar, PluginError, Registrar, StrategyRegistrar
+from cgregistry.registrars import BackendRegistrar, Registrar, StrategyRegistrar
 from cgregistry.version import __version__
+from cgregistry.errors import PluginError
 
 __all__ = [
     "BLOCK_ENV", "DEFAULT_PLUGINS", "DISABLE_AUTOLOAD_ENV", "BackendRegistrar", "PluginError", "PluginInfo", "Plugins",

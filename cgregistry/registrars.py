@@ -11,14 +11,10 @@ import typing
 from typing import Any, Generic, TypeVar
 
 from cgregistry.contracts import Backend, Strategy, protocol_members
-from cgregistry.errors import CgregistryError
+from cgregistry.errors import PluginError
 from cgregistry.keyclasses import declared_unsupported
 
 __all__ = ["BackendRegistrar", "PluginError", "Registrar", "StrategyRegistrar"]
-
-
-class PluginError(CgregistryError, ValueError):
-    """A plugin registered something invalid (names the plugin)."""
 
 
 T = TypeVar("T")

@@ -28,7 +28,7 @@ from cgregistry.arguments import Delegated, check_budget, check_flag, check_inpu
 from cgregistry.adaptive import Adaptation, PlanChange
 from cgregistry.background import BackgroundCapture
 from cgregistry.buffers import StaticBuffer, StaticInput
-from cgregistry.capture import CaptureError, EntryCapture
+from cgregistry.capture import EntryCapture
 from cgregistry.capturer import Capturer
 from cgregistry.catalog import Catalog
 from cgregistry.compiler import PiecewiseCompiler, compile_piecewise
@@ -43,7 +43,8 @@ from cgregistry.outputs import OutputAxes
 from cgregistry.plan import CapturePlan, PlanEntry
 from cgregistry.plugins import Plugins
 from cgregistry.routing import not_a_descriptor
-from cgregistry.server import ConcurrentRunError, DebugServer, Server
+from cgregistry.server import DebugServer, Server
+from cgregistry.errors import CaptureError, ConcurrentRunError
 
 __all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "Stats"]  # records re-exported
 

@@ -19,13 +19,13 @@ from typing import NamedTuple
 
 import attrs
 
-from cgregistry.buffers import InputError, StaticBuffer, describe_rows, rows_for
+from cgregistry.buffers import StaticBuffer, describe_rows, rows_for
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.entries import Entry, Pair
 from cgregistry.matcher import Explanation, Match, Matcher, PaddingCap
 from cgregistry.outputs import OutputAxes
-from cgregistry.registrars import PluginError
 from cgregistry.runtime import BreakContext
+from cgregistry.errors import InputError, PluginError
 
 __all__ = ["NO_EXCLUSION", "ROUTE_CACHE_LIMIT", "Chooser", "Route", "RouteTable", "Variant", "not_a_descriptor"]
 

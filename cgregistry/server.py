@@ -24,7 +24,6 @@ import torch
 from cgregistry import runtime
 from cgregistry.adapter import Adapter
 from cgregistry.background import BackgroundCapture
-from cgregistry.buffers import InputError
 from cgregistry.capturer import Capturer
 from cgregistry.catalog import Catalog
 from cgregistry.debug import checked, check_addresses, plain
@@ -32,7 +31,7 @@ from cgregistry.weights import WeightWatch
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.distributed import agree
 from cgregistry.entries import Entry
-from cgregistry.errors import CgregistryError
+from cgregistry.errors import ConcurrentRunError, InputError
 from cgregistry.events import Events
 from cgregistry.matcher import Match, excluded
 from cgregistry.routing import NO_EXCLUSION, Route, Variant, not_a_descriptor
@@ -46,11 +45,6 @@ _WARN_ONCE = ("no_graphs", "above_capacity")  # misses that mean the engine is s
 UNIFORM_HINT_AFTER = 16
 # Misses above the largest key of their kind before the one warning, if they are at least half of the steps so far.
 ABOVE_LARGEST_HINT_AFTER = 16
-
-
-class ConcurrentRunError(CgregistryError, RuntimeError):
-    """``run()`` was called while another ``run()`` on the same registry was in progress (on another thread, or on the
-    same one from inside it: from the step or a hook)."""
 
 
 class Server:

@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 import torch
 
-from cgregistry.errors import CgregistryError
+from cgregistry.errors import ServingStateError
 
 __all__ = ["AUTOCAST_DEVICE_TYPES", "RECORDED_AT_CAPTURE", "RECORDED_AT_REFIT", "ServingState", "ServingStateError", "StateTest"]
 
@@ -76,10 +76,6 @@ _ADVICE = {
         "the run() that queues it (or call capture() under the state you serve with)"
     ),
 }
-
-
-class ServingStateError(CgregistryError, RuntimeError):
-    """A graph would be replayed under another state (autocast, default dtype, matmul flags) than it was captured under."""
 
 
 def _autocast_now(device_types: tuple[str, ...]) -> tuple[tuple[str, torch.dtype], ...]:

@@ -24,7 +24,8 @@ from cgregistry.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_b
 from cgregistry.descriptor import BatchDescriptor
 from cgregistry.plan import CapturePlan
 from cgregistry.plugins import Plugins, make_plugin_manager
-from cgregistry.registry import CaptureError, GraphRegistry
+from cgregistry.registry import GraphRegistry
+from cgregistry.errors import CaptureError
 
 __all__ = ["TINY", "StrategyConformance", "cg_plugins", "cg_registry", "cg_tiny_model", "make_plugins"]
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cgregistry.errors import CgregistryError
+from cgregistry.errors import WeightsMovedError
 
 __all__ = ["WeightWatch", "WeightsMovedError"]
 
@@ -41,10 +41,6 @@ def _layout(tensor: torch.Tensor) -> Layout:
     except RuntimeError:  # a sparse or nested tensor: its address and shape say what there is to say
         strides = ()
     return (tensor.data_ptr(), tuple(tensor.shape), strides, tensor.dtype)
-
-
-class WeightsMovedError(CgregistryError, RuntimeError):
-    """A graph would read a watched weight where it was at capture, after the weight moved (call ``reg.refresh()``)."""
 
 
 class _ModuleSlot:

@@ -29,11 +29,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cgregistry import runtime
-from cgregistry.errors import CgregistryError
+from cgregistry.errors import GraphUnsafeOpError
 from cgregistry.markers import hookimpl
 
 if TYPE_CHECKING:
-    from cgregistry.plugins import BackendRegistrar
+    from cgregistry.registrars import BackendRegistrar
 
 __all__ = ["CpuBackend", "CpuGraph", "CpuSegment", "GraphUnsafeOpError", "find_graph_unsafe_ops"]
 
@@ -59,16 +59,6 @@ _DATA_DEPENDENT = {
 _BOOL_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 _COPY_OPS = {"to", "_to_copy", "_copy_from", "_copy_from_and_resize"}
 
-
-
-class GraphUnsafeOpError(CgregistryError, RuntimeError):
-    """An op that a CUDA graph capture cannot contain; names the op and where it was called."""
-
-    def __init__(self, op: str, why: str, where: str) -> None:
-        super().__init__(f"graph-unsafe op {op} at {where}: {why}")
-        self.op = op
-        self.why = why
-        self.where = where
 
 
 # Modules of the package that hold model code (what a user's step is), not machinery.

@@ -22,7 +22,7 @@ from cgregistry import runtime
 from cgregistry.markers import hookimpl
 
 if TYPE_CHECKING:
-    from cgregistry.plugins import BackendRegistrar
+    from cgregistry.registrars import BackendRegistrar
 
 __all__ = ["CudaBackend", "CudaGraph", "CudaSegment", "StepPacer", "clear_cublas_workspaces", "direct_replay", "non_owning_alias"]
 

@@ -23,18 +23,14 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from cgregistry import breaks, runtime
 from cgregistry.contracts import Backend, Graph, SegmentedBackend
-from cgregistry.errors import CgregistryError
+from cgregistry.errors import BreakError, OutputError
 from cgregistry.markers import hookimpl
-from cgregistry.outputs import OutputError, flatten
+from cgregistry.outputs import flatten
 
 if TYPE_CHECKING:
     from cgregistry.plugins import StrategyRegistrar
 
 __all__ = ["BreakableGraph", "BreakableStrategy", "BreakError", "CaptureSite"]
-
-
-class BreakError(CgregistryError, RuntimeError):
-    """An eager break misbehaved (names the break): wrong return at replay, unjoined stream, nesting."""
 
 
 class _BreakCall:

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from cgregistry import runtime
 from cgregistry.backends import Backend
-from cgregistry.compiler import PiecewiseError
 from cgregistry.markers import hookimpl
 from cgregistry.strategies.breakable import BreakableGraph, BreakableStrategy, CaptureSite
+from cgregistry.errors import PiecewiseError
 
 if TYPE_CHECKING:
     from cgregistry.plugins import StrategyRegistrar
