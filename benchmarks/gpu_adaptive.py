@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 import cgregistry as cg
-from cgregistry.background import background_order
-from cgregistry.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
-from cgregistry.workload import SchedulerConfig, read_trace, schedule
+from cgregistry.capture.background import background_order
+from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
+from cgregistry.plan.workload import SchedulerConfig, read_trace, schedule
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -182,8 +182,8 @@ def adaptation(n_steps: int, every: int, rows: list[tuple[str, str]]) -> None:
     default plan (its graphs), every 10th output against eager, and padding over all the steps of the default
     plan, the adapted keys, and a plan fitted offline to the same steps at the same budget.
     """
-    from cgregistry import adapter as registry_module
-    from cgregistry.fitting import evaluate
+    from cgregistry.capture import refit as registry_module
+    from cgregistry.plan.fit import evaluate
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a smoke run of the logic
     cfg = DemoConfig.for_device(device)
@@ -281,7 +281,7 @@ def hf_adaptation(requests: int, every: int, budget: int, rows: list[tuple[str, 
     """The Hugging Face Llama engine serves trace requests with ``adapt``: mode 'full' from its default plan,
     ``budget`` graphs (fewer than the plan's: the first refit brings it under), a refit due every ``every`` steps.  Padding of the default, adapted and offline-fitted keys over the steps
     it served, and every logit checked against Hugging Face's own forward."""
-    from cgregistry.fitting import evaluate
+    from cgregistry.plan.fit import evaluate
 
     hf = _load_hf()
     shape = hf.EngineShape(max_num_seqs=64, max_num_tokens=512, block_size=16, max_blocks_per_req=64)

@@ -47,8 +47,8 @@ CONFIGS = {
 
 
 def _demo(options: dict[str, Any]) -> tuple[cg.GraphRegistry, cg.CapturePlan]:
-    from cgregistry.breaks import eager_break
-    from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs
+    from cgregistry.strategies.breaks import eager_break
+    from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs
 
     device = torch.device("cuda")
     cfg = DemoConfig.for_device(device)

@@ -8,33 +8,33 @@ the contracts, the registrars).
 # ruff: noqa: I001  (grouped by task on purpose)
 
 # Describe batches and plan what to capture
-from cgregistry.descriptor import BatchDescriptor, Padding
-from cgregistry.plan import MODES, CapturePlan, Downgrade, PlanEntry, PlanSettings, UncoveredRange
-from cgregistry.adaptive import Adaptation, PlanChange
+from cgregistry.key.descriptor import BatchDescriptor, Padding
+from cgregistry.plan.build import MODES, CapturePlan, Downgrade, PlanEntry, PlanSettings, UncoveredRange
+from cgregistry.plan.adapt import Adaptation, PlanChange
 
 # The registry and its static inputs
-from cgregistry.buffers import REPEAT_LAST, StaticInput
+from cgregistry.store.buffers import REPEAT_LAST, StaticInput
 from cgregistry.registry import GraphRegistry
 
 # Models with eager parts: attention as an eager break, piecewise compilation
-from cgregistry.breaks import capture_barrier, eager_break, graph_break
-from cgregistry.compiler import PiecewiseCompiler, compile_piecewise
-from cgregistry.runtime import BreakContext, FrozenReadWarning, current_batch, eager_batch
+from cgregistry.strategies.breaks import capture_barrier, eager_break, graph_break
+from cgregistry.strategies.compiler import PiecewiseCompiler, compile_piecewise
+from cgregistry.state.runtime import BreakContext, FrozenReadWarning, current_batch, eager_batch
 
 # Inspection: entries, statistics, explanations, snapshots
 from cgregistry.inspection import ClassStats, EntryInfo, Refreshed, Slept, Snapshot, Stats, load_snapshot
-from cgregistry.matcher import Candidate, Explanation, Match, Matcher, PaddingCap
+from cgregistry.key.matcher import Candidate, Explanation, Match, Matcher, PaddingCap
 
 # The plugin set a registry uses (GraphRegistry(plugins=...)); plugin authors: cgregistry.plugin
 from cgregistry import plugin
-from cgregistry.plugins import Plugins, make_plugin_manager
+from cgregistry.hooks.manager import Plugins, make_plugin_manager
 
 # Errors: each is a CgregistryError and keeps its builtin base (ValueError, RuntimeError, ...)
 from cgregistry.errors import BreakError, CaptureError, CgregistryError, ConcurrentRunError, DebugError, GraphUnsafeOpError, InputError, MovedTensorError, OutputError, PiecewiseError, PluginError, ServingStateError, SnapshotError, StaleOutputError, WeightsMovedError
 
 from cgregistry.version import __version__
 
-from cgregistry.plan import use_installed_plugins
+from cgregistry.plan.build import use_installed_plugins
 
 use_installed_plugins(Plugins)  # plans find installed plugin strategies without importing the plugin manager
 

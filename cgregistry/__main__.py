@@ -2,6 +2,6 @@
 
 import sys
 
-from cgregistry.cli import main
+from cgregistry.cli.commands import main
 
 sys.exit(main())

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from cgregistry.buffers import StaticInput
+from cgregistry.store.buffers import StaticInput
 
 __all__ = ["RESERVED_INPUT_NAMES", "Delegated", "check_budget", "check_flag", "check_inputs", "check_timeout"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from cgregistry.descriptor import BatchDescriptor
+from cgregistry.key.descriptor import BatchDescriptor
 
 __all__ = ["agree", "decode_descriptor", "encode_descriptor"]
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import attrs
 
-from cgregistry.descriptor import BatchDescriptor
+from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.errors import SnapshotError
-from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Matcher
+from cgregistry.key.matcher import DEFAULT_PREFERENCE, Explanation, Matcher
 from cgregistry.text import text_table
 
 __all__ = [

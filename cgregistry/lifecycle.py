@@ -20,14 +20,14 @@ from typing import Any
 
 import attrs
 
-from cgregistry.adapter import Adapter
-from cgregistry.background import BackgroundCapture
-from cgregistry.buffers import StaticBuffer
-from cgregistry.capturer import Capturer
-from cgregistry.catalog import Catalog
-from cgregistry.descriptor import BatchDescriptor
-from cgregistry.entries import Entry, Pair
-from cgregistry.events import Events
+from cgregistry.capture.refit import Adapter
+from cgregistry.capture.background import BackgroundCapture
+from cgregistry.store.buffers import StaticBuffer
+from cgregistry.capture.capturer import Capturer
+from cgregistry.store.catalog import Catalog
+from cgregistry.key.descriptor import BatchDescriptor
+from cgregistry.store.entries import Entry, Pair
+from cgregistry.hooks.events import Events
 from cgregistry.inspection import Refreshed, Slept
 
 __all__ = ["Lifecycle"]

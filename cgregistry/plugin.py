@@ -9,9 +9,9 @@
 The conformance suite for a new strategy is :mod:`cgregistry.testing`.
 """
 
-from cgregistry.contracts import Backend, Graph, Segment, SegmentedBackend, Strategy
-from cgregistry.markers import PROJECT, hookimpl, hookspec
-from cgregistry.plugins import (
+from cgregistry.contracts.protocols import Backend, Graph, Segment, SegmentedBackend, Strategy
+from cgregistry.contracts.markers import PROJECT, hookimpl, hookspec
+from cgregistry.hooks.manager import (
     BackendRegistrar,
     PluginError,
     PluginInfo,

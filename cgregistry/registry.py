@@ -1,10 +1,10 @@
 """GraphRegistry: the engine's one object, a facade that checks arguments and wires single-job parts together.
 
-- :class:`~cgregistry.catalog.Catalog`: entries, lazy keys, keys being captured, failures, budget, counters, routes;
-- :class:`~cgregistry.events.Events`: every hook call, one typed method each;
-- :class:`~cgregistry.capturer.Capturer`: plan checks, the capture context, the one capture sequence;
-- :class:`~cgregistry.background.BackgroundCapture`: the capture thread, its queue and results;
-- :class:`~cgregistry.adapter.Adapter`: adaptation (counting steps, refits, applying changes);
+- :class:`~cgregistry.store.catalog.Catalog`: entries, lazy keys, keys being captured, failures, budget, counters, routes;
+- :class:`~cgregistry.hooks.events.Events`: every hook call, one typed method each;
+- :class:`~cgregistry.capture.capturer.Capturer`: plan checks, the capture context, the one capture sequence;
+- :class:`~cgregistry.capture.background.BackgroundCapture`: the capture thread, its queue and results;
+- :class:`~cgregistry.capture.refit.Adapter`: adaptation (counting steps, refits, applying changes);
 - :class:`~cgregistry.server.Server`: the hot path, ``run()`` and ``match()`` (``DebugServer`` in debug mode).
 
 Each part owns its state and keeps it consistent; none imports this module.  See docs/architecture.md.
@@ -23,26 +23,26 @@ from typing import Any
 
 import torch
 
-from cgregistry.adapter import PLAN_CHANGES_KEPT, Adapter, refuse_with_collectives
+from cgregistry.capture.refit import PLAN_CHANGES_KEPT, Adapter, refuse_with_collectives
 from cgregistry.arguments import Delegated, check_budget, check_flag, check_inputs, check_timeout
-from cgregistry.adaptive import Adaptation, PlanChange
-from cgregistry.background import BackgroundCapture
-from cgregistry.buffers import StaticBuffer, StaticInput
-from cgregistry.capture import EntryCapture
-from cgregistry.capturer import Capturer
-from cgregistry.catalog import Catalog
-from cgregistry.compiler import PiecewiseCompiler, compile_piecewise
-from cgregistry.descriptor import BatchDescriptor
-from cgregistry.entries import Pair
-from cgregistry.events import Events
+from cgregistry.plan.adapt import Adaptation, PlanChange
+from cgregistry.capture.background import BackgroundCapture
+from cgregistry.store.buffers import StaticBuffer, StaticInput
+from cgregistry.capture.entry import EntryCapture
+from cgregistry.capture.capturer import Capturer
+from cgregistry.store.catalog import Catalog
+from cgregistry.strategies.compiler import PiecewiseCompiler, compile_piecewise
+from cgregistry.key.descriptor import BatchDescriptor
+from cgregistry.store.entries import Pair
+from cgregistry.hooks.events import Events
 from cgregistry.lifecycle import Lifecycle
 from cgregistry.inspection import EntryInfo, Refreshed, Slept, Snapshot, Stats, entries_table, filter_entries, stats_line
-from cgregistry.matcher import DEFAULT_PREFERENCE, Explanation, Match, PaddingCap
-from cgregistry.memory import MemoryEstimate
-from cgregistry.outputs import OutputAxes
-from cgregistry.plan import CapturePlan, PlanEntry
-from cgregistry.plugins import Plugins
-from cgregistry.routing import not_a_descriptor
+from cgregistry.key.matcher import DEFAULT_PREFERENCE, Explanation, Match, PaddingCap
+from cgregistry.capture.memory import MemoryEstimate
+from cgregistry.store.outputs import OutputAxes
+from cgregistry.plan.build import CapturePlan, PlanEntry
+from cgregistry.hooks.manager import Plugins
+from cgregistry.store.routing import not_a_descriptor
 from cgregistry.server import DebugServer, Server
 from cgregistry.errors import CaptureError, ConcurrentRunError
 
@@ -132,7 +132,7 @@ class GraphRegistry:
         padding or fills; a write changes what the next replay reads)."""
         return types.MappingProxyType({name: buf.tensor for name, buf in self._capturer.buffers.items()})
 
-    # A torch.compile backend for this registry's ``piecewise`` entries (see cgregistry.compiler):
+    # A torch.compile backend for this registry's ``piecewise`` entries (see cgregistry.strategies.compiler):
     # ``torch.compile(model, backend=reg.compile_backend(), dynamic=True, fullgraph=True)``.
     compile_backend = staticmethod(PiecewiseCompiler)
     # ``model`` compiled for ``piecewise`` entries: one dynamic trace, split at the eager breaks; call it from the step
@@ -172,7 +172,7 @@ class GraphRegistry:
         one by one (the largest key of each kind first, then the rest from the smallest up),
         while ``run()`` serves every batch: from the graphs already installed; a batch only a
         key being captured would serve waits for that key (at most
-        ``cgregistry.background.WAIT_LIMIT_S``), else runs eagerly.  ``wait_captured()`` waits
+        ``cgregistry.capture.background.WAIT_LIMIT_S``), else runs eagerly.  ``wait_captured()`` waits
         for all of them.  What the engine must not do meanwhile: docs/background.md.
         """
         for flag, value in (("lazy", lazy), ("background", background), *([("progress", progress)] if progress is not None else [])):

@@ -21,21 +21,21 @@ from typing import Any
 
 import torch
 
-from cgregistry import runtime
-from cgregistry.adapter import Adapter
-from cgregistry.background import BackgroundCapture
-from cgregistry.capturer import Capturer
-from cgregistry.catalog import Catalog
-from cgregistry.debug import checked, check_addresses, plain
-from cgregistry.weights import WeightWatch
-from cgregistry.descriptor import BatchDescriptor
+from cgregistry.state import runtime
+from cgregistry.capture.refit import Adapter
+from cgregistry.capture.background import BackgroundCapture
+from cgregistry.capture.capturer import Capturer
+from cgregistry.store.catalog import Catalog
+from cgregistry.state.debug import checked, check_addresses, plain
+from cgregistry.state.weights import WeightWatch
+from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.distributed import agree
-from cgregistry.entries import Entry
+from cgregistry.store.entries import Entry
 from cgregistry.errors import ConcurrentRunError, InputError
-from cgregistry.events import Events
-from cgregistry.matcher import Match, excluded
-from cgregistry.routing import NO_EXCLUSION, Route, Variant, not_a_descriptor
-from cgregistry.runtime import BreakContext
+from cgregistry.hooks.events import Events
+from cgregistry.key.matcher import Match, excluded
+from cgregistry.store.routing import NO_EXCLUSION, Route, Variant, not_a_descriptor
+from cgregistry.state.runtime import BreakContext
 from cgregistry.warn import warn
 
 __all__ = ["ConcurrentRunError", "DebugServer", "Server"]

@@ -19,11 +19,11 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from cgregistry.buffers import StaticInput
-from cgregistry.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
-from cgregistry.descriptor import BatchDescriptor
-from cgregistry.plan import CapturePlan
-from cgregistry.plugins import Plugins, make_plugin_manager
+from cgregistry.store.buffers import StaticInput
+from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
+from cgregistry.key.descriptor import BatchDescriptor
+from cgregistry.plan.build import CapturePlan
+from cgregistry.hooks.manager import Plugins, make_plugin_manager
 from cgregistry.registry import GraphRegistry
 from cgregistry.errors import CaptureError
 

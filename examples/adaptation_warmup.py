@@ -5,7 +5,7 @@ sequences, 8192-token budget) batches hold 3 requests on average over the first 
 10 to 20.  A refit fits the plan to the steps seen so far, so a refit during the warm-up gives a plan
 of small keys, and each larger batch pads up to the keys every plan keeps (the widest decode batch,
 the max capture size) until the next refits catch up.  This replays the adaptation policy
-(``cgregistry.adaptive.replay``) over those steps for a few settings and prints the padding of each
+(``cgregistry.plan.adapt.replay``) over those steps for a few settings and prints the padding of each
 window of steps; ``--plot PNG`` draws it (docs/img/adaptation-warmup.png).
 
     python examples/adaptation_warmup.py
@@ -18,9 +18,9 @@ import argparse
 from collections import Counter
 
 import cgregistry as cg
-from cgregistry.adaptive import Adaptation, replay
-from cgregistry.fitting import evaluate
-from cgregistry.workload import SchedulerConfig, read_trace, schedule
+from cgregistry.plan.adapt import Adaptation, replay
+from cgregistry.plan.fit import evaluate
+from cgregistry.plan.workload import SchedulerConfig, read_trace, schedule
 
 ENGINE = cg.PlanSettings(max_num_seqs=256, max_num_tokens=8192)
 SCHEDULER = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192)

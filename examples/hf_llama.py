@@ -58,7 +58,7 @@ from torch import nn
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 import cgregistry as cg
-from cgregistry.workload import read_trace
+from cgregistry.plan.workload import read_trace
 
 ATTENTION = "cgregistry_paged"
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -242,7 +242,7 @@ def kv_block_bytes(model: LlamaForCausalLM, shape: EngineShape) -> int:
     return 2 * len(model.model.layers) * shape.block_size * per_slot
 
 
-def size_kv_cache(model: LlamaForCausalLM, shape: EngineShape, budget_bytes: int, estimate: cg.memory.MemoryEstimate | None) -> EngineShape:
+def size_kv_cache(model: LlamaForCausalLM, shape: EngineShape, budget_bytes: int, estimate: cg.capture.memory.MemoryEstimate | None) -> EngineShape:
     """The recipe of docs/integration.md: the KV cache gets what ``budget_bytes`` (what the graphs and the cache may
     still take) leaves after the graphs' ``estimate`` (None: no graphs), at most what every request at full context
     needs.  Call it with the model on its smallest cache (``kv_blocks=shape.min_blocks``) and nothing captured yet;

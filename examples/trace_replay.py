@@ -3,7 +3,7 @@
 from collections import Counter
 
 import cgregistry as cg
-from cgregistry.workload import SchedulerConfig, read_trace, schedule
+from cgregistry.plan.workload import SchedulerConfig, read_trace, schedule
 
 config = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192)
 steps = list(schedule(read_trace(limit=3000), config))

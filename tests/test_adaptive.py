@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.adaptive import (
+from cgregistry.plan.adapt import (
     REASONS,
     Adaptation,
     PlanChange,
@@ -26,9 +26,9 @@ from cgregistry.adaptive import (
     refit,
     replay,
 )
-from cgregistry.fitting import PlanReport, evaluate
+from cgregistry.plan.fit import PlanReport, evaluate
 from cgregistry.testing import make_plugins
-from cgregistry.workload import SchedulerConfig, read_trace, schedule
+from cgregistry.plan.workload import SchedulerConfig, read_trace, schedule
 
 Pair = tuple[B, str]
 ENGINE = {"max_num_seqs": 256, "max_num_tokens": 8192}

@@ -9,8 +9,8 @@ import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry import adapter as registry_module
-from cgregistry.adaptive import Adaptation
+from cgregistry.capture import refit as registry_module
+from cgregistry.plan.adapt import Adaptation
 from cgregistry.testing import make_plugins
 
 W = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
@@ -134,14 +134,14 @@ def test_adaptation_is_refused_with_collectives_across_ranks(monkeypatch: pytest
 
 
 def test_policy_inputs_are_checked() -> None:
-    from cgregistry.adaptive import PlanChange, refit
+    from cgregistry.plan.adapt import PlanChange, refit
 
     adapt = Adaptation(max_graphs=3, settings=dict(max_num_seqs=32, max_num_tokens=32, mode="full"), every_steps=1, min_steps=1)
     with pytest.raises(TypeError, match="refit\\(\\) takes a TrafficHistogram .* got dict"):
         refit({B.decode(3): 5}, [], adapt)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="mode 'none'"):
         Adaptation(max_graphs=3, settings=dict(max_num_seqs=32, max_num_tokens=32, mode="none"))
-    change = cg.adaptive.propose({B.decode(3): 5}, [], adapt)
+    change = cg.plan.adapt.propose({B.decode(3): 5}, [], adapt)
     assert change is not None
     data = change.to_dict()
     assert PlanChange.from_dict(data) == change

@@ -15,7 +15,7 @@ import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.contracts import Backend, SegmentedBackend, protocol_members
+from cgregistry.contracts.protocols import Backend, SegmentedBackend, protocol_members
 from cgregistry.testing import make_plugins
 
 ROOT = Path(__file__).parent.parent
@@ -67,14 +67,14 @@ def test_no_import_cycles() -> None:
             visit(name, [name])
 
 
-@pytest.mark.parametrize("leaf", ["cgregistry.markers", "cgregistry.errors", "cgregistry.version", "cgregistry.contracts"])
+@pytest.mark.parametrize("leaf", ["cgregistry.contracts.markers", "cgregistry.errors", "cgregistry.version", "cgregistry.contracts.protocols"])
 def test_leaf_modules_import_nothing_of_the_package(leaf: str) -> None:
     assert GRAPH[leaf] == set(), f"{leaf} imports {GRAPH[leaf]}"
 
 
 REGISTRY_PARTS = [
-    "cgregistry.entries", "cgregistry.catalog", "cgregistry.routing", "cgregistry.events", "cgregistry.capture",
-    "cgregistry.capturer", "cgregistry.background", "cgregistry.adapter", "cgregistry.server", "cgregistry.serving_state",
+    "cgregistry.store.entries", "cgregistry.store.catalog", "cgregistry.store.routing", "cgregistry.hooks.events", "cgregistry.capture.entry",
+    "cgregistry.capture.capturer", "cgregistry.capture.background", "cgregistry.capture.refit", "cgregistry.server", "cgregistry.state.serving",
 ]
 
 
@@ -227,7 +227,7 @@ def test_a_backend_without_segments_serves_full_and_refuses_breakable_by_name() 
                            plugins=make_plugins(FullOnlyBackend()))
     reg.capture([(B(8), "full")])
     torch.testing.assert_close(reg.run(B(3), x=torch.ones(3)), torch.full((3,), 2.0))
-    with pytest.raises(cg.CaptureError, match="needs a cgregistry.contracts.SegmentedBackend"):
+    with pytest.raises(cg.CaptureError, match="needs a cgregistry.contracts.protocols.SegmentedBackend"):
         reg.capture([(B(4), "breakable")])
 
 

@@ -320,15 +320,15 @@ def test_the_serving_threads_cuda_calls_stay_legal_while_a_capture_segment_is_op
 
 
 def trace_steps(max_seqs: int, max_tokens: int, n: int, start: int = 0) -> list[B]:
-    from cgregistry.workload import SchedulerConfig, read_trace, schedule
+    from cgregistry.plan.workload import SchedulerConfig, read_trace, schedule
 
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens)
     return list(schedule(read_trace(), sched, max_steps=start + n))[start:]
 
 
 def test_adaptation_refits_to_the_traffic_in_the_background_and_reports_each_change() -> None:
-    from cgregistry.adaptive import Adaptation
-    from cgregistry.fitting import evaluate
+    from cgregistry.plan.adapt import Adaptation
+    from cgregistry.plan.fit import evaluate
 
     engine = Engine()
     changes: list[object] = []

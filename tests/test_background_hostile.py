@@ -72,8 +72,8 @@ def test_a_step_using_torch_compile_does_not_deadlock_beside_a_background_captur
 
 def test_clear_during_a_refit_does_not_stop_adaptation_for_good(monkeypatch: pytest.MonkeyPatch) -> None:
     """clear() while a refit is queued or running drops it, and adaptation refits again afterwards."""
-    from cgregistry import adapter as registry_module
-    from cgregistry.adaptive import Adaptation
+    from cgregistry.capture import refit as registry_module
+    from cgregistry.plan.adapt import Adaptation
 
     settings = dict(max_num_seqs=MAX_TOKENS, max_num_tokens=MAX_TOKENS, mode="full", max_capture_size=MAX_TOKENS)
     adapt = Adaptation(max_graphs=4, settings=settings, every_steps=10, min_steps=10, decay=1.0, min_gain=0.0)
@@ -103,7 +103,7 @@ def test_clear_during_a_refit_does_not_stop_adaptation_for_good(monkeypatch: pyt
 
 def test_a_capture_finished_before_submit_returns_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A capture that finishes before capture(background=True) returns is still installed."""
-    from cgregistry.background import BackgroundCapture
+    from cgregistry.capture.background import BackgroundCapture
 
     submit = BackgroundCapture.submit
 

@@ -16,7 +16,7 @@ import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry import background as background_module
+from cgregistry.capture import background as background_module
 from cgregistry.testing import make_plugins
 from tests.test_background import Engine, batch_inputs, eager, make
 

@@ -233,7 +233,7 @@ def test_unjoined_side_stream_is_named() -> None:
 
 
 def test_demo_model_with_a_break_per_layer(backend: str) -> None:
-    from cgregistry.demo_model import (
+    from cgregistry.cli.demo_model import (
         DemoConfig,
         DemoDecoder,
         attention_kernel_into,

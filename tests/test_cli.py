@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import cgregistry as cg
-from cgregistry import cli as cli_module
-from cgregistry.demo import DemoResult
+from cgregistry.cli import commands as cli_module
+from cgregistry.cli.demo import DemoResult
 from cgregistry.plan import MODES
 
 ROOT = Path(__file__).parent.parent
@@ -61,7 +61,7 @@ def small_demo(monkeypatch: pytest.MonkeyPatch) -> None:
     """The demo with a one-layer model: what these tests check (the command, its modes, its output) does not
     depend on the model's size, and the CPU-sized one costs seconds a run.  The CPU size runs in the slow set
     (test_the_readmes_demo_command_runs_as_a_user_runs_it)."""
-    from cgregistry.demo_model import DemoConfig
+    from cgregistry.cli.demo_model import DemoConfig
 
     sized = DemoConfig.for_device
     small = attrs.evolve(sized("cpu"), layers=1, hidden=32, heads=2, ffn=64, vocab=128, context=8)
@@ -162,8 +162,8 @@ def small_trace(tmp_path) -> str:  # noqa: ANN001
 
 def test_plan_on_trace_matches_in_process_evaluation(tmp_path) -> None:  # noqa: ANN001
     from cgregistry import CapturePlan
-    from cgregistry.fitting import evaluate
-    from cgregistry.workload import SchedulerConfig, read_trace, schedule
+    from cgregistry.plan.fit import evaluate
+    from cgregistry.plan.workload import SchedulerConfig, read_trace, schedule
 
     trace = small_trace(tmp_path)
     r = cli("plan", "--trace", trace, "--max-num-seqs", "8", "--max-num-tokens", "64", "--fit", "6", "--json")
@@ -575,9 +575,9 @@ def test_demo_puts_the_modes_decode_strategy_first_unless_told_otherwise(
 ) -> None:
     """``--mode own,full``: a plugin strategy is not in the library's default preference, so it ranks last, the full
     mixed keys would serve every decode batch and its decode keys never replay; the demo prefers the mode's decode strategy."""
-    import cgregistry.demo
+    import cgregistry.cli.demo
 
-    monkeypatch.setattr(cgregistry.demo, "Plugins", lambda: cg.Plugins(cg.make_plugin_manager([OwnPlugin()], autoload=False)))
+    monkeypatch.setattr(cgregistry.cli.demo, "Plugins", lambda: cg.Plugins(cg.make_plugin_manager([OwnPlugin()], autoload=False)))
     served = {}
     for name, extra in (("default", []), ("given", ["--preference", "full,own"])):
         snap = tmp_path / f"{name}.json"

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.descriptor import DECODED_MAX
+from cgregistry.key.descriptor import DECODED_MAX
 
 
 class Count(int):

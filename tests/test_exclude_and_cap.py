@@ -243,7 +243,7 @@ def test_no_match_pads_more_than_the_cap(keys: list, actual: B, tokens: int | No
 
 
 def test_a_choice_plugin_is_offered_neither_excluded_nor_capped_keys() -> None:
-    from cgregistry.plugins import make_plugin_manager
+    from cgregistry.hooks.manager import make_plugin_manager
 
     offered: list[list[tuple[B, str]]] = []
 

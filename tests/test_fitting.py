@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.fitting import evaluate, fit_sizes
-from cgregistry.workload import SchedulerConfig, read_trace, schedule
+from cgregistry.plan.fit import evaluate, fit_sizes
+from cgregistry.plan.workload import SchedulerConfig, read_trace, schedule
 
 
 def padding_with(sizes: list[int], weights: dict[int, int], unit: int) -> int:

@@ -8,7 +8,7 @@ from torch import nn
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.demo_model import (
+from cgregistry.cli.demo_model import (
     DemoConfig,
     DemoDecoder,
     attention_kernel_into,
@@ -372,7 +372,7 @@ def test_unreachable_module_is_a_clear_error() -> None:
 def _warm_up_as(compiled: cg.PiecewiseModel, strategy: object, key: B, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """Call ``compiled`` as the registry's warm-up of ``key`` with ``strategy`` does (no capture: Inductor's kernels
     can run on the cpu, which the emulator cannot record)."""
-    from cgregistry import runtime
+    from cgregistry.state import runtime
 
     tokens = (
         runtime.batch.set(runtime.BreakContext(key, key)),
@@ -411,7 +411,7 @@ def test_one_inductor_trace_serves_full_and_piecewise_keys_of_every_size() -> No
 def test_a_trace_inductor_cannot_compile_unsplit_falls_back_to_the_models_own_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where Inductor refuses the shared trace unsplit (CantSplit on a trace made at size 1, on the GPU), full keys
     compile the model whole on their own, as before the trace was shared; piecewise keys keep the trace."""
-    from cgregistry import compiler
+    from cgregistry.strategies import compiler
     from cgregistry.strategies.full import FullStrategy
     from cgregistry.strategies.piecewise import PiecewiseStrategy
 
@@ -502,7 +502,7 @@ def test_full_keys_never_run_a_one_graph_compile_made_for_other_sizes() -> None:
 def test_the_bare_backend_runs_the_split_graph_where_the_one_graph_compile_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.compile(..., backend=reg.compile_backend(inductor=True)) has no model to compile on its own: a full key
     whose one-graph compile fails runs the split graph inline, as before the trace was shared."""
-    from cgregistry import compiler
+    from cgregistry.strategies import compiler
     from cgregistry.strategies.full import FullStrategy
 
     def refuse(self: object) -> None:

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 import cgregistry as cg
 from cgregistry import BatchDescriptor, CapturePlan, Matcher
 from cgregistry.cli import main
-from cgregistry.fitting import evaluate
-from cgregistry.keyclasses import declared_unsupported
+from cgregistry.plan.fit import evaluate
+from cgregistry.key.kinds import declared_unsupported
 from cgregistry.plan import MODES, Downgrade
 from cgregistry.testing import make_plugins
 
@@ -201,7 +201,7 @@ def test_a_plugin_strategy_declares_what_it_cannot_serve() -> None:
 def test_built_in_strategies_declare_nothing_and_need_no_plugin_manager(monkeypatch: pytest.MonkeyPatch) -> None:
     for strategy in make_plugins().strategies.values():
         assert declared_unsupported(strategy) == frozenset(), strategy.name
-    monkeypatch.setattr(cg.plugins, "make_plugin_manager", lambda *a, **k: pytest.fail("a built-in mode looked up plugins"))
+    monkeypatch.setattr(cg.hooks.manager, "make_plugin_manager", lambda *a, **k: pytest.fail("a built-in mode looked up plugins"))
     assert CapturePlan.build(max_num_seqs=8, max_num_tokens=64, mode="full_and_piecewise", spec_depths=(0, 1)).downgrades == ()
 
 
@@ -263,8 +263,8 @@ def test_a_strategys_declaration_counts_as_the_engines(
 
 def test_cli_plan_says_a_strategy_declared_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     plugin = Registers(vendor("vfull", False, {"mixed", "spec_decode"}))
-    real = cg.plugins.make_plugin_manager
-    monkeypatch.setattr(cg.plugins, "make_plugin_manager", lambda *a, **k: real([plugin], autoload=False))  # what Plugins() finds
+    real = cg.make_plugin_manager
+    monkeypatch.setattr(cg.hooks.manager, "make_plugin_manager", lambda *a, **k: real([plugin], autoload=False))  # what Plugins() finds
     args = ["plan", "--max-num-seqs", "16", "--max-num-tokens", "256", "--spec-depths", "0,2", "--mode", "vfull,piecewise"]
     assert main(args) == 0
     out = capsys.readouterr().out

@@ -467,7 +467,7 @@ def test_bad_settings_name_their_values(kwargs: dict, message: str) -> None:
 
 def test_fit_in_full_mode_is_exact_over_one_family() -> None:
     """Folded plans fit uniform and mixed batches together: the fitted padding is what the matcher gives."""
-    from cgregistry.fitting import evaluate
+    from cgregistry.plan.fit import evaluate
 
     steps = [B.decode(3)] * 9 + [B.decode(5)] * 4 + [B(7, 2)] * 3 + [B(12, 4)] * 2
     plan = CapturePlan.fit(steps, 3, max_num_seqs=8, max_num_tokens=16, mode="full")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cgregistry as cg
-from cgregistry.plugins import (
+from cgregistry.hooks.manager import (
     DEFAULT_PLUGINS,
     DISABLE_AUTOLOAD_ENV,
     make_plugin_manager,
@@ -304,7 +304,7 @@ def test_installed_plugin_distributions_are_discovered() -> None:
 def test_every_hook_is_documented_and_tested() -> None:
     from pathlib import Path
 
-    from cgregistry import hookspecs
+    from cgregistry.hooks import specs as hookspecs
 
     hooks = [n for n in dir(hookspecs) if n.startswith("cgregistry_")]
     assert len(hooks) == 14

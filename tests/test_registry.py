@@ -9,7 +9,7 @@ import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
+from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
 
 from .conftest import device_of
 

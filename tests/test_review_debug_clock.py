@@ -15,7 +15,7 @@ import pytest
 import torch
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry import serving_state
+from cgregistry.state import serving as serving_state
 from cgregistry.testing import make_plugins
 from tests.test_serving_safety import Tiny
 

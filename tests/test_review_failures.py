@@ -12,7 +12,7 @@ import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry import background as background_module
+from cgregistry.capture import background as background_module
 from tests.test_background import Engine, batch_inputs, eager, make
 from tests.serving_threads import HIDDEN, matmul_registry, run_in_thread
 

@@ -195,7 +195,7 @@ def test_capture_from_a_capture_started_hook_on_the_serving_thread_does_not_hang
 def test_the_serving_state_error_of_an_adapting_registry_says_where_its_state_was_recorded() -> None:
     """The ServingStateError of a registry that only adapts says that its state was recorded at the step that started
     adaptation (not at a capture() it never made)."""
-    from cgregistry.adaptive import Adaptation
+    from cgregistry.plan.adapt import Adaptation
 
     weight = torch.randn(HIDDEN, HIDDEN)
     settings = dict(max_num_seqs=16, max_num_tokens=64, mode="full", max_capture_size=64)

@@ -12,8 +12,8 @@ import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.adaptive import Adaptation
-from cgregistry.serving_state import ServingState, ServingStateError
+from cgregistry.plan.adapt import Adaptation
+from cgregistry.state.serving import ServingState, ServingStateError
 from tests.conftest import device_of
 
 WIDTH, MAX_TOKENS = 64, 32

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry.plan import lora_ladder
-from cgregistry.workload import Request, SchedulerConfig, schedule
+from cgregistry.plan.workload import Request, SchedulerConfig, schedule
 
 MAX_SEQS = 24
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import cgregistry as cg
 from cgregistry import BatchDescriptor, CapturePlan, Matcher, PaddingCap
 from cgregistry.cli import main
-from cgregistry.fitting import evaluate
+from cgregistry.plan.fit import evaluate
 from cgregistry.plan import MODES, UncoveredRange
 from tests.test_matcher import STRATEGIES, descriptors
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from cgregistry import BatchDescriptor as B
-from cgregistry.workload import Request, SchedulerConfig, read_trace, schedule
+from cgregistry.plan.workload import Request, SchedulerConfig, read_trace, schedule
 
 
 def write(tmp_path: Path, rows: list[str], header: str = "TIMESTAMP,ContextTokens,GeneratedTokens") -> Path:

@@ -28,12 +28,12 @@ import torch.utils._python_dispatch as python_dispatch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cgregistry import runtime
+from cgregistry.state import runtime
 from cgregistry.errors import GraphUnsafeOpError
-from cgregistry.markers import hookimpl
+from cgregistry.contracts.markers import hookimpl
 
 if TYPE_CHECKING:
-    from cgregistry.registrars import BackendRegistrar
+    from cgregistry.contracts.registrars import BackendRegistrar
 
 __all__ = ["CpuBackend", "CpuGraph", "CpuSegment", "GraphUnsafeOpError", "find_graph_unsafe_ops"]
 
@@ -62,7 +62,7 @@ _COPY_OPS = {"to", "_to_copy", "_copy_from", "_copy_from_and_resize"}
 
 
 # Modules of the package that hold model code (what a user's step is), not machinery.
-_MODEL_MODULES = frozenset({"cgregistry.demo_model"})
+_MODEL_MODULES = frozenset({"cgregistry.cli.demo_model"})
 
 
 def _is_machinery(module: str) -> bool:

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cgregistry import runtime
-from cgregistry.markers import hookimpl
+from cgregistry.state import runtime
+from cgregistry.contracts.markers import hookimpl
 
 if TYPE_CHECKING:
-    from cgregistry.registrars import BackendRegistrar
+    from cgregistry.contracts.registrars import BackendRegistrar
 
 __all__ = ["CudaBackend", "CudaGraph", "CudaSegment", "StepPacer", "clear_cublas_workspaces", "direct_replay", "non_owning_alias"]
 

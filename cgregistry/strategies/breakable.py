@@ -21,14 +21,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from cgregistry import breaks, runtime
-from cgregistry.contracts import Backend, Graph, SegmentedBackend
+from cgregistry.strategies import breaks
+from cgregistry.state import runtime
+from cgregistry.contracts.protocols import Backend, Graph, SegmentedBackend
 from cgregistry.errors import BreakError, OutputError
-from cgregistry.markers import hookimpl
-from cgregistry.outputs import flatten
+from cgregistry.contracts.markers import hookimpl
+from cgregistry.store.outputs import flatten
 
 if TYPE_CHECKING:
-    from cgregistry.plugins import StrategyRegistrar
+    from cgregistry.hooks.manager import StrategyRegistrar
 
 __all__ = ["BreakableGraph", "BreakableStrategy", "BreakError", "CaptureSite"]
 
@@ -188,7 +189,7 @@ class BreakableStrategy:
         if not isinstance(backend, SegmentedBackend):
             raise TypeError(
                 f"backend {backend.name!r} cannot end and resume captures: strategy {self.name!r} needs a "
-                "cgregistry.contracts.SegmentedBackend (capture_context, begin_capture, hold_intermediates)"
+                "cgregistry.contracts.protocols.SegmentedBackend (capture_context, begin_capture, hold_intermediates)"
             )
         if runtime.site.get() is not None:
             raise BreakError("nested breakable capture: a breakable capture is already in progress on this thread")

@@ -10,10 +10,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cgregistry.backends import Backend, Graph
-from cgregistry.markers import hookimpl
+from cgregistry.contracts.markers import hookimpl
 
 if TYPE_CHECKING:
-    from cgregistry.plugins import StrategyRegistrar
+    from cgregistry.hooks.manager import StrategyRegistrar
 
 __all__ = ["FullStrategy"]
 

@@ -1,7 +1,7 @@
 """The ``piecewise`` strategy: the pieces of a piecewise-compiled model, graphed per descriptor.
 
 The model is traced once by ``torch.compile`` with the piecewise compiler
-(:mod:`cgregistry.compiler`), which cuts it at splitting ops.  Capturing an
+(:mod:`cgregistry.strategies.compiler`), which cuts it at splitting ops.  Capturing an
 entry runs the step once: each piece is captured as a graph segment in the
 registry's pool, and each splitting op runs eagerly between them, exactly as an
 eager break of the ``breakable`` strategy does (same replay, same pool rules).
@@ -14,14 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from cgregistry import runtime
+from cgregistry.state import runtime
 from cgregistry.backends import Backend
-from cgregistry.markers import hookimpl
+from cgregistry.contracts.markers import hookimpl
 from cgregistry.strategies.breakable import BreakableGraph, BreakableStrategy, CaptureSite
 from cgregistry.errors import PiecewiseError
 
 if TYPE_CHECKING:
-    from cgregistry.plugins import StrategyRegistrar
+    from cgregistry.hooks.manager import StrategyRegistrar
 
 __all__ = ["PiecewiseStrategy"]
 

@@ -1,0 +1,404 @@
+"""Background capture: a capture thread that takes queued keys one at a time while the engine serves, and the
+serving thread's side of it (installing what it finished between steps, waiting for it).
+
+The capture thread only captures, through the capturer's one capture sequence and under the
+registry's capture context.  What it finishes waits, as a record (``Captured``, ``TaskDone``),
+until the serving thread installs it between two steps (at the start of ``run()``, and in
+``wait_captured()``, ``capture()``, ``release()`` and ``clear()``), so the entries and routes the
+hot path reads only ever change on the thread that runs it.
+
+Progress under a busy serving loop: the capture thread is never paused for a step.  An engine
+whose eager step is host-bound calls ``run()`` back to back, so a thread that only ran between
+steps would never run.  Instead a step whose batch no live graph serves, but a key being
+captured would, waits for that key (moved to the front of the queue, at most ``WAIT_LIMIT_S``)
+and then replays it: the eager step is the slow path the capture ends, so the first graph
+arrives within one key's capture.  Once graphs serve, a replay leaves the GIL free while the
+GPU works, which is when the capture thread takes the rest; the interpreter's switch interval is
+shortened meanwhile (``SWITCH_INTERVAL_S``) so the serving thread gets the GIL back quickly.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from cgregistry.store.catalog import Catalog
+from cgregistry.key.descriptor import BatchDescriptor
+from cgregistry.store.entries import Entry, Pair
+from cgregistry.hooks.events import Events
+from cgregistry.warn import warn
+from cgregistry.errors import CaptureError
+
+__all__ = ["SWITCH_INTERVAL_S", "WAIT_LIMIT_S", "BackgroundCapture", "Captured", "TaskDone", "background_order"]
+
+# The interpreter's switch interval while a capture thread runs (CPython's default is 5 ms): how long the serving
+# thread may wait for the GIL when the capture thread holds it.  None leaves the interval alone.
+SWITCH_INTERVAL_S: float | None = 2e-4
+# The longest a step waits for the key being captured that would serve it; past it the step runs eagerly, and
+# steps do not wait again while the same capture is in flight (a slow compile, say).
+WAIT_LIMIT_S = 0.5
+
+
+class KeyCapturer(Protocol):
+    """What the capture thread captures with (``cgregistry.capture.capturer.Capturer``)."""
+
+    context: Any  # the registry's capture context now (a CaptureContext, None before one is recorded)
+
+    def capture_key(self, pair: Pair, ctx: Any, *, background: bool = False) -> Entry: ...
+
+
+@attrs.frozen(slots=True)
+class Captured:
+    """A key the capture thread finished: its entry, or the ``CaptureError`` that stopped it, and the capture context
+    it ran under (installed only while the registry's is still that one)."""
+
+    pair: Pair
+    entry: Entry | None
+    error: BaseException | None
+    context: Any = None
+
+
+@attrs.frozen(slots=True)
+class TaskDone:
+    """A task the capture thread ran (a refit): its result or error, for ``on_done`` on the serving thread."""
+
+    result: Any
+    error: BaseException | None
+    on_done: Callable[[Any, BaseException | None], None]
+
+
+@attrs.frozen(slots=True)
+class _Task:
+    run: Callable[[], Any]
+    on_done: Callable[[Any, BaseException | None], None]
+
+
+_thread_owner = threading.local()  # .owner: the BackgroundCapture whose capture thread this is
+_instances: weakref.WeakSet[BackgroundCapture] = weakref.WeakSet()
+_switch_lock = threading.Lock()
+# capture threads running, the interval before the first lowered it, and the interval as read back once lowered
+# (the interpreter keeps it in microseconds: 2e-4 reads back as 0.00019999999999999998)
+_switch_state: list[Any] = [0, None, None]
+
+
+def background_order(pairs: Iterable[Pair]) -> list[Pair]:
+    """Capture order beside a serving thread: the largest key of each kind first, so that every batch a kind
+    can serve gets a graph soon (padded, but a padded replay beats an eager step), mixed kinds before uniform
+    ones (a mixed key covers uniform batches too, and a new request's first step is a prefill); then the others
+    from the smallest up, so the padding of the small, frequent batches falls first."""
+
+    def size(pair: Pair) -> tuple[int, int]:
+        return (pair[0].num_tokens, pair[0].num_reqs or 0)
+
+    pairs = list(pairs)
+    largest: dict[tuple, Pair] = {}
+    for pair in pairs:
+        key, strategy = pair
+        kind = (strategy, key.uniform, key.spec_depth, key.num_active_loras)
+        if kind not in largest or size(pair) > size(largest[kind]):
+            largest[kind] = pair
+    first = sorted(largest.values(), key=lambda pair: (pair[0].uniform, size(pair)))
+    chosen = set(first)
+    return first + sorted((p for p in pairs if p not in chosen), key=size)
+
+
+class BackgroundCapture:
+    """One registry's capture thread (started when there is work, ended when there is none) and its results."""
+
+    def __init__(self, capturer: KeyCapturer, catalog: Catalog, events: Events, name: str, pacer: Any = None) -> None:
+        self._capturer = capturer  # captures each key (capture_key) and holds the registry's capture context
+        self._pacer = pacer  # the backend's step pacer (cuda), or None
+        self._catalog = catalog
+        self._events = events
+        self._name = name
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[Pair, Any] | _Task] = deque()  # (pair, capture context) or a task
+        self._thread: threading.Thread | None = None
+        self._in_flight: Pair | _Task | None = None
+        self._flight_context: Any = None  # the capture context the key in flight runs under
+        self._flight_stale = False  # the key in flight was counted as stale (its context is no longer the registry's)
+        self._dropped: set[Pair] = set()  # in flight but no longer wanted: its result is discarded
+        self._ready: deque[Captured | TaskDone] = deque()  # filled by the capture thread, emptied by the serving thread
+        self._started = 0  # items the capture thread began
+        self._gave_up = -1  # the item in flight when a step last waited in vain (steps do not wait on it again)
+        self.active = False  # work queued or in flight, or results not installed: run() installs between steps
+        self._stopped = False  # the registry is gone: the capture thread takes nothing more
+        _instances.add(self)
+
+    # ---------------------------------------------------------------- reading
+
+    @property
+    def busy(self) -> bool:
+        """Work queued or in flight (a task included)."""
+        return bool(self._queue) or self._in_flight is not None
+
+    @property
+    def settled(self) -> bool:
+        """Nothing queued, in flight, or finished and not installed yet."""
+        return not self.busy and not self._ready
+
+    def queued(self) -> list[Pair]:
+        """Keys waiting or being captured now, in capture order."""
+        with self._cond:
+            flight = self._in_flight
+            head = [flight] if isinstance(flight, tuple) and flight not in self._dropped else []
+            return head + [item[0] for item in self._queue if isinstance(item, tuple)]
+
+    def capturing(self) -> list[Pair]:
+        """Keys queued, in flight, or finished and not installed yet (not served by a graph yet; one whose capture
+        failed is listed until the install moves it to ``failures()``: never in neither)."""
+        return self.queued() + [r.pair for r in list(self._ready) if isinstance(r, Captured)]
+
+    def on_capture_thread(self) -> bool:
+        """Whether the caller runs on this registry's capture thread (a hook or the step during a capture)."""
+        return getattr(_thread_owner, "owner", None) is self
+
+    def refuse_on_capture_thread(self, call: str) -> None:
+        """``call`` from a hook or the step running on the capture thread would wait for that thread itself."""
+        if self.on_capture_thread():
+            raise RuntimeError(
+                f"{call} on registry {self._name!r} from its own capture thread (a hook or the step called it while "
+                "capturing) would wait for itself"
+            )
+
+    # ---------------------------------------------------------------- the serving thread's side
+
+    def submit(self, pairs: Iterable[Pair], context: Any, *, ordered: bool = False) -> None:
+        """Queue keys not already queued or in flight, in ``background_order`` (as given with ``ordered``), under
+        ``context`` (the registry's capture context now, ``Capturer.current()``); start the thread if it is idle.
+        Lazy keys among them are the capture thread's from now on (no longer pending).
+
+        Each capture starts under the registry's capture context of that moment.  One in flight under another
+        context than ``context`` is never installed: it is dropped (``stats().stale_captures``) and queued again if
+        still wanted."""
+        pairs = list(pairs) if ordered else background_order(pairs)
+        with self._cond:
+            known = {item[0] for item in self._queue if isinstance(item, tuple)}
+            flight = self._in_flight if isinstance(self._in_flight, tuple) else None
+            if flight is not None and self._flight_context != context and flight not in known:
+                if flight not in self._dropped or flight in pairs:  # still wanted, or wanted again
+                    self._queue.append((flight, context))
+                    known.add(flight)
+                    if not self._flight_stale:  # counted once per capture
+                        self._catalog.counters.stale_captures += 1
+                        self._flight_stale = True
+                self._dropped.add(flight)
+            for pair in pairs:
+                if pair == flight and pair in self._dropped and pair not in known:
+                    self._dropped.discard(pair)  # wanted again, under the same context: the capture in flight is kept
+                elif pair != flight and pair not in known:
+                    self._queue.append((pair, context))
+                    known.add(pair)
+            self._start()
+        with self._catalog.batch():
+            self._catalog.unplan(pairs)
+            self._catalog.set_capturing(self.capturing())
+
+    def submit_task(self, task: Callable[[], Any], on_done: Callable[[Any, BaseException | None], None]) -> None:
+        """Run ``task()`` on the capture thread after what is queued; ``on_done(result, error)`` runs on the serving
+        thread when it is installed (never, if the task is cancelled)."""
+        with self._cond:
+            self._queue.append(_Task(task, on_done))
+            self._start()
+
+    def discard(self, pairs: Iterable[Pair]) -> None:
+        """Forget these keys: unqueued, and the one in flight (if among them) never installed."""
+        drop = set(pairs)
+        with self._cond:
+            self._queue = deque(item for item in self._queue if not (isinstance(item, tuple) and item[0] in drop))
+            if self._in_flight in drop:
+                self._dropped.add(self._in_flight)  # type: ignore[arg-type]
+            self._ready = deque(r for r in self._ready if not (isinstance(r, Captured) and r.pair in drop))
+        self._catalog.set_capturing(self.capturing())
+
+    def cancel(self) -> int:
+        """Drop everything queued, finished or in flight (tasks too: their ``on_done`` never runs), wait for the capture
+        in flight to end, and return how many keys were dropped."""
+        with self._cond:
+            dropped = len(self.capturing())
+            self._queue.clear()
+            if isinstance(self._in_flight, tuple):
+                self._dropped.add(self._in_flight)
+        self.wait()
+        with self._cond:
+            self._ready.clear()
+        self._catalog.set_capturing(())
+        self.active = False
+        return dropped
+
+    def stop(self) -> None:
+        """The registry was collected: the capture thread takes nothing more and ends after the capture in flight.
+
+        Takes no lock (it runs as the registry's finalizer, on whichever thread dropped it, perhaps inside a lock)."""
+        self._stopped = True
+
+    def install(self) -> None:
+        """Between steps, on the serving thread: finished entries go live, failures are kept, tasks' results handed on.
+
+        A key captured under another capture context than the registry's now, or reading watched weights at other
+        addresses than they have now (replaced while it was captured), is never installed: it is dropped
+        (``stats().stale_captures``) and queued again under the current one."""
+        tasks = []
+        stale: list[Pair] = []
+        context = self._capturer.context
+        watch = self._capturer.watch
+        current = watch.seen() if self._ready else {}  # read once: entries captured since the last change share it
+        with self._catalog.batch():
+            while self._ready:
+                done = self._ready.popleft()
+                if isinstance(done, TaskDone):
+                    tasks.append(done)  # handed on once the routes are rebuilt: their hooks see the routes as they are
+                elif done.context != context or (done.entry is not None and not watch.reads_current(done.entry.weights, current)):
+                    # captured under another context, or reading weights a refresh() has since replaced
+                    if done.pair not in self._catalog.entries:  # else captured in the foreground meanwhile
+                        stale.append(done.pair)
+                elif done.entry is None:
+                    self._catalog.fail_capture(done.pair, done.error)  # type: ignore[arg-type]
+                    warn(
+                        f"cgregistry: background {done.error}; the key is dropped and its batches go to the next best "
+                        "key (or run eagerly); reg.failures() keeps the error")
+                elif done.pair not in self._catalog.entries:  # else captured in the foreground meanwhile
+                    self._events.evicted(self._catalog.add(done.entry, background=True))
+            if stale:
+                self._catalog.counters.stale_captures += len(stale)
+                if context is not None:
+                    self.submit(stale, context, ordered=True)
+            self._catalog.set_capturing(self.capturing())
+        for task in tasks:
+            task.on_done(task.result, task.error)
+        if not self.busy and not self._ready:
+            self.active = False
+
+    def pace(self) -> None:
+        """At the start of a step while the capture thread works: keep the serving thread at most a few steps ahead of
+        the device (``CudaBackend.step_pacer``), so that the capture's own launches do not wait behind queued steps."""
+        if self._pacer is not None and self.busy:
+            self._pacer.step()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or in flight (True), or ``timeout`` seconds pass (False); installs nothing."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self.busy, timeout)
+
+    def await_cover(self, actual: BatchDescriptor, exclude: Sequence[str] | frozenset[str]) -> bool:
+        """For a step no live graph serves: wait for the key being captured that would serve ``actual`` (its strategy
+        not in ``exclude``, within the padding cap; moved to the front of the queue), at most ``WAIT_LIMIT_S``, then
+        install what finished.  False without waiting when no such key is queued, or a step already waited in vain
+        while the capture in flight now ran."""
+        cap = self._catalog.cap
+        with self._cond:
+            if self._gave_up == self._started:
+                return False
+            flight = self._in_flight if isinstance(self._in_flight, tuple) and self._in_flight not in self._dropped else None
+            covering = [
+                p for p in ([flight] if flight else []) + [i[0] for i in self._queue if isinstance(i, tuple)]
+                if p[1] not in exclude and cap.serves(p[0], actual)
+            ]
+            if not covering:
+                return False
+            target = flight if flight in covering else min(covering, key=lambda p: (p[0].num_tokens, p[0].num_reqs or 0))
+            if target is not flight:
+                at = next(i for i, item in enumerate(self._queue) if isinstance(item, tuple) and item[0] == target)
+                item = self._queue[at]
+                del self._queue[at]
+                self._queue.appendleft(item)
+            done = self._cond.wait_for(lambda: self._in_flight != target and not self._queued(target), WAIT_LIMIT_S)
+            if not done:
+                self._gave_up = self._started
+        self.install()
+        return done
+
+    # ---------------------------------------------------------------- the capture thread
+
+    def _queued(self, pair: Pair) -> bool:
+        return any(isinstance(item, tuple) and item[0] == pair for item in self._queue)
+
+    def _start(self) -> None:
+        """Start the capture thread if there is work and none runs (under the condition's lock)."""
+        if self._queue:
+            self.active = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"cgregistry-capture-{self._name}", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        _thread_owner.owner = self
+        _shorten_switch_interval()
+        try:
+            while True:
+                with self._cond:
+                    if self._stopped:
+                        self._queue.clear()
+                    if not self._queue:
+                        self._thread = None
+                        self._cond.notify_all()
+                        return
+                    item = self._queue.popleft()
+                    if isinstance(item, tuple) and self._capturer.context is not None:
+                        item = (item[0], self._capturer.context)  # the registry's capture context as the capture starts
+                    self._in_flight = item if isinstance(item, _Task) else item[0]
+                    self._flight_context = None if isinstance(item, _Task) else item[1]
+                    self._flight_stale = False
+                    self._started += 1
+                self._finish(item, *self._run(item))
+        finally:
+            _restore_switch_interval()
+            _thread_owner.owner = None
+
+    def _run(self, item: tuple[Pair, Any] | _Task) -> tuple[Any, BaseException | None]:
+        try:
+            if isinstance(item, _Task):
+                return item.run(), None
+            return self._capturer.capture_key(item[0], item[1], background=True), None
+        except BaseException as exc:  # reported to the serving thread, never lost in this one
+            return None, exc
+
+    def _finish(self, item: tuple[Pair, Any] | _Task, result: Any, error: BaseException | None) -> None:
+        with self._cond:
+            if isinstance(item, _Task):
+                self._ready.append(TaskDone(result, error, item.on_done))
+            elif item[0] in self._dropped:
+                self._dropped.discard(item[0])
+            else:
+                if error is not None and not isinstance(error, CaptureError):
+                    error = CaptureError(item[0][0], item[0][1], error)
+                self._ready.append(Captured(item[0], result, error, item[1]))
+            self._in_flight = self._flight_context = None
+            self._cond.notify_all()
+
+
+def _shorten_switch_interval() -> None:
+    with _switch_lock:
+        _switch_state[0] += 1
+        if _switch_state[0] == 1 and SWITCH_INTERVAL_S is not None and SWITCH_INTERVAL_S < sys.getswitchinterval():
+            _switch_state[1] = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
+            _switch_state[2] = sys.getswitchinterval()
+
+
+def _restore_switch_interval() -> None:
+    with _switch_lock:
+        _switch_state[0] -= 1
+        if _switch_state[0] == 0 and _switch_state[1] is not None:
+            if sys.getswitchinterval() == _switch_state[2]:  # unless someone else changed it meanwhile
+                sys.setswitchinterval(_switch_state[1])
+            _switch_state[1] = _switch_state[2] = None
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At interpreter exit, drop queued captures and let the one in flight finish (no capture left open)."""
+    deadline = time.monotonic() + 60
+    for background in list(_instances):
+        background.stop()
+        with background._cond:
+            background._queue.clear()
+        background.wait(timeout=max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,273 @@
+"""The memory ledger: the device memory a plan's capture will take, known before it is captured.
+
+Engines size their KV cache before they capture (graphs bake in its address), so they need the
+graphs' bytes first.  ``reg.estimate_memory(plan)`` captures the plan as ``capture(plan)`` would (the
+same order, pool sharing and warm-up stream) but into a scratch pool, on static inputs of its own at
+their fills (so nothing of the engine's state is touched), with a background capture's safety beside
+a serving thread; it measures what each key took of the device, drops everything, and predicts what
+dropping it gave back.
+
+Why the whole plan and not a few keys extrapolated: what a key adds depends on what was captured
+before it (a warm-up's cached activations serve later keys' eager breaks and the outputs they keep,
+the driver hands what a dead graph held to the next one), and on an H200 a model of a few probes
+missed a Hugging Face ``full_and_breakable`` plan by 10% where this predicts it to the byte
+(docs/performance.md).  What the estimate leaves on the device (the process's first CUDA work:
+kernels loaded, cuBLAS handles; and what the driver keeps of its dropped graphs) the capture that
+follows reuses rather than takes again, so it is taken off the first keys' bytes.
+
+The per-key table says what each key adds in capture order; ``key_bytes`` prices any key (its
+strategy's measured keys interpolated by token count: what stays of a key whatever else is
+captured) for ``CapturePlan.fit(max_bytes=...)``, and ``fixed_bytes`` the pool and warm-up.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from cgregistry.capture.background import background_order
+from cgregistry.store.buffers import StaticBuffer
+from cgregistry.capture.entry import EntryCapture, paused_gc
+from cgregistry.key.descriptor import BatchDescriptor
+from cgregistry.store.entries import Pair
+from cgregistry.text import text_table
+
+__all__ = ["KeyMemory", "MemoryEstimate", "Probe", "estimate_memory"]
+
+
+@attrs.frozen(slots=True)
+class Probe:
+    """One key captured to be measured, and its price: what it adds to a plan beside the pool and warm-up every plan pays."""
+
+    key: BatchDescriptor
+    strategy: str
+    pool_bytes: int  # what its capture grew its pool by (its own pool's size where it has one)
+    own_bytes: int  # its price: the driver's graph objects and the tensors it keeps alive (cpu: the graph's own count)
+    warmup_bytes: int  # kept for records made by hand (an estimate prices the warm-up once, in ``MemoryEstimate.warmup_bytes``)
+    input_bytes: int  # static inputs of its own (a background capture's)
+    seconds: float
+
+
+@attrs.frozen(slots=True)
+class KeyMemory:
+    """One key of a plan: the device memory its capture will take, in capture order, and how it is made up."""
+
+    key: BatchDescriptor
+    strategy: str
+    bytes: int  # what capturing it adds, in order (the first keys also carry the pool, the warm-up, what the estimate left)
+    own_bytes: int  # its price, ``key_bytes``: graph objects, kept tensors (in the background its own pool and inputs too)
+    pool_bytes: int  # what its capture grew its pool by (its own pool's size where it has one)
+    capture_seconds: float
+    probed: bool  # measured (every key of an estimated plan is; ``key_bytes`` interpolates others)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+@attrs.frozen(slots=True)
+class MemoryEstimate:
+    """What capturing a plan will take: per key, the shared pool, the warm-up's cache and the static inputs."""
+
+    backend: str
+    background: bool
+    keys: tuple[KeyMemory, ...]
+    pool_bytes: int  # the shared pool (the largest growth one key gave it)
+    warmup_bytes: int  # the rest of the fixed part: capture_bytes less the pool and every key's price (the warm-up's cache)
+    static_input_bytes: int  # the registry's own static inputs (allocated when it was made)
+    probes: tuple[Probe, ...]
+    shared_strategies: frozenset[str] = frozenset()  # strategies whose background keys share the pool (whole graphs)
+
+    @property
+    def capture_bytes(self) -> int:
+        """What ``capture(plan)`` will take from the device (the static inputs exist already)."""
+        return sum(k.bytes for k in self.keys)
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything the plan's graphs need, the static inputs included."""
+        return self.capture_bytes + self.static_input_bytes
+
+    @property
+    def capture_seconds(self) -> float:
+        return sum(k.capture_seconds for k in self.keys)
+
+    def key_bytes(self, key: BatchDescriptor, strategy: str) -> int:
+        """What a key of ``strategy`` adds beside the shared pool, for any key (interpolated): the price of a key in
+        ``CapturePlan.fit(max_bytes=...)``.  In a background estimate that includes the key's own static inputs, and
+        its own pool where its strategy does not share one (as ``keys`` counts them)."""
+        f = _interpolate(self.probes, key, strategy)
+        if not self.background:
+            return f.own_bytes
+        return f.own_bytes + f.input_bytes + (0 if strategy in self.shared_strategies else f.pool_bytes)
+
+    def fixed_bytes(self) -> int:
+        """What a plan with this estimate's largest keys takes whatever else it holds: the pool and the warm-up."""
+        return self.pool_bytes + self.warmup_bytes
+
+    def table(self) -> str:
+        rows = [("key", "strategy", "bytes", "own", "pool need", "capture ms", "")]
+        for k in self.keys:
+            rows.append((str(k.key), k.strategy, _size(k.bytes), _size(k.own_bytes), _size(k.pool_bytes),
+                         f"{k.capture_seconds * 1e3:.1f}", "probed" if k.probed else ""))
+        summary = (f"{len(self.keys)} keys on {self.backend}{' (background)' if self.background else ''}: capture "
+                   f"{_size(self.capture_bytes)} (pool {_size(self.pool_bytes)}, warm-up {_size(self.warmup_bytes)}, "
+                   f"per key {_size(self.capture_bytes - self.pool_bytes - self.warmup_bytes)}), static inputs "
+                   f"{_size(self.static_input_bytes)}; about {self.capture_seconds:.2f} s to capture")
+        return "\n".join([*text_table(rows), summary])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend, "background": self.background, "capture_bytes": self.capture_bytes,
+            "total_bytes": self.total_bytes, "pool_bytes": self.pool_bytes, "warmup_bytes": self.warmup_bytes,
+            "static_input_bytes": self.static_input_bytes, "capture_seconds": self.capture_seconds,
+            "keys": [{"key": attrs.asdict(k.key), "strategy": k.strategy, "bytes": k.bytes, "own_bytes": k.own_bytes,
+                      "pool_bytes": k.pool_bytes, "capture_seconds": k.capture_seconds, "probed": k.probed} for k in self.keys],
+        }
+
+
+def _interpolate(probes: Sequence[Probe], key: BatchDescriptor, strategy: str) -> Probe:
+    """A key's figures from the probes of its strategy (and LoRA count, where probed), linear in token count."""
+    same = [p for p in probes if p.strategy == strategy]
+    if not same:
+        priced = sorted({p.strategy for p in probes})
+        raise ValueError(
+            f"this memory estimate prices no key of strategy {strategy!r} (it prices {priced}): estimate a plan that "
+            "holds keys of every strategy to be priced, e.g. reg.estimate_memory(plan) of the plan the engine captures"
+        )
+    exact = [p for p in same if p.key == key]
+    if exact:
+        return exact[0]
+    lora = [p for p in same if p.key.num_active_loras == key.num_active_loras] or same
+    ordered = sorted(lora, key=lambda p: p.key.num_tokens)
+    tokens = [p.key.num_tokens for p in ordered]
+    at = bisect.bisect_left(tokens, key.num_tokens)
+    low, high = ordered[max(0, min(at - 1, len(ordered) - 1))], ordered[min(at, len(ordered) - 1)]
+    if low is high or high.key.num_tokens == low.key.num_tokens:
+        share = 0.0
+    else:
+        share = min(1.0, max(0.0, (key.num_tokens - low.key.num_tokens) / (high.key.num_tokens - low.key.num_tokens)))
+
+    def mix(a: float, b: float) -> float:
+        return a + (b - a) * share
+
+    return Probe(key, strategy, int(mix(low.pool_bytes, high.pool_bytes)), int(mix(low.own_bytes, high.own_bytes)),
+                 int(mix(low.warmup_bytes, high.warmup_bytes)), int(mix(low.input_bytes, high.input_bytes)),
+                 mix(low.seconds, high.seconds))
+
+
+def estimate_memory(
+    one: EntryCapture, pairs: Sequence[Pair], strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
+    *, background: bool, whole_graph: Callable[[str], bool],
+) -> MemoryEstimate:
+    """Capture ``pairs`` (plan order) as ``capture(pairs, background=background)`` would, into scratch, measure each key,
+    and let everything go (see the module's docstring).
+
+    ``strategies(name)`` gives a strategy object; ``run(fn, *args, **kwargs)`` runs a capture under the registry's
+    capture context; ``whole_graph(name)``: the strategy shares the pool in the background too.
+    """
+    backend = one.backend
+    device_memory = getattr(backend, "device_memory", None)
+    release = getattr(backend, "release_cached", None) or (lambda: None)
+    order = background_order(pairs) if background else list(pairs)
+    gc.collect()
+    release()
+    try:
+        measured, held = _capture_all(one, order, strategies, run, payload, background, whole_graph, device_memory)
+    finally:  # on an error too: nothing captured for the estimate outlives it (the error's frames are cleared)
+        gc.collect()
+        release()
+    probes = [p for p, _ in measured]
+    taken = [t for _, t in measured]
+    if device_memory is not None and taken:
+        # What dropping the scratch graphs gave back is what the capture will take: what the estimate leaves (kernels
+        # loaded, cuBLAS handles, what the driver keeps of dead graphs) the capture reuses.  The difference from the
+        # keys' own measurements (that, and what ran between them) is taken from, or given to, the first keys.
+        change = (held - device_memory()[0]) - sum(taken)
+        if change >= 0:
+            taken[0] += change
+        else:
+            for i, t in enumerate(taken):
+                cut = min(-change, t)
+                taken[i], change = t - cut, change + cut
+    if device_memory is not None:
+        probes = _priced_first(probes)
+    shared = [p for p in probes if not background or whole_graph(p.strategy)]
+    pool_bytes = max((p.pool_bytes for p in shared), default=0) if device_memory is not None else 0
+    sharing = frozenset(name for name in {p[1] for p in pairs} if whole_graph(name))
+    estimate = MemoryEstimate(backend.name, background, (), pool_bytes, 0, _storage_bytes(one.buffers.values()), tuple(probes), sharing)
+    keys = tuple(KeyMemory(p.key, p.strategy, t, estimate.key_bytes(p.key, p.strategy), p.pool_bytes, p.seconds, True)
+                 for p, t in zip(probes, taken))
+    warmup = max(0, sum(taken) - pool_bytes - sum(k.own_bytes for k in keys)) if device_memory is not None else 0
+    return attrs.evolve(estimate, keys=keys, warmup_bytes=warmup)
+
+
+def _capture_all(
+    one: EntryCapture, order: Sequence[Pair], strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
+    background: bool, whole_graph: Callable[[str], bool], device_memory: Callable[[], tuple[int, int]] | None,
+) -> tuple[list[tuple[Probe, int]], int]:
+    """Each key of ``order`` captured into scratch, all alive until the last is measured (as a plan's entries are while
+    it is captured), then dropped: each key's probe and what it took of the device (cpu: the emulator's count), and the
+    device memory in use with all of them alive (0 where the backend measures none).
+
+    A key's price (``Probe.own_bytes``) is what stays of its capture whatever else is captured: what it took outside the
+    caching allocator (the driver's graph objects) and the tensors it keeps alive in it (results kept between eager
+    breaks: 64 KiB a token on the Hugging Face engine).  The rest (the pool growing to its need, the warm-up's cache)
+    is the pool and warm-up every plan pays, priced once (``fixed_bytes``); in the background its own inputs and pool
+    are its own (``key_bytes`` adds them)."""
+    pool = one.backend.new_pool()
+    live = getattr(one.backend, "live_bytes", None) or (lambda: 0)
+    before_inputs = device_memory()[0] if device_memory is not None else 0
+    inputs = None if background else {name: buf.sized(buf.capacity) for name, buf in one.buffers.items()}
+    scratch_inputs = device_memory()[0] - before_inputs if device_memory is not None else 0  # a capture has its own
+    entries: list[Any] = []
+    measured = []
+    try:
+        with paused_gc():
+            for key, name in order:
+                shares = not background or whole_graph(name)
+                before, live_before = (device_memory(), live()) if device_memory is not None else ((0, 0), 0)
+                entry = run(one.capture, key, name, strategies(name), payload, background=background, scratch=True,
+                            scratch_pool=pool if shares else None, scratch_inputs=inputs)
+                entries.append(entry)
+                if device_memory is None:  # the emulator counts a graph's bytes, and nothing else
+                    measured.append((Probe(key, name, 0, entry.memory_bytes, 0, 0, entry.capture_seconds), entry.memory_bytes))
+                    continue
+                used, reserved = device_memory()
+                own_inputs = _storage_bytes(entry.buffers or ()) if background else 0
+                outside = max(0, (used - before[0]) - (reserved - before[1]))
+                kept = max(0, live() - live_before - own_inputs)  # tensors it keeps alive (results kept between eager breaks)
+                price = outside + kept
+                measured.append((Probe(key, name, entry.memory_bytes, price, 0, own_inputs, entry.capture_seconds), entry.device_bytes))
+        if device_memory is None:
+            return measured, 0
+        one.backend.synchronize()
+        return measured, device_memory()[0] - scratch_inputs
+    finally:  # the entries die here, also when a capture raised (its traceback keeps this frame)
+        entries.clear()
+        entry = inputs = None  # noqa: F841
+
+
+def _priced_first(probes: list[Probe]) -> list[Probe]:
+    """The first key's price: what it took outside the allocator also holds the process's first CUDA work (kernels,
+    cuBLAS handles), so it is priced as the next key of its strategy and LoRA count, else of its strategy, else as
+    the median key (a plan of one key keeps its own, on the safe side)."""
+    if len(probes) < 2:
+        return probes
+    first, rest = probes[0], probes[1:]
+    like = ([p for p in rest if (p.strategy, p.key.num_active_loras) == (first.strategy, first.key.num_active_loras)]
+            or [p for p in rest if p.strategy == first.strategy])
+    price = like[0].own_bytes if like else sorted(p.own_bytes for p in rest)[len(rest) // 2]
+    return [attrs.evolve(first, own_bytes=price), *rest]
+
+
+def _storage_bytes(buffers: Iterable[StaticBuffer]) -> int:
+    return sum(buf.tensor.untyped_storage().nbytes() for buf in buffers)

@@ -1,0 +1,93 @@
+"""Events: every hook a registry calls, one typed method each, and the only place that builds hook arguments.
+
+Observer hooks go through ``Plugins.notify`` (one implementation at a time, a raising one reported
+as a warning); an event nobody observes costs an attribute test.  Hooks are given the registry as a
+:class:`~cgregistry.contracts.protocols.RegistryView`: something to read, not to drive.  Events hold it weakly: the
+capture thread, which reports through them, never keeps a registry the engine dropped alive (hooks of a
+registry already collected are not called).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from cgregistry.plan.adapt import PlanChange
+from cgregistry.contracts.protocols import RegistryView
+from cgregistry.key.descriptor import BatchDescriptor
+from cgregistry.store.entries import Entry
+from cgregistry.inspection import Refreshed, Slept
+from cgregistry.key.matcher import Match
+from cgregistry.hooks.manager import Plugins
+from cgregistry.store.routing import Chooser
+from cgregistry.errors import CaptureError
+
+__all__ = ["Events"]
+
+
+class Events:
+    """Tells plugins what a registry did."""
+
+    __slots__ = ("_plugins", "_notify", "_registry", "_backend", "miss_observed")
+
+    def __init__(self, plugins: Plugins, registry: RegistryView, backend: str) -> None:
+        self._plugins = plugins
+        self._notify = plugins.notify
+        self._registry = weakref.ref(registry)
+        self._backend = backend  # the backend name EntryInfo records carry
+        self.miss_observed = plugins.observed("cgregistry_miss")  # an unobserved miss costs nothing
+
+    def chooser(self) -> tuple[Chooser | None, str]:
+        """The ``cgregistry_choose_match`` policy, if a plugin implements it, and the implementing plugins' names."""
+        if not self._plugins.observed("cgregistry_choose_match"):
+            return None, ""
+        hook = self._plugins.pm.hook.cgregistry_choose_match
+        registry = self._registry
+
+        def choose(actual: BatchDescriptor, candidates: list[Match]) -> Any:
+            return hook(registry=registry(), actual=actual, candidates=candidates)
+
+        return choose, ", ".join(i.plugin_name for i in hook.get_hookimpls())
+
+    def _tell(self, hook_name: str, **kwargs: Any) -> None:
+        registry = self._registry()
+        if registry is not None:
+            self._notify(hook_name, registry=registry, **kwargs)
+
+    def registry_created(self) -> None:
+        self._tell("cgregistry_registry_created")
+
+    def capture_started(self, key: BatchDescriptor, strategy: str) -> None:
+        self._tell("cgregistry_capture_started", key=key, strategy=strategy)
+
+    def capture_finished(self, key: BatchDescriptor, strategy: str, entry: Entry | None, error: CaptureError | None) -> None:
+        info = entry.info(self._backend) if entry is not None else None
+        self._tell("cgregistry_capture_finished", key=key, strategy=strategy, entry=info, error=error)
+
+    def miss(self, actual: BatchDescriptor) -> None:
+        if self.miss_observed:
+            self._tell("cgregistry_miss", actual=actual)
+
+    def entry_failed(self, entry: Entry, error: BaseException) -> None:
+        self._tell("cgregistry_entry_failed", key=entry.key, strategy=entry.strategy, error=error)
+
+    def evicted(self, entries: Iterable[Entry]) -> None:
+        for entry in entries:
+            self._tell("cgregistry_evicted", key=entry.key, strategy=entry.strategy, memory_bytes=entry.memory_bytes)
+
+    def released(self, entries: Iterable[Entry]) -> None:
+        for entry in entries:
+            self._tell("cgregistry_released", key=entry.key, strategy=entry.strategy, memory_bytes=entry.memory_bytes)
+
+    def plan_changed(self, change: PlanChange) -> None:
+        self._tell("cgregistry_plan_changed", change=change)
+
+    def refreshed(self, result: Refreshed) -> None:
+        self._tell("cgregistry_refreshed", result=result)
+
+    def slept(self, slept: Slept) -> None:
+        self._tell("cgregistry_slept", slept=slept)
+
+    def woke(self, keys: tuple[tuple[BatchDescriptor, str], ...]) -> None:
+        self._tell("cgregistry_woke", keys=keys)

@@ -1,0 +1,9 @@
+"""The key: ``BatchDescriptor`` (the only place the key's axes live), the kinds of keys, and matching a batch to the
+closest key that covers it."""
+
+from __future__ import annotations
+
+from cgregistry.key.descriptor import BatchDescriptor, Padding
+from cgregistry.key.matcher import Candidate, Explanation, Match, Matcher, PaddingCap
+
+__all__ = ["BatchDescriptor", "Candidate", "Explanation", "Match", "Matcher", "Padding", "PaddingCap"]

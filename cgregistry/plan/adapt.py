@@ -1,0 +1,436 @@
+"""Adaptation: when and how a registry's plan follows the batch shapes it actually serves.
+
+The registry counts the actual shapes it runs into a ``TrafficHistogram``; when
+``Adaptation.due`` says so, ``propose`` fits a plan to the counts with the exact
+fitter (``CapturePlan.fit``) under the graph budget and compares it with the keys
+the registry holds; a ``PlanChange`` (keys to capture, keys to release) comes back
+only when it serves more steps from graphs, brings the plan within its budget, or
+saves at least ``min_gain`` of the padded tokens.  Pure policy: no registry, no
+capture, no torch graphs.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from cgregistry.key.descriptor import BatchDescriptor
+from cgregistry.plan.fit import PlanReport, Workload, evaluate, workload_counts
+from cgregistry.key.matcher import DEFAULT_PREFERENCE
+from cgregistry.plan.build import CapturePlan, PlanSettings
+
+__all__ = ["REASONS", "Adaptation", "PlanChange", "PlanScore", "Replay", "TrafficHistogram", "propose", "refit", "replay"]
+
+Pair = tuple[BatchDescriptor, str]
+
+# Why a change is proposed, in the order ``propose`` checks them.
+REASONS: dict[str, str] = {
+    "budget": "the current keys exceed max_graphs or max_bytes",
+    "coverage": "the fitted plan serves more observed steps from graphs",
+    "padding": "the fitted plan saves at least min_gain of the padded tokens",
+}
+
+
+def _count(name: str, minimum: int) -> Any:
+    def check(instance: Any, attribute: Any, value: object) -> None:
+        if type(value) is not int or value < minimum:
+            raise ValueError(f"Adaptation.{name} must be an int >= {minimum}, got {value!r}")
+
+    return check
+
+
+def _fraction(name: str, low: float, high: float, closed_low: bool, closed_high: bool) -> Any:
+    bounds = f"{'[' if closed_low else '('}{low}, {high}{']' if closed_high else ')'}"
+
+    def check(instance: Any, attribute: Any, value: object) -> None:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        if ok:
+            v = float(value)  # type: ignore[arg-type]
+            ok = (low <= v if closed_low else low < v) and (v <= high if closed_high else v < high)
+        if not ok:
+            raise ValueError(f"Adaptation.{name} must be a number in {bounds}, got {value!r}")
+
+    return check
+
+
+def _as_settings(value: object) -> PlanSettings:
+    """A ``PlanSettings``, or one built from a mapping of its fields (whose errors name the setting)."""
+    if isinstance(value, PlanSettings):
+        return value
+    if isinstance(value, Mapping):
+        return PlanSettings(**value)
+    raise ValueError(
+        f"Adaptation.settings must be a PlanSettings or a mapping of its fields (max_num_seqs, max_num_tokens, mode, ...), got {value!r}"
+    )
+
+
+@attrs.frozen(slots=True, kw_only=True)
+class Adaptation:
+    """How a registry adapts its plan: the budget, the settings to fit with, and how eagerly to change.
+
+    ``max_graphs``: graphs the plan may hold.  ``settings``: what ``CapturePlan.fit`` takes (a
+    ``PlanSettings`` or a mapping of its fields).  ``every_steps``: refit after this many
+    observed steps since the last refit; ``min_steps``: none before this many in all.
+    ``decay`` in (0, 1]: counts are multiplied by it at each refit, so old traffic fades
+    (1: never).  ``min_gain`` in [0, 1): change the plan for padding only when it saves at
+    least this fraction of the padded tokens on the observed traffic (hysteresis against noise).
+
+    ``max_bytes`` (with ``memory``, a ``reg.estimate_memory()`` result that prices each key), as well
+    as or instead of ``max_graphs``: the plan's capture may take at most that much device memory
+    (every fitted plan keeps the max capture size, so the shared pool is the same for every refit;
+    what differs is each key's own bytes, ``memory.key_bytes``).
+    """
+
+    max_graphs: int | None = attrs.field(default=None, validator=attrs.validators.optional(_count("max_graphs", 1)))
+    settings: PlanSettings = attrs.field(default=None, converter=_as_settings)
+    every_steps: int = attrs.field(default=10_000, validator=_count("every_steps", 1))
+    min_steps: int = attrs.field(default=10_000, validator=_count("min_steps", 0))
+    decay: float = attrs.field(default=0.9, validator=_fraction("decay", 0, 1, False, True))
+    min_gain: float = attrs.field(default=0.1, validator=_fraction("min_gain", 0, 1, True, False))
+    max_bytes: int | None = attrs.field(default=None, validator=attrs.validators.optional(_count("max_bytes", 0)))
+    memory: Any = attrs.field(default=None, eq=False, repr=False)  # a MemoryEstimate: prices keys for max_bytes
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_graphs is None and self.max_bytes is None:
+            raise ValueError("Adaptation needs max_graphs, max_bytes (with memory=reg.estimate_memory(plan)), or both")
+        if self.max_bytes is not None and not callable(getattr(self.memory, "key_bytes", None)):
+            raise ValueError(f"Adaptation.max_bytes needs memory=reg.estimate_memory(plan) to price each key, got {self.memory!r}")
+        if self.settings.mode == "none":
+            raise ValueError("Adaptation.settings: mode 'none' captures no graphs, so there is nothing to adapt; use a mode with a strategy")
+        try:  # the budget must hold the keys every fitted plan keeps: fail here, not at the first refit
+            self.fit({})
+        except ValueError as exc:
+            raise ValueError(f"Adaptation: {exc}") from None
+
+    def fit(self, steps: Workload) -> CapturePlan:
+        """The plan fitted to ``steps`` under this adaptation's budgets."""
+        return CapturePlan.fit(steps, self.max_graphs, self.settings, max_bytes=self.max_bytes, memory=self.memory)
+
+    def over_budget(self, pairs: Sequence[Pair]) -> bool:
+        """Whether keys exceed the graph budget, or the byte budget by the estimate's prices."""
+        if self.max_graphs is not None and len(pairs) > self.max_graphs:
+            return True
+        if self.max_bytes is None:
+            return False
+        return self.memory.fixed_bytes() + sum(self.memory.key_bytes(k, s) for k, s in pairs) > self.max_bytes
+
+    def due(self, histogram: TrafficHistogram) -> bool:
+        """Whether a refit is due: ``min_steps`` observed in all and ``every_steps`` since the last refit."""
+        return histogram.observed >= self.min_steps and histogram.fresh >= self.every_steps
+
+
+class TrafficHistogram(Mapping[BatchDescriptor, float]):
+    """Steps per actual shape, older ones decayed: the traffic a refit fits to.
+
+    Counts are floats so decay is exact; a shape whose count falls below one half (no
+    step, once rounded) is dropped.  ``steps()`` gives the rounded counts the fitter
+    takes.  ``observed`` counts every step added, ``fresh`` those since the last
+    ``decay``.  Not thread-safe: one thread adds, decays and proposes.
+    """
+
+    __slots__ = ("_counts", "fresh", "observed")
+
+    def __init__(self, counts: Workload | None = None) -> None:
+        self._counts: dict[BatchDescriptor, float] = {}
+        self.observed = 0
+        self.fresh = 0
+        if counts is not None:
+            self.add(counts)
+
+    def add(self, counts: Workload) -> None:
+        """Count steps: a ``{shape: steps}`` harvest (ints >= 0) or a stream of shapes."""
+        harvest = workload_counts(counts, "TrafficHistogram.add()")
+        for shape, n in harvest.items():
+            self._counts[shape] = self._counts.get(shape, 0.0) + n
+        n = sum(harvest.values())
+        self.observed += n
+        self.fresh += n
+
+    def decay(self, factor: float) -> None:
+        """Multiply every count by ``factor`` in (0, 1] (older traffic weighs less) and start a new refit period."""
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
+            raise ValueError(f"decay factor must be a number in (0, 1], got {factor!r}")
+        self._counts = {s: c * factor for s, c in self._counts.items() if c * factor >= 0.5}
+        self.fresh = 0
+
+    @property
+    def total(self) -> float:
+        """The decayed step count: the weight of the traffic a refit sees."""
+        return sum(self._counts.values())
+
+    def steps(self) -> dict[BatchDescriptor, int]:
+        """Counts rounded to whole steps (half up), the workload ``CapturePlan.fit`` takes."""
+        return {s: math.floor(c + 0.5) for s, c in self._counts.items()}
+
+    def __getitem__(self, shape: BatchDescriptor) -> float:
+        return self._counts[shape]
+
+    def __iter__(self) -> Iterator[BatchDescriptor]:
+        return iter(self._counts)
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def __repr__(self) -> str:
+        return f"TrafficHistogram({len(self)} shapes, total {self.total:.1f}, observed {self.observed}, fresh {self.fresh})"
+
+
+@attrs.frozen(slots=True)
+class PlanScore:
+    """How a set of keys serves the observed traffic: the numbers a change is judged on."""
+
+    graphs: int
+    steps: int
+    graph_steps: int
+    real_tokens: int  # tokens of graph-served steps
+    padded_tokens: int
+
+    @classmethod
+    def of(cls, report: PlanReport) -> PlanScore:
+        return cls(report.graphs, report.steps, report.graph_steps, report.real_tokens, report.padded_tokens)
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padded tokens over all tokens computed by graphs (``PlanReport.padding_ratio``)."""
+        total = self.real_tokens + self.padded_tokens
+        return self.padded_tokens / total if total else 0.0
+
+
+def _pair_dict(pair: Pair) -> dict[str, Any]:
+    return {"key": attrs.asdict(pair[0]), "strategy": pair[1]}
+
+
+def _pair_of(data: Mapping[str, Any]) -> Pair:
+    return BatchDescriptor(**data["key"]), data["strategy"]
+
+
+@attrs.frozen(slots=True)
+class PlanChange:
+    """One refit's outcome: keys to capture (largest first), keys to release, and why.
+
+    ``before`` and ``after`` score the current and the new keys on the traffic the refit
+    saw; ``observed`` is the registry's step count when it was proposed; ``reason`` is a
+    ``REASONS`` name.
+    """
+
+    added: tuple[Pair, ...]
+    removed: tuple[Pair, ...]
+    before: PlanScore
+    after: PlanScore
+    observed: int
+    reason: str
+
+    @property
+    def gain(self) -> float:
+        """The fraction of padded tokens saved (negative when a budget cut costs padding; 0 with none before)."""
+        b = self.before.padded_tokens
+        return (b - self.after.padded_tokens) / b if b else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The change as JSON-serialisable data (``from_dict`` reads it back)."""
+        return {
+            "reason": self.reason,
+            "observed": self.observed,
+            "added": [_pair_dict(p) for p in self.added],
+            "removed": [_pair_dict(p) for p in self.removed],
+            "before": attrs.asdict(self.before),
+            "after": attrs.asdict(self.after),
+            "gain": self.gain,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlanChange:
+        """A change from ``to_dict``'s form (``gain`` is derived, so it is not read)."""
+        if data.get("reason") not in REASONS:
+            raise ValueError(f"PlanChange reason must be one of {', '.join(REASONS)}, got {data.get('reason')!r}")
+        if type(data.get("observed")) is not int or data["observed"] < 0:
+            raise ValueError(f"PlanChange observed must be an int >= 0 (steps), got {data.get('observed')!r}")
+        return cls(
+            added=tuple(_pair_of(p) for p in data["added"]),
+            removed=tuple(_pair_of(p) for p in data["removed"]),
+            before=PlanScore(**data["before"]),
+            after=PlanScore(**data["after"]),
+            observed=data["observed"],
+            reason=data["reason"],
+        )
+
+    def __str__(self) -> str:
+        b, a = self.before, self.after
+        return (
+            f"plan change ({self.reason}: {REASONS[self.reason]}) after {self.observed} steps: +{len(self.added)} -{len(self.removed)} keys, "
+            f"{b.graphs} -> {a.graphs} graphs, graph-served steps {b.graph_steps} -> {a.graph_steps} of {a.steps}, "
+            f"padding {b.padding_ratio:.2%} -> {a.padding_ratio:.2%}"
+        )
+
+
+def _pairs(current: Sequence[Pair]) -> list[Pair]:
+    out: list[Pair] = []
+    for i, pair in enumerate(current):
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], BatchDescriptor) and isinstance(pair[1], str)):
+            raise TypeError(f"propose() takes the current keys as (BatchDescriptor, strategy) pairs; current[{i}] is {pair!r}")
+        out.append(pair)
+    return list(dict.fromkeys(out))
+
+
+def propose(
+    histogram: TrafficHistogram | Workload,
+    current: Sequence[Pair],
+    adaptation: Adaptation,
+    *,
+    preference: Sequence[str] = DEFAULT_PREFERENCE,
+    max_padding_tokens: int | None = None,
+    max_padding_ratio: float | None = None,
+    observed: int | None = None,
+) -> PlanChange | None:
+    """The change from ``current`` keys to the plan fitted to ``histogram``, or None when it is not worth making.
+
+    Both key sets are scored on the histogram through the matcher with ``preference`` and the
+    padding cap (the registry's).  A change is proposed when the current keys exceed
+    ``max_graphs`` ("budget"), when the fitted plan serves more steps from graphs
+    ("coverage"), or when it pads at least ``min_gain`` fewer tokens ("padding"); never when
+    it would serve fewer steps from graphs (a current key beyond the settings' max capture
+    size, say), nor when the keys are the same.  The fitted plan keeps ``build``'s covering
+    keys, so they are never removed.  ``observed`` (steps served so far, for the record)
+    defaults to the histogram's own count.
+    """
+    if isinstance(histogram, TrafficHistogram):
+        weights, seen = histogram.steps(), histogram.observed
+    else:
+        weights = dict(workload_counts(histogram, "propose()"))
+        seen = sum(weights.values())
+    if observed is None:
+        observed = seen
+    if not weights:
+        return None
+    pairs = _pairs(current)
+    held_plan = CapturePlan.of(pairs)
+    fitted = adaptation.fit(weights)
+    cap = {"max_padding_tokens": max_padding_tokens, "max_padding_ratio": max_padding_ratio}
+    before = PlanScore.of(evaluate(held_plan, weights, preference, **cap))
+    after = PlanScore.of(evaluate(fitted, weights, preference, **cap))
+    new = [(e.descriptor, e.strategy) for e in fitted]
+    held, kept = set(pairs), set(new)
+    added = tuple(p for p in new if p not in held)  # largest first, the order to capture them in
+    removed = tuple((e.descriptor, e.strategy) for e in held_plan if (e.descriptor, e.strategy) not in kept)
+    if (not added and not removed) or after.graph_steps < before.graph_steps:
+        return None
+    if adaptation.over_budget(pairs):
+        reason = "budget"
+    elif after.graph_steps > before.graph_steps:
+        reason = "coverage"
+    elif after.padded_tokens < before.padded_tokens and before.padded_tokens - after.padded_tokens >= adaptation.min_gain * before.padded_tokens:
+        reason = "padding"
+    else:
+        return None
+    return PlanChange(added, removed, before, after, observed, reason)
+
+
+def refit(
+    histogram: TrafficHistogram,
+    current: Sequence[Pair],
+    adaptation: Adaptation,
+    *,
+    preference: Sequence[str] = DEFAULT_PREFERENCE,
+    max_padding_tokens: int | None = None,
+    max_padding_ratio: float | None = None,
+) -> PlanChange | None:
+    """One step of the adaptation loop, after each harvest: when due, ``propose``, then decay the histogram.
+
+    None when no refit is due or the refit proposes nothing; the matching arguments go to ``propose``.
+    """
+    if not isinstance(histogram, TrafficHistogram):
+        raise TypeError(f"refit() takes a TrafficHistogram (it decays it), got {type(histogram).__name__}; propose() takes a plain workload")
+    if not adaptation.due(histogram):
+        return None
+    change = propose(
+        histogram, current, adaptation,
+        preference=preference, max_padding_tokens=max_padding_tokens, max_padding_ratio=max_padding_ratio,
+    )
+    histogram.decay(adaptation.decay)
+    return change
+
+
+@attrs.frozen(slots=True)
+class Replay:
+    """The adaptation loop driven over recorded steps (``replay``): how each window of steps was served, and the changes.
+
+    ``windows[i]`` scores steps ``[i * window, (i + 1) * window)`` with the keys held when each was served
+    (``graphs``: the keys held at the window's end); ``changes`` are the plan changes in order; ``keys``
+    are the keys held at the end.
+    """
+
+    window: int
+    windows: tuple[PlanScore, ...]
+    changes: tuple[PlanChange, ...]
+    keys: tuple[Pair, ...]
+
+    def padding_per_real_token(self) -> list[float]:
+        """Each window's padded tokens per real token of its graph-served steps (0 where graphs served none)."""
+        return [w.padded_tokens / w.real_tokens if w.real_tokens else 0.0 for w in self.windows]
+
+
+def _positive(name: str, value: object) -> int:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"replay() {name} must be an int >= 1 (steps), got {value!r}")
+    return value
+
+
+def replay(
+    steps: Sequence[BatchDescriptor],
+    adaptation: Adaptation,
+    current: Sequence[Pair] = (),
+    *,
+    harvest: int = 100,
+    window: int = 1000,
+    preference: Sequence[str] = DEFAULT_PREFERENCE,
+    max_padding_tokens: int | None = None,
+    max_padding_ratio: float | None = None,
+) -> Replay:
+    """Serve ``steps`` (in order) starting from the ``current`` keys, adapting as a registry with ``adaptation`` would.
+
+    Every ``harvest`` steps are served with the keys held, then added to the histogram, and a due refit's
+    change holds from the next harvest on (a registry captures the added keys in the background meanwhile,
+    serving their batches from other keys or eagerly: a little later, not more padded).  What to tune
+    ``every_steps``, ``min_steps`` and ``decay`` on, with a trace of your own traffic (docs/adaptive.md).
+    """
+    harvest, window = _positive("harvest", harvest), _positive("window", window)
+    workload_counts(steps, "replay()")  # every step a BatchDescriptor, an error naming the first that is not
+    cap = {"max_padding_tokens": max_padding_tokens, "max_padding_ratio": max_padding_ratio}
+    held = _pairs(current)
+    histogram = TrafficHistogram()
+    changes: list[PlanChange] = []
+    windows: list[PlanScore] = []
+    served: Counter[BatchDescriptor] = Counter()  # steps of this window served by the keys held, not scored yet
+    totals = [0, 0, 0, 0]  # steps, graph steps, real tokens, padded tokens of this window's scored steps
+
+    def score() -> None:  # the steps served so far by the keys held (scored once per window or change)
+        if served:
+            report = evaluate(CapturePlan.of(held), served, preference, **cap)
+            for i, n in enumerate((report.steps, report.graph_steps, report.real_tokens, report.padded_tokens)):
+                totals[i] += n
+            served.clear()
+
+    for start in range(0, len(steps), harvest):
+        end = min(start + harvest, len(steps))
+        lo = start
+        while lo < end:  # a harvest may straddle windows
+            hi = min(end, (lo // window + 1) * window)
+            served.update(steps[lo:hi])
+            if hi % window == 0 or hi == len(steps):
+                score()
+                windows.append(PlanScore(len(held), *totals))
+                totals = [0, 0, 0, 0]
+            lo = hi
+        histogram.add(workload_counts(steps[start:end], "replay()"))
+        change = refit(histogram, held, adaptation, preference=preference, **cap)
+        if change is not None:
+            score()
+            gone = set(change.removed)
+            held = [p for p in held if p not in gone] + list(change.added)
+            changes.append(change)
+    return Replay(window, tuple(windows), tuple(changes), tuple(held))

@@ -1,0 +1,314 @@
+"""The tensors graphs read: where they were when each graph was captured, and a generation that moves the moment a
+watched module registers a new one.
+
+A graph reads the addresses it saw at capture.  An in-place update of a weight (``param.copy_``,
+``load_state_dict`` without ``assign``, an adapter copied into existing slots) keeps them, so graphs
+compute with the new values.  A replacement moves them (``load_state_dict(assign=True)``,
+``module.weight = nn.Parameter(...)``, a replaced submodule or buffer, an adapter added): graphs would go
+on reading the old, perhaps freed, memory, or miss the new tensor.  So each entry keeps what it read
+(``seen()``, one object shared by the captures that read the same addresses) and the ``generation`` it
+was captured in; the generation moves when a watched module registers a parameter, buffer or submodule
+(torch's global registration hooks) and when ``rebase()`` finds a change, and a replay whose entry is of
+an older generation compares that entry's addresses first.  A change that registers nothing
+(``param.data = t``, ``torch.utils.swap_tensors``, a deleted submodule or one set to None, a global
+rebound to another module) is only seen by a comparison: at ``refresh()``, and before every replay in
+debug mode.  Which modules and tensors a step reads is found by :mod:`cgregistry.state.reach`.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from cgregistry.errors import WeightsMovedError
+
+__all__ = ["WeightWatch", "WeightsMovedError"]
+
+# Where a tensor's memory is and how a kernel reads it: (address, shape, strides, dtype).  A replacement at the same
+# address with another layout (a weight re-registered as its transposed view) moves it too.
+Layout = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]
+Seen = Mapping[str, "Layout | None"]  # a watched tensor's name to its layout when a graph was captured
+
+
+def _layout(tensor: torch.Tensor) -> Layout:
+    try:
+        strides = tensor.stride()
+    except RuntimeError:  # a sparse or nested tensor: its address and shape say what there is to say
+        strides = ()
+    return (tensor.data_ptr(), tuple(tensor.shape), strides, tensor.dtype)
+
+
+class _ModuleSlot:
+    """A parameter or buffer of a module, looked up from the root by its path each time: a replaced parameter, buffer
+    or submodule is seen, and so is a root rebound (``root`` is called: a global or a closure cell read anew)."""
+
+    __slots__ = ("root", "path", "table", "name")
+
+    def __init__(self, root: Callable[[], Any], path: str, table: str, name: str) -> None:
+        self.root = root
+        self.path = path  # of the submodule holding it ("" for the root)
+        self.table = table  # "_parameters" or "_buffers"
+        self.name = name
+
+    def layout(self) -> Layout | None:
+        module = self.root()
+        if not isinstance(module, nn.Module):
+            return None
+        try:
+            module = module.get_submodule(self.path)
+        except AttributeError:  # the submodule was removed
+            return None
+        tensor = getattr(module, self.table).get(self.name)
+        return None if tensor is None else _layout(tensor)
+
+
+class _Tensor:
+    """A tensor given by ``watch((name, tensor))`` (always that tensor), or read anew (a global or a closure cell)."""
+
+    __slots__ = ("read",)
+
+    def __init__(self, read: Callable[[], Any]) -> None:
+        self.read = read
+
+    def layout(self) -> Layout | None:
+        tensor = self.read()
+        return _layout(tensor) if isinstance(tensor, torch.Tensor) else None
+
+
+def _module_slots(root: Callable[[], Any], prefix: str) -> list[tuple[str, _ModuleSlot]]:
+    module = root()
+    if not isinstance(module, nn.Module):
+        return []
+    slots = []
+    for path, sub in module.named_modules():
+        for table in ("_parameters", "_buffers"):
+            for name, tensor in getattr(sub, table).items():
+                if tensor is not None:
+                    slots.append((f"{prefix}{path + '.' if path else ''}{name}", _ModuleSlot(root, path, table, name)))
+    return slots
+
+
+# Every module of a watched tree, to the watches that want to hear of a registration on it.
+_listeners: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[WeightWatch]] = weakref.WeakKeyDictionary()
+_hooks_lock = threading.Lock()
+_hooks_installed = False
+
+
+def _registered(module: nn.Module, name: str, value: Any) -> None:
+    """torch's registration hook (parameters, buffers, submodules of any module): tell the watches of this module."""
+    watches = _listeners.get(module)
+    if watches:
+        for watch in list(watches):
+            watch.changed(f"{type(module).__name__}.{name}")
+
+
+def _install_hooks() -> None:
+    global _hooks_installed
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        from torch.nn.modules import module as torch_module
+
+        for register in (
+            torch_module.register_module_parameter_registration_hook,
+            torch_module.register_module_buffer_registration_hook,
+            torch_module.register_module_module_registration_hook,
+        ):
+            register(_registered)  # returns None: the hooks observe, they never replace what is registered
+        _hooks_installed = True
+
+
+class _Root:
+    """A module watched whole: how to read it (anew each time: a global or a closure cell may be rebound) and its
+    names' prefix."""
+
+    __slots__ = ("read", "prefix")
+
+    def __init__(self, read: Callable[[], Any], prefix: str) -> None:
+        self.read, self.prefix = read, prefix
+
+
+class WeightWatch:
+    """The watched tensors (each with its baseline: its address when it was watched or last rebased, or None for one
+    added to a watched module since), and a generation that moves whenever one may have moved."""
+
+    def __init__(self) -> None:
+        self._watched: dict[str, tuple[_ModuleSlot | _Tensor, Layout | None]] = {}  # name -> (source, baseline address)
+        self._roots: list[_Root] = []
+        self._stems: dict[str, list[_Root]] = {}  # the roots by prefix stem (``model`` for ``model.``, ``model#2.``)
+        self.generation = 0  # moves when a watched module registers something, or rebase() finds a move
+        self._walked: tuple[int, tuple[int, ...]] = (-1, ())  # (generation, the roots' objects) at the last walk
+        self.modules_watched = False  # whether any module is watched (a step reading none is warned about)
+        self._last_seen: dict[str, Layout | None] = {}
+
+    def watch(self, named: Iterable[tuple[str, torch.Tensor]] | nn.Module | Callable[[], Any], prefix: str = "",
+              added: bool = False) -> None:
+        """Watch ``(name, tensor)`` pairs, or every parameter and buffer of a module (by name, so replacing one is seen;
+        a callable returning the module is read anew at each comparison).  Each is compared with its address now; a
+        module already watched under ``prefix`` is left as it is, and another module under a taken prefix gets
+        ``prefix#2.``, ``#3.``, ...  ``added``: the step reads it now but did not when the graphs held were captured
+        (an adapter put in a dict the step reads): its tensors have no baseline, so those graphs are stale."""
+        if isinstance(named, nn.Module) or callable(named) and not isinstance(named, Iterable):
+            read: Callable[[], Any] = (lambda m=named: m) if isinstance(named, nn.Module) else named
+            module = read()
+            taken = self._stems.setdefault(_stem(prefix), [])
+            if any(root.read() is module for root in taken):
+                return
+            if taken:
+                prefix = f"{_stem(prefix)}#{len(taken) + 1}."
+            _install_hooks()
+            root = _Root(read, prefix)
+            self._roots.append(root)
+            taken.append(root)
+            self.modules_watched = True
+            for name, slot in _module_slots(read, prefix):
+                self._watched.setdefault(name, (slot, None if added else slot.layout()))
+            self._listen(module)
+            if added:
+                self.generation += 1
+            return
+        items = list(named)
+        if items and all(isinstance(item, nn.Module) for item in items):  # a list of modules: each under its index
+            for i, module in enumerate(items):
+                self.watch(module, f"{prefix}[{i}].", added)
+            return
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+                raise TypeError(
+                    "watch() takes an nn.Module, a list of modules, or (name, tensor) pairs; got an item "
+                    f"{type(item).__name__}{f' {item!r}' if not isinstance(item, (nn.Module, torch.Tensor)) else ''}"
+                )
+            name, tensor = item
+            self._watched[f"{prefix}{name}"] = (_Tensor(lambda t=tensor: t), _layout(tensor))
+
+    def watch_read(self, name: str, read: Callable[[], Any], added: bool = False) -> None:
+        """Watch the tensor ``read()`` returns (a global or a closure cell, read anew at each comparison); ``added`` as
+        for ``watch``."""
+        if name not in self._watched:
+            source = _Tensor(read)
+            self._watched[name] = (source, None if added else source.layout())
+            if added:
+                self.generation += 1
+
+    def changed(self, what: str) -> None:
+        """A watched module registered a parameter, buffer or submodule (called by torch's hooks)."""
+        self.generation += 1
+
+    def sync(self) -> None:
+        """Watch what was added to a watched module (or comes with a module a global now names) since the last walk,
+        each with no baseline (no graph captured before read it); walks the modules only when one may have changed."""
+        objects = tuple(id(root.read()) for root in self._roots)
+        if self._walked == (self.generation, objects):
+            return
+        for root in self._roots:
+            for name, slot in _module_slots(root.read, root.prefix):
+                if name not in self._watched:
+                    self._watched[name] = (slot, None)
+            self._listen(root.read())
+        self._walked = (self.generation, objects)
+
+    def now(self) -> dict[str, Layout | None]:
+        """Every watched tensor's address now (None: removed), after ``sync``."""
+        self.sync()
+        return {name: source.layout() for name, (source, _) in self._watched.items()}
+
+    def seen(self) -> Seen:
+        """What a graph captured now reads (the same object as long as nothing moved, so entries share it)."""
+        now = self.now()
+        if now != self._last_seen:
+            self._last_seen = now
+        return self._last_seen
+
+    def joined(self, before: Seen) -> Seen:
+        """What a graph read whose capture began at ``before``, when a watched module registered tensors meanwhile (a
+        cache the step makes at its first call): ``before``'s addresses, and those of the tensors new since.  A tensor
+        ``before`` holds that moved meanwhile keeps its old address, so that graph stays stale (the safe side)."""
+        now = self.seen()
+        return {**{name: ptr for name, ptr in now.items() if name not in before}, **before}
+
+    def reads_current(self, seen: Seen, now: Mapping[str, Layout | None] | None = None) -> bool:
+        """Whether a graph that read ``seen`` reads every watched tensor where it is ``now``: a tensor watched after its
+        capture counts where it was when it was watched, one added to a watched module since makes it stale."""
+        if now is None:
+            now = self.now()
+        if seen is now:
+            return True
+        return not self._moved_for(seen, now, first_only=True)
+
+    def moved_for(self, seen: Seen) -> list[str]:
+        """Each watched tensor a graph that read ``seen`` would read at its old address (or not at all), and why."""
+        return self._moved_for(seen, self.now(), first_only=False)
+
+    def _moved_for(self, seen: Seen, now: Mapping[str, Layout | None], first_only: bool) -> list[str]:
+        found = []
+        watched = self._watched
+        for name, ptr in now.items():
+            was = seen[name] if name in seen else watched[name][1]
+            if ptr != was:
+                found.append(_move(name, was, ptr))
+                if first_only:
+                    return found
+        for name in seen.keys() - now.keys():  # forgotten since (removed, and rebased away): never current
+            found.append(f"{name} was removed")
+        return found
+
+    def moved(self, now: Mapping[str, Layout | None] | None = None) -> list[str]:
+        """Each watched tensor whose address is not its baseline (where it was watched or last rebased)."""
+        if now is None:
+            now = self.now()
+        return [_move(name, base, now[name]) for name, (_, base) in self._watched.items() if now[name] != base]
+
+    def rebase(self, now: Mapping[str, Layout | None] | None = None) -> Seen:
+        """Every tensor's baseline becomes its layout ``now`` (read once, by the caller or here); a removed one is
+        forgotten; the generation moves if anything had moved, come or gone.  What a graph captured now reads."""
+        if now is None:
+            now = self.now()
+        changed = False
+        watched: dict[str, tuple[_ModuleSlot | _Tensor, Layout | None]] = {}
+        for name, (source, base) in self._watched.items():
+            ptr = now[name]
+            changed = changed or ptr != base
+            if ptr is not None:
+                watched[name] = (source, ptr)
+        self._watched = watched
+        if changed:
+            self.generation += 1
+        current = {name: base for name, (_, base) in watched.items()}
+        if current != self._last_seen:
+            self._last_seen = current
+        return self._last_seen
+
+    def names(self) -> list[str]:
+        """The watched tensors' names, in watch order."""
+        return list(self._watched)
+
+    def __len__(self) -> int:
+        return len(self._watched)
+
+    def _listen(self, root: Any) -> None:
+        if isinstance(root, nn.Module):
+            for module in root.modules():
+                _listeners.setdefault(module, weakref.WeakSet()).add(self)
+
+
+def _stem(prefix: str) -> str:
+    """A prefix without its trailing dot and its ``#n`` (``model#2.`` -> ``model``)."""
+    return prefix.removesuffix(".").partition("#")[0]
+
+
+def _move(name: str, was: Layout | None, now: Layout | None) -> str:
+    if now is None:
+        return f"{name} was removed"
+    if was is None:
+        return f"{name} was added"
+    if was[0] != now[0]:
+        return f"{name} moved from {was[0]:#x} to {now[0]:#x}"
+    return (f"{name} changed layout at {now[0]:#x}: shape {list(was[1])} strides {list(was[2])} {was[3]} to shape "
+            f"{list(now[1])} strides {list(now[2])} {now[3]}")
+
+

@@ -1,0 +1,791 @@
+"""The piecewise compiler: a torch.compile backend that splits the traced model at splitting ops.
+
+Dynamo traces the model once with a dynamic token dimension.  This backend cuts
+the FX graph at every splitting op into *pieces* (captured, per descriptor, by
+the ``piecewise`` strategy) and *splits* (run eagerly between the pieces, at
+capture and at every replay).  A split goes through the same break mechanism
+as ``@eager_break``, so one annotation serves both the ``breakable`` and the
+``piecewise`` strategy.
+
+Splitting ops may be torch custom ops (``torch.library``; the op or its
+``"namespace::name"``), Python functions (kept opaque to dynamo), or module
+types (the ops traced from such a module run eagerly: fine for kernels that
+cannot be captured, but host-side decisions inside the module are frozen by
+the trace; put those in a marked function or a custom op).  By default, every
+function marked with ``@eager_break`` is a splitting op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import threading
+import types
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import sympy
+import torch
+from torch import fx, nn
+from torch.utils._sympy.numbers import int_oo
+from torch.utils._sympy.value_ranges import ValueRanges
+
+from cgregistry.strategies import breaks
+from cgregistry.state import runtime
+from cgregistry.key.descriptor import BatchDescriptor
+from cgregistry.errors import PiecewiseError
+
+__all__ = ["DEFAULT_MAX_TRACES", "PiecewiseCompiler", "PiecewiseError", "PiecewiseModel", "SplittingOps", "WholeGraph", "compile_piecewise"]
+
+DEFAULT_MAX_TRACES = 4  # one dynamic trace serves every size; slack for specialize_size_one and retries
+
+
+def _op_name(target: object) -> str | None:
+    """``"namespace::name"`` for a torch op overload or packet, else None."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return None
+
+
+def _label(op: object) -> str:
+    name = _op_name(op)
+    if name is not None:
+        return name
+    if isinstance(op, nn.Module):
+        return type(op).__qualname__  # not repr(): a real model's is thousands of lines
+    return getattr(op, "__cgregistry_break__", None) or getattr(op, "__qualname__", None) or repr(op)
+
+
+@attrs.frozen(slots=True)
+class SplittingOps:
+    """Where to cut the traced graph: custom op names, opaque functions, module types, marked functions."""
+
+    op_names: frozenset[str] = frozenset()
+    functions: tuple[Callable[..., Any], ...] = ()
+    module_types: tuple[type[nn.Module], ...] = ()
+    marked: bool = True  # every @eager_break function splits
+
+    @classmethod
+    def of(cls, ops: Iterable[object] | None, *, marked: bool | None = None) -> SplittingOps:
+        """Sort ``ops`` by kind.  ``None`` means the marked functions only; naming ops leaves them out
+        unless ``marked=True``."""
+        if ops is None:
+            return cls(marked=True if marked is None else marked)
+        if isinstance(ops, (str, bytes)) or not isinstance(ops, Iterable):
+            raise TypeError(f"splitting_ops must be a sequence of ops, functions or module types, got {ops!r}")
+        names: set[str] = set()
+        functions: list[Callable[..., Any]] = []
+        modules: list[type[nn.Module]] = []
+        for op in ops:
+            if isinstance(op, str):
+                if "::" not in op:
+                    raise ValueError(f"splitting op {op!r} is not a custom op name; expected 'namespace::name'")
+                names.add(op.split(".", 1)[0] if op.count("::") == 1 else op)
+            elif _op_name(op) is not None:
+                names.add(_op_name(op))  # type: ignore[arg-type]
+            elif isinstance(op, type) and issubclass(op, nn.Module):
+                modules.append(op)
+            elif callable(op) and not isinstance(op, type):
+                functions.append(getattr(op, "__cgregistry_opaque__", op))  # a marked function: what the trace records
+            else:
+                raise TypeError(
+                    f"splitting op {op!r} is not a torch custom op, an op name 'namespace::name', "
+                    "a function or an nn.Module subclass"
+                )
+        return cls(frozenset(names), tuple(functions), tuple(modules), bool(marked))
+
+    def keep_opaque(self) -> None:
+        """Tell dynamo to record the functions (and marked ones) as single calls instead of tracing into them."""
+        for fn in self.functions:
+            torch.compiler.allow_in_graph(fn)
+        if self.marked:
+            for fn in runtime.marked:
+                _allow_marked(fn)
+            if _allow_marked not in runtime.on_mark:
+                runtime.on_mark.append(_allow_marked)
+
+    def region(self, node: fx.Node) -> str | None:
+        """The splitting region ``node`` belongs to (a label), or None when it belongs to a piece."""
+        if node.op != "call_function":
+            return None
+        target = node.target
+        name = _op_name(target)
+        if name is not None and name in self.op_names:
+            return f"{name}#{node.name}"
+        if any(target is fn for fn in self.functions):
+            return f"{_label(target)}#{node.name}"
+        if self.marked and hasattr(target, "__cgregistry_break__"):
+            return f"{target.__cgregistry_break__}#{node.name}"  # type: ignore[union-attr]
+        if self.module_types:
+            for path, kind in (node.meta.get("nn_module_stack") or {}).values():
+                if isinstance(kind, type) and issubclass(kind, self.module_types):
+                    return f"{kind.__qualname__}@{path}"  # one region per module instance and call
+        return None
+
+    def reached(self, regions: Iterable[str]) -> set[str]:
+        """Which named ops (by label) the graph's splitting regions came from."""
+        seen = set()
+        for label in regions:
+            seen.add(label.split("#", 1)[0].split("@", 1)[0])
+        return seen
+
+    def named(self) -> set[str]:
+        """Labels of the explicitly named ops, each of which the trace must reach."""
+        return set(self.op_names) | {_label(f) for f in self.functions} | {t.__qualname__ for t in self.module_types}
+
+
+def _allow_marked(fn: Callable[..., Any]) -> None:
+    """Dynamo traces the marked wrapper (it swaps module arguments for handles) and records its opaque call."""
+    torch.compiler.allow_in_graph(getattr(fn, "__cgregistry_opaque__", fn))
+
+
+class _Split(nn.Module):
+    """A splitting region of the split graph: runs eagerly, and as an eager break under a piecewise capture."""
+
+    def __init__(self, region: fx.GraphModule, label: str) -> None:
+        super().__init__()
+        self.region = region
+        self.label = label
+
+    def forward(self, *args: Any) -> Any:
+        return runtime.unrecorded(self._run, args)  # runs eagerly at every replay: what it reads is live
+
+    def _run(self, args: tuple) -> Any:
+        site = runtime.site.get()
+        if site is None:
+            return self.region(*args)
+        return site.on_break(self.region.forward, None, self.label, args, {})
+
+
+@attrs.define(slots=True)
+class SplitReport:
+    """What one trace became: how many pieces and splits, and the split labels in order."""
+
+    pieces: int
+    splits: list[str]
+
+
+def split_graph(gm: fx.GraphModule, ops: SplittingOps) -> tuple[fx.GraphModule, SplitReport, list[str]]:
+    """Cut ``gm`` at its splitting regions; return the split module, a report and the piece submodule names."""
+    partition_of: dict[fx.Node, int] = {}
+    region_labels: dict[int, str] = {}
+    part = 0
+    current: str | None = None  # the region of the previous compute node (None: a piece)
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        region = ops.region(node)
+        if region != current:
+            part += 1
+            current = region
+        partition_of[node] = part
+        if region is not None:
+            region_labels[part] = region.split("#", 1)[0]
+    if not region_labels:
+        raise PiecewiseError(
+            "no splitting op was reached in the traced graph: the pieces would be one full graph. "
+            + _which_ops(ops)
+        )
+    missing = ops.named() - ops.reached(region_labels.values())
+    if missing:
+        raise PiecewiseError(
+            f"splitting op(s) {sorted(missing)} never reached in the traced graph; check the names "
+            "(custom ops as 'namespace::name', functions as the very objects the model calls)"
+        )
+    split = fx.passes.split_module.split_module(gm, None, lambda node: partition_of[node], keep_original_order=True)
+    pieces: list[str] = []
+    labels: list[str] = []
+    for node in split.graph.nodes:
+        if node.op != "call_module":
+            continue
+        index = int(str(node.target).rsplit("_", 1)[1])
+        label = region_labels.get(index)
+        if label is None:
+            pieces.append(str(node.target))
+            continue
+        labels.append(label)
+        region = getattr(split, str(node.target))
+        # A region holding just a marked function already breaks by itself (with its capture stub).
+        calls = [n for n in region.graph.nodes if n.op == "call_function"]
+        if not (len(calls) == 1 and hasattr(calls[0].target, "__cgregistry_break__")):
+            setattr(split, str(node.target), _Split(region, label))
+    return split, SplitReport(len(pieces), labels), pieces
+
+
+def _which_ops(ops: SplittingOps) -> str:
+    if ops.named():
+        return f"Named splitting ops: {sorted(ops.named())}."
+    return "No op was named: mark the attention (or any uncapturable) function with @cgregistry.eager_break, or name ops."
+
+
+def _fakes_of(gm: fx.GraphModule) -> tuple[list[Any], Any]:
+    """The trace's own example inputs (fake tensors with symbolic sizes, SymInts) and their fake mode."""
+    fake_args = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = next((a.fake_mode for a in fake_args if isinstance(a, torch._subclasses.FakeTensor)), None)
+    return fake_args, fake_mode
+
+
+def _compile_pieces_with_inductor(split: fx.GraphModule, pieces: Sequence[str], gm: fx.GraphModule) -> None:
+    """Replace each piece by its Inductor compilation, once, for the symbolic shapes of the trace."""
+    from torch._inductor.compile_fx import compile_fx
+
+    fake_args, fake_mode = _fakes_of(gm)
+    names = set(pieces)
+
+    class _Propagate(fx.Interpreter):
+        def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+            module = self.fetch_attr(target)
+            out = module(*args, **kwargs)
+            if target in names:
+                compiled = compile_fx(module, list(args))
+                setattr(split, target, _Compiled(compiled))
+            return out
+
+    ctx = fake_mode if fake_mode is not None else torch.no_grad()
+    with ctx, _sizes_kept_general(getattr(fake_mode, "shape_env", None), _sizes_safe_at_one(gm)):
+        _Propagate(split).run(*fake_args)
+
+
+@contextlib.contextmanager
+def _sizes_kept_general(shape_env: Any, allowed: frozenset[Any]) -> Iterator[None]:
+    """Undo what Inductor's code generation assumes of a symbolic size only to rule out 0 and 1.
+
+    Inductor asks questions such as "is this size 1?" (for strides, 32-bit indexing) with guards,
+    so a size that the trace left general (``backed_size_oblivious``: any size >= 0) comes out as
+    ``2 <= size``, and the key of size 1 would make dynamo trace and compile the model again.  The
+    kernels generated for a general size serve size 1 as well (the trace already assumes Python
+    code does not branch on a size being 1), so the lower bound goes back to what the trace had and
+    the guards implied by ``size >= 2`` (with the upper bound) alone are dropped.  Every other
+    refinement (an upper bound, a relation between sizes) stays, and becomes a guard as usual.
+    Only sizes in ``allowed`` are kept general: those at which the trace's own shapes agree with
+    the symbolic ones at size 1 (see ``_sizes_safe_at_one``; a ``squeeze`` of a batch axis, say,
+    makes them differ, and then the guard stays).  These are torch internals: where they are not
+    as expected, nothing is undone (size 1 then traces once more, as before).
+    """
+    ranges = getattr(shape_env, "var_to_range", None)
+    guards = getattr(shape_env, "guards", None)
+    evaluate = getattr(shape_env, "_maybe_evaluate_static", None)
+    changed = getattr(shape_env, "_update_version_counter", None)
+    if not (isinstance(ranges, dict) and isinstance(guards, list) and callable(evaluate) and callable(changed)):
+        yield
+        return
+    before, first_new = dict(ranges), len(guards)
+    yield
+    now = {
+        symbol: ranges[symbol]
+        for symbol in allowed
+        if symbol in ranges and symbol in before and before[symbol].lower <= 1 and ranges[symbol].lower <= 2 <= ranges[symbol].upper
+    }
+    if not now:
+        return
+    try:
+        # Which new guards hold for every size from 2 up to the upper bound: those only rule out 0 and 1.
+        for symbol, current in now.items():
+            ranges[symbol] = ValueRanges(2, current.upper)
+        changed()
+        implied = {
+            id(g)
+            for g in guards[first_new:]
+            if g.expr.free_symbols and g.expr.free_symbols <= now.keys() and bool(evaluate(g.expr, axioms=()))
+        }
+    except Exception:  # an internal changed shape: keep whatever Inductor recorded (one more trace for size 1)
+        ranges.update(now)
+        changed()
+        return
+    for symbol, current in now.items():
+        ranges[symbol] = ValueRanges(before[symbol].lower, current.upper)  # an upper bound (32-bit indexing) stays
+    guards[:] = [g for g in guards if id(g) not in implied]
+    changed()
+
+
+def _symbol_of(size: Any) -> Any:
+    """The sympy symbol behind a SymInt that is a plain symbol (a batch axis of the trace), else None."""
+    expr = getattr(getattr(size, "node", None), "expr", None) if isinstance(size, torch.SymInt) else None
+    return expr if isinstance(expr, sympy.Symbol) else None
+
+
+def _placeholder_symbols(gm: fx.GraphModule) -> list[list[tuple[int, Any]] | Any]:
+    """Per placeholder: the (dimension, symbol) pairs of a tensor's symbolic sizes, or a SymInt's symbol."""
+    found: list[list[tuple[int, Any]] | Any] = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            found.append([(d, sym) for d, size in enumerate(value.shape) if (sym := _symbol_of(size)) is not None])
+        else:
+            found.append(_symbol_of(value))
+    return found
+
+
+def _symbol_values(symbols: list[list[tuple[int, Any]] | Any], args: Sequence[Any]) -> dict[Any, int]:
+    """The sizes a call gives the trace's symbols (from its tensors' shapes and its SymInt arguments)."""
+    values: dict[Any, int] = {}
+    for where, arg in zip(symbols, args):
+        if isinstance(where, list):
+            if isinstance(arg, torch.Tensor):
+                for dim, sym in where:
+                    values[sym] = int(arg.shape[dim])
+        elif where is not None and isinstance(arg, int):
+            values[where] = arg
+    return values
+
+
+def _sizes_safe_at_one(gm: fx.GraphModule) -> frozenset[Any]:
+    """The trace's batch-axis symbols at which every node's shape, rerun with that size (and all of them) at 1,
+    is the symbolic shape at 1: no op in the trace behaves differently at size 1 (a squeeze of that axis, a
+    broadcast against it), so kernels generated for a general size serve size 1.  Empty where unsure.
+    Worked out once per trace (the pieces' compile and the one-graph compile both ask)."""
+    if "cgregistry_safe_at_one" not in gm.meta:
+        gm.meta["cgregistry_safe_at_one"] = _work_out_sizes_safe_at_one(gm)
+    return gm.meta["cgregistry_safe_at_one"]
+
+
+def _work_out_sizes_safe_at_one(gm: fx.GraphModule) -> frozenset[Any]:
+    fake_args, fake_mode = _fakes_of(gm)
+    shape_env = getattr(fake_mode, "shape_env", None)
+    hints = getattr(shape_env, "backed_var_to_val", None) or getattr(shape_env, "var_to_val", None)
+    if not isinstance(hints, dict):
+        return frozenset()
+    candidates = {sym for where in _placeholder_symbols(gm) for sym in ([s for _, s in where] if isinstance(where, list) else [where])
+                  if sym is not None and shape_env.var_to_range.get(sym) is not None and shape_env.var_to_range[sym].lower <= 1}
+    safe = frozenset(sym for sym in candidates if _shapes_agree(gm, fake_args, hints, {sym}))
+    if len(safe) > 1 and not _shapes_agree(gm, fake_args, hints, safe):
+        return frozenset()
+    return safe
+
+
+def _shapes_agree(gm: fx.GraphModule, fake_args: list[Any], hints: dict[Any, Any], at_one: set[Any] | frozenset[Any]) -> bool:
+    """Rerun ``gm`` on static fake tensors with the ``at_one`` symbols at 1 (the others at their hints) and compare
+    every tensor's shape with its symbolic shape at those values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    values = {sym: sympy.Integer(int(v)) for sym, v in hints.items()}
+    values.update({sym: sympy.Integer(1) for sym in at_one})
+
+    def concrete(size: Any) -> int:
+        if isinstance(size, torch.SymInt):
+            return int(size.node.expr.xreplace(values))
+        return int(size)
+
+    static = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        inputs: list[Any] = []
+        with static:
+            for a in fake_args:
+                if isinstance(a, torch.Tensor):
+                    shape = [concrete(d) for d in a.shape]
+                    inputs.append(torch.empty(shape, dtype=a.dtype, device=a.device))
+                elif isinstance(a, torch.SymInt):
+                    inputs.append(concrete(a))
+                else:
+                    inputs.append(a)
+
+        mismatch: list[bool] = []
+
+        class _Compare(fx.Interpreter):
+            def run_node(self, node: fx.Node) -> Any:
+                out = super().run_node(node)
+                want = node.meta.get("example_value")
+                if isinstance(want, torch.Tensor) and isinstance(out, torch.Tensor):
+                    if [concrete(d) for d in want.shape] != list(out.shape):
+                        mismatch.append(True)
+                return out
+
+        token = runtime.site.set(breaks.TRACING_SITE)
+        try:
+            with static, torch.no_grad():
+                _Compare(gm).run(*inputs)
+        finally:
+            runtime.site.reset(token)
+        return not mismatch
+    except Exception:  # anything unexpected: size 1 keeps its own trace
+        return False
+
+
+class _Compiled(nn.Module):
+    """An Inductor-compiled piece."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any) -> Any:
+        if runtime.cpu_capturing.get():
+            raise PiecewiseError(
+                "an Inductor-compiled piece ran under the cpu emulator's capture, which cannot record Inductor "
+                "kernels (they bypass the dispatcher); capture on the cuda backend, or compile with inductor=False"
+            )
+        return self.fn(*args)
+
+
+class PiecewiseCompiler:
+    """The torch.compile backend: ``torch.compile(model, backend=PiecewiseCompiler(...), dynamic=True)``.
+
+    ``splitting_ops``: custom ops, op names, functions, module types (default: ``@eager_break``
+    functions).  ``inductor``: compile each piece with Inductor (off by default, for start-up time).
+    ``max_traces``: how many times dynamo may trace before it is an error (one dynamic trace should
+    serve every size; dynamo adds one for sizes 0 and 1).
+    """
+
+    def __init__(
+        self,
+        splitting_ops: Iterable[object] | None = None,
+        *,
+        inductor: bool = False,
+        max_traces: int = DEFAULT_MAX_TRACES,
+        include_marked: bool | None = None,
+    ) -> None:
+        if type(max_traces) is not int or max_traces < 1:
+            raise ValueError(f"max_traces must be an int >= 1, got {max_traces!r}")
+        self.ops = SplittingOps.of(splitting_ops, marked=include_marked)
+        self.ops.keep_opaque()
+        self.inductor = bool(inductor)
+        self.max_traces = max_traces
+        self.traces: list[SplitReport] = []
+        self.trace_seconds = 0.0
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        if len(self.traces) >= self.max_traces:
+            raise PiecewiseError(
+                f"the model was traced {len(self.traces) + 1} times, over the bound of max_traces={self.max_traces}: "
+                "a guard fails for each new batch. Make the token dimension dynamic (torch.compile(..., dynamic=True) "
+                "or torch._dynamo.mark_dynamic), keep Python values that change per batch out of the model, and see "
+                "TORCH_LOGS=recompiles for the failing guard"
+            )
+        split, report, pieces = split_graph(gm, self.ops)
+        whole = None
+        if self.inductor:
+            _compile_pieces_with_inductor(split, pieces, gm)
+            whole = WholeGraph(gm)
+        self.traces.append(report)
+        return _Runner(split, whole)
+
+    @property
+    def pieces(self) -> int:
+        """Pieces of the latest trace (0 before the first)."""
+        return self.traces[-1].pieces if self.traces else 0
+
+
+# Set while PiecewiseModel calls its compiled model: it catches _WholeUnavailable and compiles the model whole itself.
+_model_falls_back: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_model_falls_back", default=False)
+
+
+class _WholeUnavailable(Exception):
+    """This trace's one-graph compile cannot serve this call (it failed, or assumed other sizes): the full key
+    falls back to a separate compile of the model."""
+
+
+class WholeGraph:
+    """The same trace compiled by Inductor as one graph, no splits, for full keys: nothing to trace again,
+    and fused across what the pieces split at.  Compiled on first use (a full key's warm-up).
+
+    Dynamo installed the trace's guards before this compile ran, so what the compile itself assumes of
+    the sizes (AOT tracing through an eager break's host-side branch, Inductor's view arithmetic) is
+    recorded here and checked on every call: a call it does not hold for falls back (``_WholeUnavailable``).
+    """
+
+    __slots__ = ("gm", "fn", "failed", "lock", "conditions", "symbols")
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.fn: Callable[..., Any] | None = None
+        self.failed = False
+        self.lock = threading.Lock()  # one compile, even with a capture thread beside the serving one
+        self.conditions: list[Any] = []
+        self.symbols = _placeholder_symbols(gm)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.fn is None:
+            with self.lock:
+                if self.fn is None:
+                    if self.failed:
+                        raise _WholeUnavailable("an earlier compile of this trace as one graph failed")
+                    try:
+                        self.fn, self.conditions = self.compile_unsplit()
+                    except Exception as exc:
+                        self.failed = True
+                        raise _WholeUnavailable(_first_line(exc)) from exc
+        broken = self._broken(args)
+        if broken is not None:
+            raise _WholeUnavailable(f"the one-graph compile assumed {broken}, which this call's sizes break")
+        return self.fn(*args)
+
+    def _broken(self, args: Sequence[Any]) -> str | None:
+        if not self.conditions:
+            return None
+        values = _symbol_values(self.symbols, args)
+        for condition in self.conditions:
+            try:
+                if bool(condition.xreplace(values)):
+                    continue
+            except TypeError:  # a symbol this call does not give: unsure, so not served
+                pass
+            return str(condition)
+        return None
+
+    def compile_unsplit(self) -> tuple[Callable[..., Any], list[Any]]:
+        from torch._inductor.compile_fx import compile_fx
+
+        # The graph's own fakes, under a tracing context of their fake mode: dynamo has finished with the
+        # trace, and real example inputs would compile for one size.  Its view arithmetic needs sizes that
+        # may be 1 ruled out, as a full compile of the model would (kept general where safe, as for pieces).
+        fake_args, fake_mode = _fakes_of(self.gm)
+        shape_env = fake_mode.shape_env
+        ranges, replacements, first = dict(shape_env.var_to_range), dict(shape_env.replacements), len(shape_env.guards)
+        context = torch._guards.TracingContext(fake_mode)
+        with torch._guards.tracing(context), fake_mode, fx.experimental._config.patch(backed_size_oblivious=False), \
+                _sizes_kept_general(shape_env, _sizes_safe_at_one(self.gm)):
+            fn = compile_fx(self.gm, fake_args)
+        conditions = [g.expr for g in shape_env.guards[first:]]
+        for symbol, now in shape_env.var_to_range.items():
+            if ranges.get(symbol) != now:
+                if now.lower not in (-sympy.oo, -int_oo):
+                    conditions.append(sympy.Le(now.lower, symbol))
+                if now.upper not in (sympy.oo, int_oo):
+                    conditions.append(sympy.Le(symbol, now.upper))
+        for symbol, value in shape_env.replacements.items():
+            if replacements.get(symbol) != value:
+                conditions.append(sympy.Eq(symbol, value))
+        return fn, conditions
+
+
+class _Runner:
+    """What dynamo calls for a trace: the split graph (noting to a piecewise capture that it ran), or
+    the unsplit compilation of the same trace while a full key is warmed up or captured."""
+
+    __slots__ = ("split", "whole")
+
+    def __init__(self, split: fx.GraphModule, whole: WholeGraph | None) -> None:
+        self.split = split
+        self.whole = whole
+
+    def __call__(self, *args: Any) -> Any:
+        if self.whole is not None and getattr(runtime.capture_strategy.get(), "whole_graph", False):
+            try:
+                return self.whole(*args)
+            except _WholeUnavailable:
+                if _model_falls_back.get():
+                    raise  # PiecewiseModel compiles the model whole on its own
+                # The bare backend (torch.compile(..., backend=reg.compile_backend())): the split graph, splits inline.
+        site = runtime.site.get()
+        if site is not None and hasattr(site, "compiled_runs"):  # a piecewise capture is watching
+            site.compiled_runs += 1  # type: ignore[attr-defined]
+        return self.split(*args)
+
+
+class PiecewiseModel:
+    """``model`` compiled with the piecewise backend; tracing errors say where and suggest ``breakable``."""
+
+    def __init__(self, model: Callable[..., Any], compiler: PiecewiseCompiler, *, specialize_size_one: bool = False) -> None:
+        self.model = model
+        self.compiler = compiler
+        # Sizes that merely coincide (tokens == request slots) must not become equal in the trace,
+        # and, unless asked, size 1 is not specialised either: one trace then serves every size.
+        # The pieces run real torch ops, so only Python control flow on "size == 1" is assumed false.
+        self._shape_config = {"use_duck_shape": False, "backed_size_oblivious": not specialize_size_one}
+        # Only the batch's axes become symbolic (marked per call from the key being captured); every other
+        # dimension, such as a mask's size-1 axes or the hidden size, stays static.
+        self._compiled = torch.compile(model, backend=compiler, dynamic=None, fullgraph=True)
+        self._register_modules()
+        # (argument, dimension) pairs sized like the key of the first traced call: marked on every call
+        # alike, since a marking that appears later would make dynamo trace again.
+        self._batch_axes: list[tuple[int | str, int]] | None = None
+        self._whole_alone: Callable[..., Any] | None = None  # full keys' own compile, where a trace's unsplit one failed
+        functools.update_wrapper(self, model, updated=())  # type: ignore[arg-type]
+
+    @property
+    def separate_full_compile(self) -> bool:
+        """Whether full keys run a compile of the model of their own (a trace's one-graph compile could not serve them)."""
+        return self._whole_alone is not None
+
+    def _whole_model(self) -> Callable[..., Any]:
+        if self._whole_alone is None:
+            self._whole_alone = torch.compile(self.model, fullgraph=True, dynamic=None)
+        return self._whole_alone
+
+    def _register_modules(self) -> None:
+        """Handles for the modules the model reaches (itself, a bound method's owner, a closure's modules),
+        so marked functions may take them as arguments in the trace."""
+        for module in _reachable_modules(self.model):
+            breaks.register_modules(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        batch = runtime.batch.get()
+        if batch is not None and batch.key is None:
+            # A registry runs this batch eagerly (no key covers it): the model itself, never a new
+            # trace for whatever layout the live inputs have.
+            return self.model(*args, **kwargs)
+        whole = getattr(runtime.capture_strategy.get(), "whole_graph", False)
+        if whole and (not self.compiler.inductor or runtime.cpu_capturing.get()):
+            # A full key has no reason to be split: without Inductor its graph is the model's own ops
+            # (no trace needed); on the cpu emulator, whose recording mode dynamo will not run compiled
+            # code under, likewise.
+            return self.model(*args, **kwargs)
+        if runtime.cpu_capturing.get() and not runtime.see_compiled.get():
+            # Another whole-step capture on the cpu emulator: the model itself, splits inline.
+            return self.model(*args, **kwargs)
+        args = tuple(_unviewed(a) for a in args)
+        kwargs = {k: _unviewed(v) for k, v in kwargs.items()}
+        if batch is not None and batch.key is not None:  # a warm-up or capture, where a trace may happen
+            self._register_modules()
+            if self._batch_axes is None:
+                self._batch_axes = _batch_axes(batch.key, runtime.axis_rows.get(), args, kwargs)
+            _mark_dynamic(self._batch_axes, args, kwargs)
+        # Outside a capture, breaks run plainly, except on dynamo's fake tensors (no guards from them).
+        token = runtime.site.set(breaks.TRACING_SITE) if runtime.site.get() is None else None
+        try:
+            # Python floats of the model (eps, say) stay constants instead of becoming 0-d tensor
+            # inputs read with .item(): one trace still serves every size, full keys' too (see _Runner).
+            with torch._dynamo.config.patch(specialize_float=True):
+                falls_back = _model_falls_back.set(True)
+                try:
+                    with fx.experimental._config.patch(**self._shape_config):
+                        return self._compiled(*args, **kwargs)
+                except _WholeUnavailable as exc:
+                    # The one-graph compile of this trace failed (Inductor cannot split a size traced at 1, say), or
+                    # assumed sizes this key breaks (an eager break's host-side branch): the model compiled whole on
+                    # its own, with dynamo's guards for all of that, size 1 specialised as a plain torch.compile does.
+                    if self._whole_alone is None:
+                        warnings.warn(
+                            f"a full key of {_label(self.model)} cannot run the piecewise trace compiled as one graph "
+                            f"({exc}); full keys it cannot serve use a separate torch.compile of the model (a second "
+                            "trace and compile)",
+                            stacklevel=2,
+                        )
+                    with fx.experimental._config.patch(**{**self._shape_config, "backed_size_oblivious": False}):
+                        return self._whole_model()(*args, **kwargs)
+                finally:
+                    _model_falls_back.reset(falls_back)
+        except PiecewiseError:
+            raise
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            inner = getattr(exc, "inner_exception", None)
+            if isinstance(inner, PiecewiseError):
+                raise PiecewiseError(str(inner)) from None
+            raise
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
+            if "_handle_of" in str(exc):
+                raise PiecewiseError(
+                    f"an eager break in {_label(self.model)} was given an nn.Module the piecewise compiler cannot reach "
+                    "from the compiled callable: compile the model itself, or a function whose closure (or its objects' "
+                    "attributes) holds it; or give it a handle first with cgregistry.strategies.breaks.register_modules(module)"
+                ) from exc
+            raise PiecewiseError(
+                f"dynamo cannot trace {_label(self.model)}: {_first_line(exc)}{_where(exc)}. Mark that code with "
+                "@cgregistry.eager_break (it becomes a splitting op), or use the 'breakable' strategy, which "
+                "captures without tracing"
+            ) from exc
+        finally:
+            if token is not None:
+                runtime.site.reset(token)
+
+
+def _reachable_modules(fn: Any) -> list[nn.Module]:
+    """The modules ``fn`` can reach: itself, a bound method's owner, a partial's arguments, the values in its
+    closure and the globals its code names, and one level inside those (an engine object's ``.model``, a list
+    or dict of modules)."""
+    roots: list[Any] = [fn, getattr(fn, "__self__", None), getattr(fn, "func", None)]
+    if callable(getattr(fn, "func", None)):
+        roots += [*(getattr(fn, "args", None) or ()), *(getattr(fn, "keywords", None) or {}).values()]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            roots.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+    if code is not None and isinstance(scope, dict):
+        roots += [scope[name] for name in code.co_names if name in scope]
+    found: dict[int, nn.Module] = {}
+    for root in roots:
+        for value in (root, *_members(root)):
+            if isinstance(value, nn.Module):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def _members(value: Any) -> list[Any]:
+    """One level inside ``value``: a sequence's or mapping's items, a plain object's attributes (not a module's)."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, dict):
+        return list(value.values())
+    if isinstance(value, (nn.Module, type, types.ModuleType)) or callable(value):
+        return []  # a module's own submodules are registered through it; a Python module's namespace is not the model
+    return list(getattr(value, "__dict__", {}).values())
+
+
+def _batch_axes(key: BatchDescriptor, rows: frozenset[int], args: tuple, kwargs: dict) -> list[tuple[int | str, int]]:
+    """The (argument, dimension) pairs of tensor arguments sized like one of ``key``'s axes (tokens,
+    requests, requests + 1; ``rows`` as the static inputs have them under a capture, where a relaxed
+    key's request axes hold every slot): the dimensions dynamo is to treat as symbolic; the rest stay static.
+
+    A dimension that only coincides with one (a weight's, say) is specialised again by the trace,
+    so including it is harmless.  Size 1 is never taken for a batch axis.
+    """
+    sizes = {key.num_tokens, *rows}
+    if key.num_reqs is not None:
+        sizes |= {key.num_reqs, key.num_reqs + 1}
+    sizes.discard(1)
+    named: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+    return [
+        (where, dim)
+        for where, value in named
+        if isinstance(value, torch.Tensor)
+        for dim, size in enumerate(value.shape)
+        if size in sizes
+    ]
+
+
+def _mark_dynamic(axes: list[tuple[int | str, int]], args: tuple, kwargs: dict) -> None:
+    for where, dim in axes:
+        value = args[where] if isinstance(where, int) else kwargs.get(where)
+        if isinstance(value, torch.Tensor) and dim < value.dim():
+            torch._dynamo.maybe_mark_dynamic(value, dim)
+
+
+def _unviewed(value: Any) -> Any:
+    """A view (of a registry's static buffer, say) as a plain tensor over the same memory.
+
+    Dynamo guards on how a view relates to its base, which would retrace for every row count.
+    """
+    if not isinstance(value, torch.Tensor) or value._base is None:
+        return value
+    alias = torch.empty(0, dtype=value.dtype, device=value.device)
+    return alias.set_(value.untyped_storage(), value.storage_offset(), value.shape, value.stride())
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost user-code location dynamo reports, as ' at FILE:LINE'."""
+    text = str(exc)
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith('File "')]
+    if not lines:
+        return ""
+    return " (" + lines[-1] + ")"
+
+
+def compile_piecewise(
+    model: Callable[..., Any],
+    splitting_ops: Iterable[object] | None = None,
+    *,
+    inductor: bool = False,
+    max_traces: int = DEFAULT_MAX_TRACES,
+    include_marked: bool | None = None,
+    specialize_size_one: bool = False,
+) -> PiecewiseModel:
+    """Compile ``model`` for the ``piecewise`` strategy (dynamic shapes, full graph, split at splitting ops).
+
+    ``specialize_size_one=True`` keeps dynamo's default of a separate trace for size 1 (needed only
+    when the model branches in Python on a size being 1).
+    """
+    compiler = PiecewiseCompiler(splitting_ops, inductor=inductor, max_traces=max_traces, include_marked=include_marked)
+    return PiecewiseModel(model, compiler, specialize_size_one=specialize_size_one)
