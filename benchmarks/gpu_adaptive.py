@@ -125,7 +125,7 @@ def demo(n_steps: int, rows: list[tuple[str, str]]) -> None:
             eager = loop_latencies(lambda b, i: model(b, **i), steps, synced)
             eager_step = statistics.median(eager)
             misses = MissCounter()
-            reg = cg.GraphRegistry(model, demo_inputs(cfg), name="bg", plugins=cg.Plugins(cg.make_plugin_manager([misses])))
+            reg = cg.GraphRegistry(model, demo_inputs(cfg), name="bg", plugins=cg.Plugins(cg.plugin.make_plugin_manager([misses])))
             lat: list[float] = []
             first_graph = all_keys = None
             torch.cuda.synchronize()
@@ -390,7 +390,7 @@ def hf_llama(requests: int, rows: list[tuple[str, str]]) -> None:
 
     torch.cuda.synchronize()
     eng = Timed(model, shape, None, keep_logits=True)
-    eng.reg = reg = hf.build_registry(model, shape, mode, background=True, plugins=cg.Plugins(cg.make_plugin_manager([counter])))
+    eng.reg = reg = hf.build_registry(model, shape, mode, background=True, plugins=cg.Plugins(cg.plugin.make_plugin_manager([counter])))
     res = eng.serve(reqs())
     reg.wait_captured()
     err = hf.check_against_hf(model, res.finished)

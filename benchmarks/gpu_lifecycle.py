@@ -98,7 +98,7 @@ def main() -> None:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free0 = torch.cuda.mem_get_info()[0]
-    reg = hf.build_registry(model, shape, args.mode, plugins=cg.Plugins(cg.make_plugin_manager([counter])))
+    reg = hf.build_registry(model, shape, args.mode, plugins=cg.Plugins(cg.plugin.make_plugin_manager([counter])))
     torch.cuda.synchronize()
     captured_bytes = free0 - torch.cuda.mem_get_info()[0]
     planned = len(reg)

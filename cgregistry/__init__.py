@@ -1,16 +1,18 @@
 """cgregistry: CUDA graphs for batched inference engines, keyed by BatchDescriptor.
 
-The names an engine writer needs, grouped by task and sorted within each group;
-plugin authors find theirs in :mod:`cgregistry.plugin` (``cg.plugin.hookimpl``,
-the contracts, the registrars).
+The names an engine writer types, grouped by task.  Everything else lives in its wing:
+records and explanations in :mod:`cgregistry.inspection`, plan details in :mod:`cgregistry.plan`,
+the key's parts in :mod:`cgregistry.key`, every error in :mod:`cgregistry.errors`, and what
+plugin authors need in :mod:`cgregistry.plugin`.
 """
 
 # ruff: noqa: I001  (grouped by task on purpose)
 
 # Describe batches and plan what to capture
-from cgregistry.key.descriptor import BatchDescriptor, Padding
-from cgregistry.plan.build import MODES, CapturePlan, Downgrade, PlanEntry, PlanSettings, UncoveredRange
-from cgregistry.plan.adapt import Adaptation, PlanChange
+from cgregistry.key.descriptor import BatchDescriptor
+from cgregistry.key.matcher import Matcher
+from cgregistry.plan.build import CapturePlan, PlanSettings
+from cgregistry.plan.adapt import Adaptation
 
 # The registry and its static inputs
 from cgregistry.store.buffers import REPEAT_LAST, StaticInput
@@ -18,57 +20,40 @@ from cgregistry.registry import GraphRegistry
 
 # Models with eager parts: attention as an eager break, piecewise compilation
 from cgregistry.strategies.breaks import capture_barrier, eager_break, graph_break
-from cgregistry.strategies.compiler import PiecewiseCompiler, compile_piecewise
-from cgregistry.state.runtime import BreakContext, FrozenReadWarning, current_batch, eager_batch
+from cgregistry.strategies.compiler import compile_piecewise
+from cgregistry.state.runtime import FrozenReadWarning, current_batch, eager_batch
 
-# Inspection: entries, statistics, explanations, snapshots
-from cgregistry.inspection import ClassStats, EntryInfo, Refreshed, Slept, Snapshot, Stats, load_snapshot
-from cgregistry.key.matcher import Candidate, Explanation, Match, Matcher, PaddingCap
+# Snapshots written by reg.snapshot() (the other records: cgregistry.inspection)
+from cgregistry.inspection import load_snapshot
 
 # The plugin set a registry uses (GraphRegistry(plugins=...)); plugin authors: cgregistry.plugin
 from cgregistry import plugin
-from cgregistry.hooks.manager import Plugins, make_plugin_manager
+from cgregistry.hooks.manager import Plugins
 
-# Errors: each is a CgregistryError and keeps its builtin base (ValueError, RuntimeError, ...)
-from cgregistry.errors import BreakError, CaptureError, CgregistryError, ConcurrentRunError, DebugError, GraphUnsafeOpError, InputError, MovedTensorError, OutputError, PiecewiseError, PluginError, ServingStateError, SnapshotError, StaleOutputError, WeightsMovedError
+# The errors an engine catches (each is a CgregistryError and keeps its builtin base; all of them: cgregistry.errors)
+from cgregistry.errors import (
+    CaptureError, CgregistryError, ConcurrentRunError, DebugError, InputError, PluginError, ServingStateError, SnapshotError,
+    StaleOutputError, WeightsMovedError,
+)
 
 from cgregistry.version import __version__
 
 from cgregistry.plan.build import use_installed_plugins
 
 use_installed_plugins(Plugins)  # plans find installed plugin strategies without importing the plugin manager
-
-def __getattr__(name: str) -> object:
-    """``cgregistry.hookimpl`` / ``hookspec`` of 0.1 plugins still work, with a warning: they live in cgregistry.plugin."""
-    if name in ("hookimpl", "hookspec"):
-        import warnings
-
-        warnings.warn(
-            f"cgregistry.{name} moved to cgregistry.plugin.{name} (plugin-author names live there)", DeprecationWarning, stacklevel=2
-        )
-        return getattr(plugin, name)
-    raise AttributeError(f"module 'cgregistry' has no attribute {name!r}")
-
+del use_installed_plugins
 
 __all__ = [
     # batches and plans
-    "MODES", "Adaptation", "BatchDescriptor", "CapturePlan", "Downgrade", "Padding", "PlanChange", "PlanEntry", "PlanSettings",
-    "UncoveredRange",
+    "Adaptation", "BatchDescriptor", "CapturePlan", "Matcher", "PlanSettings",
     # the registry
     "GraphRegistry", "REPEAT_LAST", "StaticInput",
     # eager parts
-    "BreakContext", "PiecewiseCompiler", "capture_barrier", "compile_piecewise", "current_batch", "eager_batch",
-    "eager_break", "graph_break",
-    # inspection
-    "Candidate", "ClassStats", "EntryInfo", "Explanation", "Match", "Matcher", "PaddingCap", "Refreshed", "Slept", "Snapshot", "Stats",
-    "load_snapshot",
-    # plugins in use
-    "Plugins", "make_plugin_manager", "plugin",
-    # errors
-    "BreakError", "CaptureError", "CgregistryError", "ConcurrentRunError", "DebugError", "GraphUnsafeOpError",
-    "InputError", "MovedTensorError", "OutputError", "PiecewiseError", "PluginError", "ServingStateError", "SnapshotError", "StaleOutputError",
-    "WeightsMovedError",
-    # warnings
-    "FrozenReadWarning",
+    "capture_barrier", "compile_piecewise", "current_batch", "eager_batch", "eager_break", "graph_break",
+    # snapshots and plugins
+    "load_snapshot", "Plugins", "plugin",
+    # errors and warnings
+    "CaptureError", "CgregistryError", "ConcurrentRunError", "DebugError", "InputError", "PluginError", "ServingStateError",
+    "SnapshotError", "StaleOutputError", "WeightsMovedError", "FrozenReadWarning",
     "__version__",
 ]

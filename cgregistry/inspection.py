@@ -18,11 +18,12 @@ import attrs
 
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.errors import SnapshotError
-from cgregistry.key.matcher import DEFAULT_PREFERENCE, Explanation, Matcher
+from cgregistry.key.matcher import DEFAULT_PREFERENCE, Candidate, Explanation, Match, Matcher
 from cgregistry.text import text_table
 
 __all__ = [
-    "SNAPSHOT_SCHEMA", "ClassStats", "EntryInfo", "Refreshed", "Slept", "Snapshot", "SnapshotError", "Stats", "entries_table",
+    "SNAPSHOT_SCHEMA", "Candidate", "ClassStats", "EntryInfo", "Explanation", "Match", "Refreshed", "Slept", "Snapshot", "SnapshotError",
+    "Stats", "entries_table",
     "key_class", "load_snapshot",
 ]
 

@@ -4,7 +4,8 @@
 - the contract: ``Strategy``, ``Backend``, ``SegmentedBackend``, ``Segment``, ``Graph``;
 - registration: ``StrategyRegistrar`` and ``BackendRegistrar`` (what registration hooks receive);
 - built-ins to build on: ``FullStrategy``, ``BreakableStrategy``;
-- the manager: ``Plugins``, ``make_plugin_manager``, ``PluginInfo``, ``PluginError``.
+- the manager: ``Plugins``, ``make_plugin_manager``, ``PluginInfo``, ``PluginError``;
+- the live batch an eager break reads: ``BreakContext`` (what ``cgregistry.current_batch()`` returns).
 
 The conformance suite for a new strategy is :mod:`cgregistry.testing`.
 """
@@ -20,6 +21,7 @@ from cgregistry.hooks.manager import (
     StrategyRegistrar,
     make_plugin_manager,
 )
+from cgregistry.state.runtime import BreakContext
 from cgregistry.strategies.breakable import BreakableStrategy
 from cgregistry.strategies.full import FullStrategy
 
@@ -27,6 +29,7 @@ __all__ = [
     "PROJECT",
     "Backend",
     "BackendRegistrar",
+    "BreakContext",
     "BreakableStrategy",
     "FullStrategy",
     "Graph",

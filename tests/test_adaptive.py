@@ -35,7 +35,7 @@ ENGINE = {"max_num_seqs": 256, "max_num_tokens": 8192}
 CONFIG = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192)
 
 
-def pairs(plan: Iterable[cg.PlanEntry]) -> list[Pair]:
+def pairs(plan: Iterable[cg.plan.PlanEntry]) -> list[Pair]:
     return [(e.descriptor, e.strategy) for e in plan]
 
 

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import attrs
+import types
+
 import pytest
 import torch
 
@@ -156,8 +158,9 @@ def test_version_comes_from_package_metadata() -> None:
 
 
 def test_every_error_shares_one_base_and_keeps_its_builtin_one() -> None:
-    errors = [getattr(cg, n) for n in cg.__all__ if n.endswith("Error") and n != "CgregistryError"]
+    errors = [getattr(cg.errors, n) for n in cg.errors.__all__ if n != "CgregistryError"]
     assert len(errors) == 14
+    assert {n for n in cg.__all__ if n.endswith("Error")} <= set(cg.errors.__all__), "the top level re-exports, never defines, errors"
     for error in errors:
         assert issubclass(error, cg.CgregistryError), error
         assert issubclass(error, (ValueError, TypeError, RuntimeError)), error
@@ -239,7 +242,7 @@ def test_a_registrar_knows_its_plugin() -> None:
         def cgregistry_register_strategies(self, register):  # type: ignore[no-untyped-def]
             seen.append((register.kind, register.plugin))
 
-    pm = cg.make_plugin_manager(autoload=False)
+    pm = cg.plugin.make_plugin_manager(autoload=False)
     pm.register(Probe(), name="probe")
     cg.Plugins(pm)
     assert ("strategy", "probe") in seen
@@ -343,12 +346,13 @@ def test_built_in_modes_need_no_plugin_manager(monkeypatch: pytest.MonkeyPatch) 
     assert len(cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=64)) == 9, "a plan is data: blocking a strategy does not stop it"
 
 
-def test_plugins_written_for_0_1_still_import_their_marker() -> None:
-    with pytest.warns(DeprecationWarning, match=r"cgregistry.hookimpl moved to cgregistry.plugin.hookimpl"):
-        from cgregistry import hookimpl
-    assert hookimpl is cg.plugin.hookimpl
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        cg.nope  # noqa: B018
+def test_the_top_level_holds_what_an_engine_writer_types() -> None:
+    assert len(cg.__all__) <= 30 and set(cg.__all__) <= set(dir(cg))
+    public = {name for name in dir(cg) if not name.startswith("_")}
+    wings = {name for name in public if isinstance(getattr(cg, name), types.ModuleType)}
+    assert public - wings == set(cg.__all__) - {"plugin", "__version__"}, "every top-level name is in __all__ or is a wing"
+    with pytest.raises(AttributeError):
+        cg.hookimpl  # noqa: B018 - plugin markers live in cgregistry.plugin
 
 
 def test_a_registrar_refuses_classes_and_late_calls() -> None:
@@ -360,7 +364,7 @@ def test_a_registrar_refuses_classes_and_late_calls() -> None:
             kept.append(register)
             register(VendorExact)  # the class, not an instance
 
-    pm = cg.make_plugin_manager(autoload=False)
+    pm = cg.plugin.make_plugin_manager(autoload=False)
     pm.register(Sloppy(), name="sloppy")
     with pytest.raises(cg.PluginError, match="plugin 'sloppy' registered the class VendorExact; register an instance"):
         cg.Plugins(pm)

@@ -175,7 +175,7 @@ def test_nested_breakable_capture_is_refused(backend: str) -> None:
     reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=make_plugins())
     with pytest.raises(cg.CaptureError, match="nested breakable capture") as info:
         reg.capture([(B(8), "breakable")])
-    assert isinstance(info.value.__cause__, cg.BreakError)
+    assert isinstance(info.value.__cause__, cg.errors.BreakError)
     x = torch.ones(2, device=device_of(backend))
     assert reg.run(B(2, 1), x=x).tolist() == [1.0, 1.0], "nothing captured; the step ran eagerly"
 

@@ -577,7 +577,7 @@ def test_demo_puts_the_modes_decode_strategy_first_unless_told_otherwise(
     mixed keys would serve every decode batch and its decode keys never replay; the demo prefers the mode's decode strategy."""
     import cgregistry.cli.demo
 
-    monkeypatch.setattr(cgregistry.cli.demo, "Plugins", lambda: cg.Plugins(cg.make_plugin_manager([OwnPlugin()], autoload=False)))
+    monkeypatch.setattr(cgregistry.cli.demo, "Plugins", lambda: cg.Plugins(cg.plugin.make_plugin_manager([OwnPlugin()], autoload=False)))
     served = {}
     for name, extra in (("default", []), ("given", ["--preference", "full,own"])):
         snap = tmp_path / f"{name}.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cgregistry import GraphUnsafeOpError
+from cgregistry.errors import GraphUnsafeOpError
 from cgregistry.backends.cpu import CpuBackend, find_graph_unsafe_ops
 
 backend = CpuBackend()

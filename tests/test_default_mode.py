@@ -41,7 +41,7 @@ def test_a_strategy_that_cannot_serve_the_step_keeps_the_other_strategys_keys() 
         rf"{pieces - 1} later keys of strategy 'piecewise' not tried; {len(plan) - pieces} entries captured \(full\), and they stay"
     )) as info:
         reg.capture(plan)
-    assert isinstance(info.value.__cause__, cg.PiecewiseError)
+    assert isinstance(info.value.__cause__, cg.errors.PiecewiseError)
     assert {e.strategy for e in reg.entries()} == {"full"} and len(reg) == len(plan) - pieces
     x = torch.randn(5, WIDTH)
     torch.testing.assert_close(reg.run(B.decode(5), x=x), torch.tanh(x @ w))

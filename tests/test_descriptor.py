@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cgregistry import BatchDescriptor, Padding
+from cgregistry import BatchDescriptor
+from cgregistry.key import Padding
 
 B = BatchDescriptor
 

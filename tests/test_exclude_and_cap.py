@@ -57,7 +57,7 @@ def test_exclude_full_replays_the_next_strategy_and_equals_eager() -> None:
     x = x_for(5)
     torch.testing.assert_close(reg.run(B(5), x=x, exclude=("full",)), eager(B(5), x))
     assert used(reg) == {"breakable": 1}, "the excluded strategy is never replayed"
-    assert reg.match(B(5), exclude=("full",)) == cg.Match(B(8), "breakable", cg.Padding(3, 0, 0))
+    assert reg.match(B(5), exclude=("full",)) == cg.inspection.Match(B(8), "breakable", cg.key.Padding(3, 0, 0))
     # a plain run of the same shape is unaffected: its own route, the preferred strategy
     torch.testing.assert_close(reg.run(B(5), x=x), eager(B(5), x))
     assert used(reg) == {"breakable": 1, "full": 1}
@@ -167,7 +167,7 @@ def test_a_capped_batch_goes_to_the_next_strategy_or_eager() -> None:
     text = str(reg.explain(B(10)))
     assert "every covering key is excluded or over the padding cap (runs eagerly)" in text
     assert "covers, but pads 6 tokens for 10: over the cap (max_padding_tokens=2)" in text
-    assert reg.padding_cap == cg.PaddingCap(max_tokens=2)
+    assert reg.padding_cap == cg.key.PaddingCap(max_tokens=2)
 
 
 def test_a_padding_ratio_is_padding_tokens_per_real_token() -> None:
@@ -205,7 +205,7 @@ def test_padding_caps_are_checked(kwargs: dict, message: str) -> None:
         Matcher([], **kwargs)
 
 
-def _capped_oracle(keys: list, actual: B, cap: cg.PaddingCap) -> tuple | None:
+def _capped_oracle(keys: list, actual: B, cap: cg.key.PaddingCap) -> tuple | None:
     """Strategy by strategy in preference order: that strategy's least-padding key, if the cap allows it."""
     for rank, strategy in enumerate(STRATEGIES):
         pads = [key.padding(actual) for key, s in keys if s == strategy and key.covers(actual)]

@@ -14,7 +14,7 @@ from cgregistry.inspection import SNAPSHOT_SCHEMA
 
 
 def make(backend: str = "cpu", **kwargs: Any) -> cg.GraphRegistry:
-    plugins = kwargs.pop("plugins", None) or cg.Plugins(cg.make_plugin_manager(autoload=False))
+    plugins = kwargs.pop("plugins", None) or cg.Plugins(cg.plugin.make_plugin_manager(autoload=False))
     return cg.GraphRegistry(lambda b, x: x * 2, {"x": cg.StaticInput((64, 4), torch.float32)}, backend=backend, plugins=plugins, **kwargs)
 
 
@@ -53,8 +53,8 @@ def test_stats_per_strategy_class_and_kind() -> None:
     s = reg.stats()
     assert (s.hits, s.misses, s.eager_fallbacks, s.padded_tokens, s.graph_tokens) == (2, 2, 2, 13, 23)
     assert s.misses_by_kind == {"uniform": 1, "mixed": 1}
-    assert s.by_class["full/uniform-d0/lora0"] == cg.ClassStats(entries=2, replays=1, graph_tokens=3, padded_tokens=1)
-    assert s.by_class["full/mixed/lora0"] == cg.ClassStats(entries=1, replays=1, graph_tokens=20, padded_tokens=12)
+    assert s.by_class["full/uniform-d0/lora0"] == cg.inspection.ClassStats(entries=2, replays=1, graph_tokens=3, padded_tokens=1)
+    assert s.by_class["full/mixed/lora0"] == cg.inspection.ClassStats(entries=1, replays=1, graph_tokens=20, padded_tokens=12)
     assert s.by_class["full/uniform-d1/lora0"].replays == 0
     reg.reset_stats()
     assert reg.stats().hits == 0 and reg.stats().misses_by_kind == {"uniform": 0, "mixed": 0}
@@ -124,7 +124,7 @@ class Events:
 @pytest.mark.filterwarnings("ignore:.*do not fit static input:RuntimeWarning")  # on purpose
 def test_lazy_capture_on_first_need(backend: str) -> None:
     events = Events()
-    reg = make(backend, plugins=cg.Plugins(cg.make_plugin_manager([events], autoload=False)))
+    reg = make(backend, plugins=cg.Plugins(cg.plugin.make_plugin_manager([events], autoload=False)))
     assert reg.capture(PLAN, lazy=True) == []
     assert len(reg) == 0 and len(reg.pending()) == len(PLAN)
     assert reg.match(B.decode(3)).key == B.decode(4), "match reports the key run would capture"
@@ -144,7 +144,7 @@ def test_failed_lazy_capture_falls_through_to_the_next_key() -> None:
             raise RuntimeError("cannot capture this one")
         return x * 2
 
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((64, 4), torch.float32)}, backend="cpu", plugins=cg.Plugins(cg.make_plugin_manager(autoload=False)))
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((64, 4), torch.float32)}, backend="cpu", plugins=cg.Plugins(cg.plugin.make_plugin_manager(autoload=False)))
     reg.capture(PLAN, lazy=True)
     with pytest.warns(RuntimeWarning, match=r"lazy capturing Batch\(tokens=4, reqs=4, uniform\) with strategy 'full' failed"):
         run(reg, B.decode(3))
@@ -160,7 +160,7 @@ def test_memory_budget_evicts_least_recently_used() -> None:
     one = make()
     one.capture([(B(32, 8), "full")])
     per_entry = one.memory_bytes()  # x * 2 on (32, 4) floats: one fresh output
-    reg = make(plugins=cg.Plugins(cg.make_plugin_manager([events], autoload=False)), memory_budget=int(2.5 * per_entry))
+    reg = make(plugins=cg.Plugins(cg.plugin.make_plugin_manager([events], autoload=False)), memory_budget=int(2.5 * per_entry))
     keys = [B(32, 8), B(32, 7), B(32, 6)]  # same size: equal memory
     reg.capture([(keys[0], "full"), (keys[1], "full")])
     run(reg, B(30, 7))  # uses keys[1]

@@ -105,7 +105,7 @@ def test_assigned_weights_are_never_read_by_an_old_graph_and_refresh_captures_ag
 
 
 def test_a_replaced_submodule_is_caught_at_the_next_run() -> None:
-    seen: list[cg.Refreshed] = []
+    seen: list[cg.inspection.Refreshed] = []
 
     class Watcher:
         @cg.plugin.hookimpl

@@ -116,7 +116,7 @@ def test_a_broken_entry_counts_its_eager_step_as_a_failed_miss() -> None:
         def cgregistry_register_strategies(self, register: object) -> None:
             register(Breaks())  # type: ignore[operator]
 
-    plugins = cg.Plugins(cg.make_plugin_manager([Plugin()]))
+    plugins = cg.Plugins(cg.plugin.make_plugin_manager([Plugin()]))
     reg = cg.GraphRegistry(step, {"x": cg.StaticInput((64,), torch.float32)}, backend="cpu", plugins=plugins, preference=("breaks",))
     reg.capture([(B(8, 8), "breaks")])
     with pytest.warns(RuntimeWarning, match="entry was removed"):

@@ -227,7 +227,7 @@ def test_piecewise_without_a_compiled_model_is_an_error(backend: str) -> None:
 )
 def test_bad_splitting_ops_are_named(ops: object, error: str) -> None:
     with pytest.raises((TypeError, ValueError), match=error):
-        cg.PiecewiseCompiler([ops] if ops == "attention" else ops)
+        cg.strategies.compiler.PiecewiseCompiler([ops] if ops == "attention" else ops)
 
 
 def test_inductor_pieces_refuse_the_cpu_emulator() -> None:

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from cgregistry import BatchDescriptor, CapturePlan, PlanEntry, UncoveredRange
+from cgregistry import BatchDescriptor, CapturePlan
+from cgregistry.plan import PlanEntry, UncoveredRange
 from cgregistry.plan import MODES, default_ladder
 
 B = BatchDescriptor

@@ -263,7 +263,7 @@ def test_a_strategys_declaration_counts_as_the_engines(
 
 def test_cli_plan_says_a_strategy_declared_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     plugin = Registers(vendor("vfull", False, {"mixed", "spec_decode"}))
-    real = cg.make_plugin_manager
+    real = cg.plugin.make_plugin_manager
     monkeypatch.setattr(cg.hooks.manager, "make_plugin_manager", lambda *a, **k: real([plugin], autoload=False))  # what Plugins() finds
     args = ["plan", "--max-num-seqs", "16", "--max-num-tokens", "256", "--spec-depths", "0,2", "--mode", "vfull,piecewise"]
     assert main(args) == 0

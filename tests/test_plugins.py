@@ -267,7 +267,7 @@ def test_choose_match_must_return_a_candidate() -> None:
     class Bad:
         @cg.plugin.hookimpl
         def cgregistry_choose_match(self, registry: Any, actual: Any, candidates: list) -> Any:
-            return cg.Match(cg.BatchDescriptor(99), "full", cg.Padding(0, 0, 0))
+            return cg.inspection.Match(cg.BatchDescriptor(99), "full", cg.key.Padding(0, 0, 0))
 
     pm = make_plugin_manager(autoload=False)
     pm.register(Bad(), name="bad-policy")

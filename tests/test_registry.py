@@ -179,7 +179,7 @@ def test_new_captures_update_routes(backend: str) -> None:
 
 
 def test_unknown_strategy_and_capacity_errors_before_capturing(backend: str) -> None:
-    plugins = cg.Plugins(cg.make_plugin_manager(autoload=False))  # the message lists what is installed
+    plugins = cg.Plugins(cg.plugin.make_plugin_manager(autoload=False))  # the message lists what is installed
     reg = cg.GraphRegistry(lambda b, x: x, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=plugins)
     with pytest.raises(KeyError, match="strategy 'warp' is not registered; available: breakable, full"):
         reg.capture([(B(4), "full"), (B(2), "warp")])

@@ -390,7 +390,7 @@ def test_choose_match_answering_a_plain_tuple_is_a_plugin_error() -> None:
         def cgregistry_choose_match(self, registry, actual, candidates):  # type: ignore[no-untyped-def]
             return tuple(candidates[0])  # the fields of a candidate, not the Match itself
 
-    pm = cg.make_plugin_manager(autoload=False)
+    pm = cg.plugin.make_plugin_manager(autoload=False)
     pm.register(TuplePolicy(), name="tuple-policy")
     reg = cg.GraphRegistry(lambda b, x: x, {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu", plugins=cg.Plugins(pm))
     reg.capture([(B(8), "full")])
@@ -890,7 +890,7 @@ def test_observers_are_contained_beside_a_wrapper() -> None:
             seen.append("wrapper")
             return (yield)
 
-    pm = cg.make_plugin_manager(autoload=False)
+    pm = cg.plugin.make_plugin_manager(autoload=False)
     for plugin, name in ((Good(), "good"), (Bad(), "bad"), (Wrapping(), "wrapping")):
         pm.register(plugin, name=name)
     reg = cg.GraphRegistry(lambda b, x: x, {"x": cg.StaticInput((4,), torch.float32)}, backend="cpu", plugins=cg.Plugins(pm))

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cgregistry as cg
-from cgregistry import BatchDescriptor, CapturePlan, Matcher, PaddingCap
+from cgregistry import BatchDescriptor, CapturePlan, Matcher
+from cgregistry.key import PaddingCap
 from cgregistry.cli import main
 from cgregistry.plan.fit import evaluate
 from cgregistry.plan import MODES, UncoveredRange

@@ -201,7 +201,7 @@ def test_the_batch_seen_while_recording_is_a_break_context() -> None:
         warnings.simplefilter("error")
         reg.capture(KEY)
         print(seen[-1])  # its repr reads nothing frozen
-    assert len(seen) == 2 and all(isinstance(b, cg.BreakContext) and b.key == B(8) for b in seen)
+    assert len(seen) == 2 and all(isinstance(b, cg.plugin.BreakContext) and b.key == B(8) for b in seen)
 
 
 class LazyCache(nn.Module):
