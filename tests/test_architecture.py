@@ -1,17 +1,17 @@
-"""The architecture holds: no import cycles, leaf modules, no reaching into private names, collaborators
+"""The architecture holds: a few wings in few layers, no import cycles, leaf modules, no reaching into private names, collaborators
 that never call back into the registry, a whole typed plugin contract, and plugin strategies in plans."""
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
+import functools
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import attrs
-import types
-
 import pytest
 import torch
 
@@ -67,6 +67,29 @@ def test_no_import_cycles() -> None:
     for name in sorted(GRAPH):
         if name not in state and name != "cgregistry":
             visit(name, [name])
+
+
+def unit(module: str) -> str:
+    """The wing or top-level module a module belongs to: ``cgregistry.capture.memory`` is in ``cgregistry.capture``."""
+    return ".".join(module.split(".")[:2])
+
+
+UNITS = {unit(m) for m in MODULES} - {"cgregistry"}
+UNIT_GRAPH = {u: {unit(d) for m in MODULES if unit(m) == u for d in GRAPH[m]} - {u, "cgregistry"} for u in UNITS}
+
+
+def test_the_package_is_a_few_wings_in_few_layers() -> None:
+    """A newcomer sees at most 25 units (top-level modules and subpackages), importing one another in at most
+    12 layers and never in a circle."""
+    assert len(UNITS) <= 25, sorted(UNITS)
+
+    @functools.cache
+    def layer(u: str, trail: tuple[str, ...] = ()) -> int:
+        if u in trail:
+            pytest.fail(f"import circle between wings: {' -> '.join((*trail[trail.index(u):], u))}")
+        return 1 + max((layer(d, (*trail, u)) for d in sorted(UNIT_GRAPH[u])), default=0)
+
+    assert max(layer(u) for u in UNITS) <= 12
 
 
 @pytest.mark.parametrize("leaf", ["cgregistry.contracts.markers", "cgregistry.errors", "cgregistry.version", "cgregistry.contracts.protocols"])
