@@ -95,7 +95,7 @@ def loop_latencies(run: Callable[[Any, dict], Any], steps: list[tuple[Any, dict]
 
 
 def demo(n_steps: int, rows: list[tuple[str, str]]) -> None:
-    """Issue 24, item 1: the demo decoder, a 19-key 'full' plan, decode batches run back to back in two loops."""
+    """The demo decoder, a 19-key 'full' plan, decode batches run back to back in two loops."""
     device = torch.device("cuda")
     cfg = DemoConfig.for_device(device)
     model = DemoDecoder(cfg, device, seed=0)
@@ -337,7 +337,7 @@ def _load_hf() -> Any:
 
 
 def hf_llama(requests: int, rows: list[tuple[str, str]]) -> None:
-    """Issue 24, item 1 on the engine of examples/hf_llama.py (Llama-3.2-1B shape, random weights, bf16,
+    """On the engine of examples/hf_llama.py (Llama-3.2-1B shape, random weights, bf16,
     'full_and_breakable'): foreground capture time, then serving from creation with the plan captured in the
     background; every logit against Hugging Face's own forward."""
     hf = _load_hf()

@@ -1,4 +1,4 @@
-"""Weight updates and sleep on the GPU (issue 28): the Hugging Face Llama engine of examples/hf_llama.py.
+"""Weight updates and sleep on the GPU: the Hugging Face Llama engine of examples/hf_llama.py.
 
 1. An RL-style weight sync of every parameter while the engine serves, in place (``load_state_dict``)
    and by assign (``load_state_dict(assign=True)`` then ``refresh(background=True)``): steps served

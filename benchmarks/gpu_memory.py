@@ -1,4 +1,4 @@
-"""Predicted against actual device memory of capture(plan) on the GPU (issue 27).
+"""Predicted against actual device memory of capture(plan) on the GPU.
 
 Each configuration runs in a fresh process (the caching allocator starts empty) and follows the
 engine's recipe: build the registry, ``reg.estimate_memory(plan)`` (the process's first graphs, as an

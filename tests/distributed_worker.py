@@ -1,6 +1,6 @@
 """One rank of the multi-process tests (gloo on CPU, NCCL on GPUs): data, tensor and pipeline parallel.
 
-Run by tests/test_distributed.py through torch.multiprocessing; each scenario
+Run by tests/distributed/test_distributed.py through torch.multiprocessing; each scenario
 checks itself against eager and raises on any mismatch, which fails the parent.
 """
 

@@ -1,4 +1,4 @@
-"""One rank of the TP=2 Hugging Face Llama test (tests/test_hf_llama_tp.py): gloo, the cpu emulator, the tiny config.
+"""One rank of the TP=2 Hugging Face Llama test (tests/distributed/test_hf_llama_tp.py): gloo, the cpu emulator, the tiny config.
 
 Each rank serves the same trace requests at TP=1 (the full model, no process group) and then at TP=2 in every mode,
 and checks: the same tokens as TP=1, every logit within 1e-5 of TP=1's (float32; the all-reduce sums two partial

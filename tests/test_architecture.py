@@ -164,7 +164,7 @@ def test_no_module_or_example_reaches_into_another_modules_private_names() -> No
 
 def test_tests_benchmarks_and_examples_read_no_private_state() -> None:
     """A test that must read ``reg._buffers`` shows a missing inspection API: give it a public seam instead."""
-    files = [*(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "examples").glob("*.py")]
+    files = [*(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"), *(ROOT / "examples").glob("*.py")]
     files = [f for f in files if f.name != "test_architecture.py"]
     assert [hit for f in files for hit in private_attribute_reads(f) + private_imports(f)] == []
 

@@ -12,7 +12,7 @@ import pytest
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 
 
-# Slow: hf_llama.py serves a Hugging Face model through every mode (tests/test_hf_llama.py covers it in the default run).
+# Slow: hf_llama.py serves a Hugging Face model through every mode (tests/cli/test_hf_llama.py covers it in the default run).
 SLOW = {"hf_llama.py"}
 
 

@@ -1,7 +1,7 @@
 """Graphs per mode: cgregistry's default plan against vLLM's model runners V1 and V2 at the same settings.
 
 The table in docs/plans-and-workloads.md is this module's output (``python -m tests.vllm_graph_table``
-prints it; tests/test_plan_vllm.py checks the page holds it).  vLLM's counts come from
+prints it; tests/plans/test_vllm.py checks the page holds it).  vLLM's counts come from
 ``tests/vllm_reference.py`` (LoRA with vLLM's defaults: graphs for 0 and ``max_loras + 1`` adapters).
 """
 

@@ -1,0 +1,166 @@
+"""A Hugging Face Llama through the registry (examples/hf_llama.py): engine state and outputs, as a server sees them.
+
+The example itself runs every mode and checks every logit against HF's forward (tests/test_examples.py);
+these tests pin what an engine relies on besides the numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cgregistry as cg
+
+pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'")
+
+_path = Path(__file__).parents[2] / "examples" / "hf_llama.py"
+_spec = importlib.util.spec_from_file_location("hf_llama_example", _path)
+hf = importlib.util.module_from_spec(_spec)
+sys.modules["hf_llama_example"] = hf
+_spec.loader.exec_module(hf)
+
+SHAPE = hf.EngineShape(max_num_seqs=4, max_num_tokens=16, block_size=4, max_blocks_per_req=4)
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("mode", ["full", "full_and_breakable", "full_and_piecewise"])
+def test_capture_writes_only_the_scratch_slot(mode: str) -> None:
+    """Warm-up and capture run the model, which writes K/V: only at the scratch slot, also while dynamo traces."""
+    model = hf.build_model("tiny", CPU, SHAPE)
+    for layer in model.model.layers:
+        layer.self_attn.k_cache.fill_(7.0)  # a live server's cache
+    reg = hf.build_registry(model, SHAPE, mode, "cpu")
+    assert len(reg) > 0
+    scratch = SHAPE.scratch_slot
+    for layer in model.model.layers:
+        cache = layer.self_attn.k_cache
+        others = torch.ones(cache.shape[0], dtype=torch.bool)
+        others[scratch] = False
+        assert cache[others].eq(7.0).all(), "no request's slot was written by capture"
+        assert not cache[scratch].eq(7.0).all(), "capture did run the step (it wrote the scratch slot)"
+
+
+def test_modes_serve_the_trace_like_hugging_face() -> None:
+    for mode in ("full_and_piecewise", "none"):
+        result, reg = hf.serve("tiny", mode, device=CPU, shape=SHAPE, requests=6, max_prompt=12, max_new=4, backend="cpu")
+        assert len(result.finished) == 6 and all(s.generated == s.max_new for s in result.finished)
+        assert result.max_abs_error < 1e-4, mode
+        if reg is not None:
+            stats = reg.stats()
+            assert stats.hits == result.steps and stats.misses == 0
+            assert {e.strategy for e in reg.entries(used=True)} == {"full", "piecewise"}
+
+
+def test_debug_mode_catches_logits_kept_past_the_next_run() -> None:
+    """The engine's bug to avoid: keeping a view of graph memory (``.float().cpu()`` is no copy on CPU)."""
+    model = hf.build_model("tiny", CPU, SHAPE)
+    reg = cg.GraphRegistry(hf.make_step(model, hf.decoder(model)), hf.static_inputs(SHAPE), backend="cpu",
+                           output_axis=hf.OUTPUT_AXES, debug=True)
+    reg.capture([(cg.BatchDescriptor.decode(2), "full")])
+
+    def inputs(position: int) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": torch.tensor([1, 2]), "positions": torch.tensor([position, position]),
+            "slot_mapping": torch.tensor([position, 4 + position]), "query_start_loc": torch.tensor([0, 1, 2]),
+            "seq_lens": torch.tensor([position + 1] * 2), "block_table": torch.tensor([[0, 0, 0, 0], [1, 0, 0, 0]]),
+            "logits_indices": torch.tensor([0, 1]),
+        }
+
+    with torch.inference_mode():
+        kept = reg.run(cg.BatchDescriptor.decode(2), **inputs(0))["logits"][0].float().cpu()
+        reg.run(cg.BatchDescriptor.decode(2), **inputs(1))
+        with pytest.raises(cg.StaleOutputError):
+            kept.sum()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--requests", "-3"], "argument --requests: expected an integer >= 1, got -3"),
+    (["--requests", "many"], "argument --requests: expected an integer >= 1, got 'many'"),
+    (["--device", "gpu"], "argument --device: expected a torch device such as cpu, cuda or cuda:1, got 'gpu'"),
+    (["--device", "cpu", "--gpu-memory-utilization", "1.5"],
+     "argument --gpu-memory-utilization: expected a share of the GPU's memory, 0 < F <= 1, got 1.5"),
+    (["--device", "cpu", "--gpu-memory-utilization", "0.5"],
+     "argument --gpu-memory-utilization: needs a CUDA device (device memory to share), got 'cpu'"),
+])
+def test_bad_arguments_are_named_before_any_work(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        hf.main(argv)
+    assert exit_.value.code == 2
+    assert f": error: {message}\n" in capsys.readouterr().err
+
+
+def test_cuda_without_cuda_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        hf.main(["--device", "cuda"])
+    assert exit_.value.code == 2
+    assert f"argument --device: 'cuda', but this torch ({torch.__version__}) sees no CUDA device; use --device cpu" in capsys.readouterr().err
+
+
+def test_long_stages_report_progress_and_quick_ones_stay_quiet(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    progress = hf.Progress("full", after=5.0, every=10.0)
+    clock = iter([0.0, 1.0, 2.0, 20.0, 25.0, 40.0])  # begin, then five updates
+    monkeypatch.setattr(hf.time, "perf_counter", lambda: next(clock))
+    progress.begin("serving 4 requests")
+    for step in range(1, 6):
+        progress.update(f"step {step}")
+    monkeypatch.undo()
+    assert capsys.readouterr().err.splitlines() == ["[full] serving 4 requests: step 3 (20 s)", "[full] serving 4 requests: step 5 (40 s)"]
+
+
+def test_the_kv_cache_gets_what_the_estimated_graphs_leave() -> None:
+    """The recipe of --gpu-memory-utilization (docs/integration.md): the model on its smallest cache, the plan
+    estimated, the cache given what the budget leaves (never more than every request needs), a clear error where the
+    budget leaves too little; nothing is captured before the cache has its final address."""
+    small = hf.EngineShape(4, 16, 4, 4, kv_blocks=SHAPE.min_blocks)
+    model = hf.build_model("tiny", CPU, small)
+    reg, plan = hf.new_registry(model, small, "full", "cpu")
+    for layer in model.model.layers:
+        layer.self_attn.k_cache.fill_(7.0)  # a live server's cache
+    estimate = reg.estimate_memory(plan)
+    assert len(reg) == 0 and estimate.capture_bytes > 0
+    for layer in model.model.layers:
+        cache, others = layer.self_attn.k_cache, torch.ones(layer.self_attn.k_cache.shape[0], dtype=torch.bool)
+        others[small.scratch_slot] = False
+        assert cache[others].eq(7.0).all() and not cache[small.scratch_slot].eq(7.0).all(), "the probes wrote the scratch slot only"
+    per_block = hf.kv_block_bytes(model, small)
+    sized = hf.size_kv_cache(model, small, estimate.capture_bytes + 7 * per_block + per_block // 2, estimate)
+    assert sized.num_blocks == 7 and model.model.layers[0].self_attn.k_cache.shape[0] == 7 * small.block_size
+    assert hf.size_kv_cache(model, small, 10**12, estimate).num_blocks == SHAPE.num_blocks == 17, "capped at what every request needs"
+    with pytest.raises(ValueError, match=r"leaves room for 4 blocks of .* the engine needs at least 5 \(raise the memory"):
+        hf.size_kv_cache(model, small, estimate.capture_bytes + 4 * per_block, estimate)
+    with pytest.raises(ValueError, match=r"kv_blocks=3: the cache needs at least 5 blocks"):
+        hf.EngineShape(4, 16, 4, 4, kv_blocks=3)
+
+
+def test_an_engine_on_a_cache_sized_by_the_estimate_serves_like_hugging_face() -> None:
+    """serve() on a budget that leaves room for two requests at a time: graphs captured after the cache was sized,
+    the scheduler waits for blocks, every request finishes, every logit equals HF's forward."""
+    model = hf.build_model("tiny", CPU, hf.EngineShape(4, 16, 4, 4, kv_blocks=SHAPE.min_blocks))
+    reg, plan = hf.new_registry(model, SHAPE, "full_and_breakable", "cpu")
+    graphs = reg.estimate_memory(plan).capture_bytes
+    budget = graphs + 9 * hf.kv_block_bytes(model, SHAPE)  # the scratch block and two requests of four blocks
+    result, reg = hf.serve("tiny", "full_and_breakable", device=CPU, shape=SHAPE, requests=6, max_prompt=12, max_new=4,
+                           backend="cpu", graph_and_kv_bytes=budget)
+    assert reg is not None and reg.stats().hits > 0
+    assert len(result.finished) == 6 and all(s.generated == s.max_new for s in result.finished)
+    assert result.max_abs_error < 1e-4
+    assert max(b for s in result.finished for b in s.blocks) == 8, "only the nine blocks the budget left were used"
+
+
+@pytest.mark.parametrize("mode", ["full", "full_and_breakable", "full_and_piecewise"])
+def test_background_capture_while_serving_then_the_hf_check(mode: str) -> None:
+    """Capture on the capture thread while the engine serves, piecewise-compiled steps included, every key of the plan
+    captured; the HF check (which switches the model's attention to SDPA) waits for the capture, so no key is captured
+    through HF's attention (it failed as graph-unsafe before)."""
+    result, reg = hf.serve("tiny", mode, device=CPU, shape=SHAPE, requests=6, max_prompt=12, max_new=4, backend="cpu",
+                           background=True)
+    assert reg is not None and reg.failures() == {} and reg.pending() == [] and reg.capturing() == []
+    assert len(result.finished) == 6 and result.max_abs_error < 1e-4
+    plan = cg.CapturePlan.build(max_num_seqs=SHAPE.max_num_seqs, max_num_tokens=SHAPE.max_num_tokens,
+                                max_capture_size=SHAPE.max_num_tokens, mode=mode)
+    assert len(reg) == len(plan) > 0, "every key of the plan captured"

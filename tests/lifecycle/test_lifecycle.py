@@ -1,0 +1,304 @@
+"""Graphs across weight updates and sleep: in-place updates keep every graph, moved weights are never read
+(a replay raises until refresh() captures again), sleep() gives the memory back and wake() captures the plan again,
+hottest first; every output equals eager with the current weights."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import cgregistry as cg
+from cgregistry import BatchDescriptor as B
+from cgregistry.testing import make_plugins
+from tests.conftest import device_of
+
+WIDTH, MAX_TOKENS = 16, 32
+PLAN = cg.CapturePlan.build(max_num_seqs=MAX_TOKENS, max_num_tokens=MAX_TOKENS, mode="full", capture_sizes=[8, 16, 32])
+
+
+class Model(torch.nn.Module):
+    """Two layers and a buffer: the step is the module itself, so the registry watches its weights."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(WIDTH, WIDTH).to(device)
+        self.second = torch.nn.Linear(WIDTH, WIDTH).to(device)
+        self.register_buffer("scale", torch.full((WIDTH,), 0.5, device=device))
+
+    def forward(self, batch: B, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x))) * self.scale
+
+
+def make(backend: str, **kwargs: object) -> tuple[cg.GraphRegistry, Model]:
+    model = Model(device_of(backend))
+    return cg.GraphRegistry(model, {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)}, backend=backend, **kwargs), model
+
+
+def serve(reg: cg.GraphRegistry, model: Model, n: int, seed: int = 0) -> torch.Tensor:
+    x = torch.randn(n, WIDTH, generator=torch.Generator().manual_seed(seed)).to(model.scale.device)
+    out = reg.run(B.decode(n), x=x)
+    with torch.inference_mode():
+        torch.testing.assert_close(out, model(B.decode(n), x), rtol=1e-5, atol=1e-5)
+    return out
+
+
+def new_state(model: Model, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g).to(v.device) for k, v in model.state_dict().items()}
+
+
+def test_an_in_place_update_keeps_every_graph_and_the_next_run_uses_the_new_weights(backend: str) -> None:
+    reg, model = make(backend)
+    reg.capture(PLAN)
+    serve(reg, model, 5)
+    with torch.no_grad():
+        model.load_state_dict(new_state(model, 1))  # in place
+        model.first.weight.mul_(2)
+    result = reg.refresh()
+    assert result.recaptured == () and set(result.kept) == {(e.descriptor, e.strategy) for e in PLAN} and result.moved == ()
+    serve(reg, model, 5, seed=1)
+    assert reg.stats().hits == 2 and reg.stats().misses == 0
+
+
+def test_a_refresh_that_keeps_every_graph_runs_no_full_garbage_collection() -> None:
+    """An in-place weight sync is frequent (RL): a refresh with nothing to drop must not pause the process for a full
+    collection (0.16 s on the tiny Llama's heap); one that drops graphs does, so their pool is really freed."""
+    reg, model = make("cpu")
+    reg.capture(PLAN)
+    full: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    gc.callbacks.append(count)
+    try:
+        reg.refresh()
+        assert full == [], "a refresh that kept every graph collected the whole heap"
+        model.load_state_dict(new_state(model, 1), assign=True)
+        assert len(reg.refresh().recaptured) == len(PLAN)
+        assert full, "a refresh that dropped graphs let them go without a collection"
+    finally:
+        gc.callbacks.remove(count)
+
+
+def test_assigned_weights_are_never_read_by_an_old_graph_and_refresh_captures_again(backend: str) -> None:
+    reg, model = make(backend)
+    reg.capture(PLAN)
+    serve(reg, model, 5)
+    model.load_state_dict(new_state(model, 2), assign=True)  # every parameter and the buffer replaced
+    x = torch.randn(5, WIDTH, device=model.scale.device)
+    with pytest.raises(cg.WeightsMovedError, match=r"step\.[\w.]+ moved from 0x[0-9a-f]+ to 0x[0-9a-f]+ \(and 4 more\).*reg.refresh\(\)"):
+        reg.run(B.decode(5), x=x)
+    result = reg.refresh()
+    assert len(result.moved) == 5 and set(result.recaptured) == {(e.descriptor, e.strategy) for e in PLAN} and result.kept == ()
+    assert len(reg) == len(PLAN)
+    serve(reg, model, 5, seed=3)
+    assert reg.stats().hits == 2
+
+
+def test_a_replaced_submodule_is_caught_at_the_next_run() -> None:
+    seen: list[cg.inspection.Refreshed] = []
+
+    class Watcher:
+        @cg.plugin.hookimpl
+        def cgregistry_refreshed(self, registry, result):  # noqa: ANN001
+            seen.append(result)
+
+    reg, model = make("cpu", plugins=make_plugins(Watcher()))
+    reg.capture(PLAN)
+    model.second = torch.nn.Linear(WIDTH, WIDTH)
+    with pytest.raises(cg.WeightsMovedError, match=r"step\.second\.weight moved"):
+        reg.run(B.decode(3), x=torch.randn(3, WIDTH))
+    reg.refresh()
+    serve(reg, model, 3)
+    assert len(seen) == 1 and {m.split(" ")[0] for m in seen[0].moved} == {"step.second.weight", "step.second.bias"}
+
+
+def test_a_replacement_torch_does_not_announce_is_found_by_refresh() -> None:
+    """``param.data = t`` registers nothing: run() cannot see it cheaply (debug mode does); refresh() compares every address."""
+    reg, model = make("cpu")
+    reg.capture(PLAN)
+    model.first.weight.data = torch.randn(WIDTH, WIDTH)
+    result = reg.refresh()
+    assert [m.split(" ")[0] for m in result.moved] == ["step.first.weight"] and len(result.recaptured) == len(PLAN)
+    serve(reg, model, 7)
+
+
+def test_refresh_in_the_background_drops_at_once_and_serves_while_capturing() -> None:
+    reg, model = make("cpu")
+    reg.capture(PLAN)
+    model.load_state_dict(new_state(model, 4), assign=True)
+    result = reg.refresh(background=True)
+    assert result.background and len(reg) == 0, "stale entries are dropped at once"
+    serve(reg, model, 6)  # served (eagerly or by the first graph back): never by a stale one
+    assert reg.wait_captured(timeout=60) and len(reg) == len(PLAN)
+    serve(reg, model, 6, seed=1)
+
+
+def test_sleep_releases_everything_keeps_counters_and_wake_captures_the_plan_hottest_first() -> None:
+    events: list[str] = []
+
+    class Watcher:
+        @cg.plugin.hookimpl
+        def cgregistry_slept(self, registry, slept):  # noqa: ANN001
+            events.append(f"slept {len(slept.keys)}")
+
+        @cg.plugin.hookimpl
+        def cgregistry_woke(self, registry, keys):  # noqa: ANN001
+            events.append(f"woke {len(keys)}")
+
+    reg, model = make("cpu", plugins=make_plugins(Watcher()))
+    reg.capture(PLAN)
+    for n in (3, 3, 3, 12, 12, 20):  # 8 served three times, 16 twice, 32 once
+        serve(reg, model, n)
+    slept = reg.sleep()
+    assert [k.num_tokens for k, _ in slept.keys] == [8, 16, 32] and slept.input_bytes == MAX_TOKENS * WIDTH * 4
+    assert len(reg) == 0 and reg.static_inputs["x"].untyped_storage().nbytes() == 0
+    serve(reg, model, 4)  # eagerly
+    assert reg.stats().misses_by_reason["asleep"] == 1 and reg.stats().hits == 6, "counters kept"
+    with pytest.raises(RuntimeError, match="while it sleeps: reg.wake\\(\\) first"):
+        reg.capture(PLAN)
+    keys = reg.wake(background=True)
+    assert [k.num_tokens for k, _ in keys] == [8, 16, 32]
+    assert reg.wait_captured(timeout=60) and len(reg) == len(PLAN)
+    serve(reg, model, 4)
+    assert reg.stats().hits == 7 and events == ["slept 3", "woke 3"]
+    assert reg.static_inputs["x"].untyped_storage().nbytes() == MAX_TOKENS * WIDTH * 4
+
+
+def test_lifecycle_arguments_are_checked() -> None:
+    reg, _ = make("cpu")
+    with pytest.raises(TypeError, match=r"refresh\(background=...\) takes a bool, got 'yes'"):
+        reg.refresh(background="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"wake\(background=...\) takes a bool, got 1"):
+        reg.wake(background=1)  # type: ignore[arg-type]
+    assert reg.wake() == (), "waking an awake registry does nothing"
+
+
+@pytest.mark.cuda
+def test_sleep_gives_back_at_least_95_percent_of_what_capture_took() -> None:
+    def big(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return (x[:, None] * torch.ones(1, 1 << 15, device=x.device)).sum(1)  # a 16 MiB intermediate at 128 tokens
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.mem_get_info()[0]
+    reg = cg.GraphRegistry(big, {"x": cg.StaticInput((128,), torch.float32)}, backend="cuda")
+    reg.capture([(B(n), "full") for n in (128, 64, 32, 16)])
+    taken = before - torch.cuda.mem_get_info()[0]
+    reg.sleep()
+    released = torch.cuda.mem_get_info()[0] - (before - taken)
+    assert taken > 16 << 20 and released >= 0.95 * taken, (taken, released)
+    reg.wake(background=False)
+    x = torch.rand(100, device="cuda")
+    torch.testing.assert_close(reg.run(B(100), x=x), big(B(100), x))
+
+
+# ---------------------------------------------------------------- the stateful test
+
+
+class Lifecycle(RuleBasedStateMachine):
+    """Traffic, weight updates of both kinds, refresh, sleep/wake and background capture, interleaved: every output
+    equals eager with the current weights, and a replay never reads moved weights (it raises until refresh())."""
+
+    backend = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reg, self.model = make(self.backend)
+        self.moved = False  # weights replaced since the last refresh (and graphs held)
+        self.asleep = False
+        self.seed = 0
+
+    @rule(background=st.booleans())
+    @precondition(lambda self: not self.asleep)
+    def capture(self, background: bool) -> None:
+        if self.moved:
+            self.reg.refresh()
+            self.moved = False
+        self.reg.capture(PLAN, background=background)
+
+    @rule(n=st.integers(1, MAX_TOKENS))
+    def step(self, n: int) -> None:
+        self.seed += 1
+        x = torch.randn(n, WIDTH, generator=torch.Generator().manual_seed(self.seed)).to(self.model.scale.device)
+        try:
+            out = self.reg.run(B.decode(n), x=x)
+        except cg.WeightsMovedError:
+            assert self.moved, "refused a replay though no weight moved"
+            return
+        with torch.inference_mode():
+            torch.testing.assert_close(out, self.model(B.decode(n), x), rtol=1e-5, atol=1e-5)
+
+    @rule(seed=st.integers(0, 3), assign=st.booleans())
+    def update_weights(self, seed: int, assign: bool) -> None:
+        state = new_state(self.model, seed)
+        if assign:
+            self.model.load_state_dict(state, assign=True)
+            self.moved = True
+        else:
+            with torch.no_grad():
+                self.model.load_state_dict(state)
+
+    @rule(background=st.booleans())
+    def refresh(self, background: bool) -> None:
+        self.reg.refresh(background=background)
+        self.moved = False
+
+    @rule()
+    def sleep(self) -> None:
+        self.reg.sleep()
+        self.asleep = True
+
+    @rule(background=st.booleans())
+    def wake(self, background: bool) -> None:
+        if self.moved:  # wake captures the plan again: a moved weight is refreshed first
+            self.reg.refresh()
+            self.moved = False
+        self.reg.wake(background=background)
+        self.asleep = False
+
+    @rule()
+    def wait(self) -> None:
+        assert self.reg.wait_captured(timeout=60)
+
+    @invariant()
+    def consistent(self) -> None:
+        stats = self.reg.stats()
+        assert stats.hits + stats.misses >= 0 and (not self.asleep or len(self.reg) == 0)
+
+    def teardown(self) -> None:
+        self.reg.wait_captured(timeout=60)
+
+
+def _run(machine: type[RuleBasedStateMachine], examples: int) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "cgregistry: registry .* with no graph captured", RuntimeWarning)
+        settings(max_examples=examples, stateful_step_count=25, deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow])(machine).TestCase().runTest()
+
+
+def test_lifecycle_cpu_quick() -> None:
+    _run(Lifecycle, 6)
+
+
+@pytest.mark.slow
+def test_lifecycle_cpu() -> None:
+    _run(Lifecycle, 60)
+
+
+class LifecycleCuda(Lifecycle):
+    backend = "cuda"
+
+
+@pytest.mark.cuda
+def test_lifecycle_cuda() -> None:
+    _run(LifecycleCuda, 20)

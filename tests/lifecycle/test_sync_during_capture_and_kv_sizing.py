@@ -1,0 +1,110 @@
+"""A weight sync while a key is being captured, and the Llama example's memory sizing and trace requests: each
+reproduced a defect found in review (threads are joined with timeouts)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import cgregistry as cg
+from cgregistry import BatchDescriptor as B
+
+WIDTH, ROWS = 16, 32
+
+
+class HeldModel(torch.nn.Module):
+    """A step that is the module itself (so the registry watches its weight); its capture of a key of ``hold_tokens``
+    tokens on the capture thread reads the weight, then waits on ``release`` (a capture that is slow, mid-way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH))
+        self.hold_tokens: int | None = None
+        self.calls = 0
+        self.holding = threading.Event()
+        self.release = threading.Event()
+
+    def forward(self, batch: B, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight  # what this capture's graph reads
+        if batch.num_tokens == self.hold_tokens and threading.current_thread().name.startswith("cgregistry-capture"):
+            self.calls += 1
+            if self.calls == 2:  # the capture itself (call 1 is the warm-up)
+                self.holding.set()
+                self.release.wait(30)
+        return torch.tanh(x @ w)
+
+
+def held_registry() -> tuple[cg.GraphRegistry, HeldModel]:
+    model = HeldModel()
+    reg = cg.GraphRegistry(model, {"x": cg.StaticInput((ROWS, WIDTH), torch.float32)}, backend="cpu")
+    return reg, model
+
+
+def test_a_capture_in_flight_during_a_weight_sync_is_never_installed() -> None:
+    """A weight replaced while its key is being captured, then ``refresh(background=True)``: the capture in flight read the
+    old weight and is never installed; the key is captured again and replays what the step computes with the new one."""
+    reg, model = held_registry()
+    key = B.decode(8)
+    model.hold_tokens = 8
+    reg.capture([(key, "full")], background=True)
+    try:
+        assert model.holding.wait(30), "the capture thread reached the key's capture"
+        model.weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH))  # a weight sync that replaces the tensor
+        result = reg.refresh(background=True)
+        assert (key, "full") in result.recaptured
+    finally:
+        model.release.set()
+    assert reg.wait_captured(timeout=30)
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(1))
+    got = reg.run(key, x=x).clone()
+    with torch.inference_mode():
+        want = model(key, x)
+    assert len(reg) == 1 and reg.stats().hits == 1
+    torch.testing.assert_close(got, want, msg="the graph replayed the weights from before the update")
+
+
+def _hf():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    if "hf_llama_example" in sys.modules:
+        return sys.modules["hf_llama_example"]
+    path = Path(__file__).parents[2] / "examples" / "hf_llama.py"
+    spec = importlib.util.spec_from_file_location("hf_llama_example", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["hf_llama_example"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hf_llama_sizes_the_kv_cache_for_the_capture_that_follows(monkeypatch) -> None:
+    """``serve(..., background=True)`` with a memory budget sizes the KV cache with the estimate of a background capture
+    (each key's own static inputs, and pool where its strategy does not share one), the capture that follows."""
+    hf = _hf()
+    shape = hf.EngineShape(max_num_seqs=4, max_num_tokens=16, block_size=4, max_blocks_per_req=4)
+    asked: list[bool] = []
+    original = cg.GraphRegistry.estimate_memory
+
+    def spy(self, plan, *, background=False):
+        asked.append(background)
+        return original(self, plan, background=background)
+
+    monkeypatch.setattr(cg.GraphRegistry, "estimate_memory", spy)
+    result, reg = hf.serve("tiny", "full", device=torch.device("cpu"), shape=shape, requests=2, max_prompt=6, max_new=2,
+                           backend="cpu", background=True, graph_and_kv_bytes=2**30, check=False)
+    assert reg is not None and reg.wait_captured(timeout=60)
+    assert asked == [True], f"estimate_memory called with background={asked} for a background capture"
+
+
+def test_hf_llama_trace_requests_never_makes_a_request_that_cannot_finish() -> None:
+    """Every trace request leaves room in the context for at least one new token, whatever ``max_prompt``."""
+    hf = _hf()
+    shape = hf.EngineShape(max_num_seqs=4, max_num_tokens=16, block_size=4, max_blocks_per_req=4)
+    requests = hf.trace_requests(40, shape, vocab=100, max_prompt=2 * shape.max_context, max_new=4)
+    bad = [(len(r.tokens), r.max_new) for r in requests if r.max_new < 1]
+    assert not bad, f"(prompt, max_new) of requests that can never finish: {bad[:5]}"
