@@ -3,7 +3,7 @@
 Ranks of a data-parallel group run different batches, but collectives inside
 the step (an expert-parallel all-to-all, a tensor-parallel all-reduce within
 each replica) need every rank to run the same graph.  ``agree`` all-reduces
-six integers (MAX) and returns the smallest descriptor every rank's batch fits
+the descriptor's encoding (MAX; ``BatchDescriptor.encode``) and returns the smallest descriptor every rank's batch fits
 in: the most tokens, requests and LoRA slots any rank has, and uniform only if
 every rank's batch is uniform with the same speculative depth.  Matching that
 descriptor gives every rank the same key, padded to the largest need, of the
@@ -23,31 +23,17 @@ __all__ = ["agree", "decode_descriptor", "encode_descriptor"]
 
 
 def encode_descriptor(actual: BatchDescriptor) -> list[int]:
-    """``actual`` as the seven integers ``agree()`` all-reduces with MAX (what every rank's batch needs, combined)."""
-    reqs = actual.num_reqs
-    return [
-        actual.num_tokens,
-        0 if reqs is None else reqs,
-        1 if reqs is None else 0,  # any rank without a request count makes the agreed one unknown
-        actual.num_active_loras,
-        actual.spec_depth if actual.uniform else -1,  # max over ranks ...
-        -actual.spec_depth if actual.uniform else -(1 << 30),  # ... and min, through -max(-x)
-        0 if actual.uniform else 1,
-    ]
+    """``actual`` as the integers ``agree()`` all-reduces with MAX (:meth:`BatchDescriptor.encode`)."""
+    return actual.encode()
 
 
 def decode_descriptor(values: list[int]) -> BatchDescriptor:
-    """The descriptor of seven all-reduced integers: one that covers the batch of every rank encoded into them."""
-    tokens, reqs, no_reqs, loras, max_depth, neg_min_depth, mixed = values
-    num_reqs = None if no_reqs else reqs
-    uniform = not mixed and num_reqs is not None and max_depth == -neg_min_depth
-    if uniform and tokens != num_reqs * (1 + max_depth):  # cannot happen for valid uniform batches; be safe
-        uniform = False
-    return BatchDescriptor(tokens, num_reqs, loras, max(max_depth, 0) if uniform else 0, uniform)
+    """The descriptor of all-reduced integers: one that covers the batch of every rank encoded into them."""
+    return BatchDescriptor.from_encoded(values)
 
 
 def agree(actual: BatchDescriptor, group: Any = None) -> BatchDescriptor:
-    """The descriptor covering every rank's ``actual`` in ``group`` (one all_reduce of 7 int64s).
+    """The descriptor covering every rank's ``actual`` in ``group`` (one all_reduce of a few int64s).
 
     The tensor lives on the current CUDA device for NCCL groups and on the CPU
     otherwise (gloo).  Every rank must call it, in the same order as its other

@@ -32,9 +32,8 @@ _READABLE_SCHEMAS = (1, 2, 3)  # older schemas lack only fields that have defaul
 
 
 def key_class(key: BatchDescriptor, strategy: str) -> str:
-    """The class a key belongs to for statistics: strategy, uniform depth or mixed, LoRA count."""
-    shape = f"uniform-d{key.spec_depth}" if key.uniform else "mixed"
-    return f"{strategy}/{shape}/lora{key.num_active_loras}"
+    """The class a key belongs to for statistics: strategy, kind (``BatchDescriptor.kind_label``), LoRA count."""
+    return f"{strategy}/{key.kind_label}/lora{key.num_active_loras}"
 
 
 @attrs.frozen(slots=True)

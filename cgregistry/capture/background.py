@@ -102,7 +102,7 @@ def background_order(pairs: Iterable[Pair]) -> list[Pair]:
     largest: dict[tuple, Pair] = {}
     for pair in pairs:
         key, strategy = pair
-        kind = (strategy, key.uniform, key.spec_depth, key.num_active_loras)
+        kind = (strategy, key.kind, key.num_active_loras)
         if kind not in largest or size(pair) > size(largest[kind]):
             largest[kind] = pair
     first = sorted(largest.values(), key=lambda pair: (pair[0].uniform, size(pair)))

@@ -132,10 +132,57 @@ class BatchDescriptor:
             return False
         if self.num_reqs is not None and (actual.num_reqs is None or self.num_reqs < actual.num_reqs):
             return False
-        if self.uniform:
-            # A uniform graph bakes in the per-request query length.
-            return actual.uniform and actual.spec_depth == self.spec_depth
-        return True
+        return self.serves_kind(actual)
+
+    # The key's kind: the axes a graph bakes in and a key therefore matches exactly (every other axis is a count that
+    # padding fills).  Every part of the package that groups, matches, labels or encodes keys by kind asks here, so a
+    # new exact axis is added in this block and the fields above.
+
+    @property
+    def kind(self) -> tuple[object, ...]:
+        """The exact-match axes as one hashable value: keys of one kind differ only in tokens, requests and LoRA slots."""
+        return (self.uniform, self.spec_depth if self.uniform else None)
+
+    @property
+    def kind_label(self) -> str:
+        """The kind in words, for statistics and tables: ``mixed`` or ``uniform-d<spec depth>``."""
+        return f"uniform-d{self.spec_depth}" if self.uniform else "mixed"
+
+    def serves_kind(self, actual: BatchDescriptor) -> bool:
+        """Whether a key of this kind may serve ``actual``'s kind (a uniform graph bakes in the query length)."""
+        return not self.uniform or (actual.uniform and actual.spec_depth == self.spec_depth)
+
+    def kind_mismatch(self, actual: BatchDescriptor) -> str | None:
+        """Why a key of this kind cannot serve ``actual`` (None when it can), for ``explain()``."""
+        if self.serves_kind(actual):
+            return None
+        if not actual.uniform:
+            return "uniform key cannot serve a non-uniform batch"
+        return f"uniform key of spec depth {self.spec_depth}, batch has depth {actual.spec_depth}"
+
+    def encode(self) -> list[int]:
+        """Seven integers whose elementwise MAX over several batches decodes (:meth:`from_encoded`) to a descriptor
+        covering each of them: what a distributed group all-reduces to agree on one key."""
+        reqs = self.num_reqs
+        return [
+            self.num_tokens,
+            0 if reqs is None else reqs,
+            1 if reqs is None else 0,  # any batch without a request count makes the combined one unknown
+            self.num_active_loras,
+            self.spec_depth if self.uniform else -1,  # max over batches ...
+            -self.spec_depth if self.uniform else -(1 << 30),  # ... and min, through -max(-x)
+            0 if self.uniform else 1,
+        ]
+
+    @classmethod
+    def from_encoded(cls, values: Sequence[int]) -> BatchDescriptor:
+        """The descriptor of combined :meth:`encode` values: uniform only if every batch was, at one spec depth."""
+        tokens, reqs, no_reqs, loras, max_depth, neg_min_depth, mixed = values
+        num_reqs = None if no_reqs else reqs
+        uniform = not mixed and num_reqs is not None and max_depth == -neg_min_depth
+        if uniform and tokens != num_reqs * (1 + max_depth):  # cannot happen for valid uniform batches; be safe
+            uniform = False
+        return cls(tokens, num_reqs, loras, max(max_depth, 0) if uniform else 0, uniform)
 
     def padding(self, actual: BatchDescriptor) -> Padding:
         """Slots this key adds to ``actual``; raises if the key does not cover it."""

@@ -149,12 +149,11 @@ class PaddingCap:
 class _Class:
     """Keys that differ only in token/request count, sorted, with a token lookup table."""
 
-    __slots__ = ("strategy", "uniform", "spec_depth", "loras", "exact_reqs", "keys", "tokens", "first_at")
+    __slots__ = ("strategy", "kind", "loras", "exact_reqs", "keys", "tokens", "first_at")
 
-    def __init__(self, strategy: str, uniform: bool, spec_depth: int | None, loras: int, exact_reqs: bool) -> None:
+    def __init__(self, strategy: str, kind: tuple[object, ...], loras: int, exact_reqs: bool) -> None:
         self.strategy = strategy
-        self.uniform = uniform
-        self.spec_depth = spec_depth
+        self.kind = kind  # BatchDescriptor.kind of every key here
         self.loras = loras
         self.exact_reqs = exact_reqs
         self.keys: list[BatchDescriptor] = []
@@ -213,15 +212,9 @@ class Matcher:
         strategies = list(dict.fromkeys(s for _, s in pairs))
         order = list(dict.fromkeys([*preference, *strategies]))
         self._rank = {s: i for i, s in enumerate(order)}
-        classes: dict[tuple[str, bool, int | None, int, bool], _Class] = {}
+        classes: dict[tuple[str, tuple[object, ...], int, bool], _Class] = {}
         for key, strategy in pairs:
-            sig = (
-                strategy,
-                key.uniform,
-                key.spec_depth if key.uniform else None,
-                key.num_active_loras,
-                key.num_reqs is not None,
-            )
+            sig = (strategy, key.kind, key.num_active_loras, key.num_reqs is not None)
             cls = classes.get(sig)
             if cls is None:
                 cls = classes[sig] = _Class(*sig)
@@ -229,8 +222,8 @@ class Matcher:
         for cls in classes.values():
             cls.freeze()
         self._classes = sorted(classes.values(), key=lambda c: (self._rank[c.strategy], c.loras))
-        # (uniform, spec depth, loras) of an actual batch -> applicable classes grouped by strategy rank
-        self._plans: dict[tuple[bool, int, int], list[list[_Class]]] = {}
+        # (kind, loras) of an actual batch -> applicable classes grouped by strategy rank
+        self._plans: dict[tuple[tuple[object, ...], int], list[list[_Class]]] = {}
         self._memo: dict[BatchDescriptor, Match | None] = {}
         self._excluded_memo: dict[tuple[BatchDescriptor, frozenset[str]], Match | None] = {}
 
@@ -247,14 +240,14 @@ class Matcher:
         return bool(self.cap) and not self.cap.allows(key.num_tokens - actual.num_tokens, actual.num_tokens)
 
     def _groups_for(self, actual: BatchDescriptor) -> list[list[_Class]]:
-        sig = (actual.uniform, actual.spec_depth, actual.num_active_loras)
+        sig = (actual.kind, actual.num_active_loras)
         groups = self._plans.get(sig)
         if groups is None:
             by_rank: dict[int, list[_Class]] = {}
             for cls in self._classes:
                 if cls.loras < actual.num_active_loras:
                     continue
-                if cls.uniform and not (actual.uniform and cls.spec_depth == actual.spec_depth):
+                if not cls.keys[0].serves_kind(actual):
                     continue
                 by_rank.setdefault(self._rank[cls.strategy], []).append(cls)
             groups = self._plans[sig] = [by_rank[r] for r in sorted(by_rank)]
@@ -418,6 +411,4 @@ def _why_not(key: BatchDescriptor, actual: BatchDescriptor) -> str:
             return "key needs a request count; the batch gives none"
         if key.num_reqs < actual.num_reqs:
             return f"too few requests: {key.num_reqs} < {actual.num_reqs}"
-    if key.uniform and not actual.uniform:
-        return "uniform key cannot serve a non-uniform batch"
-    return f"uniform key of spec depth {key.spec_depth}, batch has depth {actual.spec_depth}"
+    return key.kind_mismatch(actual) or "covers"

@@ -232,6 +232,4 @@ class RouteTable:
 
 def _same_kind(key: BatchDescriptor, actual: BatchDescriptor) -> bool:
     """Whether ``key`` would cover ``actual`` if it had enough tokens and requests."""
-    if key.num_active_loras < actual.num_active_loras:
-        return False
-    return not key.uniform or (actual.uniform and actual.spec_depth == key.spec_depth)
+    return key.num_active_loras >= actual.num_active_loras and key.serves_kind(actual)
