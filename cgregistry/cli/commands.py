@@ -35,7 +35,7 @@ SETTING_FLAGS = {
     "max_num_seqs": "--max-num-seqs", "max_num_tokens": "--max-num-tokens", "capture_sizes": "--capture-sizes",
     "max_capture_size": "--max-capture-size", "spec_depths": "--spec-depths", "lora_counts": "--lora-counts",
     "max_loras": "--max-loras", "max_graphs": "--fit", "separate_decode": "--separate-decode",
-    "size_multiple": "--size-multiple", "unsupported": "--unsupported",
+    "size_multiple": "--size-multiple", "unsupported": "--unsupported", "ubatch_threshold": "--ubatch-threshold",
 }
 
 # ``plan`` options that act only on a trace (dest names); --show-sizes also needs --fit.
@@ -166,6 +166,8 @@ def _plan_settings(args: argparse.Namespace) -> PlanSettings:
         fields["size_multiple"] = args.size_multiple
     if args.unsupported is not None:
         fields["unsupported"] = args.unsupported
+    if args.ubatch_threshold is not None:
+        fields["ubatch_threshold"] = args.ubatch_threshold
     return PlanSettings(max_num_seqs=args.max_num_seqs, max_num_tokens=args.max_num_tokens, **fields)
 
 
@@ -178,7 +180,8 @@ def _settings_dict(s: PlanSettings) -> dict[str, Any]:
         "capture_sizes": list(s.used_capture_sizes), "max_capture_size": s.used_max_capture_size,
         "spec_depths": list(s.widest), "widest_decode": {str(d): n for d, n in s.widest.items()},
         "lora_counts": list(s.used_lora_counts), "max_loras": s.max_loras,
-        "separate_decode": s.separate_decode, "size_multiple": s.size_multiple, "uniform_keys": _uniform_keys(s),
+        "separate_decode": s.separate_decode, "size_multiple": s.size_multiple, "ubatch_threshold": s.ubatch_threshold,
+        "uniform_keys": _uniform_keys(s),
         "decode_reqs": {str(d): list(r) for d, r in s.decode_reqs.items()}, "mixed_sizes": list(s.mixed_sizes),
         "unsupported": {name: sorted(classes) for name, classes in s.unsupported.items()},
         "strategy_unsupported": {name: sorted(classes) for name, classes in s.strategy_unsupported.items()},
@@ -220,6 +223,8 @@ def _settings_lines(s: PlanSettings, args: argparse.Namespace) -> list[str]:
         ("--max-loras", "none (no LoRA)" if s.max_loras is None else str(s.max_loras), origin("max_loras")),
         ("--separate-decode", "yes" if s.separate_decode else "no", "" if args.separate_decode else "  (default)"),
         ("--size-multiple", str(s.size_multiple), origin("size_multiple")),
+        ("--ubatch-threshold", "none (no micro-batches)" if s.ubatch_threshold is None else str(s.ubatch_threshold),
+         origin("ubatch_threshold")),
         ("--unsupported", ", ".join(f"{n}:{c}" for n, cs in s.unsupported.items() for c in sorted(cs)) or "none", origin("unsupported")),
         ("uniform keys", _uniform_keys(s), ""),
     ]
@@ -767,6 +772,9 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
     keys.add_argument("--size-multiple", type=int, default=None, metavar="N",
                       help="every key's token count a multiple of N, e.g. the tensor-parallel size under sequence "
                            "parallelism (default: the plan's own: 1)")
+    keys.add_argument("--ubatch-threshold", type=int, default=None, metavar="N",
+                      help="token count at or above which the engine splits a step into two micro-batches (dual-batch "
+                           "overlap): keys of at least N tokens also get a two-micro-batch graph (default: none)")
     keys.add_argument("--unsupported", type=_unsupported_flag, default=None, metavar="STRATEGY:CLASS,...",
                       help="key classes (mixed, spec_decode, decode) a strategy cannot serve, e.g. full:mixed for an "
                            "attention backend without full graphs of mixed batches; those classes go to the mode's other "

@@ -42,7 +42,8 @@ class BatchDescriptor:
 
     ``num_reqs=None`` means "any request count" (a relaxed key); ``uniform``
     means every request has query length ``1 + spec_depth`` (a pure decode or
-    speculative-verify batch).
+    speculative-verify batch); ``num_ubatches`` is how many micro-batches the step
+    runs (2 under dual-batch overlap): a graph bakes the split in, so it is matched exactly.
     """
 
     num_tokens: int
@@ -50,6 +51,7 @@ class BatchDescriptor:
     num_active_loras: int = 0
     spec_depth: int = 0
     uniform: bool = False
+    num_ubatches: int = 1
 
     def __attrs_post_init__(self) -> None:
         _check_count("num_tokens", self.num_tokens, 1)
@@ -62,6 +64,10 @@ class BatchDescriptor:
                 )
         _check_count("num_active_loras", self.num_active_loras, 0)
         _check_count("spec_depth", self.spec_depth, 0)
+        _check_count("num_ubatches", self.num_ubatches, 1)
+        if self.num_ubatches > self.num_tokens:
+            raise ValueError(f"BatchDescriptor.num_ubatches={self.num_ubatches} exceeds num_tokens={self.num_tokens}: "
+                             "every micro-batch holds at least one token")
         if type(self.uniform) is not bool:
             raise TypeError(f"BatchDescriptor.uniform must be a bool, got {self.uniform!r}")
         if self.uniform:
@@ -102,11 +108,11 @@ class BatchDescriptor:
 
     @classmethod
     def from_query_lens(cls, query_lens: Sequence[int], num_active_loras: int = 0, *,
-                        spec_depth: int | None = None) -> BatchDescriptor:
+                        spec_depth: int | None = None, num_ubatches: int = 1) -> BatchDescriptor:
         """The batch of requests with these query lengths (new tokens per request this step), so that the engine need
         not decide uniformity and depth by hand: uniform when every request has the same length ``1 + d`` (spec depth
         ``d``; with ``spec_depth`` given, only when ``d`` is that depth: other equal lengths are a mixed batch), mixed
-        otherwise."""
+        otherwise.  ``num_ubatches``: the micro-batches the engine splits this step into."""
         lens = list(query_lens)
         if not lens:
             raise ValueError("from_query_lens() needs at least one request's query length, got none")
@@ -118,8 +124,10 @@ class BatchDescriptor:
             _check_count("spec_depth", spec_depth, 0)
         first = lens[0]
         if all(n == first for n in lens) and (spec_depth is None or first == 1 + spec_depth):
-            return cls.decode(len(lens), first - 1, num_active_loras)
-        return cls(sum(lens), len(lens), num_active_loras)
+            if num_ubatches == 1:
+                return cls.decode(len(lens), first - 1, num_active_loras)
+            return cls(sum(lens), len(lens), num_active_loras, first - 1, True, num_ubatches)
+        return cls(sum(lens), len(lens), num_active_loras, num_ubatches=num_ubatches)
 
     @property
     def query_len(self) -> int | None:
@@ -141,27 +149,32 @@ class BatchDescriptor:
     @property
     def kind(self) -> tuple[object, ...]:
         """The exact-match axes as one hashable value: keys of one kind differ only in tokens, requests and LoRA slots."""
-        return (self.uniform, self.spec_depth if self.uniform else None)
+        return (self.uniform, self.spec_depth if self.uniform else None, self.num_ubatches)
 
     @property
     def kind_label(self) -> str:
-        """The kind in words, for statistics and tables: ``mixed`` or ``uniform-d<spec depth>``."""
-        return f"uniform-d{self.spec_depth}" if self.uniform else "mixed"
+        """The kind in words, for statistics and tables: ``mixed`` or ``uniform-d<spec depth>``, then ``-ub<n>`` for
+        ``n`` micro-batches."""
+        shape = f"uniform-d{self.spec_depth}" if self.uniform else "mixed"
+        return shape if self.num_ubatches == 1 else f"{shape}-ub{self.num_ubatches}"
 
     def serves_kind(self, actual: BatchDescriptor) -> bool:
         """Whether a key of this kind may serve ``actual``'s kind (a uniform graph bakes in the query length)."""
-        return not self.uniform or (actual.uniform and actual.spec_depth == self.spec_depth)
+        return self.num_ubatches == actual.num_ubatches and (
+            not self.uniform or (actual.uniform and actual.spec_depth == self.spec_depth))
 
     def kind_mismatch(self, actual: BatchDescriptor) -> str | None:
         """Why a key of this kind cannot serve ``actual`` (None when it can), for ``explain()``."""
         if self.serves_kind(actual):
             return None
+        if self.num_ubatches != actual.num_ubatches:
+            return f"key runs {self.num_ubatches} micro-batch(es), batch has {actual.num_ubatches}"
         if not actual.uniform:
             return "uniform key cannot serve a non-uniform batch"
         return f"uniform key of spec depth {self.spec_depth}, batch has depth {actual.spec_depth}"
 
     def encode(self) -> list[int]:
-        """Seven integers whose elementwise MAX over several batches decodes (:meth:`from_encoded`) to a descriptor
+        """Eight integers whose elementwise MAX over several batches decodes (:meth:`from_encoded`) to a descriptor
         covering each of them: what a distributed group all-reduces to agree on one key."""
         reqs = self.num_reqs
         return [
@@ -172,17 +185,18 @@ class BatchDescriptor:
             self.spec_depth if self.uniform else -1,  # max over batches ...
             -self.spec_depth if self.uniform else -(1 << 30),  # ... and min, through -max(-x)
             0 if self.uniform else 1,
+            self.num_ubatches,  # the batches of a group are split alike (the engine's rule); max keeps one that is
         ]
 
     @classmethod
     def from_encoded(cls, values: Sequence[int]) -> BatchDescriptor:
         """The descriptor of combined :meth:`encode` values: uniform only if every batch was, at one spec depth."""
-        tokens, reqs, no_reqs, loras, max_depth, neg_min_depth, mixed = values
+        tokens, reqs, no_reqs, loras, max_depth, neg_min_depth, mixed, ubatches = values
         num_reqs = None if no_reqs else reqs
         uniform = not mixed and num_reqs is not None and max_depth == -neg_min_depth
         if uniform and tokens != num_reqs * (1 + max_depth):  # cannot happen for valid uniform batches; be safe
             uniform = False
-        return cls(tokens, num_reqs, loras, max(max_depth, 0) if uniform else 0, uniform)
+        return cls(tokens, num_reqs, loras, max(max_depth, 0) if uniform else 0, uniform, ubatches)
 
     def padding(self, actual: BatchDescriptor) -> Padding:
         """Slots this key adds to ``actual``; raises if the key does not cover it."""
@@ -197,7 +211,7 @@ class BatchDescriptor:
         """The same batch with any request count (and therefore not uniform)."""
         if self.num_reqs is None and not self.uniform:
             return self
-        return BatchDescriptor(self.num_tokens, None, self.num_active_loras, self.spec_depth, False)
+        return BatchDescriptor(self.num_tokens, None, self.num_active_loras, self.spec_depth, False, self.num_ubatches)
 
     def __repr__(self) -> str:
         parts = [f"tokens={self.num_tokens}", f"reqs={'any' if self.num_reqs is None else self.num_reqs}"]
@@ -207,6 +221,8 @@ class BatchDescriptor:
             parts.append(f"spec={self.spec_depth}")
         if self.uniform:
             parts.append("uniform")
+        if self.num_ubatches != 1:
+            parts.append(f"ubatches={self.num_ubatches}")
         return f"Batch({', '.join(parts)})"
 
     __str__ = __repr__

@@ -199,7 +199,7 @@ class UncoveredRange:
     reason: str = "no_key"
 
 
-def _entry_order(entry: PlanEntry) -> tuple[int, int, int, int, int, str]:
+def _entry_order(entry: PlanEntry) -> tuple[int, int, int, int, int, int, str]:
     d = entry.descriptor
     return (
         -d.num_tokens,
@@ -207,6 +207,7 @@ def _entry_order(entry: PlanEntry) -> tuple[int, int, int, int, int, str]:
         -d.num_active_loras,
         -d.spec_depth,
         -int(d.uniform),
+        -d.num_ubatches,
         entry.strategy,
     )
 
@@ -295,6 +296,10 @@ class PlanSettings:
     strategies' declarations are in ``strategy_unsupported`` and count as the engine's do.
     ``decode_strategy``, ``mixed_strategy`` and ``uniform_depths`` (spec depths with
     uniform keys) are the strategies after the moves.
+    ``ubatch_threshold``: the token count at or above which the engine splits a step into two
+    micro-batches (dual-batch overlap, as vLLM's DBO threshold): every key of at least that many
+    tokens gets a twin with ``num_ubatches=2``, beside the one-micro-batch key (a smaller batch
+    the engine does not split may still pad up to it).
 
     The settings stay as given; what follows from them is in ``used_capture_sizes`` (the
     ladder of mixed token counts), ``used_max_capture_size``, ``used_lora_counts``,
@@ -321,6 +326,7 @@ class PlanSettings:
     separate_decode: bool = attrs.field(default=False, validator=_flag("separate_decode"))
     size_multiple: int = attrs.field(default=1, validator=_positive("size_multiple"))
     unsupported: Mapping[str, Any] = attrs.field(factory=dict, converter=_unsupported)  # strategy -> KEY_CLASSES it cannot serve
+    ubatch_threshold: int | None = attrs.field(default=None, validator=_optional_positive("ubatch_threshold"))
     decode_strategy: str | None = attrs.field(init=False)
     mixed_strategy: str | None = attrs.field(init=False)
     mixed_relaxed: bool = attrs.field(init=False)  # mixed keys carry no request count
@@ -563,6 +569,8 @@ class PlanSettings:
                 for tokens in mixed_tokens:
                     reqs = None if self.mixed_relaxed else min(tokens, self.max_num_seqs)
                     keys.append((BatchDescriptor(tokens, reqs, n_loras), self.mixed_strategy))
+        if self.ubatch_threshold is not None:
+            keys += [(attrs.evolve(key, num_ubatches=2), strategy) for key, strategy in keys if key.num_tokens >= self.ubatch_threshold]
         return CapturePlan(
             tuple(PlanEntry(d, st) for d, st in dict.fromkeys(keys)),
             max_num_seqs=self.max_num_seqs,
@@ -606,7 +614,7 @@ class CapturePlan:
         """Keys for an engine's settings: a ``PlanSettings``, or its fields (``max_num_seqs``,
         ``max_num_tokens``, ``mode``, ``capture_sizes``, ``max_capture_size``, ``spec_depths``,
         ``lora_counts``, ``max_loras``, ``plugins``, ``separate_decode``, ``size_multiple``,
-        ``unsupported``), by keyword or in that order.
+        ``unsupported``, ``ubatch_threshold``), by keyword or in that order.
 
         Uniform-decode keys carry an exact request count: for each spec depth ``d`` the
         capture sizes rounded up to whole requests of ``1 + d`` tokens (as vLLM sizes its

@@ -391,7 +391,7 @@ def test_plan_json_has_the_resolved_settings(capsys: pytest.CaptureFixture[str])
         "max_num_seqs": 4, "max_num_tokens": 16, "mode": ["full", "breakable"], "decode_strategy": "full",
         "mixed_strategy": "breakable", "mixed_relaxed": True, "capture_sizes": [1, 2, 4, 8, 16], "max_capture_size": 16,
         "spec_depths": [0, 1], "widest_decode": {"0": 4, "1": 4}, "lora_counts": [0], "max_loras": None,
-        "separate_decode": False, "size_multiple": 1, "uniform_keys": "separate: full uniform keys, breakable mixed keys",
+        "separate_decode": False, "size_multiple": 1, "ubatch_threshold": None, "uniform_keys": "separate: full uniform keys, breakable mixed keys",
         "decode_reqs": {"0": [1, 2, 4], "1": [1, 2, 4]}, "mixed_sizes": [1, 2, 4, 8, 16], "unsupported": {}, "strategy_unsupported": {},
         "downgrades": [],
     }

@@ -65,7 +65,7 @@ def test_explain_as_data() -> None:
     reg.capture(PLAN)
     data = reg.explain(B.decode(3)).to_dict()
     json.dumps(data)
-    assert data["match"] == {"key": {"num_tokens": 4, "num_reqs": 4, "num_active_loras": 0, "spec_depth": 0, "uniform": True}, "strategy": "full", "padding": [1, 1, 0]}
+    assert data["match"] == {"key": {"num_tokens": 4, "num_reqs": 4, "num_active_loras": 0, "spec_depth": 0, "uniform": True, "num_ubatches": 1}, "strategy": "full", "padding": [1, 1, 0]}
     chosen = [c for c in data["candidates"] if c["chosen"]]
     assert len(chosen) == 1 and chosen[0]["reason"].startswith("chosen")
     assert len(data["candidates"]) == len(PLAN)
