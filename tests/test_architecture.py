@@ -422,3 +422,18 @@ def test_capture_warns_when_a_decode_strategy_can_never_win() -> None:
     assert ordered.match(B.decode(3)).strategy == "vendor-exact" and ordered.preference[:2] == ("vendor-exact", "breakable")
     assert ordered.stats().hits == 0 and ordered.run(B.decode(3), x=torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
     assert ordered.stats().by_strategy["vendor-exact"] == 1
+
+
+def test_one_table_of_built_ins_gives_plugins_preference_modes_and_flags() -> None:
+    from cgregistry import builtins
+
+    names = [s.name for s in builtins.STRATEGIES]
+    assert cg.Matcher([]).preference == names == ["full", "piecewise", "breakable"]
+    registered = {info.name for info in cg.Plugins().describe() if info.builtin}
+    assert registered == set(builtins.DEFAULT_PLUGINS) == {*builtins.BACKEND_MODULES, *(s.module for s in builtins.STRATEGIES)}
+    for row in builtins.STRATEGIES:
+        assert cg.Plugins().strategy(row.name).relaxes_num_reqs is row.relaxes_num_reqs
+    assert cg.plan.MODES == {
+        "none": (None, None), "full": ("full", "full"), "piecewise": (None, "piecewise"), "breakable": (None, "breakable"),
+        "full_decode_only": ("full", None), "full_and_piecewise": ("full", "piecewise"), "full_and_breakable": ("full", "breakable"),
+    }

@@ -17,6 +17,7 @@ import attrs
 import pluggy
 
 from cgregistry.hooks import specs as hookspecs
+from cgregistry.builtins import DEFAULT_PLUGINS
 from cgregistry.contracts.protocols import Backend, Strategy
 from cgregistry.contracts.registrars import BackendRegistrar, Registrar, StrategyRegistrar
 from cgregistry.version import __version__
@@ -29,13 +30,6 @@ __all__ = [
 
 DISABLE_AUTOLOAD_ENV = "CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD"
 BLOCK_ENV = "CGREGISTRY_BLOCK_PLUGINS"  # comma-separated plugin (entry point or module) names never to register
-DEFAULT_PLUGINS = (
-    "cgregistry.backends.cuda",
-    "cgregistry.backends.cpu",
-    "cgregistry.strategies.full",
-    "cgregistry.strategies.breakable",
-    "cgregistry.strategies.piecewise",
-)
 
 
 def make_plugin_manager(

@@ -21,12 +21,12 @@ from typing import NamedTuple
 
 import attrs
 
+from cgregistry.builtins import DEFAULT_PREFERENCE
 from cgregistry.key.descriptor import BatchDescriptor, Padding
 from cgregistry.text import text_table
 
 __all__ = ["DEFAULT_PREFERENCE", "Candidate", "Explanation", "Match", "Matcher", "PaddingCap", "excluded"]
 
-DEFAULT_PREFERENCE: tuple[str, ...] = ("full", "piecewise", "breakable")
 
 # Above this many token slots a class falls back to bisect instead of a dense table.
 _DENSE_TABLE_LIMIT = 1 << 20

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
@@ -18,28 +18,14 @@ from cgregistry.contracts.protocols import StrategyLookup
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.plan.fit import Workload, fit_families
 from cgregistry.key.kinds import KEY_CLASSES, declared_unsupported, key_classes
-from cgregistry.key.matcher import DEFAULT_PREFERENCE, Matcher, PaddingCap
+from cgregistry.builtins import BUILTIN_RELAXES, DEFAULT_PREFERENCE, MODES
+from cgregistry.key.matcher import Matcher, PaddingCap
 
 __all__ = [
     "BUILTIN_RELAXES", "KEY_CLASSES", "MODES", "CapturePlan", "Downgrade", "PlanEntry", "PlanSettings", "UncoveredRange",
     "default_ladder", "lora_ladder", "mode_preference", "request_ladder", "rounded_sizes", "use_installed_plugins",
     "whole_requests",
 ]
-
-Mode = Literal[
-    "none", "full", "piecewise", "breakable", "full_decode_only", "full_and_piecewise", "full_and_breakable"
-]
-
-# mode -> (strategy for uniform decode keys, strategy for mixed-batch keys)
-MODES: dict[str, tuple[str | None, str | None]] = {
-    "none": (None, None),
-    "full": ("full", "full"),
-    "piecewise": (None, "piecewise"),
-    "breakable": (None, "breakable"),
-    "full_decode_only": ("full", None),
-    "full_and_piecewise": ("full", "piecewise"),
-    "full_and_breakable": ("full", "breakable"),
-}
 
 _DECLARERS = ("engine", "strategy", "both")
 
@@ -257,7 +243,6 @@ def _optional_positive(name: str) -> Callable[[Any, Any, Any], None]:
 
 # The built-in strategies' own ``relaxes_num_reqs`` (tests hold it equal to the classes'), so plans of
 # built-in modes need no plugin manager; any other strategy is looked up in one.
-BUILTIN_RELAXES = {"full": False, "piecewise": True, "breakable": True}
 
 
 def _spec_depths(value: SpecDepths) -> SpecDepths:
@@ -316,7 +301,7 @@ class PlanSettings:
     max_num_tokens: int = attrs.field(validator=_positive("max_num_tokens"))
     # The default serves any step: breakable keys are piecewise's (the same key set as vLLM's FULL_AND_PIECEWISE)
     # without a trace; with a model compiled by reg.compile, "full_and_piecewise" fuses across the pieces too.
-    mode: Mode | str | tuple[str | None, str | None] = "full_and_breakable"
+    mode: str | tuple[str | None, str | None] = "full_and_breakable"
     capture_sizes: Sequence[int] | None = None  # mixed-batch token counts (the ladder unless given)
     max_capture_size: int | None = attrs.field(default=None, validator=_optional_positive("max_capture_size"))
     spec_depths: SpecDepths = attrs.field(default=(0,), converter=_spec_depths)

@@ -25,6 +25,7 @@ from cgregistry.strategies import breaks
 from cgregistry.state import runtime
 from cgregistry.contracts.protocols import Backend, Graph, SegmentedBackend
 from cgregistry.errors import BreakError, OutputError
+from cgregistry.builtins import BUILTIN_RELAXES
 from cgregistry.contracts.markers import hookimpl
 from cgregistry.store.outputs import flatten
 
@@ -179,7 +180,7 @@ class BreakableStrategy:
     """
 
     name = "breakable"
-    relaxes_num_reqs = True
+    relaxes_num_reqs = BUILTIN_RELAXES["breakable"]
     unsupported_classes: frozenset[str] = frozenset()  # serves every key class (plans of built-in modes rely on it)
 
     def __init__(self, barrier: Callable[[], None] | None = None) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cgregistry.backends import Backend, Graph
+from cgregistry.builtins import BUILTIN_RELAXES
 from cgregistry.contracts.markers import hookimpl
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ class FullStrategy:
     """One backend graph for the whole step."""
 
     name = "full"
-    relaxes_num_reqs = False
+    relaxes_num_reqs = BUILTIN_RELAXES["full"]
     whole_graph = True  # a piecewise-compiled model runs unsplit for it (one Inductor graph, or the model itself)
     unsupported_classes: frozenset[str] = frozenset()  # serves every key class (plans of built-in modes rely on it)
 

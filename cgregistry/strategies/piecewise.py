@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from cgregistry.state import runtime
 from cgregistry.backends import Backend
+from cgregistry.builtins import BUILTIN_RELAXES
 from cgregistry.contracts.markers import hookimpl
 from cgregistry.strategies.breakable import BreakableGraph, BreakableStrategy, CaptureSite
 from cgregistry.errors import PiecewiseError
@@ -30,7 +31,7 @@ class PiecewiseStrategy(BreakableStrategy):
     """Segments from a model compiled with ``cgregistry.compile_piecewise`` (or ``reg.compile_backend()``)."""
 
     name = "piecewise"
-    relaxes_num_reqs = True
+    relaxes_num_reqs = BUILTIN_RELAXES["piecewise"]
 
     def capture(self, body: Callable[[], Any], backend: Backend, pool: object) -> tuple[BreakableGraph, Any]:
         token = runtime.see_compiled.set(True)  # the cpu emulator records the split graph's ops as compiled
