@@ -9,11 +9,23 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from cgregistry.capture.pool import GraphPool
+from cgregistry.contracts.protocols import Backend
 from cgregistry.store.buffers import StaticInput
 
-__all__ = ["RESERVED_INPUT_NAMES", "Delegated", "check_budget", "check_flag", "check_inputs", "check_timeout"]
+__all__ = ["RESERVED_INPUT_NAMES", "Delegated", "check_budget", "check_flag", "check_inputs", "check_pool", "check_timeout"]
 
 RESERVED_INPUT_NAMES = ("context", "group", "exclude")  # keyword arguments of run() itself
+
+
+def check_pool(pool: object, backend: Backend) -> GraphPool:
+    """``pool`` as another registry's graph pool, on the same backend and device as this registry's."""
+    if not isinstance(pool, GraphPool):
+        raise TypeError(f"pool must be another registry's pool (registry.pool, a GraphPool), got {pool!r}")
+    if pool.backend.name != backend.name or pool.device != backend.device():
+        raise ValueError(f"pool is on backend {pool.backend.name!r} ({pool.device}); this registry captures on "
+                         f"{backend.name!r} ({backend.device()}): a pool is shared on one backend and device")
+    return pool
 
 
 def check_flag(call: str, name: str, value: object) -> None:

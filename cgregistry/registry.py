@@ -3,6 +3,7 @@
 - :class:`~cgregistry.store.catalog.Catalog`: entries, lazy keys, keys being captured, failures, budget, counters, routes;
 - :class:`~cgregistry.hooks.events.Events`: every hook call, one typed method each;
 - :class:`~cgregistry.capture.capturer.Capturer`: plan checks, the capture context, the one capture sequence;
+- :class:`~cgregistry.capture.pool.GraphPool`: the pool graphs go into, shareable between registries;
 - :class:`~cgregistry.capture.background.BackgroundCapture`: the capture thread, its queue and results;
 - :class:`~cgregistry.capture.refit.Adapter`: adaptation (counting steps, refits, applying changes);
 - :class:`~cgregistry.server.Server`: the hot path, ``run()`` and ``match()`` (``DebugServer`` in debug mode).
@@ -24,12 +25,13 @@ from typing import Any
 import torch
 
 from cgregistry.capture.refit import PLAN_CHANGES_KEPT, Adapter, refuse_with_collectives
-from cgregistry.arguments import Delegated, check_budget, check_flag, check_inputs, check_timeout
+from cgregistry.arguments import Delegated, check_budget, check_flag, check_inputs, check_pool, check_timeout
 from cgregistry.plan.adapt import Adaptation, PlanChange
 from cgregistry.capture.background import BackgroundCapture
 from cgregistry.store.buffers import StaticBuffer, StaticInput
 from cgregistry.capture.entry import EntryCapture
 from cgregistry.capture.capturer import Capturer
+from cgregistry.capture.pool import GraphPool
 from cgregistry.store.catalog import Catalog
 from cgregistry.strategies.compiler import PiecewiseCompiler, compile_piecewise
 from cgregistry.key.descriptor import BatchDescriptor
@@ -60,6 +62,8 @@ class GraphRegistry:
     one axis per tensor leaf.  ``preference``: strategies, most preferred first; left out, each captured plan's
     order is adopted (its decode strategy first).  Outputs returned by ``run`` are views of graph memory: valid until
     the next ``run``, and only while the registry lives.  Not thread-safe: call ``run`` from one thread.
+    ``pool``: another registry's ``pool`` (a :class:`~cgregistry.capture.pool.GraphPool`) to capture into, one capture at
+    a time: a drafter's graphs beside its target's, which never replay at once, share their memory.
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class GraphRegistry:
         max_padding_tokens: int | None = None,
         max_padding_ratio: float | None = None,
         adapt: Adaptation | None = None,
+        pool: GraphPool | None = None,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable, got {step!r}")
@@ -101,7 +106,8 @@ class GraphRegistry:
         events = Events(self.plugins, self, self.backend.name)
         chooser, chooser_names = events.chooser()
         self._catalog = catalog = Catalog(buffers, output_axes, preference, cap, memory_budget, chooser, chooser_names)
-        one = EntryCapture(step, buffers, self.backend, output_axes, warmup_runs)
+        self.pool = check_pool(pool, self.backend) if pool is not None else GraphPool(self.backend)
+        one = EntryCapture(step, buffers, self.backend, output_axes, warmup_runs, self.pool)
         self._capturer = capturer = Capturer(one, catalog, events, self.plugins, self.name)
         pacer = getattr(self.backend, "step_pacer", None)  # optional: the cuda backend bounds the serving thread's run-ahead
         self._background = background = BackgroundCapture(capturer, catalog, events, self.name, pacer() if pacer else None)

@@ -68,9 +68,11 @@ class Capturer:
         self._events = events
         self._plugins = plugins
         self._name = name
-        self.lock = threading.Lock()  # one capture at a time: the serving thread's or the capture thread's
-        # Per thread: .depth, the captures (one key with its hooks) in progress on it; .holding, whether it holds the
-        # lock (a capture asked for from inside would wait for itself).
+        self.pool = one.graph_pool
+        self.pool.share(self)
+        self.lock = one.graph_pool.lock  # one capture at a time into the pool: any thread's, any registry's sharing it
+        # Per thread: .depth, the captures (one key with its hooks) in progress on it (the pool says which registry's
+        # capture holds its lock on this thread: a capture asked for from inside would wait for itself).
         self._here = threading.local()
         self.context: CaptureContext | None = None
         self.state_test = StateTest()  # the hot path's test of the caller's state against the context's (changed in place)
@@ -258,11 +260,16 @@ class Capturer:
                 f"context; call it after capture() (or the run() that captures) returns"
             )
 
+    def holds_graphs(self) -> bool:
+        """Whether this registry holds graphs or has captures in flight (its pool is not to be renewed)."""
+        return bool(self._catalog.entries or self._catalog.capturing)
+
     def renew_if_unused(self) -> None:
         """A fresh pool, and debug mode's addresses recorded again, when no graph holds or will hold the pool
-        (on CUDA a pool whose graphs all died takes no new capture)."""
-        if not self._catalog.entries and not self._catalog.capturing:
-            self._one.new_pool()
+        (on CUDA a pool whose graphs all died takes no new capture); a pool shared with a registry that holds graphs
+        is kept."""
+        if not self.holds_graphs():
+            self.pool.renew_if_unused()
             self.watch.rebase()
 
     def capture_key(self, pair: Pair, ctx: CaptureContext, *, background: bool = False) -> Entry:
@@ -274,15 +281,16 @@ class Capturer:
         """
         key, name = pair
         strategy = self._plugins.strategy(name)
-        here = self._here
-        if getattr(here, "holding", False):  # asked for from a hook or the step of this thread's own capture
+        holder = self.pool.holder()
+        if holder is not None:  # asked for from a hook or the step of a capture on this thread, into this pool
+            inside = "one of its captures" if holder == self._name else f"a capture of registry {holder!r}, which shares its pool,"
             raise RuntimeError(
-                f"a capture of {key} [{name}] on registry {self._name!r} from inside one of its captures on the same "
+                f"a capture of {key} [{name}] on registry {self._name!r} from inside {inside} on the same "
                 "thread (a hook or the step asked for it, through run() or capture()) would wait for itself: refused"
             )
         with self._capturing():  # the hooks' calls back are refused until capture_finished has returned
             with self.lock, paused_gc():
-                here.holding = True
+                self.pool.hold(self._name)
                 try:
                     self._events.capture_started(key, name)
                     generation = self.watch.generation  # taken first: a move during the capture makes it older
@@ -301,7 +309,7 @@ class Capturer:
                             raise error from exc
                         raise
                 finally:
-                    here.holding = False
+                    self.pool.hold(None)
             if (not self._warned_no_break and entry.read_live_batch and not key.uniform
                     and getattr(entry.graph, "breaks", None) == 0):
                 self._warn_no_break(entry)

@@ -16,14 +16,14 @@ import gc
 import numbers
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from cgregistry.state import runtime
-from cgregistry.backends import Backend
+from cgregistry.capture.pool import GraphPool
+from cgregistry.contracts.protocols import Backend
 from cgregistry.store.buffers import StaticBuffer, describe_rows, rows_for
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.store.entries import Entry
@@ -35,10 +35,12 @@ __all__ = ["CaptureError", "EntryCapture", "frozen_gc", "paused_gc"]
 
 
 class EntryCapture:
-    """Captures entries of one step into one pool (shared by every entry of a registry)."""
+    """Captures entries of one step into one pool (shared by every entry of a registry, and by the registries given
+    the same ``GraphPool``)."""
 
     def __init__(
         self, step: Callable[..., Any], buffers: Mapping[str, StaticBuffer], backend: Backend, output_axes: OutputAxes, warmup_runs: int,
+        pool: GraphPool,
     ) -> None:
         self.step = step  # the engine's step: what every capture runs
         self.buffers = buffers
@@ -46,24 +48,9 @@ class EntryCapture:
         self.device = backend.device()
         self._output_axes = output_axes
         self._warmup_runs = warmup_runs
-        self.pool = backend.new_pool()
-        self._pool_entries: weakref.WeakSet[Entry] = weakref.WeakSet()  # entries alive whose graphs are in self.pool
-        self._pool_used = False  # a graph was captured into self.pool (if all of them died, it takes no new capture)
+        self.graph_pool = pool
         slots = [b.capacity - (b.spec.axis == "reqs+1") for b in buffers.values() if b.spec.axis != "tokens"]
         self._request_slots = min(slots) if slots else None  # request rows a relaxed key's step sees
-
-    def new_pool(self) -> None:
-        """Start a fresh pool: on CUDA a pool whose graphs all died cannot take new captures."""
-        self.pool = self.backend.new_pool()
-        self._pool_entries = weakref.WeakSet()
-        self._pool_used = False
-
-    def _shared_pool(self) -> object:
-        """The shared pool for the next capture: a fresh one if every graph captured into the current one has died
-        (however it went: released, evicted, cleared, dropped unused), which on CUDA takes no new capture."""
-        if self._pool_used and not self._pool_entries:
-            self.new_pool()
-        return self.pool
 
     def check_fits(self, key: BatchDescriptor) -> None:
         """Refuse a key larger than a static input, before anything is captured."""
@@ -106,7 +93,7 @@ class EntryCapture:
         device_memory = getattr(self.backend, "device_memory", None)  # (used, reserved) bytes, where the backend measures them
         used_before = device_memory()[0] if device_memory is not None else 0
         buffers = self.buffers
-        pool = self._shared_pool()
+        pool = self.graph_pool.for_capture()
         own_inputs = background or (scratch and scratch_inputs is None)
         if scratch:
             pool = scratch_pool if scratch_pool is not None else self.backend.new_pool()
@@ -150,8 +137,8 @@ class EntryCapture:
                 _check_memory_bytes(graph, strategy_name)
             self.backend.synchronize()
         except BaseException as exc:  # a KeyboardInterrupt too leaves the pool to recover
-            if pool is self.pool:
-                self.pool = self.backend.recover_pool(self.pool)
+            if pool is self.graph_pool.handle:
+                self.graph_pool.recover()
             if not isinstance(exc, Exception):
                 raise
             raise CaptureError(key, strategy_name, exc) from exc
@@ -168,9 +155,8 @@ class EntryCapture:
         entry.read_live_batch = recording.live_batch_reads > 0
         if own_inputs:
             entry.buffers = tuple(buffers.values())  # in the registry's input order, as routes copy them
-        if pool is self.pool:
-            self._pool_entries.add(entry)
-            self._pool_used = True
+        if pool is self.graph_pool.handle:
+            self.graph_pool.add(entry)
         return entry
 
     def _check_outputs(self, leaves: list[torch.Tensor], spec: Any, key: BatchDescriptor) -> None:

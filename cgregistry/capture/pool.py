@@ -1,0 +1,82 @@
+"""GraphPool: the memory pool graphs are captured into, the graphs alive in it, and the lock that lets one capture at
+a time into it.  Registries given one GraphPool (a drafter beside its target) share their graphs' memory: their
+graphs never replay at once, so what one step's graph holds between kernels the other may reuse."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from cgregistry.contracts.protocols import Backend
+
+__all__ = ["GraphPool"]
+
+
+class GraphPool:
+    """A pool shared by every registry given it (``GraphRegistry(..., pool=other.pool)``).
+
+    The pool is renewed (a fresh handle: on CUDA a pool whose graphs all died takes no new capture) only when no
+    graph of any registry sharing it is alive.  ``lock`` is held for each capture into it, whichever registry and
+    thread captures."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.device = backend.device()
+        self.lock = threading.Lock()
+        self.handle: Any = backend.new_pool()
+        self._graphs: weakref.WeakSet[Any] = weakref.WeakSet()  # entries alive whose graphs are in this handle
+        self._used = False  # a graph was captured into this handle
+        self._holder = threading.local()  # .name: the registry whose capture holds the lock on this thread
+        self._sharers: weakref.WeakSet[Any] = weakref.WeakSet()  # each registry's capturer (its holds_graphs())
+
+    @property
+    def live_graphs(self) -> int:
+        """Graphs alive in the pool, of every registry sharing it."""
+        return len(self._graphs)
+
+    def for_capture(self) -> Any:
+        """The handle the next capture goes into: a fresh one if every graph captured into the current one died."""
+        if self._used and not self._graphs:
+            self.renew()
+        return self.handle
+
+    def renew(self) -> None:
+        self.handle = self.backend.new_pool()
+        self._graphs = weakref.WeakSet()
+        self._used = False
+
+    def share(self, sharer: Any) -> None:
+        """``sharer`` (a registry's capturer, which says whether it ``holds_graphs()``) captures into this pool."""
+        self._sharers.add(sharer)
+
+    def renew_if_unused(self) -> bool:
+        """A fresh handle (the old pool's memory goes back once its graphs are collected) when no registry sharing the
+        pool holds or is capturing a graph, and no capture holds the lock."""
+        if any(sharer.holds_graphs() for sharer in list(self._sharers)) or not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self.renew()
+        finally:
+            self.lock.release()
+        return True
+
+    def recover(self) -> None:
+        """After a failed capture into the pool: what the backend says the pool can still be used as."""
+        self.handle = self.backend.recover_pool(self.handle)
+
+    def add(self, entry: Any) -> None:
+        """``entry``'s graph was captured into the current handle."""
+        self._graphs.add(entry)
+        self._used = True
+
+    def holder(self) -> str | None:
+        """The registry whose capture holds the lock on this thread, if any (a capture asked for from inside it would
+        wait for itself)."""
+        return getattr(self._holder, "name", None)
+
+    def hold(self, name: str | None) -> None:
+        self._holder.name = name
+
+    def __repr__(self) -> str:
+        return f"GraphPool({self.backend.name}, {self.live_graphs} live graphs)"

@@ -1,0 +1,93 @@
+"""Two registries in one graph pool (a drafter beside its target): both capture into it one at a time, both serve what
+eager computes, and the pool is renewed only when neither holds a graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cgregistry as cg
+from cgregistry import BatchDescriptor as B
+from cgregistry.capture.pool import GraphPool
+from cgregistry.testing import make_plugins
+from tests.conftest import device_of
+
+PLAN = cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=8, mode="full")
+
+
+def pair(backend: str) -> tuple[cg.GraphRegistry, cg.GraphRegistry, torch.nn.Module, torch.nn.Module]:
+    device = device_of(backend)
+    target_layer, draft_layer = torch.nn.Linear(16, 16, device=device), torch.nn.Linear(16, 16, device=device)
+    spec = {"x": cg.StaticInput((8, 16), torch.float32)}
+    target = cg.GraphRegistry(lambda batch, x: target_layer(x).relu(), spec, backend=backend, name="target")
+    drafter = cg.GraphRegistry(lambda batch, x: draft_layer(x) * 3, spec, backend=backend, name="drafter", pool=target.pool)
+    return target, drafter, target_layer, draft_layer
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_drafter_in_its_targets_pool_serves_what_eager_computes(backend: str) -> None:
+    target, drafter, target_layer, draft_layer = pair(backend)
+    assert drafter.pool is target.pool
+    with torch.inference_mode():
+        target.capture(PLAN)
+        drafter.capture(PLAN)
+        assert target.pool.live_graphs == drafter.pool.live_graphs == 2 * len(PLAN)
+        for n in (1, 3, 8):
+            x = torch.randn(n, 16, device=device_of(backend))
+            proposed = drafter.run(B.decode(n), x=x)
+            torch.testing.assert_close(proposed, draft_layer(x) * 3)
+            torch.testing.assert_close(target.run(B.decode(n), x=proposed), target_layer(proposed).relu())
+    assert target.stats().misses == drafter.stats().misses == 0
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_pool_is_renewed_only_when_no_registry_sharing_it_holds_a_graph(backend: str) -> None:
+    target, drafter, _, draft_layer = pair(backend)
+    with torch.inference_mode():
+        target.capture(PLAN)
+        drafter.capture(PLAN)
+        handle = target.pool.handle
+        target.clear()
+        assert target.pool.handle is handle, "the drafter's graphs still live in the pool"
+        x = torch.randn(5, 16, device=device_of(backend))
+        torch.testing.assert_close(drafter.run(B.decode(5), x=x), draft_layer(x) * 3)
+        target.capture(PLAN)  # back into the same pool, beside the drafter's graphs
+        assert target.pool.handle is handle
+        target.clear()
+        drafter.clear()
+        assert target.pool.handle is not handle, "nothing holds the old pool: its memory can go back"
+        drafter.capture(PLAN)
+        torch.testing.assert_close(drafter.run(B.decode(5), x=x), draft_layer(x) * 3)
+
+
+def test_a_capture_of_the_other_registry_from_inside_a_capture_is_refused_not_a_hang() -> None:
+    errors: list[BaseException] = []
+    registries: dict[str, cg.GraphRegistry] = {}
+
+    class CaptureTheDrafterFromAHook:
+        @cg.plugin.hookimpl
+        def cgregistry_capture_started(self, registry: object, key: B, strategy: str) -> None:
+            if getattr(registry, "name", None) == "target" and not errors:
+                try:
+                    registries["drafter"].capture([(B(4, 4), "full")])
+                except RuntimeError as exc:
+                    errors.append(exc)
+
+    spec = {"x": cg.StaticInput((8, 16), torch.float32)}
+    target = cg.GraphRegistry(lambda batch, x: x * 2, spec, backend="cpu", name="target",
+                              plugins=make_plugins(CaptureTheDrafterFromAHook()))
+    registries["drafter"] = drafter = cg.GraphRegistry(lambda batch, x: x * 3, spec, backend="cpu", name="drafter", pool=target.pool)
+    target.capture([(B(2, 2), "full")])
+    assert len(errors) == 1
+    assert "from inside a capture of registry 'target', which shares its pool" in str(errors[0])
+    assert len(target.entries()) == 1 and drafter.entries() == []
+    drafter.capture([(B(4, 4), "full")])  # afterwards, it captures
+    assert len(drafter.entries()) == 1
+
+
+def test_a_pool_argument_is_checked() -> None:
+    spec = {"x": cg.StaticInput((8, 16), torch.float32)}
+    with pytest.raises(TypeError, match="pool must be another registry's pool .* got 3"):
+        cg.GraphRegistry(lambda batch, x: x, spec, backend="cpu", pool=3)
+    cpu = cg.GraphRegistry(lambda batch, x: x, spec, backend="cpu")
+    assert isinstance(cpu.pool, GraphPool)
