@@ -97,6 +97,8 @@ class GraphRegistry:
         self.name = name if name is not None else f"registry-{next(_names)}"
         self.plugins = plugins if plugins is not None else Plugins()
         self.backend = self.plugins.backend(backend)
+        if pool is not None:  # capture on the pool's backend object: its capture streams, since the caching allocator
+            self.backend = check_pool(pool, self.backend).backend  # reuses a pool's free blocks only on their stream
         self.device = self.backend.device()
         self.output_axis = output_axis
         self.preference = tuple(DEFAULT_PREFERENCE if preference is None else preference)
@@ -106,7 +108,7 @@ class GraphRegistry:
         events = Events(self.plugins, self, self.backend.name)
         chooser, chooser_names = events.chooser()
         self._catalog = catalog = Catalog(buffers, output_axes, preference, cap, memory_budget, chooser, chooser_names)
-        self.pool = check_pool(pool, self.backend) if pool is not None else GraphPool(self.backend)
+        self.pool = pool if pool is not None else GraphPool(self.backend)
         one = EntryCapture(step, buffers, self.backend, output_axes, warmup_runs, self.pool)
         self._capturer = capturer = Capturer(one, catalog, events, self.plugins, self.name)
         pacer = getattr(self.backend, "step_pacer", None)  # optional: the cuda backend bounds the serving thread's run-ahead

@@ -17,7 +17,9 @@ class GraphPool:
     """A pool shared by every registry given it (``GraphRegistry(..., pool=other.pool)``).
 
     The pool is renewed (a fresh handle: on CUDA a pool whose graphs all died takes no new capture) only when no
-    graph of any registry sharing it is alive.  ``lock`` is held for each capture into it, whichever registry and
+    graph of any registry sharing it is alive.  Registries sharing a pool capture on one backend object (its capture
+    streams: the caching allocator reuses a pool's free blocks only on the stream they came from), and an output of
+    any of them is valid until the next replay of any of them (their graphs' memory overlaps).  ``lock`` is held for each capture into it, whichever registry and
     thread captures."""
 
     def __init__(self, backend: Backend) -> None:

@@ -34,9 +34,10 @@ def test_a_drafter_in_its_targets_pool_serves_what_eager_computes(backend: str) 
         assert target.pool.live_graphs == drafter.pool.live_graphs == 2 * len(PLAN)
         for n in (1, 3, 8):
             x = torch.randn(n, 16, device=device_of(backend))
-            proposed = drafter.run(B.decode(n), x=x)
+            proposed = drafter.run(B.decode(n), x=x)  # valid until the next replay of either registry: one pool
             torch.testing.assert_close(proposed, draft_layer(x) * 3)
-            torch.testing.assert_close(target.run(B.decode(n), x=proposed), target_layer(proposed).relu())
+            want = target_layer(proposed).relu()
+            torch.testing.assert_close(target.run(B.decode(n), x=proposed), want)
     assert target.stats().misses == drafter.stats().misses == 0
 
 

@@ -1,0 +1,79 @@
+"""Device memory of a target and a drafter registry, in one graph pool against one pool each (CUDA).
+
+Target: the demo decoder at GPU size (12 x 1024, bf16); drafter: the same shape with 2 layers. Both capture the
+``full`` plan of one engine (max_num_seqs 64, max_num_tokens 512). Each configuration is measured from a clean
+device (graphs dropped, gc, empty_cache) as the growth of used memory (``mem_get_info``) over the capture, and
+checked against eager on a few batches. The drafter issue's bar: both in one pool at most 1.15x the larger alone.
+
+    PYTHONPATH=. python3 benchmarks/gpu_shared_pool.py
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+import cgregistry as cg
+from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
+
+
+def used() -> int:
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def clean() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    target_cfg = DemoConfig(max_num_seqs=64, max_num_tokens=512)
+    draft_cfg = DemoConfig(layers=2, max_num_seqs=64, max_num_tokens=512)
+    target_model, draft_model = DemoDecoder(target_cfg, "cuda"), DemoDecoder(draft_cfg, "cuda")
+    plan = cg.CapturePlan.build(max_num_seqs=64, max_num_tokens=512, max_capture_size=512, mode="full")
+
+    def registries(shared: bool, which: str) -> list[tuple[cg.GraphRegistry, DemoDecoder, DemoConfig]]:
+        out: list[tuple[cg.GraphRegistry, DemoDecoder, DemoConfig]] = []
+        if which in ("target", "both"):
+            out.append((cg.GraphRegistry(target_model, demo_inputs(target_cfg), backend="cuda", name="target"), target_model, target_cfg))
+        if which in ("drafter", "both"):
+            pool = out[0][0].pool if shared and out else None
+            drafter = cg.GraphRegistry(draft_model, demo_inputs(draft_cfg), backend="cuda", name="drafter", pool=pool)
+            out.append((drafter, draft_model, draft_cfg))
+        return out
+
+    with torch.inference_mode():
+        for reg, _, _ in registries(False, "both"):  # warm: kernels, cuBLAS handles, allocator
+            reg.capture(plan)
+        clean()
+        results = {}
+        for label, shared, which in (("target alone", False, "target"), ("drafter alone", False, "drafter"),
+                                     ("both, one pool each", False, "both"), ("both, one shared pool", True, "both")):
+            clean()
+            before = used()
+            regs = registries(shared, which)
+            for reg, _, _ in regs:
+                reg.capture(plan)
+            results[label] = used() - before
+            for reg, model, cfg in regs:
+                for n in (1, 7, 64):
+                    batch = cg.BatchDescriptor.decode(n)
+                    inputs = random_batch(cfg, batch, "cuda")
+                    torch.testing.assert_close(reg.run(batch, **inputs), model(batch, **inputs), rtol=2e-2, atol=2e-2)
+            del regs
+            clean()
+    mib = 2**20
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {len(plan)} full graphs each")
+    for label, value in results.items():
+        print(f"  {label:24s} {value / mib:8.1f} MiB")
+    larger = max(results["target alone"], results["drafter alone"])
+    print(f"  shared / larger alone    {results['both, one shared pool'] / larger:8.2f}x   (separate: "
+          f"{results['both, one pool each'] / larger:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
