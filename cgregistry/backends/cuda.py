@@ -72,8 +72,8 @@ def _known_wrapper(wrapper: Any) -> bool:
 def direct_replay(graph: Any, wrapper: Callable[..., None] | None = None, c_replay: Any = None) -> Callable[[], None]:
     """``graph``'s C++ replay as a bound method, without torch's Python wrapper where the wrapper has nothing to do.
 
-    ``torch.cuda.CUDAGraph.replay`` is a Python method (a frame and a ``super()`` call, about 0.15 µs a replay
-    on an H200) whose only other work is the input-liveness check, which this backend never turns on.  The
+    ``torch.cuda.CUDAGraph.replay`` is a Python method (a frame and a ``super()`` call on every replay; its cost
+    is in docs/performance.md) whose only other work is the input-liveness check, which this backend never turns on.  The
     wrapper is kept for a graph with a tracker, for a subclass of ``CUDAGraph``, and for wrapper code other than
     the known ones (a later torch, a decorated or patched ``replay``).  Decided once, when the graph is wrapped
     after capture: ``replay`` patched later is not seen.  ``wrapper``/``c_replay``: stand-ins for tests."""
@@ -193,8 +193,8 @@ class StepPacer:
     """Bounds how far a serving thread runs ahead of the GPU while a capture thread works beside it.
 
     An engine that never syncs fills the device's launch queue with steps; every kernel the capture
-    thread's warm-up launches then waits for a queued step to finish (measured: 0.7 s a key instead of
-    30 ms).  ``step()`` at the start of each step records an event for the steps before it and waits for
+    thread's warm-up launches then waits for a queued step to finish (a key's capture takes many times longer;
+    docs/performance.md).  ``step()`` at the start of each step records an event for the steps before it and waits for
     the one ``depth`` steps back, so at most ``depth`` steps are queued: the GPU never idles, and the
     capture's launches find room.
     """

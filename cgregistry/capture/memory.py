@@ -9,9 +9,8 @@ dropping it gave back.
 
 Why the whole plan and not a few keys extrapolated: what a key adds depends on what was captured
 before it (a warm-up's cached activations serve later keys' eager breaks and the outputs they keep,
-the driver hands what a dead graph held to the next one), and on an H200 a model of a few probes
-missed a Hugging Face ``full_and_breakable`` plan by 10% where this predicts it to the byte
-(docs/performance.md).  What the estimate leaves on the device (the process's first CUDA work:
+the driver hands what a dead graph held to the next one), so a model of a few probes misses what
+capturing the whole plan measures (figures in docs/performance.md).  What the estimate leaves on the device (the process's first CUDA work:
 kernels loaded, cuBLAS handles; and what the driver keeps of its dropped graphs) the capture that
 follows reuses rather than takes again, so it is taken off the first keys' bytes.
 
