@@ -115,6 +115,7 @@ class Capturer:
         def whole_graph(name: str) -> bool:
             return bool(getattr(self._plugins.strategy(name), "whole_graph", False))
 
+        self.refuse_while_pool_held("estimate_memory()")
         with self.lock:
             found = estimate_memory(self._one, pairs, self._plugins.strategy, ctx.state.run, ctx.payload,
                                     background=background, whole_graph=whole_graph)
@@ -259,6 +260,15 @@ class Capturer:
                 f"step called it while capturing): refused, the capture in progress would wait for itself or lose its "
                 f"context; call it after capture() (or the run() that captures) returns"
             )
+
+    def refuse_while_pool_held(self, call: str) -> None:
+        """``call`` waits for the pool's capture lock: refused on a thread whose capture (of any registry sharing the
+        pool) holds it, from a hook or the step, where it would wait for itself."""
+        holder = self.pool.holder()
+        if holder is not None:
+            raise RuntimeError(
+                f"{call} on registry {self._name!r} from inside a capture of registry {holder!r} on the same thread (the "
+                "two share a graph pool, which captures one at a time) would wait for itself: refused")
 
     def holds_graphs(self) -> bool:
         """Whether this registry holds graphs or has captures in flight (its pool is not to be renewed)."""

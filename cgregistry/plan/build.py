@@ -231,12 +231,14 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _optional_positive(name: str) -> Callable[[Any, Any, Any], None]:
+def _optional_positive(name: str, minimum: int = 1) -> Callable[[Any, Any, Any], None]:
     check = _positive(name)
 
     def optional(instance: Any, attribute: Any, value: object) -> None:
         if value is not None:
             check(instance, attribute, value)
+            if value < minimum:  # type: ignore[operator]
+                raise ValueError(f"{name} must be at least {minimum}, got {value}")
 
     return optional
 
@@ -311,7 +313,7 @@ class PlanSettings:
     separate_decode: bool = attrs.field(default=False, validator=_flag("separate_decode"))
     size_multiple: int = attrs.field(default=1, validator=_positive("size_multiple"))
     unsupported: Mapping[str, Any] = attrs.field(factory=dict, converter=_unsupported)  # strategy -> KEY_CLASSES it cannot serve
-    ubatch_threshold: int | None = attrs.field(default=None, validator=_optional_positive("ubatch_threshold"))
+    ubatch_threshold: int | None = attrs.field(default=None, validator=_optional_positive("ubatch_threshold", minimum=2))
     decode_strategy: str | None = attrs.field(init=False)
     mixed_strategy: str | None = attrs.field(init=False)
     mixed_relaxed: bool = attrs.field(init=False)  # mixed keys carry no request count
@@ -650,6 +652,10 @@ class CapturePlan:
         out of the budget first (``memory.fixed_bytes()``); the budget is split exactly on those prices.
         """
         plan_settings = _settings(settings, fields)
+        if plan_settings.ubatch_threshold is not None:
+            raise ValueError(
+                f"ubatch_threshold={plan_settings.ubatch_threshold}: CapturePlan.fit does not count the two-micro-batch keys "
+                "it adds against max_graphs or max_bytes; fit without it, or build the plan with CapturePlan.build")
         decode, mixed = fit_families(steps, max_graphs, plan_settings, max_bytes=max_bytes, pricing=memory)
         return plan_settings.plan(decode, mixed)
 

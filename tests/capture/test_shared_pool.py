@@ -92,3 +92,28 @@ def test_a_pool_argument_is_checked() -> None:
         cg.GraphRegistry(lambda batch, x: x, spec, backend="cpu", pool=3)
     cpu = cg.GraphRegistry(lambda batch, x: x, spec, backend="cpu")
     assert isinstance(cpu.pool, GraphPool)
+
+
+def test_waiting_on_the_other_registry_from_inside_a_capture_is_refused_not_a_hang() -> None:
+    errors: list[BaseException] = []
+    registries: dict[str, cg.GraphRegistry] = {}
+
+    class WaitForTheDrafterFromAHook:
+        @cg.plugin.hookimpl
+        def cgregistry_capture_started(self, registry: object, key: B, strategy: str) -> None:
+            if getattr(registry, "name", None) == "target" and not errors:
+                for call in (registries["drafter"].wait_captured, lambda: registries["drafter"].estimate_memory(PLAN)):
+                    try:
+                        call()
+                    except RuntimeError as exc:
+                        errors.append(exc)
+
+    spec = {"x": cg.StaticInput((8, 16), torch.float32)}
+    target = cg.GraphRegistry(lambda batch, x: x * 2, spec, backend="cpu", name="target",
+                              plugins=make_plugins(WaitForTheDrafterFromAHook()))
+    registries["drafter"] = drafter = cg.GraphRegistry(lambda batch, x: x * 3, spec, backend="cpu", name="drafter", pool=target.pool)
+    drafter.capture(PLAN, background=True)
+    target.capture([(B(2, 2), "full")])
+    assert [str(e).split(" on registry")[0] for e in errors] == ["wait_captured()", "estimate_memory()"]
+    assert all("from inside a capture of registry 'target'" in str(e) for e in errors)
+    assert drafter.wait_captured(timeout=60) and len(drafter.entries()) == len(PLAN)

@@ -61,6 +61,10 @@ def test_the_plan_gives_each_key_at_the_threshold_and_above_a_two_micro_batch_tw
     assert all(e.descriptor.num_ubatches == 1 for e in cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=64))
     with pytest.raises(ValueError, match="ubatch_threshold"):
         cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=64, ubatch_threshold=0)
+    with pytest.raises(ValueError, match="ubatch_threshold must be at least 2, got 1"):
+        cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=64, ubatch_threshold=1)  # a 1-token key cannot split
+    with pytest.raises(ValueError, match="ubatch_threshold=32: CapturePlan.fit does not count the two-micro-batch keys"):
+        cg.CapturePlan.fit([B(40, 8, num_ubatches=2)] * 5, 4, max_num_seqs=8, max_num_tokens=64, ubatch_threshold=32)
 
 
 @pytest.mark.parametrize(("value", "error", "message"), [
