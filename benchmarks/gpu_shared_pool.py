@@ -50,7 +50,7 @@ def main() -> None:
         for reg, _, _ in registries(False, "both"):  # warm: kernels, cuBLAS handles, allocator
             reg.capture(plan)
         clean()
-        results = {}
+        results, errors = {}, {}
         for label, shared, which in (("target alone", False, "target"), ("drafter alone", False, "drafter"),
                                      ("both, one pool each", False, "both"), ("both, one shared pool", True, "both")):
             clean()
@@ -59,17 +59,20 @@ def main() -> None:
             for reg, _, _ in regs:
                 reg.capture(plan)
             results[label] = used() - before
+            worst = 0.0
             for reg, model, cfg in regs:
-                for n in (1, 7, 64):
+                for n in (1, 7, 64):  # 7 is padded to the 8-request key: bf16 GEMMs of another shape round differently
                     batch = cg.BatchDescriptor.decode(n)
                     inputs = random_batch(cfg, batch, "cuda")
-                    torch.testing.assert_close(reg.run(batch, **inputs), model(batch, **inputs), rtol=2e-2, atol=2e-2)
+                    got, want = reg.run(batch, **inputs).float(), model(batch, **inputs).float()
+                    worst = max(worst, (got - want).abs().max().item())
+            errors[label] = worst
             del regs
             clean()
     mib = 2**20
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {len(plan)} full graphs each")
     for label, value in results.items():
-        print(f"  {label:24s} {value / mib:8.1f} MiB")
+        print(f"  {label:24s} {value / mib:8.1f} MiB   max |logit - eager| {errors[label]:.3g}")
     larger = max(results["target alone"], results["drafter alone"])
     print(f"  shared / larger alone    {results['both, one shared pool'] / larger:8.2f}x   (separate: "
           f"{results['both, one pool each'] / larger:.2f}x)")
