@@ -377,7 +377,8 @@ def main(argv: list[str] | None = None) -> None:
         if not worst <= args.tolerance:
             raise SystemExit(f"rank {rank}: logits differ from TP=1 by {worst:.3g} (tolerance {args.tolerance})")
     finally:
-        subgroups = [weakref.ref(g) for g in groups.values()]
+        # a rank outside a subgroup is handed an int marker by new_group(), not a group: nothing of it to free
+        subgroups = [weakref.ref(g) for g in groups.values() if isinstance(g, dist.ProcessGroup)]
         groups = group = model = None  # this frame's references: every group must be freed before exit
         hf.release_process_group(subgroups)
 

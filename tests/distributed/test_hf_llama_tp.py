@@ -199,3 +199,12 @@ def test_the_tp_benchmark_runs_its_cpu_smoke_mode() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "process group is still referenced" not in r.stderr, r.stderr
     assert "no hang at TP=2: 200 random batches" in r.stdout, r.stdout
+
+
+@pytest.mark.slow  # torchrun, four processes
+def test_the_tp_benchmark_exits_cleanly_on_ranks_outside_a_subgroup() -> None:
+    """At world size 4 ranks 2 and 3 are outside the TP=2 group (new_group() hands them an int marker)."""
+    r = torchrun("4", "benchmarks/gpu_tp.py", "--smoke")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "process group is still referenced" not in r.stderr, r.stderr
+    assert "no hang at TP=2" in r.stdout and "no hang at TP=4" in r.stdout, r.stdout
