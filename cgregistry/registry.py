@@ -222,7 +222,7 @@ class GraphRegistry:
         self._lifecycle.refuse_from_inside("wait_captured()")
         if self._server.running():
             raise RuntimeError("wait_captured() while a run() is in progress (from the step or a hook) would wait for itself")
-        self._capturer.refuse_while_pool_held("wait_captured()")
+        self.pool.refuse_if_held("wait_captured()", self.name)
         deadline = None if timeout is None or timeout == float("inf") else time.monotonic() + timeout
         while True:  # installing a refit queues its new keys, which may even finish before the check: wait for those too
             done = self._background.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))

@@ -68,9 +68,8 @@ class Capturer:
         self._events = events
         self._plugins = plugins
         self._name = name
-        self.pool = one.graph_pool
+        self.pool = one.graph_pool  # its lock: one capture at a time into the pool, any thread's, any registry's sharing it
         self.pool.share(self)
-        self.lock = one.graph_pool.lock  # one capture at a time into the pool: any thread's, any registry's sharing it
         # Per thread: .depth, the captures (one key with its hooks) in progress on it (the pool says which registry's
         # capture holds its lock on this thread: a capture asked for from inside would wait for itself).
         self._here = threading.local()
@@ -115,8 +114,8 @@ class Capturer:
         def whole_graph(name: str) -> bool:
             return bool(getattr(self._plugins.strategy(name), "whole_graph", False))
 
-        self.refuse_while_pool_held("estimate_memory()")
-        with self.lock:
+        self.pool.refuse_if_held("estimate_memory()", self._name)
+        with self.pool.lock:
             found = estimate_memory(self._one, pairs, self._plugins.strategy, ctx.state.run, ctx.payload,
                                     background=background, whole_graph=whole_graph)
         self._catalog.predicted.update({(k.key, k.strategy): k.bytes for k in found.keys})
@@ -261,15 +260,6 @@ class Capturer:
                 f"context; call it after capture() (or the run() that captures) returns"
             )
 
-    def refuse_while_pool_held(self, call: str) -> None:
-        """``call`` waits for the pool's capture lock: refused on a thread whose capture (of any registry sharing the
-        pool) holds it, from a hook or the step, where it would wait for itself."""
-        holder = self.pool.holder()
-        if holder is not None:
-            raise RuntimeError(
-                f"{call} on registry {self._name!r} from inside a capture of registry {holder!r} on the same thread (the "
-                "two share a graph pool, which captures one at a time) would wait for itself: refused")
-
     def holds_graphs(self) -> bool:
         """Whether this registry holds graphs or has captures in flight (its pool is not to be renewed)."""
         return bool(self._catalog.entries or self._catalog.capturing)
@@ -291,15 +281,9 @@ class Capturer:
         """
         key, name = pair
         strategy = self._plugins.strategy(name)
-        holder = self.pool.holder()
-        if holder is not None:  # asked for from a hook or the step of a capture on this thread, into this pool
-            inside = "one of its captures" if holder == self._name else f"a capture of registry {holder!r}, which shares its pool,"
-            raise RuntimeError(
-                f"a capture of {key} [{name}] on registry {self._name!r} from inside {inside} on the same "
-                "thread (a hook or the step asked for it, through run() or capture()) would wait for itself: refused"
-            )
+        self.pool.refuse_if_held(f"a capture of {key} [{name}]", self._name)
         with self._capturing():  # the hooks' calls back are refused until capture_finished has returned
-            with self.lock, paused_gc():
+            with self.pool.lock, paused_gc():
                 self.pool.hold(self._name)
                 try:
                     self._events.capture_started(key, name)

@@ -80,5 +80,15 @@ class GraphPool:
     def hold(self, name: str | None) -> None:
         self._holder.name = name
 
+    def refuse_if_held(self, call: str, registry: str) -> None:
+        """``call`` on ``registry`` waits for the lock: refused on a thread whose capture (of any registry sharing the
+        pool) holds it, from a hook or the step, where it would wait for itself."""
+        holder = self.holder()
+        if holder is not None:
+            inside = "one of its captures" if holder == registry else f"a capture of registry {holder!r}, which shares its pool,"
+            raise RuntimeError(
+                f"{call} on registry {registry!r} from inside {inside} on the same thread (a hook or the step asked for "
+                "it, through run(), capture() or a wait) would wait for itself: refused")
+
     def __repr__(self) -> str:
         return f"GraphPool({self.backend.name}, {self.live_graphs} live graphs)"
