@@ -61,23 +61,33 @@ def test_the_pool_is_renewed_only_when_no_registry_sharing_it_holds_a_graph(back
         torch.testing.assert_close(drafter.run(B.decode(5), x=x), draft_layer(x) * 3)
 
 
-def test_a_capture_of_the_other_registry_from_inside_a_capture_is_refused_not_a_hang() -> None:
+def calling_the_drafter_from_the_targets_capture(*calls: str) -> tuple[cg.GraphRegistry, cg.GraphRegistry, list[BaseException]]:
+    """A target whose capture_started hook calls each of ``calls`` (a method name, or "capture" of one key) on a drafter
+    that shares its pool, once; the RuntimeErrors they raise."""
     errors: list[BaseException] = []
-    registries: dict[str, cg.GraphRegistry] = {}
+    drafters: list[cg.GraphRegistry] = []
+    actions = {"capture": lambda d: d.capture([(B(4, 4), "full")]), "wait_captured": lambda d: d.wait_captured(),
+               "estimate_memory": lambda d: d.estimate_memory(PLAN)}
 
-    class CaptureTheDrafterFromAHook:
+    class CallTheDrafterFromAHook:
         @cg.plugin.hookimpl
         def cgregistry_capture_started(self, registry: object, key: B, strategy: str) -> None:
             if getattr(registry, "name", None) == "target" and not errors:
-                try:
-                    registries["drafter"].capture([(B(4, 4), "full")])
-                except RuntimeError as exc:
-                    errors.append(exc)
+                for call in calls:
+                    try:
+                        actions[call](drafters[0])
+                    except RuntimeError as exc:
+                        errors.append(exc)
 
     spec = {"x": cg.StaticInput((8, 16), torch.float32)}
     target = cg.GraphRegistry(lambda batch, x: x * 2, spec, backend="cpu", name="target",
-                              plugins=make_plugins(CaptureTheDrafterFromAHook()))
-    registries["drafter"] = drafter = cg.GraphRegistry(lambda batch, x: x * 3, spec, backend="cpu", name="drafter", pool=target.pool)
+                              plugins=make_plugins(CallTheDrafterFromAHook()))
+    drafters.append(cg.GraphRegistry(lambda batch, x: x * 3, spec, backend="cpu", name="drafter", pool=target.pool))
+    return target, drafters[0], errors
+
+
+def test_a_capture_of_the_other_registry_from_inside_a_capture_is_refused_not_a_hang() -> None:
+    target, drafter, errors = calling_the_drafter_from_the_targets_capture("capture")
     target.capture([(B(2, 2), "full")])
     assert len(errors) == 1
     assert "from inside a capture of registry 'target', which shares its pool" in str(errors[0])
@@ -86,34 +96,39 @@ def test_a_capture_of_the_other_registry_from_inside_a_capture_is_refused_not_a_
     assert len(drafter.entries()) == 1
 
 
+def test_waiting_on_the_other_registry_from_inside_a_capture_is_refused_not_a_hang() -> None:
+    target, drafter, errors = calling_the_drafter_from_the_targets_capture("wait_captured", "estimate_memory")
+    drafter.capture(PLAN, background=True)
+    target.capture([(B(2, 2), "full")])
+    assert [str(e).split(" on registry")[0] for e in errors] == ["wait_captured()", "estimate_memory()"]
+    assert all("from inside a capture of registry 'target'" in str(e) for e in errors)
+    assert drafter.wait_captured(timeout=60) and len(drafter.entries()) == len(PLAN)
+
+
+def test_back_to_back_steps_of_both_while_the_drafter_captures_in_the_background_equal_eager() -> None:
+    """The serving loop of a speculative engine: draft, verify, draft, ... with nothing between steps, under autocast
+    and inference mode, while the drafter's graphs are captured beside it into the target's pool."""
+    target, drafter, target_layer, draft_layer = pair("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+        target.capture(PLAN)
+        drafter.capture(PLAN, background=True)
+        for step in range(60):
+            n = 1 + step % 8
+            x = torch.randn(n, 16)
+            draft = drafter.run(B.decode(n), x=x)
+            torch.testing.assert_close(draft, draft_layer(x) * 3)
+            proposed = draft.float()  # the target's input is declared float32
+            want = target_layer(proposed).relu()
+            torch.testing.assert_close(target.run(B.decode(n), x=proposed), want)
+        assert drafter.wait_captured(timeout=60)
+        assert len(drafter.entries()) == len(target.entries()) == len(PLAN)
+        assert draft.dtype == torch.bfloat16, "served under the autocast the graphs were captured in"
+    assert target.stats().misses == 0 and drafter.stats().hits > 0
+
+
 def test_a_pool_argument_is_checked() -> None:
     spec = {"x": cg.StaticInput((8, 16), torch.float32)}
     with pytest.raises(TypeError, match="pool must be another registry's pool .* got 3"):
         cg.GraphRegistry(lambda batch, x: x, spec, backend="cpu", pool=3)
     cpu = cg.GraphRegistry(lambda batch, x: x, spec, backend="cpu")
     assert isinstance(cpu.pool, GraphPool)
-
-
-def test_waiting_on_the_other_registry_from_inside_a_capture_is_refused_not_a_hang() -> None:
-    errors: list[BaseException] = []
-    registries: dict[str, cg.GraphRegistry] = {}
-
-    class WaitForTheDrafterFromAHook:
-        @cg.plugin.hookimpl
-        def cgregistry_capture_started(self, registry: object, key: B, strategy: str) -> None:
-            if getattr(registry, "name", None) == "target" and not errors:
-                for call in (registries["drafter"].wait_captured, lambda: registries["drafter"].estimate_memory(PLAN)):
-                    try:
-                        call()
-                    except RuntimeError as exc:
-                        errors.append(exc)
-
-    spec = {"x": cg.StaticInput((8, 16), torch.float32)}
-    target = cg.GraphRegistry(lambda batch, x: x * 2, spec, backend="cpu", name="target",
-                              plugins=make_plugins(WaitForTheDrafterFromAHook()))
-    registries["drafter"] = drafter = cg.GraphRegistry(lambda batch, x: x * 3, spec, backend="cpu", name="drafter", pool=target.pool)
-    drafter.capture(PLAN, background=True)
-    target.capture([(B(2, 2), "full")])
-    assert [str(e).split(" on registry")[0] for e in errors] == ["wait_captured()", "estimate_memory()"]
-    assert all("from inside a capture of registry 'target'" in str(e) for e in errors)
-    assert drafter.wait_captured(timeout=60) and len(drafter.entries()) == len(PLAN)
