@@ -12,8 +12,13 @@ after ``down_proj``) and measure, per decode step at each batch size:
 
 and report the step latency (the median of repeats, the slowest rank's), tokens/s per GPU (batch / latency /
 TP; one token a request a decode step), and the largest |logit - TP=1| of the step over every logit of every
-rank.  ``agree()``, the one all-reduce of seven integers a step that ``run(..., group=...)`` adds, is timed alone.
+rank.  TP > 1 rows are served with ``run(..., group=agreement)``, a ``HostAgreement(tp_group, same_batch=True)``.
 TP=1 rows are the unsharded model on rank 0 (no collectives, no agreement).
+
+What agreement costs, for each TP > 1 and batch size: ``full`` steps back to back (the device drained only before and
+after the loop) with no agreement, with the host agreement, and with ``group=tp_group`` (the all-reduce on NCCL and
+the host read of its result); and each agreement alone.  On CUDA every rank then serves steps through the host
+agreement under ``torch.cuda.set_sync_debug_mode("error")``, which raises at any synchronizing call: none is made.
 
 Then the no-hang check, for each TP > 1: a ``full_and_breakable`` registry over the engine's whole capture plan
 serves ``--random-batches`` random batches (decode-only and mixed, 1..max_num_seqs requests, random contexts and
@@ -23,6 +28,7 @@ replayed the same graphs the same number of times, and their logits' checksums m
 
     torchrun --standalone --nproc-per-node 2 benchmarks/gpu_tp.py            # TP=1 and 2 on 2 GPUs
     torchrun --standalone --nproc-per-node 4 benchmarks/gpu_tp.py            # TP=1, 2 and 4 on 4 GPUs
+    torchrun --standalone --nproc-per-node 4 benchmarks/gpu_tp.py --config llama-3.1-8b --random-batches 0 --batches 1 8 32 64
     torchrun --standalone --nproc-per-node 2 benchmarks/gpu_tp.py --smoke    # CPU: gloo, the cpu emulator, the tiny config
 
 ``--smoke`` is ``--config tiny --device cpu --batches 1 4 8 --random-batches 200 --iters 3 --repeats 3`` with a
@@ -51,7 +57,7 @@ import torch.distributed as dist
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.distributed import agree
+from cgregistry.distributed import HostAgreement, agree
 
 _spec = importlib.util.spec_from_file_location("hf_llama", Path(__file__).parent.parent / "examples" / "hf_llama.py")
 hf = importlib.util.module_from_spec(_spec)
@@ -59,6 +65,9 @@ sys.modules["hf_llama"] = hf
 _spec.loader.exec_module(hf)
 
 GPU_SHAPE = hf.EngineShape(max_num_seqs=64, max_num_tokens=512, block_size=16, max_blocks_per_req=64)
+# bf16: a sharded or padded GEMM rounds differently, and the deeper, wider 8B drifts further.  On 4 H200s the 8B's TP=1
+# eager and full steps already differ from the TP=1 reference by 0.23 at batch 64; TP=2 and 4 came within 0.40.
+BF16_TOLERANCE = {"llama-3.2-1b": 0.25, "llama-3.1-8b": 0.5}
 SMOKE = dict(config="tiny", device="cpu", batches=[1, 4, 8], random_batches=200, iters=3, repeats=3)
 
 
@@ -74,9 +83,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes (default: 1 8 32)")
     parser.add_argument("--iters", type=int, default=50, help="steps per timing repeat (default: 50)")
     parser.add_argument("--repeats", type=int, default=7, help="timing repeats, the median kept (default: 7)")
-    parser.add_argument("--random-batches", type=int, default=10_000, help="batches of the no-hang check (default: 10000)")
+    parser.add_argument("--random-batches", type=int, default=10_000, help="batches of the no-hang check (default: 10000; 0: no check)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds without progress that count as a hang (default: 120)")
-    parser.add_argument("--tolerance", type=float, help="largest |logit - TP=1| allowed (default: 0.25 in bf16, 1e-4 in float32)")
+    parser.add_argument("--tolerance", type=float, help="largest |logit - TP=1| allowed (default: 1e-4 in float32; in bf16 "
+                        + ", ".join(f"{v:g} for {k}" for k, v in BF16_TOLERANCE.items()) + ")")
     parser.add_argument("--tp1-group", action="store_true",
                         help="also TP=1 through the sharded path on a one-rank group (rows '1g'): all-reduces of one rank "
                              "inside the graphs, run(..., group=...), the no-hang check; what one GPU can check of the TP path")
@@ -97,7 +107,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         except ValueError as exc:
             parser.error(f"--tp: {exc} ({args.config})")
     if args.tolerance is None:
-        args.tolerance = 1e-4 if hf.CONFIGS[args.config]["dtype"] == torch.float32 else 0.25
+        args.tolerance = 1e-4 if hf.CONFIGS[args.config]["dtype"] == torch.float32 else BF16_TOLERANCE[args.config]
     return args
 
 
@@ -242,7 +252,7 @@ def latency_rows(label: str, tp: int, model: torch.nn.Module, group: Any, args: 
         with torch.inference_mode():
             reg.capture(keys)  # every rank of the group, the same keys in the same order
         regs[strategy] = reg
-    served = {"group": group} if group is not None else {}
+    served = {"group": HostAgreement(group, same_batch=True)} if group is not None else {}
     rows = []
     for n in args.batches:
         batch = B.decode(n)
@@ -269,18 +279,65 @@ def latency_rows(label: str, tp: int, model: torch.nn.Module, group: Any, args: 
     return rows
 
 
-def agree_us(group: Any, device: torch.device, args: argparse.Namespace) -> float:
-    return per_step_us(lambda: agree(B.decode(8), group), device, group, args.iters, args.repeats)
+def agreement_rows(label: str, model: torch.nn.Module, group: Any, args: argparse.Namespace, shape: Any,
+                   device: torch.device, batches: dict[int, tuple]) -> list[tuple]:
+    """Per batch size: (TP label, batch, full us with no agreement, with the host agreement, with the group's
+    all-reduce (NCCL on GPUs), host agree() alone us, all-reduce agree() alone us)."""
+    step = hf.make_step(model, hf.decoder(model))
+    backend = "cuda" if device.type == "cuda" else "cpu"
+    reg = cg.GraphRegistry(step, hf.static_inputs(shape), backend=backend, output_axis=hf.OUTPUT_AXES, name=f"agree{label}")
+    with torch.inference_mode():
+        reg.capture([(B.decode(n), "full") for n in args.batches])
+    host = HostAgreement(group, same_batch=True)
+    rows = []
+    with torch.inference_mode():
+        for n in args.batches:
+            batch = B.decode(n)
+            inputs, context = batches[n]
+            ways = {"none": {}, "host": {"group": host}, "group": {"group": group}}
+            us = {way: per_step_us(lambda served=served: reg.run(batch, context=context, **served, **inputs), device, group,
+                                   args.iters, args.repeats) for way, served in ways.items()}
+            alone = [per_step_us(lambda g=g: agree(batch, g), device, group, args.iters, args.repeats) for g in (host, group)]
+            rows.append((label, n, us["none"], us["host"], us["group"], *alone))
+            note(f"TP={label} batch {n}: full {us['none']:.1f} us, with host agreement {us['host']:.1f}, with the "
+                 f"NCCL all-reduce {us['group']:.1f}; agree() alone: host {alone[0]:.1f} us, NCCL {alone[1]:.1f} us")
+        if device.type == "cuda":
+            sync(device)
+            torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises from here on
+            try:
+                for n in args.batches:
+                    inputs, context = batches[n]
+                    for _ in range(20):
+                        reg.run(B.decode(n), context=context, group=host, **inputs)
+                served = "no synchronizing call"
+            except RuntimeError as exc:
+                served = f"RAISED {str(exc).splitlines()[0]}"
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            sync(device)
+            try:  # the check does see a sync: the NCCL agreement's read-back
+                torch.cuda.set_sync_debug_mode("error")
+                agree(B.decode(1), group)
+                seen = "no error raised"
+            except RuntimeError as exc:
+                seen = str(exc).splitlines()[0]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            note(f"TP={label}: {20 * len(args.batches)} steps served through the host agreement under "
+                 f"set_sync_debug_mode('error'): {served}; the NCCL agreement under it: {seen}")
+    return rows
 
 
 def no_hang(label: str, tp: int, model: torch.nn.Module, group: Any, args: argparse.Namespace, shape: Any, device: torch.device,
             rank: int, watchdog: Watchdog) -> str:
-    """``--random-batches`` random batches, the same on every rank, through a full_and_breakable registry."""
+    """``--random-batches`` random batches, the same on every rank, through a full_and_breakable registry (each step
+    checked the same on every rank by a host agreement)."""
     backend = "cuda" if device.type == "cuda" else "cpu"
     started = time.perf_counter()
     reg = hf.build_registry(model, shape, "full_and_breakable", backend, progress=False)
     capture_s = time.perf_counter() - started
     note(f"TP={label}: {len(reg)} graphs captured in {capture_s:.1f} s; serving {args.random_batches} random batches")
+    agreement = HostAgreement(group, same_batch=True)
     g = torch.Generator().manual_seed(args.seed + 1)  # the same batches on every rank
     checksum = torch.zeros((), dtype=torch.float64, device=device)
     kinds = {True: 0, False: 0}
@@ -290,7 +347,7 @@ def no_hang(label: str, tp: int, model: torch.nn.Module, group: Any, args: argpa
         for i in range(args.random_batches):
             actual, inputs, host = random_batch(shape, model.config.vocab_size, g)
             watchdog.beat(f"TP={label}: random batch {i} ({actual})")
-            out = reg.run(actual, context=host, group=group, **{k: v.to(device, non_blocking=True) for k, v in inputs.items()})
+            out = reg.run(actual, context=host, group=agreement, **{k: v.to(device, non_blocking=True) for k, v in inputs.items()})
             checksum += out["logits"].double().sum()
             kinds[actual.uniform] += 1
             if (i + 1) % 500 == 0:
@@ -355,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
             for n, (inputs, host) in batches.items():
                 with cg.eager_batch(B.decode(n), host):
                     reference[n] = step(B.decode(n), **inputs)["logits"].float().cpu()
-        rows, agreed, hangs = [], {}, []
+        rows, agreed, hangs = [], [], []
         for label, tp in runs:
             log(f"TP={label}: capture, step latency" + (", the no-hang check" if label != "1" else ""))
             if label == "1":
@@ -365,8 +422,9 @@ def main(argv: list[str] | None = None) -> None:
                 group = groups[label]
                 model = hf.shard_model(copy.deepcopy(full), rank, tp, group)
                 rows += latency_rows(label, tp, model, group, args, shape, device, batches, reference)
-                agreed[label] = agree_us(group, device, args)
-                hangs.append(no_hang(label, tp, model, group, args, shape, device, rank, watchdog))
+                agreed += agreement_rows(label, model, group, args, shape, device, batches)
+                if args.random_batches:
+                    hangs.append(no_hang(label, tp, model, group, args, shape, device, rank, watchdog))
                 del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -383,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
         hf.release_process_group(subgroups)
 
 
-def report(args: argparse.Namespace, device: torch.device, world: int, shape: Any, rows: list[tuple], agreed: dict[str, float],
+def report(args: argparse.Namespace, device: torch.device, world: int, shape: Any, rows: list[tuple], agreed: list[tuple],
            hangs: list[str]) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke mode: timings mean nothing)"
     cfg = hf.CONFIGS[args.config]
@@ -391,12 +449,18 @@ def report(args: argparse.Namespace, device: torch.device, world: int, shape: An
           f"hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads, {cfg['num_key_value_heads']} KV heads, "
           f"{str(cfg['dtype']).removeprefix('torch.')}); KV cache {shape.num_blocks} blocks of {shape.block_size}, random contexts")
     print(f"\nper decode step (median of {args.repeats} x {args.iters} steps, the slowest rank; TP > 1 served with "
-          "run(..., group=tp_group))")
+          "run(..., group=HostAgreement(tp_group, same_batch=True)))")
     print(f"{'TP':>3} {'strategy':10} {'batch':>5} {'step us':>10} {'tokens/s/GPU':>13} {'max|logit-TP1|':>15}")
     for label, strategy, n, us, tps, diff in rows:
         print(f"{label:>3} {strategy:10} {n:5d} {us:10.1f} {tps:13.1f} {diff:15.3e}")
-    for tp, us in agreed.items():
-        print(f"agree() alone at TP={tp}: {us:.1f} us a step (inside the full and breakable rows above)")
+    if agreed:
+        print("\nwhat agreement costs a full step, steps back to back (median us a step, the slowest rank; the device "
+              "drained only around each loop)")
+        print(f"{'TP':>3} {'batch':>5} {'no agreement':>13} {'host':>9} {'(+%)':>7} {'all-reduce':>11} {'(+%)':>7} "
+              f"{'agree() host':>13} {'agree() a-r':>13}")
+        for label, n, none, host, group, host_alone, group_alone in agreed:
+            print(f"{label:>3} {n:5d} {none:13.1f} {host:9.1f} {(host / none - 1) * 100:+6.1f}% {group:11.1f} "
+                  f"{(group / none - 1) * 100:+6.1f}% {host_alone:13.1f} {group_alone:13.1f}")
     for line in hangs:
         print(line)
     print(f"every logit within {args.tolerance:g} of TP=1: {'yes' if max((r[5] for r in rows), default=0) <= args.tolerance else 'NO'}")

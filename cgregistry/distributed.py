@@ -1,25 +1,47 @@
-"""Data-parallel agreement: every rank of a group replays the same key, with one small collective.
+"""Agreement across ranks: every rank of a group replays the same key.
 
 Ranks of a data-parallel group run different batches, but collectives inside
 the step (an expert-parallel all-to-all, a tensor-parallel all-reduce within
-each replica) need every rank to run the same graph.  ``agree`` all-reduces
-the descriptor's encoding (MAX; ``BatchDescriptor.encode``) and returns the smallest descriptor every rank's batch fits
+each replica) need every rank to run the same graph.  ``agree`` combines the
+descriptors' encodings with MAX (``BatchDescriptor.encode``) and returns the smallest descriptor every rank's batch fits
 in: the most tokens, requests and LoRA slots any rank has, and uniform only if
 every rank's batch is uniform with the same speculative depth.  Matching that
 descriptor gives every rank the same key, padded to the largest need, of the
 weakest kind any rank can use (a mixed batch anywhere means a mixed key
 everywhere) -- provided every rank captured the same plan.
+
+Two ways to agree:
+
+- a process group (``run(..., group=dp_group)``): one all-reduce on it; with NCCL
+  the integers travel on the GPU and are read back, a device sync every step;
+- a :class:`HostAgreement` built once over the group (``run(..., group=agreement)``):
+  the ranks meet on the host (shared memory when they share one, else a gloo group),
+  with no device work and no sync, so an engine's queue of GPU work stays full.
+  ``same_batch=True`` (tensor parallel: every rank is handed the same batch) also
+  checks that every rank brought the same descriptor and raises
+  :class:`~cgregistry.errors.AgreementError` on every rank when one did not.
 """
 
 from __future__ import annotations
 
+import mmap
+from array import array
+import os
+import socket
+import tempfile
+import time
+import uuid
 from typing import Any
 
 import torch
 
+from cgregistry.errors import AgreementError
 from cgregistry.key.descriptor import BatchDescriptor
 
-__all__ = ["agree", "decode_descriptor", "encode_descriptor"]
+__all__ = ["HostAgreement", "agree", "decode_descriptor", "encode_descriptor"]
+
+_FIELDS = len(BatchDescriptor(1).encode())
+_LOW = (1 << 32) - 1
 
 
 def encode_descriptor(actual: BatchDescriptor) -> list[int]:
@@ -33,12 +55,11 @@ def decode_descriptor(values: list[int]) -> BatchDescriptor:
 
 
 def agree(actual: BatchDescriptor, group: Any = None) -> BatchDescriptor:
-    """The descriptor covering every rank's ``actual`` in ``group`` (one all_reduce of a few int64s).
-
-    The tensor lives on the current CUDA device for NCCL groups and on the CPU
-    otherwise (gloo).  Every rank must call it, in the same order as its other
-    collectives.
-    """
+    """The descriptor covering every rank's ``actual`` in ``group``: a process group (one all_reduce of a few int64s;
+    on the current CUDA device for NCCL, on the CPU otherwise) or a :class:`HostAgreement`.  Every rank must call it,
+    in the same order as its other collectives."""
+    if isinstance(group, HostAgreement):
+        return group.agree(actual)
     import torch.distributed as dist
 
     if not isinstance(actual, BatchDescriptor):
@@ -50,3 +71,153 @@ def agree(actual: BatchDescriptor, group: Any = None) -> BatchDescriptor:
     values = torch.tensor(encode_descriptor(actual), dtype=torch.int64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     return decode_descriptor(values.tolist())
+
+
+class HostAgreement:
+    """Agreement of ``group``'s ranks on the host, for ``run(..., group=agreement)``: no device work, no sync.
+
+    Build it once, on every rank of ``group`` (the construction is collective over it).  Ranks on one host meet in a
+    shared-memory mailbox (a few microseconds a step); ranks on several hosts need ``group`` to be a gloo group
+    (``dist.new_group(ranks, backend="gloo")``), on which one small all-reduce a step runs on the CPU.
+
+    ``same_batch``: every rank must bring the same descriptor (tensor parallel); one that does not raises
+    :class:`~cgregistry.errors.AgreementError` on every rank, naming each rank's descriptor.  ``timeout``: seconds a
+    rank waits for the others at one step before raising ``AgreementError`` instead of hanging.
+    """
+
+    def __init__(self, group: Any = None, *, same_batch: bool = False, timeout: float = 300.0, transport: str = "auto") -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("HostAgreement needs torch.distributed to be initialised (init_process_group)")
+        if transport not in ("auto", "shm", "group"):
+            raise ValueError(f"transport={transport!r}: expected 'auto', 'shm' (one host) or 'group' (a gloo group)")
+        if not timeout > 0:
+            raise ValueError(f"timeout={timeout!r}: expected seconds > 0")
+        self.group, self.same_batch, self.timeout = group, same_batch, float(timeout)
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        hosts: list[Any] = [None] * self.world
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        one_host = len(set(hosts)) == 1
+        if transport == "auto":
+            transport = "shm" if one_host else "group"
+        if transport == "shm" and not one_host:
+            raise ValueError(f"transport='shm' needs every rank on one host; the group spans {sorted(set(hosts))}")
+        if transport == "group" and dist.get_backend(group) != "gloo":
+            raise ValueError(f"HostAgreement over several hosts needs a gloo group (dist.new_group(ranks, backend='gloo')); "
+                             f"this group's backend is {dist.get_backend(group)!r}")
+        self.transport = transport
+        self._step = 0
+        self._mailbox = _Mailbox.open(group, self.rank, self.world) if transport == "shm" else None
+
+    def __repr__(self) -> str:
+        return (f"HostAgreement(rank {self.rank} of {self.world}, {self.transport}, same_batch={self.same_batch}, "
+                f"step {self._step})")
+
+    def agree(self, actual: BatchDescriptor) -> BatchDescriptor:
+        """The descriptor covering every rank's ``actual`` (with ``same_batch``: ``actual`` itself, once every rank
+        is seen to have brought the same)."""
+        if not isinstance(actual, BatchDescriptor):
+            raise TypeError(f"agree() needs a BatchDescriptor, got {actual!r}")
+        self._step += 1
+        values = actual.encode()
+        if self._mailbox is not None:
+            rows = self._mailbox.exchange(self._step, values, self.timeout)
+            if rows is None:
+                raise AgreementError(self._late(self._mailbox.late(self._step)))
+            if all(row is values for row in rows):  # every rank brought this batch
+                return actual
+            if self.same_batch:
+                raise AgreementError(self._differ([BatchDescriptor.from_encoded(row) for row in rows]))
+            return BatchDescriptor.from_encoded([max(column) for column in zip(*rows)])
+        return self._over_group(actual, values)
+
+    def _over_group(self, actual: BatchDescriptor, values: list[int]) -> BatchDescriptor:
+        import torch.distributed as dist
+
+        t = torch.tensor(values + [-v for v in values], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        top, low = t[: len(values)].tolist(), [-v for v in t[len(values):].tolist()]
+        if self.same_batch and top != low:
+            seen: list[Any] = [None] * self.world
+            dist.all_gather_object(seen, actual, group=self.group)
+            raise AgreementError(self._differ(seen))
+        return BatchDescriptor.from_encoded(top)
+
+    def _differ(self, seen: list[BatchDescriptor]) -> str:
+        brought = "; ".join(f"rank {r}: {d}" for r, d in enumerate(seen))
+        return (f"HostAgreement(same_batch=True) step {self._step}: the ranks were handed different batches ({brought}); "
+                "a tensor-parallel group must serve one batch on every rank (nothing was replayed)")
+
+    def _late(self, late: list[int]) -> str:
+        return (f"HostAgreement step {self._step}: rank {self.rank} waited {self.timeout:g} s for rank(s) "
+                f"{', '.join(map(str, late))} of the group, which did not reach this step (nothing was replayed); every "
+                "rank must call run(..., group=agreement) the same number of times, in the same order")
+
+
+class _Mailbox:
+    """One shared-memory page where each rank posts its descriptor's integers for a step and reads everyone's.
+
+    Each 8-byte word carries the step number in its high half and one integer in its low half, so a reader sees a
+    row only once all its words are of the step it waits for, whatever order the writes land in.  Two rows a rank,
+    by the step's parity: a rank can post step n+2 only after every rank posted n+1, so after each finished reading n.
+    """
+
+    def __init__(self, view: memoryview, region: mmap.mmap, rank: int, world: int) -> None:
+        self.view, self.region, self.rank, self.world = view, region, rank, world
+
+    @classmethod
+    def open(cls, group: Any, rank: int, world: int) -> _Mailbox:
+        import torch.distributed as dist
+
+        words = 2 * world * _FIELDS
+        names: list[Any] = [None]
+        if rank == 0:
+            directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            names[0] = os.path.join(directory, f"cgregistry-agree-{uuid.uuid4().hex}")
+            with open(names[0], "wb") as f:
+                f.truncate(8 * words)
+        dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        with open(names[0], "r+b") as f:
+            region = mmap.mmap(f.fileno(), 8 * words)
+        dist.barrier(group=group)  # every rank holds the mapping: the file's name is no longer needed
+        if rank == 0:
+            os.unlink(names[0])
+        return cls(memoryview(region).cast("q"), region, rank, world)
+
+    def _row(self, step: int, rank: int) -> int:
+        return ((step & 1) * self.world + rank) * _FIELDS
+
+    def exchange(self, step: int, values: list[int], timeout: float) -> list[list[int]] | None:
+        """Every rank's integers for ``step`` (None after ``timeout`` seconds without all of them).  A row equal to
+        this rank's own is taken at one comparison: the common case, every rank of a tensor-parallel group alike."""
+        high = step & 0x7FFFFFFF
+        tag = high << 32
+        mine = array("q", [tag | (v & _LOW) for v in values])
+        view, start = self.view, self._row(step, self.rank)
+        view[start : start + _FIELDS] = mine
+        own = mine.tolist()
+        rows: list[list[int]] = []
+        deadline, spins = None, 0
+        for r in range(self.world):
+            first = self._row(step, r)
+            while True:
+                words = view[first : first + _FIELDS].tolist()
+                if words == own:
+                    rows.append(values)
+                    break
+                if all(w >> 32 == high for w in words):
+                    rows.append([(w & _LOW) - ((w & 0x80000000) << 1) for w in words])
+                    break
+                spins += 1
+                if spins > 64:
+                    if deadline is None:
+                        deadline = time.monotonic() + timeout
+                    elif time.monotonic() > deadline:
+                        return None
+                    time.sleep(0 if spins < 4096 else 50e-6)  # give the core away: ranks may share cores
+        return rows
+
+    def late(self, step: int) -> list[int]:
+        tag = step & 0x7FFFFFFF
+        return [r for r in range(self.world) if any(self.view[self._row(step, r) + i] >> 32 != tag for i in range(_FIELDS))]

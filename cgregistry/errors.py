@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "CgregistryError", "InputError", "OutputError", "CaptureError", "PluginError", "BreakError", "PiecewiseError", "GraphUnsafeOpError", "ServingStateError", "WeightsMovedError", "DebugError", "MovedTensorError", "StaleOutputError", "ConcurrentRunError", "SnapshotError",
+    "CgregistryError", "InputError", "OutputError", "CaptureError", "PluginError", "BreakError", "PiecewiseError", "GraphUnsafeOpError", "ServingStateError", "WeightsMovedError", "DebugError", "MovedTensorError", "StaleOutputError", "ConcurrentRunError", "SnapshotError", "AgreementError",
 ]
 
 
@@ -102,3 +102,8 @@ class ConcurrentRunError(CgregistryError, RuntimeError):
 
 class SnapshotError(CgregistryError, ValueError):
     """A snapshot that cannot be read (names the field or the schema version)."""
+
+
+class AgreementError(CgregistryError, RuntimeError):
+    """The ranks of a group could not agree on one key: their batches differ where they must be the same, or a rank
+    did not take part in time (names the ranks and what each brought)."""

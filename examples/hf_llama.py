@@ -58,6 +58,7 @@ from torch import nn
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 import cgregistry as cg
+from cgregistry.distributed import HostAgreement
 from cgregistry.plan.workload import read_trace
 
 ATTENTION = "cgregistry_paged"
@@ -67,6 +68,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # Llama-3.2-1B's shape (its vocabulary cut to 32000), bf16
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=32000, dtype=torch.bfloat16),
+    # Llama-3.1-8B's shape, its whole vocabulary, bf16 (16 GB of weights: one H200 holds it at TP=1)
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, dtype=torch.bfloat16),
 }
 # Which strategy serves decode (uniform) and mixed batches; "full" captures both.
 MODES = ("full_and_breakable", "full_and_piecewise", "full", "breakable", "piecewise", "none")
@@ -151,16 +155,23 @@ def static_attention(
 def varlen_attention(
     module: torch.nn.Module, q: torch.Tensor, host: HostBatch, block_table: torch.Tensor, scaling: float | None,
 ) -> torch.Tensor:
-    """Per request, with host-side lengths: the request's context only, causal within its new tokens."""
-    out = torch.zeros_like(q)  # padded tokens: zeros
+    """With host-side lengths: every token gathers its request's context, cut to the longest request's (a shape
+    known only on the host), and sees the positions up to its own, in one pass (a per-request loop launches ~10
+    kernels a request and layer).  Padded tokens (past the batch's own): zeros."""
+    out = torch.zeros_like(q)
     block = module.block_size
-    for r, (start, n, length) in enumerate(zip(host.query_starts, host.query_lens, host.seq_lens)):
-        blocks = block_table[r, : math.ceil(length / block)]
-        slots = (blocks[:, None] * block + torch.arange(block, device=q.device)).flatten()[:length]
-        k, v = module.k_cache[slots].transpose(0, 1)[None], module.v_cache[slots].transpose(0, 1)[None]
-        mask = torch.arange(length, device=q.device)[None, :] <= torch.arange(length - n, length, device=q.device)[:, None]
-        qr = q[start : start + n].transpose(0, 1)[None]  # (1, heads, n, d)
-        out[start : start + n] = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)[0].transpose(0, 1)
+    used = sum(host.query_lens)
+    req = torch.repeat_interleave(torch.arange(len(host.query_lens)), torch.tensor(host.query_lens)).to(q.device, non_blocking=True)
+    last = torch.tensor([length - n for n, length in zip(host.query_lens, host.seq_lens)])  # each request's first new position
+    offset = torch.cat([torch.arange(n) for n in host.query_lens])
+    pos = (torch.repeat_interleave(last, torch.tensor(host.query_lens)) + offset).to(q.device, non_blocking=True)
+    blocks = math.ceil(max(host.seq_lens) / block)
+    j = torch.arange(blocks * block, device=q.device)
+    slots = block_table[req][:, j // block] * block + j % block  # (tokens, context)
+    k, v = module.k_cache[slots].transpose(1, 2), module.v_cache[slots].transpose(1, 2)  # (tokens, kv_heads, ctx, d)
+    visible = j[None, :] <= pos[:, None]  # a request's own positions only: the later ones are not written yet
+    attended = F.scaled_dot_product_attention(q[:used, :, None, :], k, v, attn_mask=visible[:, None, None, :], scale=scaling, enable_gqa=True)
+    out[:used] = attended[:, :, 0, :]
     return out
 
 
@@ -215,7 +226,13 @@ def build_model(config: str, device: torch.device, shape: EngineShape, seed: int
     cfg = LlamaConfig(max_position_embeddings=max(shape.max_context, 256), **options)
     cfg._attn_implementation = ATTENTION
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built where it serves, in its dtype: an 8B model never exists in float32
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
     resize_kv_cache(model, shape)
     return model
 
@@ -513,10 +530,11 @@ class Engine:
     """Continuous batching with chunked prefill; one registry (or none) serves every step.
 
     ``group``: the tensor-parallel process group of a sharded model (``shard_model``).  Every rank runs the same
-    scheduler over the same requests, so every rank builds the same batch; the registry still agrees on the key
-    (``run(..., group=group)``: one all-reduce of seven integers a step) so a rank that lost an entry cannot pick a
-    different graph and leave the others waiting in its all-reduces, and the sampled tokens are broadcast from the
-    group's first rank (one small broadcast a step) so the schedules cannot drift apart on a tie.
+    scheduler over the same requests, so every rank builds the same batch; the ranks still check it on the host
+    before each step (``run(..., group=agreement)``, a ``HostAgreement(group, same_batch=True)``: shared memory, no
+    device sync), so a rank handed another batch is refused on every rank instead of replaying another graph and
+    leaving the others waiting in its all-reduces; the sampled tokens are broadcast from the group's first rank (one
+    small broadcast a step) so the schedules cannot drift apart on a tie.  Constructing it is collective over the group.
     """
 
     def __init__(self, model: LlamaForCausalLM, shape: EngineShape, registry: cg.GraphRegistry | None, keep_logits: bool,
@@ -525,6 +543,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.step_fn = make_step(model, decoder(model))
         self.free_blocks = deque(range(1, shape.num_blocks))  # block 0 is the scratch block
+        self.agreement = None if group is None else HostAgreement(group, same_batch=True)
 
     def serve(self, requests: list[Sequence], max_steps: int | None = None, progress: Any = quiet) -> EngineResult:
         """Serve ``requests`` to the end (or ``max_steps``); ``progress(detail)`` is called after every step."""
@@ -588,8 +607,8 @@ class Engine:
         if self.reg is None:
             with cg.eager_batch(actual, host):
                 return self.step_fn(actual, **inputs)["logits"]
-        if self.group is not None:
-            return self.reg.run(actual, context=host, group=self.group, **inputs)["logits"]
+        if self.agreement is not None:
+            return self.reg.run(actual, context=host, group=self.agreement, **inputs)["logits"]
         return self.reg.run(actual, context=host, **inputs)["logits"]
 
     def _advance(self, batch: list[tuple[Sequence, int]], logits: torch.Tensor, running: list[Sequence], finished: list[Sequence]) -> int:

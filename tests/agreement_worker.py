@@ -1,0 +1,101 @@
+"""One rank of the host-agreement tests (gloo on CPU, NCCL on GPUs): tensor-parallel serving through a
+``HostAgreement``, a rank handed another batch, a rank that does not come, data-parallel padding.
+
+Run by tests/distributed/test_host_agreement.py through torch.multiprocessing; each scenario checks itself and
+raises on any mismatch, which fails the parent.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cgregistry as cg
+from cgregistry import BatchDescriptor as B
+from cgregistry.distributed import HostAgreement, decode_descriptor, encode_descriptor
+from cgregistry.errors import AgreementError
+from cgregistry.testing import make_plugins
+
+D = 12  # divisible by 2, 3 and 4 ranks
+
+
+def tensor_parallel(rank: int, world: int, device: torch.device, backend: str, transport: str) -> None:
+    """Every rank is handed the same batch; one all-reduce inside the graph; agreement on the host."""
+    full_w = torch.randn(D, D, generator=torch.Generator().manual_seed(1)).to(device)
+    cols = D // world
+    w_rank = full_w[rank * cols : (rank + 1) * cols].contiguous()
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        partial = x[:, rank * cols : (rank + 1) * cols] @ w_rank
+        dist.all_reduce(partial)
+        return torch.relu(partial)
+
+    agreement = HostAgreement(dist.group.WORLD, same_batch=True, transport=transport)
+    assert agreement.transport == transport, agreement
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((16, D), torch.float32)}, backend=backend, plugins=make_plugins())
+    reg.capture([(B(n), "full") for n in (16, 8, 4)])
+    g = torch.Generator().manual_seed(7)  # the same batches on every rank
+    for _ in range(12):
+        n = int(torch.randint(1, 17, (1,), generator=g))
+        x = torch.randn(n, D, generator=g).to(device)
+        out = reg.run(B(n), x=x, group=agreement)
+        torch.testing.assert_close(out, torch.relu(x @ full_w))
+    hits = reg.stats().hits
+    assert hits == 12, reg.stats()
+
+    # one rank handed another batch: every rank raises, naming each rank's batch, and nothing is replayed
+    mine = B(5) if rank != world - 1 else B(6)
+    x = torch.randn(mine.num_tokens, D).to(device)
+    with pytest.raises(AgreementError, match=rf"rank {world - 1}: Batch\(tokens=6") as info:
+        reg.run(mine, x=x, group=agreement)
+    assert "different batches" in str(info.value), info.value
+    assert reg.stats().hits == hits
+    # the group goes on serving after the refused step
+    x = torch.randn(3, D, generator=torch.Generator().manual_seed(3)).to(device)
+    torch.testing.assert_close(reg.run(B(3), x=x, group=agreement), torch.relu(x @ full_w))
+
+
+def data_parallel(rank: int, world: int, device: torch.device, backend: str, transport: str) -> None:
+    """Different batches per rank: every rank gets the least descriptor covering all of them, the same key."""
+    agreement = HostAgreement(dist.group.WORLD, transport=transport)
+    cases = [
+        [B.decode(3), B.decode(5), B.decode(2), B.decode(1)],
+        [B.decode(3), B(7, 4), B.decode(1), B.decode(2)],
+        [B.decode(2, spec_depth=1), B.decode(2), B.decode(1), B(1)],
+        [B(9, 2, 1), B.decode(4, num_active_loras=2), B(3), B(1, 1)],
+    ]
+    for case in cases:
+        agreed = agreement.agree(case[rank])
+        oracle = decode_descriptor([max(column) for column in zip(*(encode_descriptor(b) for b in case[:world]))])
+        assert agreed == oracle, (rank, agreed, oracle)
+
+
+def late_rank(rank: int, world: int, device: torch.device, backend: str, transport: str) -> None:
+    """A rank that never reaches a step: the others raise after the timeout, naming it, instead of hanging."""
+    agreement = HostAgreement(dist.group.WORLD, same_batch=True, timeout=1.0, transport=transport)
+    if rank != world - 1:
+        with pytest.raises(AgreementError, match=rf"rank\(s\) {world - 1} of the group, which did not reach this step"):
+            agreement.agree(B.decode(2))
+
+
+def main(rank: int, world: int, comm: str, init_file: str) -> None:
+    if comm == "nccl":
+        torch.cuda.set_device(rank)
+        device, backend = torch.device("cuda", rank), "cuda"
+    else:
+        device, backend = torch.device("cpu"), "cpu"
+    dist.init_process_group(comm, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        transports = ("shm", "group") if comm == "gloo" else ("shm",)
+        for transport in transports:
+            for scenario in (tensor_parallel, data_parallel):
+                scenario(rank, world, device, backend, transport)
+                dist.barrier()
+        late_rank(rank, world, device, backend, "shm")
+        dist.barrier()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
