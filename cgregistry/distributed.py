@@ -24,10 +24,10 @@ Two ways to agree:
 
 from __future__ import annotations
 
+import datetime
 import mmap
 from array import array
 import os
-import socket
 import tempfile
 import time
 import uuid
@@ -42,6 +42,8 @@ __all__ = ["HostAgreement", "agree", "decode_descriptor", "encode_descriptor"]
 
 _FIELDS = len(BatchDescriptor(1).encode())
 _LOW = (1 << 32) - 1
+_LOWEST, _HIGHEST = -(1 << 31), (1 << 31) - 1  # what one word's low half carries
+_PROBE, _GIVEN_UP, _HEADER = 0, 1, 2  # the page's first words: rank 0's probe, the rank that gave up; then the rows
 
 
 def encode_descriptor(actual: BatchDescriptor) -> list[int]:
@@ -76,13 +78,15 @@ def agree(actual: BatchDescriptor, group: Any = None) -> BatchDescriptor:
 class HostAgreement:
     """Agreement of ``group``'s ranks on the host, for ``run(..., group=agreement)``: no device work, no sync.
 
-    Build it once, on every rank of ``group`` (the construction is collective over it).  Ranks on one host meet in a
-    shared-memory mailbox (a few microseconds a step); ranks on several hosts need ``group`` to be a gloo group
-    (``dist.new_group(ranks, backend="gloo")``), on which one small all-reduce a step runs on the CPU.
+    Build it once, on every rank of ``group`` (the construction is collective over it).  Ranks that share a
+    shared-memory page (one host, checked by reading a page rank 0 wrote) meet in it, a few microseconds a step;
+    otherwise ``group`` must be a gloo group (``dist.new_group(ranks, backend="gloo")``), on which one small
+    all-reduce a step runs on the CPU.  ``transport`` forces one ('shm' or 'group'; default 'auto').
 
     ``same_batch``: every rank must bring the same descriptor (tensor parallel); one that does not raises
-    :class:`~cgregistry.errors.AgreementError` on every rank, naming each rank's descriptor.  ``timeout``: seconds a
-    rank waits for the others at one step before raising ``AgreementError`` instead of hanging.
+    :class:`~cgregistry.errors.AgreementError` on every rank, naming each rank's descriptor, and the group goes on.
+    ``timeout``: seconds a rank waits for the others at one step before raising ``AgreementError`` instead of
+    hanging; that ends the agreement on every rank (each raises at its next step), like an NCCL timeout.
     """
 
     def __init__(self, group: Any = None, *, same_batch: bool = False, timeout: float = 300.0, transport: str = "auto") -> None:
@@ -92,51 +96,84 @@ class HostAgreement:
             raise RuntimeError("HostAgreement needs torch.distributed to be initialised (init_process_group)")
         if transport not in ("auto", "shm", "group"):
             raise ValueError(f"transport={transport!r}: expected 'auto', 'shm' (one host) or 'group' (a gloo group)")
-        if not timeout > 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout={timeout!r}: expected seconds > 0")
+        if not isinstance(same_batch, bool):
+            raise TypeError(f"same_batch={same_batch!r}: expected True or False")
+        if dist.get_rank(group) < 0:
+            raise ValueError(f"HostAgreement: rank {dist.get_rank()} is not a member of the group it was given; build it "
+                             "only on the group's ranks")
         self.group, self.same_batch, self.timeout = group, same_batch, float(timeout)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        hosts: list[Any] = [None] * self.world
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        one_host = len(set(hosts)) == 1
-        if transport == "auto":
-            transport = "shm" if one_host else "group"
-        if transport == "shm" and not one_host:
-            raise ValueError(f"transport='shm' needs every rank on one host; the group spans {sorted(set(hosts))}")
-        if transport == "group" and dist.get_backend(group) != "gloo":
-            raise ValueError(f"HostAgreement over several hosts needs a gloo group (dist.new_group(ranks, backend='gloo')); "
-                             f"this group's backend is {dist.get_backend(group)!r}")
-        self.transport = transport
+        gloo = "gloo" in str(dist.get_backend(group))
+        self._mailbox = _Mailbox.open(group, self.rank, self.world) if transport in ("auto", "shm") else None
+        if self._mailbox is None and transport == "shm":
+            raise ValueError("transport='shm': the ranks of the group do not share one shared-memory page (several "
+                             "hosts, or containers with their own /dev/shm); use a gloo group and transport='group'")
+        if self._mailbox is None and not gloo:
+            raise ValueError("HostAgreement: the ranks of the group do not share one shared-memory page (several hosts, "
+                             "or containers with their own /dev/shm), so it needs a gloo group (dist.new_group(ranks, "
+                             f"backend='gloo')); this group's backend is {dist.get_backend(group)!r}")
+        self.transport = "shm" if self._mailbox is not None else "group"
         self._step = 0
-        self._mailbox = _Mailbox.open(group, self.rank, self.world) if transport == "shm" else None
+        self._broken: str | None = None  # why an earlier step ended the agreement (a timeout)
+        self._decoded: dict[BatchDescriptor, BatchDescriptor] = {}  # what the integers of a descriptor decode to
 
     def __repr__(self) -> str:
         return (f"HostAgreement(rank {self.rank} of {self.world}, {self.transport}, same_batch={self.same_batch}, "
                 f"step {self._step})")
 
     def agree(self, actual: BatchDescriptor) -> BatchDescriptor:
-        """The descriptor covering every rank's ``actual`` (with ``same_batch``: ``actual`` itself, once every rank
-        is seen to have brought the same)."""
+        """The descriptor covering every rank's ``actual`` (with ``same_batch``: once every rank is seen to have
+        brought the same)."""
         if not isinstance(actual, BatchDescriptor):
             raise TypeError(f"agree() needs a BatchDescriptor, got {actual!r}")
+        if self._broken is not None:
+            raise AgreementError(self._broken)
         self._step += 1
         values = actual.encode()
         if self._mailbox is not None:
+            if not (_LOWEST <= min(values) and max(values) <= _HIGHEST):  # the others must not wait for this step
+                self._broken = f"HostAgreement step {self._step}: this rank was handed {actual}, too large to agree on"
+                self._mailbox.give_up(self._step)
+                raise ValueError(f"{actual}: HostAgreement's shared page carries 32-bit integers; this descriptor's "
+                                 f"are {values} (the agreement is over on every rank)")
             rows = self._mailbox.exchange(self._step, values, self.timeout)
             if rows is None:
-                raise AgreementError(self._late(self._mailbox.late(self._step)))
+                self._broken = self._late(self._mailbox.late(self._step))
+                self._mailbox.give_up(self._step)
+                raise AgreementError(self._broken)
+            if self._mailbox.given_up():
+                self._broken = self._gave_up()
+                raise AgreementError(self._broken)
             if all(row is values for row in rows):  # every rank brought this batch
-                return actual
+                return self._decode(actual, values)
             if self.same_batch:
                 raise AgreementError(self._differ([BatchDescriptor.from_encoded(row) for row in rows]))
             return BatchDescriptor.from_encoded([max(column) for column in zip(*rows)])
         return self._over_group(actual, values)
 
+    def _decode(self, actual: BatchDescriptor, values: list[int]) -> BatchDescriptor:
+        """``actual`` as its integers decode (what the ranks agree on when each brought it), remembered per descriptor."""
+        decoded = self._decoded.get(actual)
+        if decoded is None:
+            if len(self._decoded) >= 1024:
+                self._decoded.clear()
+            decoded = self._decoded[actual] = BatchDescriptor.from_encoded(values)
+        return decoded
+
     def _over_group(self, actual: BatchDescriptor, values: list[int]) -> BatchDescriptor:
         import torch.distributed as dist
 
         t = torch.tensor(values + [-v for v in values], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            self._broken = (f"HostAgreement step {self._step}: rank {self.rank} waited {self.timeout:g} s for the "
+                            f"group's all-reduce ({exc}); nothing was replayed, and the agreement is over: treat it as "
+                            "fatal for the job, as an NCCL timeout is")
+            raise AgreementError(self._broken) from exc
         top, low = t[: len(values)].tolist(), [-v for v in t[len(values):].tolist()]
         if self.same_batch and top != low:
             seen: list[Any] = [None] * self.world
@@ -151,8 +188,15 @@ class HostAgreement:
 
     def _late(self, late: list[int]) -> str:
         return (f"HostAgreement step {self._step}: rank {self.rank} waited {self.timeout:g} s for rank(s) "
-                f"{', '.join(map(str, late))} of the group, which did not reach this step (nothing was replayed); every "
-                "rank must call run(..., group=agreement) the same number of times, in the same order")
+                f"{', '.join(map(str, late))} of the group, which did not reach this step (nothing was replayed); the "
+                "agreement is over on every rank: treat it as fatal for the job, as an NCCL timeout is (every rank must "
+                "call run(..., group=agreement) the same number of times, in the same order)")
+
+    def _gave_up(self) -> str:
+        rank, step = self._mailbox.giver()  # type: ignore[union-attr]
+        return (f"HostAgreement step {self._step}: rank {rank} of the group gave up waiting at its step {step} (a rank "
+                "was late by more than the timeout); nothing was replayed here, and the agreement is over on every "
+                "rank: treat it as fatal for the job")
 
 
 class _Mailbox:
@@ -167,26 +211,57 @@ class _Mailbox:
         self.view, self.region, self.rank, self.world = view, region, rank, world
 
     @classmethod
-    def open(cls, group: Any, rank: int, world: int) -> _Mailbox:
+    def open(cls, group: Any, rank: int, world: int) -> _Mailbox | None:
+        """The group's page, mapped on every rank; None on every rank when some rank cannot see the page rank 0 made
+        (another host, or a private /dev/shm under the same host name)."""
         import torch.distributed as dist
 
-        words = 2 * world * _FIELDS
-        names: list[Any] = [None]
+        words = 2 * world * _FIELDS + _HEADER
+        names: list[Any] = [None, None]
         if rank == 0:
             directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            names[0] = os.path.join(directory, f"cgregistry-agree-{uuid.uuid4().hex}")
+            names = [os.path.join(directory, f"cgregistry-agree-{uuid.uuid4().hex}"), uuid.uuid4().int >> 65]
             with open(names[0], "wb") as f:
                 f.truncate(8 * words)
-        dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        with open(names[0], "r+b") as f:
-            region = mmap.mmap(f.fileno(), 8 * words)
-        dist.barrier(group=group)  # every rank holds the mapping: the file's name is no longer needed
-        if rank == 0:
-            os.unlink(names[0])
-        return cls(memoryview(region).cast("q"), region, rank, world)
+        try:
+            dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+            region = None
+            try:
+                with open(names[0], "r+b") as f:
+                    region = mmap.mmap(f.fileno(), 8 * words)
+                view = memoryview(region).cast("q")
+                if rank == 0:
+                    view[_PROBE] = names[1]
+            except OSError:
+                view = None
+            dist.barrier(group=group)  # rank 0's probe is written: every rank reads it
+            seen = view is not None and view[_PROBE] == names[1]
+            everyone: list[Any] = [None] * world
+            dist.all_gather_object(everyone, seen, group=group)
+        finally:
+            if rank == 0:
+                os.unlink(names[0])  # every rank holds its mapping (or failed to): the name is no longer needed
+        if not all(everyone):
+            if view is not None:
+                view.release()
+            if region is not None:
+                region.close()
+            return None
+        return cls(view, region, rank, world)
 
     def _row(self, step: int, rank: int) -> int:
-        return ((step & 1) * self.world + rank) * _FIELDS
+        return _HEADER + ((step & 1) * self.world + rank) * _FIELDS
+
+    def give_up(self, step: int) -> None:
+        """Tell every rank that this one stopped waiting at ``step``: each raises at its next look at the page."""
+        self.view[_GIVEN_UP] = ((step & 0x7FFFFFFF) << 32) | (self.rank + 1)
+
+    def given_up(self) -> bool:
+        return self.view[_GIVEN_UP] != 0
+
+    def giver(self) -> tuple[int, int]:
+        word = self.view[_GIVEN_UP]
+        return (word & _LOW) - 1, word >> 32
 
     def exchange(self, step: int, values: list[int], timeout: float) -> list[list[int]] | None:
         """Every rank's integers for ``step`` (None after ``timeout`` seconds without all of them).  A row equal to
@@ -209,6 +284,8 @@ class _Mailbox:
                 if all(w >> 32 == high for w in words):
                     rows.append([(w & _LOW) - ((w & 0x80000000) << 1) for w in words])
                     break
+                if view[_GIVEN_UP]:  # another rank gave up: this step will not complete
+                    return rows
                 spins += 1
                 if spins > 64:
                     if deadline is None:

@@ -74,11 +74,42 @@ def data_parallel(rank: int, world: int, device: torch.device, backend: str, tra
 
 
 def late_rank(rank: int, world: int, device: torch.device, backend: str, transport: str) -> None:
-    """A rank that never reaches a step: the others raise after the timeout, naming it, instead of hanging."""
-    agreement = HostAgreement(dist.group.WORLD, same_batch=True, timeout=1.0, transport=transport)
+    """A rank that never reaches a step: the others raise after the timeout instead of hanging (on shared memory,
+    naming it); one that comes after the others gave up raises too, and so does every later step on every rank."""
+    group = dist.new_group(list(range(world)), backend="gloo")  # a group of its own: a timed-out one serves no more
+    agreement = HostAgreement(group, same_batch=True, timeout=1.0, transport=transport)
+    agreement.agree(B.decode(2))
     if rank != world - 1:
-        with pytest.raises(AgreementError, match=rf"rank\(s\) {world - 1} of the group, which did not reach this step"):
+        # on shared memory: the first to time out names the late rank; the others may see it give up first
+        named = rf"rank\(s\) {world - 1} of the group, which did not reach this step|gave up" if transport == "shm" else "waited 1 s"
+        with pytest.raises(AgreementError, match=named):
             agreement.agree(B.decode(2))
+    if transport == "shm":  # the late rank comes, after the others gave up: it does not go on alone
+        dist.barrier()
+        with pytest.raises(AgreementError, match="gave up waiting|did not reach this step"):
+            agreement.agree(B.decode(2))
+        with pytest.raises(AgreementError):
+            agreement.agree(B.decode(2))
+
+
+def bad_arguments(rank: int, world: int, device: torch.device, backend: str, transport: str) -> None:
+    """Arguments and descriptors the agreement cannot carry are named (no collective is entered for them)."""
+    with pytest.raises(ValueError, match="timeout=True"):
+        HostAgreement(dist.group.WORLD, timeout=True)
+    with pytest.raises(TypeError, match="same_batch='no'"):
+        HostAgreement(dist.group.WORLD, same_batch="no")  # type: ignore[arg-type]
+    agreement = HostAgreement(dist.group.WORLD, transport="shm")
+    with pytest.raises(TypeError, match="needs a BatchDescriptor"):
+        agreement.agree(5)  # type: ignore[arg-type]
+    # a mixed batch's speculative depth is not part of its key: the ranks get what the integers decode to, alike
+    assert agreement.agree(B(8, 4, spec_depth=3) if rank else B(8, 4)) == B(8, 4)
+    # a descriptor too large for the page: that rank is told why, the others do not wait out the timeout
+    if rank == 0:
+        with pytest.raises(ValueError, match="32-bit"):
+            agreement.agree(B(2**31))
+    else:
+        with pytest.raises(AgreementError, match="gave up"):
+            agreement.agree(B(4))
 
 
 def main(rank: int, world: int, comm: str, init_file: str) -> None:
@@ -94,8 +125,10 @@ def main(rank: int, world: int, comm: str, init_file: str) -> None:
             for scenario in (tensor_parallel, data_parallel):
                 scenario(rank, world, device, backend, transport)
                 dist.barrier()
-        late_rank(rank, world, device, backend, "shm")
+        bad_arguments(rank, world, device, backend, "shm")
         dist.barrier()
+        for transport in transports:  # last: a timed-out gloo group may not serve another collective
+            late_rank(rank, world, device, backend, transport)
     finally:
         gc.collect()
         dist.destroy_process_group()
