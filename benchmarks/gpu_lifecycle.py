@@ -59,7 +59,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--config", default="llama-3.2-1b")
     parser.add_argument("--mode", default="full_and_breakable")
+    parser.add_argument("--wait-limit", type=float, help="seconds a step waits for the key being captured (default: the library's)")
+    parser.add_argument("--steps", action="store_true", help="print every step of the background recapture window on stderr")
     args = parser.parse_args()
+    if args.wait_limit is not None:
+        import cgregistry.capture.background as background
+        background.WAIT_LIMIT_S = args.wait_limit
     hf = _load_hf()
     device = torch.device("cuda")
     shape = hf.EngineShape(max_num_seqs=64, max_num_tokens=512, block_size=16, max_blocks_per_req=64)
@@ -71,6 +76,7 @@ def main() -> None:
         def __init__(self, *a: Any, **k: Any) -> None:
             super().__init__(*a, **k)
             self.steps: list[tuple[float, float, bool]] = []  # (ms, seconds since start, served by a graph)
+            self.sizes: list[tuple[int, int]] = []  # (tokens, requests) of each step
             self.t0 = time.perf_counter()
 
         def run_step(self, batch: Any) -> torch.Tensor:
@@ -80,6 +86,7 @@ def main() -> None:
             torch.cuda.current_stream().synchronize()
             now = time.perf_counter()
             self.steps.append(((now - t) * 1e3, now - self.t0, self.reg is not None and counter.misses == misses))
+            self.sizes.append((sum(n for _, n in batch), len(batch)))
             return out
 
     def requests(seed: int) -> list:
@@ -139,6 +146,10 @@ def main() -> None:
     print(f"by assign: {len(result.moved)} tensors moved, {len(result.recaptured)} keys captured again in the background, "
           f"every key back {done:.2f} s after refresh(); {eager_steps} of {len(eng.steps)} steps eager; steps meanwhile p99 "
           f"{percentile(window, 0.99):.1f} ms (eager p99 {percentile(eager_ms, 0.99):.1f}); max |logit - HF(new weights)| {err_assign:.3g}")
+    if args.steps:
+        for (ms, at, hit), (tokens, reqs) in zip(eng.steps, eng.sizes):
+            print(f"  step at {at:6.3f} s: {ms:7.1f} ms, {tokens:3d} tokens {reqs:2d} requests, {'graph' if hit else 'eager'}",
+                  file=sys.stderr)
     rows.append(("weight sync by assign: every key back", f"{done:.2f} s ({len(result.recaptured)} keys, background)"))
     rows.append(("weight sync by assign: eager steps meanwhile", f"{eager_steps} of {len(eng.steps)}"))
     rows.append(("weight sync by assign: p99 meanwhile / eager p99", f"{percentile(window, 0.99) / percentile(eager_ms, 0.99):.2f}"))

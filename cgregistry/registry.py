@@ -179,8 +179,8 @@ class GraphRegistry:
         With ``background=True`` it returns at once and a capture thread takes the entries
         one by one (the largest key of each kind first, then the rest from the smallest up),
         while ``run()`` serves every batch: from the graphs already installed; a batch only a
-        key being captured would serve waits for that key (at most
-        ``cgregistry.capture.background.WAIT_LIMIT_S``), else runs eagerly.  ``wait_captured()`` waits
+        key being captured would serve waits for that key when it is expected to be
+        captured sooner than the step would run eagerly (docs/background.md), else runs eagerly.  ``wait_captured()`` waits
         for all of them.  What the engine must not do meanwhile: docs/background.md.
         """
         for flag, value in (("lazy", lazy), ("background", background), *([("progress", progress)] if progress is not None else [])):

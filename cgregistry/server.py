@@ -16,6 +16,7 @@ import _thread
 import inspect
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -72,6 +73,7 @@ class Server:
         # (the GIL, or the list's own lock without one), at half a lock's acquire and release.
         self._turn: list[None] = [None]
         self._take, self._give = self._turn.pop, self._turn.append
+        background.serve_first(self._turn)  # the capture thread steps aside while a run() is in progress
         self._recovery = threading.Lock()  # one thread at a time decides whether a missing turn was lost
         self._exclusions: dict[Any, frozenset[str]] = {}  # exclude= values already checked, to their strategy sets
         self._warned: set[str] = set()  # miss reasons already warned about
@@ -203,6 +205,7 @@ class Server:
         if self._adapter is not None and type(actual) is BatchDescriptor:
             self._adapter.observe(actual)
         if background.active:
+            background.runs += 1  # the capture thread stands aside for each run() anew
             background.install()
             background.pace()
 
@@ -213,6 +216,15 @@ class Server:
 
         The route handed back has an entry or a miss reason: a key the wait installed may have been evicted again in
         the same install (under a memory budget), and is then captured lazily like any evicted key."""
+        self._background.waiting.append(None)  # a lazy capture or a wait: the capture thread must not step aside
+        try:
+            return self._find_graph(actual, route, variant, inputs)
+        finally:
+            self._background.waiting.pop()
+
+    def _find_graph(
+        self, actual: BatchDescriptor, route: Route, variant: Variant | None, inputs: dict[str, torch.Tensor]
+    ) -> tuple[Route, dict[str, torch.Tensor]]:
         waited = copied = False
         while True:
             if route.pending is not None:
@@ -256,6 +268,11 @@ class Server:
                     f"cgregistry: registry {self._name!r}: {UNIFORM_HINT_AFTER} batches ran eagerly as mixed batches while "
                     f"uniform keys would serve them, such as {hint} (shown once; reg.explain(batch) says it for each)")
         self._events.miss(actual)
+        if self._background.active:  # what a step costs eagerly beside a capture: the price of waiting for one instead
+            started = time.perf_counter()
+            out = self._eager(actual, inputs, context)
+            self._background.saw_eager(time.perf_counter() - started)
+            return out
         return self._eager(actual, inputs, context)
 
     def _warn_above_largest(self, actual: BatchDescriptor) -> None:

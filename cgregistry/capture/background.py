@@ -7,19 +7,30 @@ until the serving thread installs it between two steps (at the start of ``run()`
 ``wait_captured()``, ``capture()``, ``release()`` and ``clear()``), so the entries and routes the
 hot path reads only ever change on the thread that runs it.
 
-Progress under a busy serving loop: the capture thread is never paused for a step.  An engine
-whose eager step is host-bound calls ``run()`` back to back, so a thread that only ran between
-steps would never run.  Instead a step whose batch no live graph serves, but a key being
-captured would, waits for that key (moved to the front of the queue, at most ``WAIT_LIMIT_S``)
-and then replays it: the eager step is the slow path the capture ends, so the first graph
-arrives within one key's capture.  Once graphs serve, a replay leaves the GIL free while the
-GPU works, which is when the capture thread takes the rest; the interpreter's switch interval is
-shortened meanwhile (``SWITCH_INTERVAL_S``) so the serving thread gets the GIL back quickly.
+Progress under a busy serving loop: an engine whose eager step is host-bound calls ``run()``
+back to back, so a thread that only ran between steps would never run.  A step whose batch no
+live graph serves, but a key being captured would, moves that key to the front of the queue and
+runs eagerly, unless the key is in flight and expected to be captured before the eager step would
+end (the capture thread's time for a key, against recent eager steps): then it waits for it (at
+most ``WAIT_LIMIT_S``) and replays it.  When such steps keep coming while the capture thread
+finishes nothing (``EAGER_STEPS_BEFORE_WAIT``), the next one waits whatever it costs, so the
+capture ends under any loop.  Once graphs serve, a replay leaves the GIL free
+while the GPU works, which is when the capture thread takes the rest.
+
+Serving first: every torch op releases the GIL and takes it back, so a step's host work beside a
+capture thread running the model waits for the GIL at each op (an eager step of a 1B Llama took
+14x its time on an H200).  So the capture thread steps aside while ``run()`` is in progress and
+not waiting for it: it waits at its next Python call or return until the turn is back (at most
+``PAUSE_LIMIT_S`` at a stretch, then it runs beside the serving thread for the rest of that run()
+and at least a tenth of the limit), and takes the GIL while the serving thread waits for the GPU or
+builds the next batch.  The interpreter's switch interval is also shortened while it runs
+(``SWITCH_INTERVAL_S``) so the serving thread gets the GIL back quickly outside ``run()``.
 """
 
 from __future__ import annotations
 
 import atexit
+import statistics
 import sys
 import threading
 import time
@@ -37,7 +48,7 @@ from cgregistry.hooks.events import Events
 from cgregistry.warn import warn
 from cgregistry.errors import CaptureError
 
-__all__ = ["SWITCH_INTERVAL_S", "WAIT_LIMIT_S", "BackgroundCapture", "Captured", "TaskDone", "background_order"]
+__all__ = ["EAGER_STEPS_BEFORE_WAIT", "PAUSE_LIMIT_S", "SWITCH_INTERVAL_S", "WAIT_LIMIT_S", "BackgroundCapture", "Captured", "TaskDone", "background_order"]
 
 # The interpreter's switch interval while a capture thread runs (CPython's default is 5 ms): how long the serving
 # thread may wait for the GIL when the capture thread holds it.  None leaves the interval alone.
@@ -45,6 +56,14 @@ SWITCH_INTERVAL_S: float | None = 2e-4
 # The longest a step waits for the key being captured that would serve it; past it the step runs eagerly, and
 # steps do not wait again while the same capture is in flight (a slow compile, say).
 WAIT_LIMIT_S = 0.5
+# Steps that run eagerly beside the capture of their key, while the capture thread finishes nothing, before one waits
+# for it whatever the wait would cost: under run() called back to back with host-bound eager steps the capture still
+# ends.  Otherwise a step waits only for a key in flight expected to be done before the step would be, eagerly.
+EAGER_STEPS_BEFORE_WAIT = 16
+# The longest the capture thread stands aside at a stretch while run() is in progress (one long eager step, or steps
+# back to back with no gap it sees); then it runs beside the serving thread for the rest of that run() and at least a
+# tenth of this, so that it always gets on.  None: it never stands aside.
+PAUSE_LIMIT_S: float | None = 0.05
 
 
 class KeyCapturer(Protocol):
@@ -129,9 +148,25 @@ class BackgroundCapture:
         self._ready: deque[Captured | TaskDone] = deque()  # filled by the capture thread, emptied by the serving thread
         self._started = 0  # items the capture thread began
         self._gave_up = -1  # the item in flight when a step last waited in vain (steps do not wait on it again)
+        self._finished = 0  # items the capture thread finished
+        self._finished_seen = 0  # ... when a step last ran eagerly instead of waiting
+        self._unwaited = 0  # steps that ran eagerly instead of waiting since the capture thread last finished an item
+        self._flight_began = 0.0  # when the item in flight began (time.monotonic)
+        self._aside = 0.0  # seconds the capture thread stood aside for run(), in all
+        self._aside_since: float | None = None  # when the stand in progress began
+        self._aside_at_flight = 0.0  # self._aside when the item in flight began
+        self._ran: deque[float] = deque(maxlen=32)  # the capture thread's own seconds for each key it finished lately
+        self.eager_s: float | None = None  # a recent eager step's seconds beside a capture (moving average)
         self.active = False  # work queued or in flight, or results not installed: run() installs between steps
         self._stopped = False  # the registry is gone: the capture thread takes nothing more
+        self._serving: list[None] | None = None  # the server's turn: empty while a run() is in progress
+        self.waiting: list[None] = []  # non-empty while the serving side waits for the capture thread
+        self.runs = 0  # run() calls begun while the capture thread had work
         _instances.add(self)
+
+    def serve_first(self, turn: list[None]) -> None:
+        """Step aside for the ``run()`` whose turn is ``turn`` (a list holding one item while no run() is in progress)."""
+        self._serving = turn
 
     # ---------------------------------------------------------------- reading
 
@@ -281,18 +316,28 @@ class BackgroundCapture:
         """At the start of a step while the capture thread works: keep the serving thread at most a few steps ahead of
         the device (``CudaBackend.step_pacer``), so that the capture's own launches do not wait behind queued steps."""
         if self._pacer is not None and self.busy:
-            self._pacer.step()
+            self.waiting.append(None)  # waiting for the device: the capture thread may take the GIL
+            try:
+                self._pacer.step()
+            finally:
+                self.waiting.pop()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued or in flight (True), or ``timeout`` seconds pass (False); installs nothing."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self.busy, timeout)
+        self.waiting.append(None)
+        try:
+            with self._cond:
+                return self._cond.wait_for(lambda: not self.busy, timeout)
+        finally:
+            self.waiting.pop()
 
     def await_cover(self, actual: BatchDescriptor, exclude: Sequence[str] | frozenset[str]) -> bool:
-        """For a step no live graph serves: wait for the key being captured that would serve ``actual`` (its strategy
-        not in ``exclude``, within the padding cap; moved to the front of the queue), at most ``WAIT_LIMIT_S``, then
-        install what finished.  False without waiting when no such key is queued, or a step already waited in vain
-        while the capture in flight now ran."""
+        """For a step no live graph serves: move the key that would serve ``actual`` (its strategy not in ``exclude``,
+        within the padding cap) to the front of the queue, and wait for it at most ``WAIT_LIMIT_S`` (then install what
+        finished) when it is in flight and expected to be done before an eager step would be, or once
+        ``EAGER_STEPS_BEFORE_WAIT`` steps ran eagerly while the capture thread finished nothing.  False without
+        waiting otherwise, when no such key is queued, or when a step already waited in vain while the capture in
+        flight now ran."""
         cap = self._catalog.cap
         with self._cond:
             if self._gave_up == self._started:
@@ -310,11 +355,43 @@ class BackgroundCapture:
                 item = self._queue[at]
                 del self._queue[at]
                 self._queue.appendleft(item)
-            done = self._cond.wait_for(lambda: self._in_flight != target and not self._queued(target), WAIT_LIMIT_S)
+            if self._finished != self._finished_seen:  # the capture got on since the last step that did not wait
+                self._finished_seen, self._unwaited = self._finished, 0
+            if not (target is flight and self._done_before_eager(target)):
+                if self._unwaited < EAGER_STEPS_BEFORE_WAIT:
+                    self._unwaited += 1
+                    return False
+            self._unwaited = 0
+            self.waiting.append(None)
+            try:
+                done = self._cond.wait_for(lambda: self._in_flight != target and not self._queued(target), WAIT_LIMIT_S)
+            finally:
+                self.waiting.pop()
             if not done:
                 self._gave_up = self._started
         self.install()
         return done
+
+    def saw_eager(self, seconds: float) -> None:
+        """A step ran eagerly beside the capture, in ``seconds``: what waiting for a key is weighed against."""
+        self.eager_s = seconds if self.eager_s is None else 0.8 * self.eager_s + 0.2 * seconds
+
+    def _done_before_eager(self, pair: Pair) -> bool:
+        """Whether the key in flight is expected to be captured before an eager step would end: the capture thread's
+        own time for a key (the median of its recent ones, else of the registry's captures of that strategy) less
+        what it has run of this one (standing aside not counted).  False while either is unknown."""
+        if self.eager_s is None:
+            return False
+        if self._ran:
+            typical = statistics.median(self._ran)
+        else:
+            seconds = [e.capture_seconds for (_, strategy), e in list(self._catalog.entries.items()) if strategy == pair[1]]
+            if not seconds:
+                return False
+            typical = statistics.median(seconds)
+        now = time.monotonic()
+        aside = self._aside - self._aside_at_flight + (now - self._aside_since if self._aside_since is not None else 0.0)
+        return typical - (now - self._flight_began - aside) <= self.eager_s
 
     # ---------------------------------------------------------------- the capture thread
 
@@ -332,6 +409,9 @@ class BackgroundCapture:
     def _loop(self) -> None:
         _thread_owner.owner = self
         _shorten_switch_interval()
+        stepping_aside = self._serving is not None and PAUSE_LIMIT_S is not None and sys.getprofile() is None
+        if stepping_aside:
+            sys.setprofile(self._step_aside_hook(self._serving, PAUSE_LIMIT_S))  # this thread's only
         try:
             while True:
                 with self._cond:
@@ -348,10 +428,44 @@ class BackgroundCapture:
                     self._flight_context = None if isinstance(item, _Task) else item[1]
                     self._flight_stale = False
                     self._started += 1
+                    self._flight_began, self._aside_at_flight = time.monotonic(), self._aside
                 self._finish(item, *self._run(item))
         finally:
+            if stepping_aside:
+                sys.setprofile(None)
             _restore_switch_interval()
             _thread_owner.owner = None
+
+    def _step_aside_hook(self, turn: list[None], limit: float) -> Callable[[Any, str, Any], None]:
+        """The capture thread's profile function: called at each Python call and return, it waits while a run() is in
+        progress and not waiting for this thread, at most ``limit`` seconds at a stretch; then this thread runs beside
+        the serving one for the rest of that run() and at least a tenth of ``limit`` (a run() that waits on something
+        this thread holds is delayed, never stuck, and a loop of run() with no gap still lets the capture on)."""
+        waiting, sleep, clock = self.waiting, time.sleep, time.monotonic
+        free: list[Any] = [None, 0.0]  # the run() the stand ran out in, and the least time this thread then runs
+
+        def step_aside(frame: Any, event: str, arg: Any) -> None:
+            if turn or waiting:
+                free[0] = None
+                return
+            if free[0] is not None:
+                if free[0] == self.runs or clock() < free[1]:
+                    return
+                free[0] = None
+            now = clock()
+            end = now + limit
+            self._aside_since = now
+            try:
+                while not turn and not waiting:
+                    if clock() > end:
+                        free[0], free[1] = self.runs, clock() + limit / 10
+                        return
+                    sleep(5e-5)
+            finally:
+                self._aside += clock() - now
+                self._aside_since = None
+
+        return step_aside
 
     def _run(self, item: tuple[Pair, Any] | _Task) -> tuple[Any, BaseException | None]:
         try:
@@ -368,10 +482,13 @@ class BackgroundCapture:
             elif item[0] in self._dropped:
                 self._dropped.discard(item[0])
             else:
-                if error is not None and not isinstance(error, CaptureError):
+                if error is None:  # the capture thread's own time for a key: what waiting for one costs
+                    self._ran.append(time.monotonic() - self._flight_began - (self._aside - self._aside_at_flight))
+                elif not isinstance(error, CaptureError):
                     error = CaptureError(item[0][0], item[0][1], error)
                 self._ready.append(Captured(item[0], result, error, item[1]))
             self._in_flight = self._flight_context = None
+            self._finished += 1
             self._cond.notify_all()
 
 

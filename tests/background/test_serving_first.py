@@ -1,0 +1,144 @@
+"""The capture thread steps aside while run() is in progress: a step's host work does not share the GIL with a
+capture running the model, and a run() that waits for the capture thread is never left waiting on it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import cgregistry as cg
+import cgregistry.capture.background as background
+from cgregistry import BatchDescriptor as B
+
+D, MAX_TOKENS = 8, 32
+
+
+class CountingStep:
+    """A step of many small ops; counts, per thread, the loop iterations it ran (a Python-level clock of progress)."""
+
+    def __init__(self) -> None:
+        self.weight = torch.randn(D, D, generator=torch.Generator().manual_seed(0))
+        self.iterations = {"capture": 0, "serving": 0}
+        self.capture_moved_during_a_serving_step: list[int] = []
+
+    def __call__(self, batch: B, x: torch.Tensor) -> torch.Tensor:
+        serving = threading.current_thread() is threading.main_thread()
+        before = self.iterations["capture"]
+        y = x
+        for _ in range(150):
+            y = torch.tanh(y @ self.weight)
+            self.iterations["serving" if serving else "capture"] += 1
+        if serving:
+            self.capture_moved_during_a_serving_step.append(self.iterations["capture"] - before)
+        return y
+
+
+def registry(step: CountingStep) -> cg.GraphRegistry:
+    return cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
+
+
+def test_the_capture_thread_makes_no_progress_while_an_eager_step_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(background, "PAUSE_LIMIT_S", 60.0)  # however slow this machine is
+    step = CountingStep()
+    reg = registry(step)
+    reg.capture([(B(n), "full") for n in range(1, 17)], background=True)
+    x = torch.randn(MAX_TOKENS, D)
+    steps = 0
+    while reg.capturing() and steps < 200:  # batches above every key: eager, beside the capture
+        torch.testing.assert_close(reg.run(B(MAX_TOKENS), x=x), step(B(MAX_TOKENS), x))
+        steps += 1
+    assert steps > 0 and step.iterations["capture"] > 0
+    # every eager step served on this thread, the one compared inside the loop included, saw the capture thread stand
+    # still (at most the one iteration it was in when the step began)
+    served = step.capture_moved_during_a_serving_step[0::2]
+    assert served and max(served) <= 1, served
+    reg.wait_captured()
+    assert len(reg) == 16 and not reg.failures()
+
+
+def test_a_run_that_waits_for_the_capture_thread_is_not_left_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose key is queued waits for its capture, a step beside the capture runs eagerly, wait_captured() waits
+    for the rest: the capture thread must not stand aside for a run() that waits for it (it would wait out the limit)."""
+    monkeypatch.setattr(background, "PAUSE_LIMIT_S", 60.0)
+    monkeypatch.setattr(background, "EAGER_STEPS_BEFORE_WAIT", 0)  # the first step without its graph waits for it
+    step = CountingStep()
+    reg = registry(step)
+    finished = threading.Event()
+    waited_for: list[int] = []
+
+    def serve() -> None:
+        reg.capture([(B(n), "full") for n in (32, 16, 8, 4)], background=True)
+        x = torch.randn(4, D)
+        out = reg.run(B(4), x=x)  # its key is queued: moved to the front and waited for
+        torch.testing.assert_close(out, step(B(4), x))
+        waited_for.append(reg.stats().hits)
+        reg.capture([(B(n), "full") for n in (2, 1)], background=True)
+        out = reg.run(B(16), x=torch.randn(16, D), exclude=("full",))  # eager; the capture goes on
+        reg.wait_captured()
+        finished.set()
+
+    worker = threading.Thread(target=serve)  # not the main thread: the step counts it as the capture side; fine here
+    worker.start()
+    worker.join(30)
+    assert finished.is_set(), "run() or wait_captured() waited on a capture thread that stood aside for it"
+    assert waited_for == [1], "the step waited for its key and replayed it"
+    assert len(reg) == 6
+
+
+def test_a_loop_with_no_gap_between_steps_still_lets_every_key_be_captured() -> None:
+    """run() back to back with no gap the capture thread sees: it stands aside at most ``PAUSE_LIMIT_S`` at a stretch,
+    then runs beside the steps; every key ends captured, also those no step needs (a larger key serves every size
+    here, so no step waits for one)."""
+    step = CountingStep()
+    reg = registry(step)
+    sizes = list(range(1, 9))
+    reg.capture([(B(n), "full") for n in sizes], background=True)
+    xs = [torch.randn(n, D) for n in sizes]
+    outs = []
+    for i in range(200_000):  # nothing between steps but the loop and keeping the output
+        out = reg.run(B(sizes[i % len(sizes)]), x=xs[i % len(sizes)])
+        if i < 64:
+            outs.append(out.clone())
+        if len(reg) == len(sizes):
+            break
+    assert len(reg) == len(sizes), "the capture ended while the loop ran"
+    assert reg.stats().hits >= 1
+    for i, out in enumerate(outs):
+        torch.testing.assert_close(out, step(B(sizes[i % len(sizes)]), xs[i % len(sizes)]))
+
+
+class SleepyStep:
+    """A step whose capture (on the capture thread) and whose eager run (on this one) take the given seconds."""
+
+    def __init__(self, capture_s: float, eager_s: float) -> None:
+        self.capture_s, self.eager_s = capture_s, eager_s
+
+    def __call__(self, batch: B, x: torch.Tensor) -> torch.Tensor:
+        on_capture_thread = threading.current_thread().name.startswith("cgregistry-capture-")
+        time.sleep(self.capture_s / 2 if on_capture_thread else self.eager_s)  # warm-up and capture: two calls
+        return x * 2
+
+
+@pytest.mark.parametrize("capture_s, eager_s, waits", [(1.0, 0.01, False), (0.04, 0.3, True)])
+def test_a_step_waits_for_its_key_in_flight_only_when_that_is_sooner_than_running_eagerly(
+    capture_s: float, eager_s: float, waits: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(background, "WAIT_LIMIT_S", 5.0)  # long enough to wait out any of these captures
+    step = SleepyStep(capture_s, eager_s)
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
+    reg.capture([(B(2), "full")], background=True)  # the capture thread's time for a key, measured
+    reg.wait_captured()
+    reg.capture([(B(n), "full") for n in (32, 8, 4)], background=True)  # 32, which serves every batch below, first
+    x = torch.randn(3, D)
+    hits = []
+    for _ in range(3):
+        torch.testing.assert_close(reg.run(B(3), x=x), x * 2)
+        hits.append(reg.stats().hits)
+    reg.wait_captured()
+    if waits:  # the first step ran eagerly (its cost unknown); by the second the key was captured or waited for
+        assert hits[0] == 0 and hits[1] == 1, hits
+    else:  # a capture of 1 s against 10 ms eagerly: no step waited for it
+        assert hits == [0, 0, 0], hits
