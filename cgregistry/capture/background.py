@@ -162,6 +162,7 @@ class BackgroundCapture:
         self._serving: list[None] | None = None  # the server's turn: empty while a run() is in progress
         self.waiting: list[None] = []  # non-empty while the serving side waits for the capture thread
         self.runs = 0  # run() calls begun while the capture thread had work
+        self._holding: list[None] = []  # non-empty while the capture thread holds a lock run() takes
         _instances.add(self)
 
     def serve_first(self, turn: list[None]) -> None:
@@ -414,21 +415,25 @@ class BackgroundCapture:
             sys.setprofile(self._step_aside_hook(self._serving, PAUSE_LIMIT_S))  # this thread's only
         try:
             while True:
-                with self._cond:
-                    if self._stopped:
-                        self._queue.clear()
-                    if not self._queue:
-                        self._thread = None
-                        self._cond.notify_all()
-                        return
-                    item = self._queue.popleft()
-                    if isinstance(item, tuple) and self._capturer.context is not None:
-                        item = (item[0], self._capturer.context)  # the registry's capture context as the capture starts
-                    self._in_flight = item if isinstance(item, _Task) else item[0]
-                    self._flight_context = None if isinstance(item, _Task) else item[1]
-                    self._flight_stale = False
-                    self._started += 1
-                    self._flight_began, self._aside_at_flight = time.monotonic(), self._aside
+                self._holding.append(None)  # the serving thread takes this lock in run(): never stand aside holding it
+                try:
+                    with self._cond:
+                        if self._stopped:
+                            self._queue.clear()
+                        if not self._queue:
+                            self._thread = None
+                            self._cond.notify_all()
+                            return
+                        item = self._queue.popleft()
+                        if isinstance(item, tuple) and self._capturer.context is not None:
+                            item = (item[0], self._capturer.context)  # the registry's capture context as the capture starts
+                        self._in_flight = item if isinstance(item, _Task) else item[0]
+                        self._flight_context = None if isinstance(item, _Task) else item[1]
+                        self._flight_stale = False
+                        self._started += 1
+                        self._flight_began, self._aside_at_flight = time.monotonic(), self._aside
+                finally:
+                    self._holding.pop()
                 self._finish(item, *self._run(item))
         finally:
             if stepping_aside:
@@ -441,12 +446,13 @@ class BackgroundCapture:
         progress and not waiting for this thread, at most ``limit`` seconds at a stretch; then this thread runs beside
         the serving one for the rest of that run() and at least a tenth of ``limit`` (a run() that waits on something
         this thread holds is delayed, never stuck, and a loop of run() with no gap still lets the capture on)."""
-        waiting, sleep, clock = self.waiting, time.sleep, time.monotonic
+        waiting, holding, sleep, clock = self.waiting, self._holding, time.sleep, time.monotonic
         free: list[Any] = [None, 0.0]  # the run() the stand ran out in, and the least time this thread then runs
 
         def step_aside(frame: Any, event: str, arg: Any) -> None:
-            if turn or waiting:
-                free[0] = None
+            if turn or waiting or holding:
+                if not holding:
+                    free[0] = None
                 return
             if free[0] is not None:
                 if free[0] == self.runs or clock() < free[1]:
@@ -456,7 +462,7 @@ class BackgroundCapture:
             end = now + limit
             self._aside_since = now
             try:
-                while not turn and not waiting:
+                while not turn and not waiting and not holding:
                     if clock() > end:
                         free[0], free[1] = self.runs, clock() + limit / 10
                         return
@@ -476,6 +482,13 @@ class BackgroundCapture:
             return None, exc
 
     def _finish(self, item: tuple[Pair, Any] | _Task, result: Any, error: BaseException | None) -> None:
+        self._holding.append(None)
+        try:
+            self._finish_holding(item, result, error)
+        finally:
+            self._holding.pop()
+
+    def _finish_holding(self, item: tuple[Pair, Any] | _Task, result: Any, error: BaseException | None) -> None:
         with self._cond:
             if isinstance(item, _Task):
                 self._ready.append(TaskDone(result, error, item.on_done))

@@ -142,3 +142,21 @@ def test_a_step_waits_for_its_key_in_flight_only_when_that_is_sooner_than_runnin
         assert hits[0] == 0 and hits[1] == 1, hits
     else:  # a capture of 1 s against 10 ms eagerly: no step waited for it
         assert hits == [0, 0, 0], hits
+
+
+def test_the_capture_thread_never_stands_aside_holding_the_lock_run_takes() -> None:
+    """The capture thread takes the background's lock to pop its next key and to hand in a result, and run() takes it
+    to install results: standing aside while holding it would stall that run() for the whole limit."""
+    reg = registry(CountingStep())
+    capture = reg._background
+    turn: list[None] = []  # a run() in progress
+    hook = capture._step_aside_hook(turn, limit=30.0)
+    started = time.monotonic()
+    capture._holding.append(None)
+    hook(None, "call", None)  # holding the lock: goes on at once
+    capture._holding.pop()
+    assert time.monotonic() - started < 10
+    threading.Timer(0.2, turn.append, (None,)).start()  # the run() ends
+    started = time.monotonic()
+    hook(None, "call", None)  # not holding it: stands aside until the run() ends
+    assert time.monotonic() - started >= 0.15
