@@ -143,7 +143,7 @@ class HostAgreement:
                 self._broken = self._late(self._mailbox.late(self._step))
                 self._mailbox.give_up(self._step)
                 raise AgreementError(self._broken)
-            if self._mailbox.given_up():
+            if self._mailbox.given_up(self._step):
                 self._broken = self._gave_up()
                 raise AgreementError(self._broken)
             if all(row is values for row in rows):  # every rank brought this batch
@@ -256,8 +256,10 @@ class _Mailbox:
         """Tell every rank that this one stopped waiting at ``step``: each raises at its next look at the page."""
         self.view[_GIVEN_UP] = ((step & 0x7FFFFFFF) << 32) | (self.rank + 1)
 
-    def given_up(self) -> bool:
-        return self.view[_GIVEN_UP] != 0
+    def given_up(self, step: int) -> bool:
+        """Whether a rank gave up at ``step`` or before (one that gave up later had finished ``step``)."""
+        word = self.view[_GIVEN_UP]
+        return word != 0 and word >> 32 <= (step & 0x7FFFFFFF)
 
     def giver(self) -> tuple[int, int]:
         word = self.view[_GIVEN_UP]
@@ -284,7 +286,7 @@ class _Mailbox:
                 if all(w >> 32 == high for w in words):
                     rows.append([(w & _LOW) - ((w & 0x80000000) << 1) for w in words])
                     break
-                if view[_GIVEN_UP]:  # another rank gave up: this step will not complete
+                if view[_GIVEN_UP] and self.given_up(step):  # another rank gave up: this step will not complete
                     return rows
                 spins += 1
                 if spins > 64:
