@@ -206,6 +206,7 @@ class Server:
             self._adapter.observe(actual)
         if background.active:
             background.runs += 1  # the capture thread stands aside for each run() anew
+            background.serving_thread = threading.get_ident()
             background.install()
             background.pace()
 

@@ -163,6 +163,7 @@ class BackgroundCapture:
         self.waiting: list[None] = []  # non-empty while the serving side waits for the capture thread
         self.runs = 0  # run() calls begun while the capture thread had work
         self._holding: list[None] = []  # non-empty while the capture thread holds a lock run() takes
+        self.serving_thread: int | None = None  # the thread of the latest run(), watched while standing aside
         _instances.add(self)
 
     def serve_first(self, turn: list[None]) -> None:
@@ -444,9 +445,11 @@ class BackgroundCapture:
     def _step_aside_hook(self, turn: list[None], limit: float) -> Callable[[Any, str, Any], None]:
         """The capture thread's profile function: called at each Python call and return, it waits while a run() is in
         progress and not waiting for this thread, at most ``limit`` seconds at a stretch; then this thread runs beside
-        the serving one for the rest of that run() and at least a tenth of ``limit`` (a run() that waits on something
-        this thread holds is delayed, never stuck, and a loop of run() with no gap still lets the capture on)."""
-        waiting, holding, sleep, clock = self.waiting, self._holding, time.sleep, time.monotonic
+        the serving one for the rest of that run() and at least a tenth of ``limit`` (a loop of run() with no gap still
+        lets the capture on).  While it stands aside it watches the serving thread's frame: when that does not move
+        for a few polls (blocked on a lock this thread holds, say, in the step's own code, a logging handler or an
+        import), it goes on for a millisecond instead of stalling that run()."""
+        waiting, holding, sleep, clock, frames = self.waiting, self._holding, time.sleep, time.monotonic, sys._current_frames
         free: list[Any] = [None, 0.0]  # the run() the stand ran out in, and the least time this thread then runs
 
         def step_aside(frame: Any, event: str, arg: Any) -> None:
@@ -461,12 +464,22 @@ class BackgroundCapture:
             now = clock()
             end = now + limit
             self._aside_since = now
+            seen, still = None, 0
             try:
-                while not turn and not waiting and not holding:
+                while not turn and not waiting:
                     if clock() > end:
                         free[0], free[1] = self.runs, clock() + limit / 10
                         return
                     sleep(5e-5)
+                    frame = frames().get(self.serving_thread)
+                    at = (id(frame), frame.f_lasti) if frame is not None else None
+                    if at != seen:
+                        seen, still = at, 0
+                        continue
+                    still += 1
+                    if still >= 4:  # the serving thread is not running Python: blocked (on a lock this thread may
+                        free[0], free[1] = -1, clock() + 1e-3  # hold) or in a long call; either way, go on a while
+                        return
             finally:
                 self._aside += clock() - now
                 self._aside_since = None

@@ -160,3 +160,36 @@ def test_the_capture_thread_never_stands_aside_holding_the_lock_run_takes() -> N
     started = time.monotonic()
     hook(None, "call", None)  # not holding it: stands aside until the run() ends
     assert time.monotonic() - started >= 0.15
+
+
+def test_a_step_that_takes_a_lock_the_capture_thread_holds_is_not_stalled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step takes a lock of its own around its ops (a cache's, a logging handler's): the capture thread running it
+    may stand aside inside that lock, and the serving thread's eager step then blocks on it.  Seeing the serving
+    thread stand still, the capture thread goes on and lets the lock go, instead of stalling run() for the limit."""
+    monkeypatch.setattr(background, "PAUSE_LIMIT_S", 60.0)
+    lock = threading.Lock()
+    weight = torch.randn(D, D, generator=torch.Generator().manual_seed(1))
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        y = x
+        for _ in range(20):
+            with lock:
+                y = torch.tanh(y @ weight)
+        return y
+
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
+    finished = threading.Event()
+
+    def serve() -> None:
+        x = torch.randn(MAX_TOKENS, D)
+        for _ in range(2):
+            reg.clear()
+            reg.capture([(B(n), "full") for n in range(1, 17)], background=True)
+            while reg.capturing():
+                torch.testing.assert_close(reg.run(B(MAX_TOKENS), x=x), step(B(MAX_TOKENS), x))  # eager beside it
+        finished.set()
+
+    worker = threading.Thread(target=serve, name="serving")
+    worker.start()
+    worker.join(45)
+    assert finished.is_set(), "a step stalled on a lock held by the capture thread standing aside"
