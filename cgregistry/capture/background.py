@@ -472,7 +472,9 @@ class BackgroundCapture:
                         return
                     sleep(5e-5)
                     frame = frames().get(self.serving_thread)
-                    at = (id(frame), frame.f_lasti) if frame is not None else None
+                    if frame is None:  # no run() thread to watch (not known, or gone): the limit alone bounds the stand
+                        continue
+                    at = (id(frame), frame.f_lasti)
                     if at != seen:
                         seen, still = at, 0
                         continue
