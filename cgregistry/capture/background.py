@@ -162,7 +162,7 @@ class BackgroundCapture:
         self._serving: list[None] | None = None  # the server's turn: empty while a run() is in progress
         self.waiting: list[None] = []  # non-empty while the serving side waits for the capture thread
         self.runs = 0  # run() calls begun while the capture thread had work
-        self._holding: list[None] = []  # non-empty while the capture thread holds a lock run() takes
+        self.holding: list[None] = []  # non-empty while the capture thread holds a lock run() takes
         self.serving_thread: int | None = None  # the thread of the latest run(), watched while standing aside
         _instances.add(self)
 
@@ -413,10 +413,10 @@ class BackgroundCapture:
         _shorten_switch_interval()
         stepping_aside = self._serving is not None and PAUSE_LIMIT_S is not None and sys.getprofile() is None
         if stepping_aside:
-            sys.setprofile(self._step_aside_hook(self._serving, PAUSE_LIMIT_S))  # this thread's only
+            sys.setprofile(self.step_aside_hook(self._serving, PAUSE_LIMIT_S))  # this thread's only
         try:
             while True:
-                self._holding.append(None)  # the serving thread takes this lock in run(): never stand aside holding it
+                self.holding.append(None)  # the serving thread takes this lock in run(): never stand aside holding it
                 try:
                     with self._cond:
                         if self._stopped:
@@ -434,7 +434,7 @@ class BackgroundCapture:
                         self._started += 1
                         self._flight_began, self._aside_at_flight = time.monotonic(), self._aside
                 finally:
-                    self._holding.pop()
+                    self.holding.pop()
                 self._finish(item, *self._run(item))
         finally:
             if stepping_aside:
@@ -442,14 +442,14 @@ class BackgroundCapture:
             _restore_switch_interval()
             _thread_owner.owner = None
 
-    def _step_aside_hook(self, turn: list[None], limit: float) -> Callable[[Any, str, Any], None]:
+    def step_aside_hook(self, turn: list[None], limit: float) -> Callable[[Any, str, Any], None]:
         """The capture thread's profile function: called at each Python call and return, it waits while a run() is in
         progress and not waiting for this thread, at most ``limit`` seconds at a stretch; then this thread runs beside
         the serving one for the rest of that run() and at least a tenth of ``limit`` (a loop of run() with no gap still
         lets the capture on).  While it stands aside it watches the serving thread's frame: when that does not move
         for a few polls (blocked on a lock this thread holds, say, in the step's own code, a logging handler or an
         import), it goes on for a millisecond instead of stalling that run()."""
-        waiting, holding, sleep, clock, frames = self.waiting, self._holding, time.sleep, time.monotonic, sys._current_frames
+        waiting, holding, sleep, clock, frames = self.waiting, self.holding, time.sleep, time.monotonic, sys._current_frames
         free: list[Any] = [None, 0.0]  # the run() the stand ran out in, and the least time this thread then runs
 
         def step_aside(frame: Any, event: str, arg: Any) -> None:
@@ -497,11 +497,11 @@ class BackgroundCapture:
             return None, exc
 
     def _finish(self, item: tuple[Pair, Any] | _Task, result: Any, error: BaseException | None) -> None:
-        self._holding.append(None)
+        self.holding.append(None)
         try:
             self._finish_holding(item, result, error)
         finally:
-            self._holding.pop()
+            self.holding.pop()
 
     def _finish_holding(self, item: tuple[Pair, Any] | _Task, result: Any, error: BaseException | None) -> None:
         with self._cond:

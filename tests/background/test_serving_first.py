@@ -148,15 +148,13 @@ def test_a_step_waits_for_its_key_in_flight_only_when_that_is_sooner_than_runnin
 def test_the_capture_thread_never_stands_aside_holding_the_lock_run_takes() -> None:
     """The capture thread takes the background's lock to pop its next key and to hand in a result, and run() takes it
     to install results: standing aside while holding it would stall that run() for the whole limit."""
-    reg = registry(CountingStep())
-    capture = reg._background
+    capture = background.BackgroundCapture(None, None, None, "standing-aside")  # type: ignore[arg-type]
     turn: list[None] = []  # a run() in progress, on a thread not watched here
-    capture.serving_thread = None
-    hook = capture._step_aside_hook(turn, limit=30.0)
+    hook = capture.step_aside_hook(turn, limit=30.0)
     started = time.monotonic()
-    capture._holding.append(None)
+    capture.holding.append(None)
     hook(None, "call", None)  # holding the lock: goes on at once
-    capture._holding.pop()
+    capture.holding.pop()
     assert time.monotonic() - started < 10
     threading.Timer(0.2, turn.append, (None,)).start()  # the run() ends
     started = time.monotonic()
