@@ -9,7 +9,7 @@ slot for padded rows, varlen metadata (``query_start_loc``, ``seq_lens``, ``bloc
 - inside a ``full`` graph it is captured like the rest (a static-shape kernel: each token gathers its
   request's cache through the block table); decode batches always use this kernel;
 - for a mixed batch in a ``breakable`` or ``piecewise`` entry it runs eagerly between graph segments,
-  per request, with the host-side lengths the engine passes through ``run(..., context=...)``
+  in one pass sized by the host-side lengths the engine passes through ``run(..., context=...)``
   (``current_batch()``).  An eager engine (``--mode none``) makes the same choices, so the registry's
   speed-up is launch overhead removed, not a different kernel.
 
