@@ -126,7 +126,7 @@ def paged_attention(
     batch = cg.current_batch()
     host = batch.payload if batch is not None else None
     if isinstance(host, HostBatch) and not batch.actual.uniform:
-        # A mixed batch, run eagerly (a break between segments, or a miss): per request, host-side lengths.
+        # A mixed batch, run eagerly (a break between segments, or a miss): one pass sized by host-side lengths.
         out = varlen_attention(module, q, host, cg_block_table, scaling)
     else:
         # Decode, or a capture into a full graph (no payload then): static shapes only, one pass for every token.
