@@ -18,6 +18,7 @@ from cgregistry import BatchDescriptor as B
 from cgregistry.distributed import HostAgreement, decode_descriptor, encode_descriptor
 from cgregistry.errors import AgreementError
 from cgregistry.testing import make_plugins
+from tests.distributed_worker import join
 
 D = 12  # divisible by 2, 3 and 4 ranks
 
@@ -112,12 +113,7 @@ def bad_arguments(rank: int, world: int, device: torch.device, backend: str, tra
 
 
 def main(rank: int, world: int, comm: str, init_file: str) -> None:
-    if comm == "nccl":
-        torch.cuda.set_device(rank)
-        device, backend = torch.device("cuda", rank), "cuda"
-    else:
-        device, backend = torch.device("cpu"), "cpu"
-    dist.init_process_group(comm, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    device, backend = join(rank, world, comm, init_file)
     try:
         transports = ("shm", "group") if comm == "gloo" else ("shm",)
         for transport in transports:

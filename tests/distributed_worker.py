@@ -124,13 +124,19 @@ def emulator_refuses_an_unrecorded_collective(rank: int, world: int, device: tor
     assert len(reg) == 0
 
 
-def main(rank: int, world: int, comm: str, init_file: str) -> None:
+def join(rank: int, world: int, comm: str, init_file: str) -> tuple[torch.device, str]:
+    """This process as ``rank`` of the group (NCCL: its own GPU), and the device and cgregistry backend it serves on."""
     if comm == "nccl":
         torch.cuda.set_device(rank)
         device, backend = torch.device("cuda", rank), "cuda"
     else:
         device, backend = torch.device("cpu"), "cpu"
     dist.init_process_group(comm, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    return device, backend
+
+
+def main(rank: int, world: int, comm: str, init_file: str) -> None:
+    device, backend = join(rank, world, comm, init_file)
     try:
         for scenario in (data_parallel, tensor_parallel, pipeline_parallel, emulator_refuses_an_unrecorded_collective):
             scenario(rank, world, device, backend)
