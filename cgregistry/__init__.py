@@ -15,7 +15,7 @@ from cgregistry.plan.build import CapturePlan, PlanSettings
 from cgregistry.plan.adapt import Adaptation
 
 # The registry and its static inputs
-from cgregistry.store.buffers import REPEAT_LAST, StaticInput
+from cgregistry.store.io import REPEAT_LAST, StaticInput
 from cgregistry.registry import GraphRegistry
 
 # Models with eager parts: attention as an eager break, piecewise compilation

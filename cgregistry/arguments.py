@@ -11,7 +11,7 @@ from typing import Any
 
 from cgregistry.capture.pool import GraphPool
 from cgregistry.contracts.protocols import Backend
-from cgregistry.store.buffers import StaticInput
+from cgregistry.store.io import StaticInput
 
 __all__ = ["RESERVED_INPUT_NAMES", "Delegated", "check_budget", "check_flag", "check_inputs", "check_pool", "check_timeout"]
 

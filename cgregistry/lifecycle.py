@@ -6,7 +6,7 @@ the addresses they saw at capture, so:
 - ``refresh()`` after a weight update: an in-place update keeps every graph (nothing is captured again);
   entries captured while a watched tensor was elsewhere are dropped at once and captured again (in the
   background if asked, serving eagerly meanwhile).  Until then a replay is refused, never stale
-  (``WeightsMovedError``, from the capturer's state check).
+  (``WeightsMovedError``, from the capture job's state check).
 - ``sleep()`` releases every graph, the pool and the registry's own static inputs to the device, and keeps
   the plan, the counters and adaptation's history; ``run()`` serves eagerly (miss reason ``asleep``).
   ``wake()`` gives the inputs back and captures the plan again, hottest keys first.
@@ -22,11 +22,10 @@ import attrs
 
 from cgregistry.capture.refit import Adapter
 from cgregistry.capture.background import BackgroundCapture
-from cgregistry.store.buffers import StaticBuffer
-from cgregistry.capture.capturer import Capturer
-from cgregistry.store.catalog import Catalog
+from cgregistry.store.io import StaticBuffer
+from cgregistry.capture.job import CaptureJob
+from cgregistry.store.catalog import Catalog, Entry, Pair
 from cgregistry.key.descriptor import BatchDescriptor
-from cgregistry.store.entries import Entry, Pair
 from cgregistry.hooks.events import Events
 from cgregistry.inspection import Refreshed, Slept
 
@@ -41,11 +40,11 @@ class Lifecycle:
     """Removes, refreshes, puts to sleep and wakes a registry's graphs."""
 
     def __init__(
-        self, catalog: Catalog, capturer: Capturer, background: BackgroundCapture, adapter: Adapter | None, events: Events,
+        self, catalog: Catalog, job: CaptureJob, background: BackgroundCapture, adapter: Adapter | None, events: Events,
         buffers: Mapping[str, StaticBuffer], backend: Any, name: str,
     ) -> None:
         self._catalog = catalog
-        self._capturer = capturer
+        self._job = job
         self._background = background
         self._adapter = adapter
         self._events = events
@@ -58,12 +57,6 @@ class Lifecycle:
         """``call`` runs the step: refused while the registry sleeps (the engine may have offloaded what the step reads)."""
         if self.asleep is not None:
             raise RuntimeError(f"{call} on registry {self._name!r} while it sleeps: reg.wake() first (it captures the plan it slept with)")
-
-    def refuse_from_inside(self, call: str) -> None:
-        """``call`` from a hook or the step inside a capture is refused: on the capture thread, and on the thread of a
-        foreground capture (the capture would wait for itself, or go on without its context)."""
-        self._background.refuse_on_capture_thread(call)
-        self._capturer.refuse_inside_capture(call)
 
     # ---------------------------------------------------------------- release, clear
 
@@ -100,24 +93,24 @@ class Lifecycle:
 
     def clear(self) -> int:
         """Remove every entry, lazy key and queued capture, and the plan slept with; how many.  Counters stay."""
-        self.refuse_from_inside("clear()")
+        self._job.refuse_inside("clear()")
         if self.asleep is not None:  # nothing is captured: the plan wake() would capture is what there is to clear
             slept = self.asleep
             self.asleep = attrs.evolve(slept, keys=(), lazy=())
-            self._capturer.forget()
+            self._job.forget()
             return len(slept.keys) + len(slept.lazy)
         self._background.install()
         dropped = self._background.cancel()
         if self._adapter is not None:
             self._adapter.reset()  # a refit queued or running was dropped with the rest; adaptation keeps observing
         removed, count = self._catalog.clear()
-        self._capturer.forget()  # the next capture request records the capture context anew
+        self._job.forget()  # the next capture request records the capture context anew
         self._released(removed)
         return count + dropped
 
     def _released(self, removed: list[Entry]) -> None:
         self._events.released(removed)
-        self._capturer.renew_if_unused()  # drop the pool handle too when nothing holds the old pool
+        self._job.renew_if_unused()  # drop the pool handle too when nothing holds the old pool
         if removed:
             gc.collect()  # a graph in a reference cycle would keep the pool alive (a full collection: 0.1 s and more)
 
@@ -125,10 +118,10 @@ class Lifecycle:
 
     def refresh(self, background: bool) -> Refreshed:
         """After a weight update: keep the graphs that read the weights where they are, capture the others again."""
-        self.refuse_from_inside("refresh()")
+        self._job.refuse_inside("refresh()")
         self._background.install()
-        self._capturer.watch_step()  # a module the step reaches through a global or a container since
-        watch = self._capturer.watch
+        self._job.watch_step()  # a module the step reaches through a global or a container since
+        watch = self._job.watch
         now = watch.now()  # one read of every address (what was added to a watched module since included)
         moved = tuple(watch.moved(now))
         verdicts: dict[int, bool] = {}  # entries captured in one generation share what they read: compared once
@@ -153,10 +146,10 @@ class Lifecycle:
         again = list(dict.fromkeys([*stale, *queued]))
         if again and self.asleep is None:
             if background:
-                self._capturer.renew_if_unused()
-                self._background.submit(again, self._capturer.current())
+                self._job.renew_if_unused()
+                self._background.submit(again, self._job.current())
             else:
-                self._capturer.capture_all(again, progress=None, untried_lazily=True)
+                self._job.capture_all(again, progress=None, untried_lazily=True)
         result = Refreshed(kept, tuple(again), moved, background)
         self._events.refreshed(result)
         return result
@@ -165,7 +158,7 @@ class Lifecycle:
 
     def sleep(self) -> Slept:
         """Release every graph, the pool and the static inputs; keep the plan (hottest first), counters and history."""
-        self.refuse_from_inside("sleep()")
+        self._job.refuse_inside("sleep()")
         if self.asleep is not None:
             return self.asleep
         self._background.install()
@@ -189,7 +182,7 @@ class Lifecycle:
 
     def wake(self, background: bool) -> tuple[Pair, ...]:
         """Give the static inputs back and capture the plan slept with, hottest key first; the keys queued or captured."""
-        self.refuse_from_inside("wake()")
+        self._job.refuse_inside("wake()")
         slept = self.asleep
         if slept is None:
             return ()
@@ -200,10 +193,10 @@ class Lifecycle:
         keys = [p for p in slept.keys if p not in self._catalog.entries]
         self._catalog.plan_lazily(p for p in slept.lazy if p not in self._catalog.entries)
         if background:
-            self._capturer.renew_if_unused()
-            self._background.submit(keys, self._capturer.current(), ordered=True)
+            self._job.renew_if_unused()
+            self._background.submit(keys, self._job.current(), ordered=True)
         else:
-            self._capturer.capture_all(sorted(keys, key=lambda p: (-p[0].num_tokens, -(p[0].num_reqs or 0))), progress=None,
+            self._job.capture_all(sorted(keys, key=lambda p: (-p[0].num_tokens, -(p[0].num_reqs or 0))), progress=None,
                                        untried_lazily=True)
         self._events.woke(tuple(keys))
         return tuple(keys)

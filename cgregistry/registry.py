@@ -2,7 +2,7 @@
 
 - :class:`~cgregistry.store.catalog.Catalog`: entries, lazy keys, keys being captured, failures, budget, counters, routes;
 - :class:`~cgregistry.hooks.events.Events`: every hook call, one typed method each;
-- :class:`~cgregistry.capture.capturer.Capturer`: plan checks, the capture context, the one capture sequence;
+- :class:`~cgregistry.capture.job.CaptureJob`: plan checks, the capture context, the one capture sequence (its mode a value);
 - :class:`~cgregistry.capture.pool.GraphPool`: the pool graphs go into, shareable between registries;
 - :class:`~cgregistry.capture.background.BackgroundCapture`: the capture thread, its queue and results;
 - :class:`~cgregistry.capture.refit.Adapter`: adaptation (counting steps, refits, applying changes);
@@ -28,23 +28,19 @@ from cgregistry.capture.refit import PLAN_CHANGES_KEPT, Adapter, refuse_with_col
 from cgregistry.arguments import Delegated, check_budget, check_flag, check_inputs, check_pool, check_timeout
 from cgregistry.plan.adapt import Adaptation, PlanChange
 from cgregistry.capture.background import BackgroundCapture
-from cgregistry.store.buffers import StaticBuffer, StaticInput
-from cgregistry.capture.entry import EntryCapture
-from cgregistry.capture.capturer import Capturer
+from cgregistry.store.io import OutputAxes, StaticBuffer, StaticInput
+from cgregistry.capture.job import CaptureJob
 from cgregistry.capture.pool import GraphPool
-from cgregistry.store.catalog import Catalog
+from cgregistry.store.catalog import Catalog, Pair, not_a_descriptor
 from cgregistry.strategies.compiler import PiecewiseCompiler, compile_piecewise
 from cgregistry.key.descriptor import BatchDescriptor
-from cgregistry.store.entries import Pair
 from cgregistry.hooks.events import Events
 from cgregistry.lifecycle import Lifecycle
 from cgregistry.inspection import EntryInfo, Refreshed, Slept, Snapshot, Stats, entries_table, filter_entries, stats_line
-from cgregistry.key.matcher import DEFAULT_PREFERENCE, Explanation, Match, PaddingCap
-from cgregistry.capture.memory import MemoryEstimate
-from cgregistry.store.outputs import OutputAxes
+from cgregistry.key.matcher import Explanation, Match, PaddingCap
+from cgregistry.capture.memory import MemoryEstimate, estimate
 from cgregistry.plan.build import CapturePlan, PlanEntry
 from cgregistry.hooks.manager import Plugins
-from cgregistry.store.routing import not_a_descriptor
 from cgregistry.server import DebugServer, Server
 from cgregistry.errors import CaptureError, ConcurrentRunError
 
@@ -101,7 +97,6 @@ class GraphRegistry:
             self.backend = check_pool(pool, self.backend).backend  # reuses a pool's free blocks only on their stream
         self.device = self.backend.device()
         self.output_axis = output_axis
-        self.preference = tuple(DEFAULT_PREFERENCE if preference is None else preference)
         self.warmup_runs = warmup_runs
         self.debug = bool(debug)
         buffers = {key: StaticBuffer(key, spec, self.device) for key, spec in inputs.items()}
@@ -109,19 +104,19 @@ class GraphRegistry:
         chooser, chooser_names = events.chooser()
         self._catalog = catalog = Catalog(buffers, output_axes, preference, cap, memory_budget, chooser, chooser_names)
         self.pool = pool if pool is not None else GraphPool(self.backend)
-        one = EntryCapture(step, buffers, self.backend, output_axes, warmup_runs, self.pool)
-        self._capturer = capturer = Capturer(one, catalog, events, self.plugins, self.name)
+        self._job = job = CaptureJob(step, buffers, self.backend, output_axes, warmup_runs, self.pool, catalog, events,
+                                     self.plugins, self.name)
         pacer = getattr(self.backend, "step_pacer", None)  # optional: the cuda backend bounds the serving thread's run-ahead
-        self._background = background = BackgroundCapture(capturer, catalog, events, self.name, pacer() if pacer else None)
+        self._background = background = BackgroundCapture(job, catalog, events, self.name, pacer() if pacer else None)
         weakref.finalize(self, background.stop)  # nothing of the capture thread's holds the registry; once it goes, so does the thread
-        adapter = Adapter(adapt, catalog, capturer, background, events, self.name) if adapt is not None else None
+        adapter = Adapter(adapt, catalog, job, background, events, self.name) if adapt is not None else None
         # The changes adaptation made, oldest first: the last 256 (stats().plan_changes counts them all).
         self.plan_changes: collections.deque[PlanChange] = (
             adapter.plan_changes if adapter is not None else collections.deque(maxlen=PLAN_CHANGES_KEPT)
         )
-        self._lifecycle = Lifecycle(catalog, capturer, background, adapter, events, buffers, self.backend, self.name)
-        parts = (step, catalog, capturer, background, adapter, events, frozenset(buffers), self.name)
-        self._server = DebugServer(*parts, watch=capturer.watch) if self.debug else Server(*parts)
+        self._lifecycle = Lifecycle(catalog, job, background, adapter, events, buffers, self.backend, self.name)
+        parts = (step, catalog, job, background, adapter, events, frozenset(buffers), self.name)
+        self._server = DebugServer(*parts, watch=job.watch) if self.debug else Server(*parts)
         if type(self).run is _DEFINED_RUN:  # not overridden by a subclass (nor patched on the class): see run()
             self.run = self._server.run  # type: ignore[method-assign]  # the hot path itself: no call in between
         events.registry_created()
@@ -132,13 +127,19 @@ class GraphRegistry:
     padding_cap = Delegated("_catalog", "cap")
     # What every capture runs under, whichever path captures: the payload of the latest ``capture(context=...)`` and
     # the state of the thread that recorded it (a ``CaptureContext``); None before any capture request or after clear().
-    capture_context = Delegated("_capturer", "context")
+    capture_context = Delegated("_job", "context")
+
+    @property
+    def preference(self) -> tuple[str, ...]:
+        """Strategies, most preferred first: as given, or (given none) adopted from each captured plan, its decode
+        strategy first."""
+        return self._catalog.routes.preference
 
     @property
     def static_inputs(self) -> Mapping[str, torch.Tensor]:
         """The static input tensors that graphs captured in the foreground read, by name (read them to inspect
         padding or fills; a write changes what the next replay reads)."""
-        return types.MappingProxyType({name: buf.tensor for name, buf in self._capturer.buffers.items()})
+        return types.MappingProxyType({name: buf.tensor for name, buf in self._job.buffers.items()})
 
     # A torch.compile backend for this registry's ``piecewise`` entries (see cgregistry.strategies.compiler):
     # ``torch.compile(model, backend=reg.compile_backend(), dynamic=True, fullgraph=True)``.
@@ -183,35 +184,42 @@ class GraphRegistry:
         captured sooner than the step would run eagerly (docs/background.md), else runs eagerly.  ``wait_captured()`` waits
         for all of them.  What the engine must not do meanwhile: docs/background.md.
         """
-        for flag, value in (("lazy", lazy), ("background", background), *([("progress", progress)] if progress is not None else [])):
-            check_flag("capture", flag, value)
+        if type(lazy) is not bool or type(background) is not bool or not (progress is None or type(progress) is bool):
+            for flag, value in (("lazy", lazy), ("background", background), ("progress", progress)):
+                if value is not None or flag != "progress":
+                    check_flag("capture", flag, value)
         if lazy and background:
             raise ValueError("capture(lazy=True, background=True): choose one; lazy captures a key at its first use, background ahead of it")
-        self._lifecycle.refuse_asleep("capture()")
-        self._lifecycle.refuse_from_inside("capture()")
-        todo = self._capturer.check(plan)
+        if self._lifecycle.asleep is not None:
+            self._lifecycle.refuse_asleep("capture()")
+        if self._background.active:  # what the capture thread finished goes live first: those keys are not captured again
+            self._background.install()
+        if not (lazy or background or self._background.active):
+            return self._job.capture_plan(plan, context, progress)  # the foreground: one job, no capture thread
+        job = self._job
+        job.refuse_inside("capture()")
+        todo = job.check(plan)
         if isinstance(plan, CapturePlan):  # a registry given no preference adopts the plan's strategy order
-            self.preference = self._catalog.follow_plan((e.descriptor, e.strategy) for e in plan)
+            self._catalog.follow_plan((e.descriptor, e.strategy) for e in todo)
         if background:
             refuse_with_collectives()
-        self._capturer.record(context)
-        self._capturer.warn_unwatched()
-        self._capturer.say_uncovered(plan, self._catalog.routes.cap)
-        self._background.install()
+        job.record(context)
+        job.warn_unwatched()
+        job.say_uncovered(plan)
         pairs = [(e.descriptor, e.strategy) for e in dict.fromkeys(todo) if (e.descriptor, e.strategy) not in self._catalog.entries]
         if background:
-            self._capturer.renew_if_unused()
-            self._background.submit(pairs, self._capturer.current())
+            job.renew_if_unused()
+            self._background.submit(pairs, job.current())
             return []
         self._background.discard(pairs)  # captured here instead: no longer the capture thread's to do
         if lazy:
             self._catalog.plan_lazily(pairs)
-            self._capturer.warn_shadowed()
+            job.warn_shadowed()
             return []
         try:
-            return self._capturer.capture_all(pairs, progress)
+            return job.capture_all(pairs, progress)
         finally:
-            self._capturer.warn_shadowed()
+            job.warn_shadowed()
 
     def wait_captured(self, timeout: float | None = None) -> bool:
         """Wait for every background capture to finish and install them; False if ``timeout`` seconds passed first.
@@ -219,7 +227,7 @@ class GraphRegistry:
         Call it from the thread that calls ``run()``, never from inside a step or a hook.
         """
         check_timeout("wait_captured", timeout)
-        self._lifecycle.refuse_from_inside("wait_captured()")
+        self._job.refuse_inside("wait_captured()")
         if self._server.running():
             raise RuntimeError("wait_captured() while a run() is in progress (from the step or a hook) would wait for itself")
         self.pool.refuse_if_held("wait_captured()", self.name)
@@ -243,11 +251,11 @@ class GraphRegistry:
         ``context``: the payload eager breaks see, as ``capture(context=...)`` takes it.  See docs/integration.md."""
         check_flag("estimate_memory", "background", background)
         self._lifecycle.refuse_asleep("estimate_memory()")
-        self._lifecycle.refuse_from_inside("estimate_memory()")
-        todo = self._capturer.check(plan)
+        self._job.refuse_inside("estimate_memory()")
+        todo = self._job.check(plan)
         self._background.install()
-        return self._capturer.estimate([p for p in dict.fromkeys((e.descriptor, e.strategy) for e in todo)
-                                        if p not in self._catalog.entries], background, context)
+        return estimate(self._job, [p for p in dict.fromkeys((e.descriptor, e.strategy) for e in todo)
+                                         if p not in self._catalog.entries], background, context)
 
     # ------------------------------------------------------------------ run
 
@@ -321,11 +329,11 @@ class GraphRegistry:
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module, prefix: str = "") -> None:
         """Tensors graphs read beside what the step reaches (found unnamed): ``(name, tensor)`` pairs, a module or a list
         of modules (tensors by name: a replaced one is caught); compared from their addresses now (no graph goes stale)."""
-        self._capturer.watch.watch(named, prefix)
+        self._job.watch.watch(named, prefix)
 
     def watched(self) -> list[str]:
         """The names of the tensors replays check: static inputs, what the step reaches, what ``watch()`` named."""
-        return self._capturer.watch.names()
+        return self._job.watch.names()
 
     def failures(self) -> dict[Pair, BaseException]:
         """Entries removed because their replay raised where eager did not, and keys whose capture failed (in

@@ -25,17 +25,15 @@ import torch
 from cgregistry.state import runtime
 from cgregistry.capture.refit import Adapter
 from cgregistry.capture.background import BackgroundCapture
-from cgregistry.capture.capturer import Capturer
-from cgregistry.store.catalog import Catalog
+from cgregistry.capture.job import CaptureJob
+from cgregistry.store.catalog import NO_EXCLUSION, Catalog, Entry, Route, Variant, not_a_descriptor
 from cgregistry.state.debug import checked, check_addresses, plain
 from cgregistry.state.weights import WeightWatch
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.distributed import agree
-from cgregistry.store.entries import Entry
 from cgregistry.errors import ConcurrentRunError, InputError
 from cgregistry.hooks.events import Events
 from cgregistry.key.matcher import Match, excluded
-from cgregistry.store.routing import NO_EXCLUSION, Route, Variant, not_a_descriptor
 from cgregistry.state.runtime import BreakContext
 from cgregistry.warn import warn
 
@@ -52,7 +50,7 @@ class Server:
     """Serves batches from a catalog's routes: replay, or the eager step."""
 
     def __init__(
-        self, step: Callable[..., Any], catalog: Catalog, capturer: Capturer, background: BackgroundCapture,
+        self, step: Callable[..., Any], catalog: Catalog, job: CaptureJob, background: BackgroundCapture,
         adapter: Adapter | None, events: Events, input_names: frozenset[str], name: str,
     ) -> None:
         self._step = step
@@ -61,9 +59,9 @@ class Server:
         self._cache = catalog.routes.cache  # the hot path's first lookup (cleared in place, never replaced)
         self._variants = catalog.routes.variant_cache
         self._counters = catalog.counters
-        self._capturer = capturer
-        self._state = capturer.state_test  # changed in place by the capturer: its parts read as one tuple below
-        self._weights = capturer.watch  # its generation moves when a watched tensor may have moved
+        self._job = job
+        self._state = job.state_test  # changed in place by the capture job: its parts read as one tuple below
+        self._weights = job.watch  # its generation moves when a watched tensor may have moved
         self._background = background
         self._adapter = adapter
         self._events = events
@@ -129,9 +127,9 @@ class Server:
                     return self._miss(actual, inputs, context, route.miss_reason, route.hint)
             guard, flag, flag_was = self._state.parts  # a graph computes what it computed at capture: refuse another autocast or dtype
             if not (guard() and flag() == flag_was):
-                self._capturer.refuse_other_state()
+                self._job.refuse_other_state()
             if entry.generation != self._weights.generation:  # a watched tensor may have moved since its capture
-                self._capturer.check_weights(entry)
+                self._job.check_weights(entry)
             if copies:
                 for buf, rows in copies:
                     buf.write(inputs[buf.name], rows)
@@ -230,12 +228,12 @@ class Server:
         while True:
             if route.pending is not None:
                 if not self._state():
-                    self._capturer.refuse_other_state()
+                    self._job.refuse_other_state()
                 if not copied:  # capture resets the static buffers (and may reuse pool memory) an input can alias
                     inputs, copied = {name: value.clone() for name, value in inputs.items()}, True
                 while route.pending is not None:  # a failed lazy capture drops its key: the next best may be lazy too
                     if self._background.busy:  # a capture in flight: the capture thread takes this key (no longer lazy)
-                        self._background.submit([route.pending], self._capturer.current())
+                        self._background.submit([route.pending], self._job.current())
                     else:
                         self._capture_lazily(route.pending)
                     route = self._route(actual, variant)
@@ -249,7 +247,7 @@ class Server:
 
     def _capture_lazily(self, key: Any) -> None:
         """Capture a lazy key now, on this thread (it resets the static buffers to their fills)."""
-        self._capturer.capture_lazily(key)
+        self._job.capture_lazily(key)
 
     def _miss(
         self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any, reason: str | None, hint: str | None = None,
@@ -358,7 +356,7 @@ class Server:
             return self._exclusions[exclude]
         except (KeyError, TypeError):  # not seen yet, or unhashable (a list): check it
             pass
-        strategies = self._capturer.strategy_names()
+        strategies = self._job.strategy_names()
         if not isinstance(exclude, (tuple, list, set, frozenset)):
             raise TypeError(
                 f"exclude must be a tuple, list or set of strategy names, e.g. exclude=('full',); got {exclude!r}"

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from cgregistry.store.buffers import StaticInput
+from cgregistry.store.io import StaticInput
 from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.plan.build import CapturePlan

@@ -4,6 +4,7 @@ that never call back into the registry, a whole typed plugin contract, and plugi
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 import importlib.metadata
 import functools
 import subprocess
@@ -98,8 +99,9 @@ def test_leaf_modules_import_nothing_of_the_package(leaf: str) -> None:
 
 
 REGISTRY_PARTS = [
-    "cgregistry.store.entries", "cgregistry.store.catalog", "cgregistry.store.routing", "cgregistry.hooks.events", "cgregistry.capture.entry",
-    "cgregistry.capture.capturer", "cgregistry.capture.background", "cgregistry.capture.refit", "cgregistry.server", "cgregistry.state.serving",
+    "cgregistry.store.catalog", "cgregistry.store.io", "cgregistry.hooks.events", "cgregistry.capture.job", "cgregistry.capture.pool",
+    "cgregistry.capture.background", "cgregistry.capture.refit", "cgregistry.server", "cgregistry.state.serving",
+    "cgregistry.state.weights",
 ]
 
 
@@ -438,3 +440,50 @@ def test_one_table_of_built_ins_gives_plugins_preference_modes_and_flags() -> No
         "none": (None, None), "full": ("full", "full"), "piecewise": (None, "piecewise"), "breakable": (None, "breakable"),
         "full_decode_only": ("full", None), "full_and_piecewise": ("full", "piecewise"), "full_and_breakable": ("full", "breakable"),
     }
+
+
+def _traced(fn: Callable[[], object]) -> tuple[list[str], int]:
+    """The package modules ``fn`` enters, in order, and how many calls go into a module entered before from another
+    (or from outside the package: torch calling the cpu emulator's hooks)."""
+    seen: list[str] = []
+    back = 0
+
+    def profile(frame: types.FrameType, event: str, arg: object) -> None:
+        nonlocal back
+        if event != "call" or not frame.f_code.co_filename.startswith(str(PACKAGE)):
+            return
+        module = frame.f_code.co_filename
+        caller = frame.f_back.f_code.co_filename if frame.f_back is not None else None
+        if module in seen and caller != module:
+            back += 1
+        elif module not in seen:
+            seen.append(module)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return [str(Path(m).relative_to(PACKAGE)) for m in seen], back
+
+
+def test_one_foreground_capture_walks_few_modules() -> None:
+    """A foreground capture of one full key enters at most 10 package modules, with at most 20 calls back into one
+    already left, never the capture thread's; a run() of a shape seen before enters at most 3."""
+    lm_head, embed = torch.nn.Linear(32, 100), torch.nn.Embedding(100, 32)
+
+    def forward(batch: B, input_ids: torch.Tensor) -> torch.Tensor:
+        return lm_head(embed(input_ids))
+
+    def registry() -> cg.GraphRegistry:
+        return cg.GraphRegistry(forward, backend="cpu", inputs={"input_ids": cg.StaticInput((64,), torch.long, fill=0)})
+
+    registry().capture([(B.decode(4), "full")])  # imports and first-use work done outside the trace
+    reg, key, ids = registry(), B.decode(8), torch.arange(8)
+    modules, back = _traced(lambda: reg.capture([(key, "full")]))
+    assert len(modules) <= 10 and back <= 20, (modules, back)
+    assert "capture/background.py" not in modules
+    reg.run(key, input_ids=ids)
+    modules, back = _traced(lambda: reg.run(key, input_ids=ids))
+    assert len(modules) <= 3 and back <= 1, (modules, back)
+    torch.testing.assert_close(reg.run(key, input_ids=ids), forward(key, ids))

@@ -20,7 +20,7 @@ import contextvars
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -223,12 +223,10 @@ def _set_dispatch_flags(flags: tuple[bool, ...]) -> None:
 
 
 class _Recorder(TorchDispatchMode):
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        # Under a piecewise capture, the split graph runs as compiled (its aten ops reach the
-        # recorder); elsewhere torch.compile'd code falls back to eager under the recorder, since
-        # Inductor kernels bypass the dispatcher and would be recorded as nothing.
-        return runtime.see_compiled.get()
+    # Under a piecewise capture, the split graph runs as compiled (its aten ops reach the recorder); elsewhere
+    # torch.compile'd code falls back to eager under the recorder, since Inductor kernels bypass the dispatcher and
+    # would be recorded as nothing.  Torch asks at every mode entry: the context variable's own getter answers.
+    ignore_compile_internals = staticmethod(runtime.see_compiled.get)
 
     def __enter__(self) -> _Recorder:
         with _recorders_lock:
@@ -379,20 +377,24 @@ def _remove_wrappers(dist: Any) -> None:
             _wrappers.clear()
 
 
-@contextlib.contextmanager
-def _collectives_recorded(recorder: _Recorder) -> Iterator[None]:
-    import torch.distributed as dist
+class _CollectivesRecorded:
+    """While open, torch.distributed's collectives called at the Python level are recorded into ``recorder``."""
 
-    if not dist.is_available():
-        yield
-        return
-    token = _recording.set(recorder)
-    _install_wrappers(dist)
-    try:
-        yield
-    finally:
-        _remove_wrappers(dist)
-        _recording.reset(token)
+    def __init__(self, recorder: _Recorder) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist if dist.is_available() else None
+        self._recorder = recorder
+
+    def __enter__(self) -> None:
+        if self._dist is not None:
+            self._token = _recording.set(self._recorder)
+            _install_wrappers(self._dist)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._dist is not None:
+            _remove_wrappers(self._dist)
+            _recording.reset(self._token)
 
 
 class CpuSegment:
@@ -404,7 +406,7 @@ class CpuSegment:
         self._token = runtime.cpu_capturing.set(True)
         self._recorder = _Recorder()
         self._sequence = _default_group_sequence()
-        self._collectives = _collectives_recorded(self._recorder)
+        self._collectives = _CollectivesRecorded(self._recorder)
         self._collectives.__enter__()
         self._recorder.__enter__()
         # Python-level host transfers are checked in Python code; a piecewise segment records compiled

@@ -1,2 +1,2 @@
-"""Capturing keys: one entry's capture, the plan-level capturer, the background capture thread and refits, and the
-memory estimate."""
+"""Capturing keys: the graph pool, the capture job (one sequence for every path, its mode a value), the background
+capture thread and refits, and the memory estimate."""

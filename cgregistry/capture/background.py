@@ -1,7 +1,7 @@
 """Background capture: a capture thread that takes queued keys one at a time while the engine serves, and the
 serving thread's side of it (installing what it finished between steps, waiting for it).
 
-The capture thread only captures, through the capturer's one capture sequence and under the
+The capture thread only captures, through the capture job's one capture sequence and under the
 registry's capture context.  What it finishes waits, as a record (``Captured``, ``TaskDone``),
 until the serving thread installs it between two steps (at the start of ``run()``, and in
 ``wait_captured()``, ``capture()``, ``release()`` and ``clear()``), so the entries and routes the
@@ -37,13 +37,13 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
-from cgregistry.store.catalog import Catalog
+from cgregistry.capture.job import BACKGROUND, CaptureJob
+from cgregistry.store.catalog import Catalog, Entry, Pair
 from cgregistry.key.descriptor import BatchDescriptor
-from cgregistry.store.entries import Entry, Pair
 from cgregistry.hooks.events import Events
 from cgregistry.warn import warn
 from cgregistry.errors import CaptureError
@@ -65,13 +65,6 @@ EAGER_STEPS_BEFORE_WAIT = 16
 # tenth of this, so that it always gets on.  None: it never stands aside.
 PAUSE_LIMIT_S: float | None = 0.05
 
-
-class KeyCapturer(Protocol):
-    """What the capture thread captures with (``cgregistry.capture.capturer.Capturer``)."""
-
-    context: Any  # the registry's capture context now (a CaptureContext, None before one is recorded)
-
-    def capture_key(self, pair: Pair, ctx: Any, *, background: bool = False) -> Entry: ...
 
 
 @attrs.frozen(slots=True)
@@ -100,7 +93,6 @@ class _Task:
     on_done: Callable[[Any, BaseException | None], None]
 
 
-_thread_owner = threading.local()  # .owner: the BackgroundCapture whose capture thread this is
 _instances: weakref.WeakSet[BackgroundCapture] = weakref.WeakSet()
 _switch_lock = threading.Lock()
 # capture threads running, the interval before the first lowered it, and the interval as read back once lowered
@@ -132,8 +124,8 @@ def background_order(pairs: Iterable[Pair]) -> list[Pair]:
 class BackgroundCapture:
     """One registry's capture thread (started when there is work, ended when there is none) and its results."""
 
-    def __init__(self, capturer: KeyCapturer, catalog: Catalog, events: Events, name: str, pacer: Any = None) -> None:
-        self._capturer = capturer  # captures each key (capture_key) and holds the registry's capture context
+    def __init__(self, job: CaptureJob, catalog: Catalog, events: Events, name: str, pacer: Any = None) -> None:
+        self._job = job  # captures each key (capture_key) and holds the registry's capture context
         self._pacer = pacer  # the backend's step pacer (cuda), or None
         self._catalog = catalog
         self._events = events
@@ -194,13 +186,9 @@ class BackgroundCapture:
         failed is listed until the install moves it to ``failures()``: never in neither)."""
         return self.queued() + [r.pair for r in list(self._ready) if isinstance(r, Captured)]
 
-    def on_capture_thread(self) -> bool:
-        """Whether the caller runs on this registry's capture thread (a hook or the step during a capture)."""
-        return getattr(_thread_owner, "owner", None) is self
-
     def refuse_on_capture_thread(self, call: str) -> None:
         """``call`` from a hook or the step running on the capture thread would wait for that thread itself."""
-        if self.on_capture_thread():
+        if self._job.on_capture_thread():
             raise RuntimeError(
                 f"{call} on registry {self._name!r} from its own capture thread (a hook or the step called it while "
                 "capturing) would wait for itself"
@@ -210,7 +198,7 @@ class BackgroundCapture:
 
     def submit(self, pairs: Iterable[Pair], context: Any, *, ordered: bool = False) -> None:
         """Queue keys not already queued or in flight, in ``background_order`` (as given with ``ordered``), under
-        ``context`` (the registry's capture context now, ``Capturer.current()``); start the thread if it is idle.
+        ``context`` (the registry's capture context now, ``CaptureJob.current()``); start the thread if it is idle.
         Lazy keys among them are the capture thread's from now on (no longer pending).
 
         Each capture starts under the registry's capture context of that moment.  One in flight under another
@@ -235,9 +223,8 @@ class BackgroundCapture:
                     self._queue.append((pair, context))
                     known.add(pair)
             self._start()
-        with self._catalog.batch():
-            self._catalog.unplan(pairs)
-            self._catalog.set_capturing(self.capturing())
+        self._catalog.unplan(pairs)
+        self._catalog.set_capturing(self.capturing())
 
     def submit_task(self, task: Callable[[], Any], on_done: Callable[[Any, BaseException | None], None]) -> None:
         """Run ``task()`` on the capture thread after what is queued; ``on_done(result, error)`` runs on the serving
@@ -285,30 +272,29 @@ class BackgroundCapture:
         (``stats().stale_captures``) and queued again under the current one."""
         tasks = []
         stale: list[Pair] = []
-        context = self._capturer.context
-        watch = self._capturer.watch
+        context = self._job.context
+        watch = self._job.watch
         current = watch.seen() if self._ready else {}  # read once: entries captured since the last change share it
-        with self._catalog.batch():
-            while self._ready:
-                done = self._ready.popleft()
-                if isinstance(done, TaskDone):
-                    tasks.append(done)  # handed on once the routes are rebuilt: their hooks see the routes as they are
-                elif done.context != context or (done.entry is not None and not watch.reads_current(done.entry.weights, current)):
-                    # captured under another context, or reading weights a refresh() has since replaced
-                    if done.pair not in self._catalog.entries:  # else captured in the foreground meanwhile
-                        stale.append(done.pair)
-                elif done.entry is None:
-                    self._catalog.fail_capture(done.pair, done.error)  # type: ignore[arg-type]
-                    warn(
-                        f"cgregistry: background {done.error}; the key is dropped and its batches go to the next best "
-                        "key (or run eagerly); reg.failures() keeps the error")
-                elif done.pair not in self._catalog.entries:  # else captured in the foreground meanwhile
-                    self._events.evicted(self._catalog.add(done.entry, background=True))
-            if stale:
-                self._catalog.counters.stale_captures += len(stale)
-                if context is not None:
-                    self.submit(stale, context, ordered=True)
-            self._catalog.set_capturing(self.capturing())
+        while self._ready:
+            done = self._ready.popleft()
+            if isinstance(done, TaskDone):
+                tasks.append(done)  # handed on once the routes are rebuilt: their hooks see the routes as they are
+            elif done.context != context or (done.entry is not None and not watch.reads_current(done.entry.weights, current)):
+                # captured under another context, or reading weights a refresh() has since replaced
+                if done.pair not in self._catalog.entries:  # else captured in the foreground meanwhile
+                    stale.append(done.pair)
+            elif done.entry is None:
+                self._catalog.fail_capture(done.pair, done.error)  # type: ignore[arg-type]
+                warn(
+                    f"cgregistry: background {done.error}; the key is dropped and its batches go to the next best "
+                    "key (or run eagerly); reg.failures() keeps the error")
+            elif done.pair not in self._catalog.entries:  # else captured in the foreground meanwhile
+                self._events.evicted(self._catalog.add(done.entry, background=True))
+        if stale:
+            self._catalog.counters.stale_captures += len(stale)
+            if context is not None:
+                self.submit(stale, context, ordered=True)
+        self._catalog.set_capturing(self.capturing())
         for task in tasks:
             task.on_done(task.result, task.error)
         if not self.busy and not self._ready:
@@ -409,7 +395,7 @@ class BackgroundCapture:
                 self._thread.start()
 
     def _loop(self) -> None:
-        _thread_owner.owner = self
+        self._job.mark_capture_thread(True)
         _shorten_switch_interval()
         stepping_aside = self._serving is not None and PAUSE_LIMIT_S is not None and sys.getprofile() is None
         if stepping_aside:
@@ -426,8 +412,8 @@ class BackgroundCapture:
                             self._cond.notify_all()
                             return
                         item = self._queue.popleft()
-                        if isinstance(item, tuple) and self._capturer.context is not None:
-                            item = (item[0], self._capturer.context)  # the registry's capture context as the capture starts
+                        if isinstance(item, tuple) and self._job.context is not None:
+                            item = (item[0], self._job.context)  # the registry's capture context as the capture starts
                         self._in_flight = item if isinstance(item, _Task) else item[0]
                         self._flight_context = None if isinstance(item, _Task) else item[1]
                         self._flight_stale = False
@@ -440,7 +426,7 @@ class BackgroundCapture:
             if stepping_aside:
                 sys.setprofile(None)
             _restore_switch_interval()
-            _thread_owner.owner = None
+            self._job.mark_capture_thread(False)
 
     def step_aside_hook(self, turn: list[None], limit: float) -> Callable[[Any, str, Any], None]:
         """The capture thread's profile function: called at each Python call and return, it waits while a run() is in
@@ -492,7 +478,7 @@ class BackgroundCapture:
         try:
             if isinstance(item, _Task):
                 return item.run(), None
-            return self._capturer.capture_key(item[0], item[1], background=True), None
+            return self._job.capture_key(item[0], item[1], BACKGROUND), None
         except BaseException as exc:  # reported to the serving thread, never lost in this one
             return None, exc
 

@@ -29,13 +29,13 @@ from typing import Any
 import attrs
 
 from cgregistry.capture.background import background_order
-from cgregistry.store.buffers import StaticBuffer
-from cgregistry.capture.entry import EntryCapture, paused_gc
+from cgregistry.store.io import StaticBuffer
+from cgregistry.capture.job import CaptureJob, PausedGC, scratch
 from cgregistry.key.descriptor import BatchDescriptor
-from cgregistry.store.entries import Pair
+from cgregistry.store.catalog import Pair
 from cgregistry.text import text_table
 
-__all__ = ["KeyMemory", "MemoryEstimate", "Probe", "estimate_memory"]
+__all__ = ["KeyMemory", "MemoryEstimate", "Probe", "estimate", "estimate_memory"]
 
 
 @attrs.frozen(slots=True)
@@ -163,8 +163,25 @@ def _interpolate(probes: Sequence[Probe], key: BatchDescriptor, strategy: str) -
                  mix(low.seconds, high.seconds))
 
 
+def estimate(job: CaptureJob, pairs: Sequence[Pair], background: bool, payload: Any = None) -> MemoryEstimate:
+    """Measure and predict the capture of ``pairs`` by ``job`` under the context a capture from this thread would run
+    under (``payload``, else the recorded one), without recording it; one capture at a time; the per-key predictions
+    are kept for inspection."""
+    ctx = job.context_for(payload)
+
+    def whole_graph(name: str) -> bool:
+        return bool(getattr(job.strategy(name), "whole_graph", False))
+
+    job.pool.refuse_if_held("estimate_memory()", job.name)
+    with job.pool.lock:
+        found = estimate_memory(job, pairs, job.strategy, ctx.state.run, ctx.payload, background=background,
+                                whole_graph=whole_graph)
+    job.predicted(found.keys)
+    return found
+
+
 def estimate_memory(
-    one: EntryCapture, pairs: Sequence[Pair], strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
+    one: CaptureJob, pairs: Sequence[Pair], strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
     *, background: bool, whole_graph: Callable[[str], bool],
 ) -> MemoryEstimate:
     """Capture ``pairs`` (plan order) as ``capture(pairs, background=background)`` would, into scratch, measure each key,
@@ -210,7 +227,7 @@ def estimate_memory(
 
 
 def _capture_all(
-    one: EntryCapture, order: Sequence[Pair], strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
+    one: CaptureJob, order: Sequence[Pair], strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
     background: bool, whole_graph: Callable[[str], bool], device_memory: Callable[[], tuple[int, int]] | None,
 ) -> tuple[list[tuple[Probe, int]], int]:
     """Each key of ``order`` captured into scratch, all alive until the last is measured (as a plan's entries are while
@@ -230,12 +247,12 @@ def _capture_all(
     entries: list[Any] = []
     measured = []
     try:
-        with paused_gc():
+        with PausedGC():
             for key, name in order:
                 shares = not background or whole_graph(name)
                 before, live_before = (device_memory(), live()) if device_memory is not None else ((0, 0), 0)
-                entry = run(one.capture, key, name, strategies(name), payload, background=background, scratch=True,
-                            scratch_pool=pool if shares else None, scratch_inputs=inputs)
+                mode = scratch(pool if shares else None, inputs, as_background=background)
+                entry = run(one.capture_entry, key, name, strategies(name), payload, mode)
                 entries.append(entry)
                 if device_memory is None:  # the emulator counts a graph's bytes, and nothing else
                     measured.append((Probe(key, name, 0, entry.memory_bytes, 0, 0, entry.capture_seconds), entry.memory_bytes))

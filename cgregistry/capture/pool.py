@@ -30,7 +30,7 @@ class GraphPool:
         self._graphs: weakref.WeakSet[Any] = weakref.WeakSet()  # entries alive whose graphs are in this handle
         self._used = False  # a graph was captured into this handle
         self._holder = threading.local()  # .name: the registry whose capture holds the lock on this thread
-        self._sharers: weakref.WeakSet[Any] = weakref.WeakSet()  # each registry's capturer (its holds_graphs())
+        self._sharers: weakref.WeakSet[Any] = weakref.WeakSet()  # each registry's capture job (its holds_graphs())
 
     @property
     def live_graphs(self) -> int:
@@ -49,7 +49,7 @@ class GraphPool:
         self._used = False
 
     def share(self, sharer: Any) -> None:
-        """``sharer`` (a registry's capturer, which says whether it ``holds_graphs()``) captures into this pool."""
+        """``sharer`` (a registry's capture job, which says whether it ``holds_graphs()``) captures into this pool."""
         self._sharers.add(sharer)
 
     def renew_if_unused(self) -> bool:
@@ -62,6 +62,31 @@ class GraphPool:
         finally:
             self.lock.release()
         return True
+
+    @property
+    def used(self) -> bool:
+        """Whether a graph was captured into the current handle (a pool never used has nothing to renew)."""
+        return self._used
+
+    def begin(self, registry: str, key: Any, strategy: str) -> None:
+        """Hold the lock for one capture of ``key`` [``strategy``] by ``registry`` on this thread, into ``handle`` (a fresh
+        one if every graph captured into the current one died); refused on a thread whose capture holds it already."""
+        if self.holder() is not None:
+            self.refuse_if_held(f"a capture of {key} [{strategy}]", registry)
+        self.lock.acquire()
+        try:
+            self.for_capture()
+        except BaseException:
+            self.lock.release()
+            raise
+        self._holder.name = registry
+
+    def end(self, entry: Any = None) -> None:
+        """The capture begun on this thread is over; ``entry``, if given, was captured into ``handle``."""
+        if entry is not None:
+            self.add(entry)
+        self._holder.name = None
+        self.lock.release()
 
     def recover(self) -> None:
         """After a failed capture into the pool: what the backend says the pool can still be used as."""

@@ -15,7 +15,7 @@ import attrs
 
 from cgregistry.plan.adapt import Adaptation, PlanChange, TrafficHistogram, propose
 from cgregistry.capture.background import BackgroundCapture
-from cgregistry.capture.capturer import Capturer
+from cgregistry.capture.job import CaptureJob
 from cgregistry.store.catalog import Catalog
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.hooks.events import Events
@@ -45,17 +45,17 @@ class Adapter:
     """Counts steps, queues refits, applies their changes."""
 
     __slots__ = (
-        "adapt", "plan_changes", "_catalog", "_capturer", "_background", "_events", "_name", "_traffic", "_observed",
+        "adapt", "plan_changes", "_catalog", "_job", "_background", "_events", "_name", "_traffic", "_observed",
         "_unharvested", "_harvest_at", "_refit_running", "_warned",
     )
 
     def __init__(
-        self, adapt: Adaptation, catalog: Catalog, capturer: Capturer, background: BackgroundCapture, events: Events, name: str,
+        self, adapt: Adaptation, catalog: Catalog, job: CaptureJob, background: BackgroundCapture, events: Events, name: str,
     ) -> None:
         refuse_with_collectives("GraphRegistry(adapt=...)", RANKS_WOULD_DIVERGE)
         for entry in adapt.fit({}):  # the widest keys any refit keeps
             try:
-                capturer.check_key(entry.descriptor, entry.strategy)
+                job.check_key(entry.descriptor, entry.strategy)
             except (ValueError, KeyError) as exc:
                 raise ValueError(
                     f"adapt: its settings make refits keep the key {entry.descriptor}, which does not fit the static inputs "
@@ -65,7 +65,7 @@ class Adapter:
         # The changes adaptation made, oldest first: the last PLAN_CHANGES_KEPT (a server runs for days).
         self.plan_changes: collections.deque[PlanChange] = collections.deque(maxlen=PLAN_CHANGES_KEPT)
         self._catalog = catalog
-        self._capturer = capturer
+        self._job = job
         self._background = background
         self._events = events
         self._name = name
@@ -112,7 +112,7 @@ class Adapter:
         cap = self._catalog.routes.cap
         preference = self._catalog.routes.matcher.preference  # read here: the task runs on the capture thread
         served = traffic.observed  # every step harvested (the histogram is never replaced): PlanChange.observed
-        self._capturer.current(RECORDED_AT_REFIT)  # a registry that only adapts records its capture context here, on the serving thread
+        self._job.current(RECORDED_AT_REFIT)  # a registry that only adapts records its capture context here, on the serving thread
         self._refit_running = True
         self._background.submit_task(
             lambda: propose(weights, current, adapt, preference=preference, observed=served,
@@ -151,7 +151,7 @@ class Adapter:
             if pair in catalog.failures or pair in catalog.entries:
                 continue
             try:
-                self._capturer.check_key(*pair)
+                self._job.check_key(*pair)
             except (ValueError, KeyError) as exc:
                 if pair not in self._warned:
                     self._warned.add(pair)
@@ -163,10 +163,9 @@ class Adapter:
         if not added and not removed:
             return
         change = attrs.evolve(change, added=tuple(added), removed=tuple(removed))
-        with catalog.batch():
-            released = catalog.release_pairs(removed)
-            self._background.discard(removed)
-            self._background.submit(added, self._capturer.current(RECORDED_AT_REFIT))
+        released = catalog.release_pairs(removed)
+        self._background.discard(removed)
+        self._background.submit(added, self._job.current(RECORDED_AT_REFIT))
         self.plan_changes.append(change)
         catalog.counters.plan_changes += 1
         self._events.released(released)

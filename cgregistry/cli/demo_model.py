@@ -18,7 +18,7 @@ import attrs
 import torch
 from torch import nn
 
-from cgregistry.store.buffers import StaticInput
+from cgregistry.store.io import StaticInput
 from cgregistry.key.descriptor import BatchDescriptor
 
 __all__ = ["DemoConfig", "DemoDecoder", "attention_bias", "attention_core", "attention_kernel_into", "demo_inputs", "random_batch"]

@@ -1,7 +1,7 @@
 """Events: every hook a registry calls, one typed method each, and the only place that builds hook arguments.
 
-Observer hooks go through ``Plugins.notify`` (one implementation at a time, a raising one reported
-as a warning); an event nobody observes costs an attribute test.  Hooks are given the registry as a
+Observer hooks are called one implementation at a time (``notify``), a raising one reported as a warning; an event
+nobody observes costs a test of its implementations, and builds no argument.  Hooks are given the registry as a
 :class:`~cgregistry.contracts.protocols.RegistryView`: something to read, not to drive.  Events hold it weakly: the
 capture thread, which reports through them, never keeps a registry the engine dropped alive (hooks of a
 registry already collected are not called).
@@ -9,6 +9,7 @@ registry already collected are not called).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -16,24 +17,24 @@ from typing import Any
 from cgregistry.plan.adapt import PlanChange
 from cgregistry.contracts.protocols import RegistryView
 from cgregistry.key.descriptor import BatchDescriptor
-from cgregistry.store.entries import Entry
+from cgregistry.store.catalog import Chooser, Entry
 from cgregistry.inspection import Refreshed, Slept
 from cgregistry.key.matcher import Match
 from cgregistry.hooks.manager import Plugins
-from cgregistry.store.routing import Chooser
 from cgregistry.errors import CaptureError
 
-__all__ = ["Events"]
+__all__ = ["Events", "notify"]
 
 
 class Events:
     """Tells plugins what a registry did."""
 
-    __slots__ = ("_plugins", "_notify", "_registry", "_backend", "miss_observed")
+    __slots__ = ("_plugins", "_hook", "_pm", "_registry", "_backend", "miss_observed")
 
     def __init__(self, plugins: Plugins, registry: RegistryView, backend: str) -> None:
         self._plugins = plugins
-        self._notify = plugins.notify
+        self._pm = plugins.pm
+        self._hook = plugins.pm.hook
         self._registry = weakref.ref(registry)
         self._backend = backend  # the backend name EntryInfo records carry
         self.miss_observed = plugins.observed("cgregistry_miss")  # an unobserved miss costs nothing
@@ -50,10 +51,13 @@ class Events:
 
         return choose, ", ".join(i.plugin_name for i in hook.get_hookimpls())
 
+    def _observed(self, hook_name: str) -> bool:
+        return bool(getattr(self._hook, hook_name).get_hookimpls())
+
     def _tell(self, hook_name: str, **kwargs: Any) -> None:
         registry = self._registry()
         if registry is not None:
-            self._notify(hook_name, registry=registry, **kwargs)
+            notify(self._pm, hook_name, registry=registry, **kwargs)
 
     def registry_created(self) -> None:
         self._tell("cgregistry_registry_created")
@@ -62,8 +66,9 @@ class Events:
         self._tell("cgregistry_capture_started", key=key, strategy=strategy)
 
     def capture_finished(self, key: BatchDescriptor, strategy: str, entry: Entry | None, error: CaptureError | None) -> None:
-        info = entry.info(self._backend) if entry is not None else None
-        self._tell("cgregistry_capture_finished", key=key, strategy=strategy, entry=info, error=error)
+        if self._observed("cgregistry_capture_finished"):
+            info = entry.info(self._backend) if entry is not None else None
+            self._tell("cgregistry_capture_finished", key=key, strategy=strategy, entry=info, error=error)
 
     def miss(self, actual: BatchDescriptor) -> None:
         if self.miss_observed:
@@ -91,3 +96,23 @@ class Events:
 
     def woke(self, keys: tuple[tuple[BatchDescriptor, str], ...]) -> None:
         self._tell("cgregistry_woke", keys=keys)
+
+
+def notify(pm: Any, hook_name: str, **kwargs: Any) -> None:
+    """Call an observer hook one implementation at a time: one that raises is reported as a ``RuntimeWarning`` naming
+    its plugin, and the others still run.  Observers watch; they cannot stop a capture or a step."""
+    hook = getattr(pm.hook, hook_name)
+    for impl in reversed(hook.get_hookimpls()):  # pluggy's order: the last registered first
+        try:
+            if impl.hookwrapper or impl.wrapper:  # a wrapper needs pluggy's own call, on its plugin alone
+                others = [p for p in pm.get_plugins() if p is not impl.plugin]
+                pm.subset_hook_caller(hook_name, remove_plugins=others)(**kwargs)
+            else:
+                impl.function(*[kwargs[name] for name in impl.argnames])
+        except Exception as exc:
+            warnings.warn(
+                f"cgregistry: {hook_name} of plugin {impl.plugin_name!r} raised {type(exc).__name__}: {exc}; "
+                "ignored (an observer hook cannot change what the registry does)",
+                RuntimeWarning,
+                stacklevel=3,
+            )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -126,26 +125,6 @@ class Plugins:
     def observed(self, hook_name: str) -> bool:
         """Whether any plugin implements the hook (an unobserved event costs nothing)."""
         return bool(getattr(self.pm.hook, hook_name).get_hookimpls())
-
-    def notify(self, hook_name: str, **kwargs: Any) -> None:
-        """Call an observer hook one implementation at a time: one that raises is reported as a
-        ``RuntimeWarning`` naming its plugin, and the others still run.  Observers watch; they
-        cannot stop a capture or a step."""
-        hook = getattr(self.pm.hook, hook_name)
-        for impl in reversed(hook.get_hookimpls()):  # pluggy's order: the last registered first
-            try:
-                if impl.hookwrapper or impl.wrapper:  # a wrapper needs pluggy's own call, on its plugin alone
-                    others = [p for p in self.pm.get_plugins() if p is not impl.plugin]
-                    self.pm.subset_hook_caller(hook_name, remove_plugins=others)(**kwargs)
-                else:
-                    impl.function(*[kwargs[name] for name in impl.argnames])
-            except Exception as exc:
-                warnings.warn(
-                    f"cgregistry: {hook_name} of plugin {impl.plugin_name!r} raised {type(exc).__name__}: {exc}; "
-                    "ignored (an observer hook cannot change what the registry does)",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
 
     def strategy(self, name: str) -> Any:
         try:

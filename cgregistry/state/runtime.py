@@ -62,14 +62,12 @@ background_capture: contextvars.ContextVar[bool] = contextvars.ContextVar("cgreg
 foreground_layout: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_foreground_layout", default=False)
 
 
+@attrs.define(slots=True)
 class Recording:
     """A strategy recording the step into a graph on this thread (warm-up excluded): what host code outside an eager
     break reads now is frozen into the graph.  Counts the reads of the batch's ``actual`` and ``payload`` there."""
 
-    __slots__ = ("live_batch_reads",)
-
-    def __init__(self) -> None:
-        self.live_batch_reads = 0
+    live_batch_reads: int = 0
 
 
 # The recording in progress on this thread; None outside one, and inside an eager break's body.

@@ -130,17 +130,21 @@ class ServingState:
         The default dtype and the matmul flags are process-wide, so they are only checked (by ``run``), never set here.
         """
         with contextlib.ExitStack() as stack:
-            if self.cuda_device is not None:
-                stack.enter_context(torch.cuda.device(self.cuda_device))
-            if torch.get_default_device() != self.default_device:
-                stack.enter_context(torch.device(self.default_device))
-            for device_type in self.device_types:
-                dtype = dict(self.autocast).get(device_type)
-                if dtype is not None:
-                    stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
-                elif torch.is_autocast_enabled(device_type):
-                    stack.enter_context(torch.autocast(device_type, enabled=False))
+            self._apply(stack)
             yield
+
+    def _apply(self, stack: contextlib.ExitStack) -> None:
+        """Enter this state's thread-local parts on ``stack``."""
+        if self.cuda_device is not None:
+            stack.enter_context(torch.cuda.device(self.cuda_device))
+        if torch.get_default_device() != self.default_device:
+            stack.enter_context(torch.device(self.default_device))
+        for device_type in self.device_types:
+            dtype = dict(self.autocast).get(device_type)
+            if dtype is not None:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
+            elif torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` under this state, in a copy of the context variables it was taken with.
@@ -152,7 +156,8 @@ class ServingState:
 
         def body() -> Any:
             self.check_process_wide()
-            with self.applied():
+            with contextlib.ExitStack() as stack:
+                self._apply(stack)
                 result = fn(*args, **kwargs)
             self.check_process_wide()
             return result
@@ -228,13 +233,14 @@ class StateTest:
         """Pass whatever the state (nothing recorded to compare with)."""
         self.parts = (_TRUE, _TRUE, True)
 
-    def take(self, device_type: str = "cpu") -> None:
+    def take(self, device_type: str = "cpu", recorded_at: str = RECORDED_AT_CAPTURE) -> ServingState:
         """Pass while the calling thread's state is what it is now, in every field ``ServingState.differences()``
-        compares (``device_type``: the registry's, whose autocast counts too).  Call it on the thread it will check."""
-        now = ServingState.current(device_type)
+        compares (``device_type``: the registry's, whose autocast counts too); that state, taken at ``recorded_at``.
+        Call it on the thread it will check."""
+        now = ServingState.current(device_type, recorded_at)
         if GlobalStateGuard is None:
             self.parts = ((lambda: not now.differences()), _TRUE, True)
-            return
+            return now
         guard = GlobalStateGuard().check
         rest = [(read, was) for (name, read), was in zip(_MATMUL_FLAGS, now.matmul_flags) if name not in _GUARDED_FLAGS]
         rest += [
@@ -246,3 +252,4 @@ class StateTest:
             self.parts = (guard, read, was)
         else:
             self.parts = ((lambda: guard() and all(read() == was for read, was in rest)), _TRUE, True)
+        return now

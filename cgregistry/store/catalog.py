@@ -1,26 +1,297 @@
-"""The catalog: every key a registry holds (captured entries, lazy keys, keys being captured in the background,
+"""The store: every key a registry holds (captured entries, lazy keys, keys being captured in the background,
 failures), the memory budget, the counters, and the routes that serve batches from them.
 
-Every change goes through a method that keeps the routes consistent (cached routes dropped, the
-matcher rebuilt over the new keys) and returns what it removed, so that the caller can tell
-observers.  Pure bookkeeping: it never captures, replays or calls a hook.
+An :class:`Entry` is one captured graph with its counters.  A *route* holds everything the hot path needs for one
+actual batch shape: the entry to replay (or the lazy key to capture first, or nothing: eager), the rows to copy per
+input, and the sliced outputs.  Routes come from the matcher (or a ``cgregistry_choose_match`` plugin) and are cached
+until the keys change; the matcher itself is rebuilt at the first route asked for after a change, never by the change.
+Routes of a plain ``run(actual)`` are cached by actual batch alone (the hot path's one dict lookup); any other run is a
+*variant* (a group's agreed batch, strategies excluded for the call), cached apart by (own batch, Variant).
+
+Every change goes through a :class:`Catalog` method that keeps the routes consistent and returns what it removed, so
+that the caller can tell observers.  Pure bookkeeping: it never captures, replays or calls a hook.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
-from cgregistry.store.buffers import StaticBuffer
+import attrs
+
+from cgregistry.errors import InputError, PluginError
+from cgregistry.inspection import MISS_REASONS, ClassStats, EntryInfo, Stats, key_class
 from cgregistry.key.descriptor import BatchDescriptor
-from cgregistry.store.entries import Entry, Pair
-from cgregistry.inspection import MISS_REASONS, ClassStats, Stats
-from cgregistry.key.matcher import DEFAULT_PREFERENCE, PaddingCap
-from cgregistry.store.outputs import OutputAxes
-from cgregistry.store.routing import Chooser, RouteTable
+from cgregistry.key.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher, PaddingCap
+from cgregistry.state.runtime import BreakContext
+from cgregistry.store.io import OutputAxes, OutputSlicer, StaticBuffer, describe_rows, rows_for
 
-__all__ = ["Catalog", "Counters"]
+__all__ = ["NO_EXCLUSION", "ROUTE_CACHE_LIMIT", "Catalog", "Chooser", "Counters", "Entry", "Pair", "Route", "RouteTable", "Variant", "not_a_descriptor"]
+
+
+Pair = tuple[BatchDescriptor, str]  # (key, strategy name)
+
+
+class Entry:
+    """One captured graph and its counters."""
+
+    __slots__ = (
+        "key", "strategy", "graph", "replay", "slicer", "capture_seconds", "memory_bytes",
+        "replays", "padded_tokens", "graph_tokens", "last_step", "_key_class", "has_breaks", "buffers", "weights",
+        "generation", "read_live_batch", "device_bytes", "__weakref__",
+    )
+
+    def __init__(self, key: BatchDescriptor, strategy: str, graph: Any, slicer: OutputSlicer, seconds: float) -> None:
+        self.key = key
+        self.strategy = strategy
+        self.graph = graph
+        self.replay = graph.replay
+        self.slicer = slicer
+        self.capture_seconds = seconds
+        self.memory_bytes = int(graph.memory_bytes)
+        self.replays = 0
+        self.padded_tokens = 0
+        self.graph_tokens = 0
+        self.last_step = 0
+        self._key_class: str | None = None
+        self.has_breaks = bool(getattr(graph, "breaks", 0))  # eager breaks read current_batch() at replay
+        self.buffers: tuple[Any, ...] | None = None  # static inputs of its own (captured in the background), else shared
+        self.weights: Mapping[str, Any] = {}  # the watched tensors' layouts at its capture (WeightWatch.seen)
+        self.read_live_batch = False  # its recording read current_batch().actual or .payload outside an eager break
+        self.generation = 0  # the watch's generation at its capture: a replay in a later one checks the addresses first
+        # Device memory its capture took (measured where the backend can: pool growth, warm-up, driver objects), else
+        # the graph's own count; what memory_budget sums.
+        self.device_bytes = self.memory_bytes
+
+    @property
+    def pair(self) -> Pair:
+        return (self.key, self.strategy)
+
+    @property
+    def key_class(self) -> str:
+        """The class its counters are summed under in ``stats().by_class`` (``full/decode``, ...)."""
+        if self._key_class is None:
+            self._key_class = key_class(self.key, self.strategy)
+        return self._key_class
+
+    def info(self, backend: str, predicted_bytes: int | None = None) -> EntryInfo:
+        """This entry as a read-only record (what ``entries()`` and the hooks hand out)."""
+        graph = self.graph
+        return EntryInfo(
+            self.key, self.strategy, backend, self.capture_seconds, self.memory_bytes, self.replays, self.padded_tokens,
+            self.last_step, segments=getattr(graph, "num_segments", None), breaks=getattr(graph, "breaks", None),
+            device_bytes=self.device_bytes, predicted_bytes=predicted_bytes,
+        )
+
+
+# Distinct actual shapes remembered per cache before it starts over.
+ROUTE_CACHE_LIMIT = 1 << 16
+
+Chooser = Callable[[BatchDescriptor, list[Match]], object]  # a policy plugin's answer (checked here)
+
+
+NO_EXCLUSION: frozenset[str] = frozenset()
+
+
+class Variant(NamedTuple):
+    """What makes a run other than a plain ``run(actual)``: a group's agreed batch, excluded strategies."""
+
+    agreed: BatchDescriptor | None
+    exclude: frozenset[str] = NO_EXCLUSION
+
+
+def not_a_descriptor(value: object) -> TypeError:
+    return TypeError(f"a batch must be a cgregistry.BatchDescriptor, got {value!r} ({type(value).__name__})")
+
+
+class Route:
+    """Everything ``run`` needs for one actual shape, computed once."""
+
+    __slots__ = (
+        "entry", "pending", "match", "copies", "out_rows", "single_output", "real_tokens", "pad_tokens", "batch_context", "miss_reason",
+        "hint",
+    )
+
+    def __init__(
+        self, actual: BatchDescriptor, entry: Entry | None, match: Match | None, copies: tuple[tuple[StaticBuffer, int], ...],
+        out_rows: int | tuple[int, ...], miss_reason: str | None = None,
+    ) -> None:
+        self.entry = entry
+        self.miss_reason = miss_reason  # why the batch runs eagerly (a MISS_REASONS key), when no key serves it
+        self.hint: str | None = None  # how the engine could describe the batch so that a key serves it (Matcher.uniform_hint)
+        # the best key is in a lazy plan and not captured yet: run() captures it first
+        self.pending: Pair | None = (match.key, match.strategy) if match is not None and entry is None else None
+        self.match = match
+        self.copies = copies
+        self.out_rows = out_rows
+        self.real_tokens = actual.num_tokens
+        # from the key, not match.padding: a group's agreed match pads relative to the agreed descriptor
+        self.pad_tokens = match.key.num_tokens - actual.num_tokens if match is not None else 0
+        self.single_output = entry.slicer.sliced(out_rows) if entry is not None and entry.slicer.spec is None else None
+        # what eager breaks see through current_batch() when run() gets no payload (built once, not per step)
+        self.batch_context = BreakContext(actual, entry.key, None) if entry is not None else None
+
+
+class RouteTable:
+    """The matcher over the store's keys, and the routes built from it."""
+
+    __slots__ = (
+        "_buffers", "_entries", "_pending", "_failures", "_output_axes", "_chooser", "_chooser_names", "preference", "cap",
+        "_matcher", "cache", "variant_cache", "capturing", "asleep", "_lock", "_generation",
+    )
+
+    def __init__(
+        self, buffers: Mapping[str, StaticBuffer], entries: Mapping[Pair, Entry], output_axes: OutputAxes,
+        preference: Sequence[str], chooser: Chooser | None = None, chooser_names: str = "",
+        failures: Mapping[Pair, BaseException] | None = None, cap: PaddingCap = PaddingCap(),
+        pending: Mapping[Pair, None] | None = None,
+    ) -> None:
+        self._buffers = tuple(buffers.values())
+        self._entries = entries  # the store's live dict
+        self._pending = pending if pending is not None else {}  # the store's live dict of lazy keys
+        self._failures = failures if failures is not None else {}  # the store's live dict of removed keys
+        self._output_axes = output_axes
+        self._chooser = chooser
+        self._chooser_names = chooser_names
+        self.preference = tuple(preference)
+        self.cap = cap
+        self._matcher: Matcher | None = None  # over the keys as they were at its build; None: built at the next need
+        self.cache: dict[BatchDescriptor, Route] = {}  # plain runs, by actual batch
+        self.variant_cache: dict[tuple[BatchDescriptor, Variant], Route] = {}  # other runs, by (actual, variant)
+        self.capturing: tuple[Pair, ...] = ()  # keys being captured in the background (not served yet)
+        self.asleep = False  # the registry sleeps: every miss is "asleep"
+        # Changes so far: a route built across a change (a hook's match() on another thread racing the serving
+        # thread's changes) is handed back but never cached.  The lock orders that check and the cache write with
+        # the change; the hot path's cache reads take no lock.
+        self._lock = threading.Lock()
+        self._generation = 0
+
+    @property
+    def matcher(self) -> Matcher:
+        """The matcher over every captured and lazy key, built at the first need after a change."""
+        with self._lock:
+            matcher = self._matcher
+            if matcher is None:
+                matcher = self._matcher = Matcher(self._pairs(), self.preference, max_padding_tokens=self.cap.max_tokens,
+                                                  max_padding_ratio=self.cap.max_ratio)
+            return matcher
+
+    def _pairs(self) -> list[Pair]:
+        return [*self._entries, *self._pending]
+
+    def changed(self, capturing: Sequence[Pair] = (), asleep: bool = False) -> None:
+        """The keys changed (``capturing``: keys not served yet, and ``asleep``: for miss reasons): every cached route is
+        dropped (the caches are cleared in place), and the matcher is built anew when next needed."""
+        with self._lock:
+            self._generation += 1
+            self._matcher = None
+            self.capturing = tuple(capturing)
+            self.asleep = asleep
+            self.cache.clear()
+            self.variant_cache.clear()
+
+    def route(self, actual: BatchDescriptor, variant: Variant | None = None) -> Route:
+        """Build and cache the route for ``actual`` (under ``variant``: a group's agreed batch, excluded strategies).
+
+        Safe from any thread: a route whose building overlapped a change (its keys may be gone since) is
+        returned but not cached, so a cached route always reflects the keys as they are."""
+        if not isinstance(actual, BatchDescriptor):
+            raise not_a_descriptor(actual)
+        generation = self._generation
+        copies = []
+        for buf in self._buffers:
+            rows = rows_for(buf.spec.axis, actual)
+            if rows is None:
+                raise InputError(f"static input {buf.name!r} is indexed by requests, but {actual} gives num_reqs=None")
+            copies.append((buf, rows))
+        out_rows = self._output_axes.rows(actual)
+        if out_rows is None:
+            raise InputError(f"output_axis={self._output_axes.given!r} needs the batch's request count; {actual} gives none")
+        target, exclude = actual, NO_EXCLUSION
+        if variant is not None:
+            target = actual if variant.agreed is None else variant.agreed
+            exclude = variant.exclude
+        fits = self.too_large(actual) is None  # more requests than a relaxed key's buffers hold: eager
+        match = self.choose(target, exclude) if fits else None
+        entry = self._entries.get((match.key, match.strategy)) if match is not None else None
+        if entry is not None and entry.buffers is not None:  # captured in the background: its own static inputs
+            copies = [(own, rows) for own, (_, rows) in zip(entry.buffers, copies)]
+        reason = None if match is not None else self.miss_reason(target, exclude)
+        route = Route(actual, entry, match, tuple(copies), out_rows, reason)
+        if reason == "no_key_for_class":
+            route.hint = self.matcher.uniform_hint(target, exclude)
+        cache, cache_key = (self.cache, actual) if variant is None else (self.variant_cache, (actual, variant))
+        with self._lock:
+            if generation == self._generation:
+                if len(cache) >= ROUTE_CACHE_LIMIT:
+                    cache.clear()
+                cache[cache_key] = route  # type: ignore[index]
+        return route
+
+    def too_large(self, actual: BatchDescriptor) -> str | None:
+        """Why no graph can take ``actual`` whatever the keys (a static input too small for it), or None."""
+        for buf in self._buffers:
+            rows = rows_for(buf.spec.axis, actual)
+            if rows is not None and rows > buf.capacity:
+                return f"{describe_rows(buf.spec.axis, rows)} do not fit static input {buf.name!r}, which holds {buf.capacity}"
+        return None
+
+    def miss_reason(self, actual: BatchDescriptor, exclude: frozenset[str] = NO_EXCLUSION) -> str:
+        """Why no key serves ``actual`` (a ``MISS_REASONS`` key); computed once per route, off the hot path.
+
+        ``capturing``: a key being captured would serve it (its strategy allowed, within the padding cap).
+        A key covers the batch yet none serves it: the padding cap refused every allowed
+        strategy (``padding_cap``), or every covering key's strategy is excluded (``excluded``).
+        """
+        if self.asleep:
+            return "asleep"
+        if self.too_large(actual) is not None:
+            return "above_capacity"
+        if any(strategy not in exclude and self.cap.serves(key, actual) for key, strategy in self.capturing):
+            return "capturing"
+        pairs = [*self._pairs(), *self.capturing]  # keys being captured count as keys for the reasons below
+        if not pairs:
+            return "no_graphs" if not self._failures else "failed"
+        covering = {strategy for key, strategy in pairs if key.covers(actual)}
+        if covering - exclude:
+            return "padding_cap"
+        if covering:
+            return "excluded"
+        if any(key.covers(actual) for key, _ in self._failures):
+            return "failed"
+        return "above_largest_key" if any(_same_kind(key, actual) for key, _ in pairs) else "no_key_for_class"
+
+    def explain(self, actual: BatchDescriptor, exclude: frozenset[str] = NO_EXCLUSION) -> Explanation:
+        """The matcher's explanation, refused as a whole when no graph can take the batch."""
+        explanation = self.matcher.explain(actual, exclude)
+        refused = self.too_large(actual)
+        if refused is None:
+            return explanation
+        candidates = tuple(attrs.evolve(c, chosen=False) for c in explanation.candidates)
+        return attrs.evolve(explanation, match=None, candidates=candidates, refused=refused)
+
+    def choose(self, actual: BatchDescriptor, exclude: frozenset[str] = NO_EXCLUSION) -> Match | None:
+        """The matcher's best covering key (outside ``exclude``), unless a policy plugin picks another candidate."""
+        match = self.matcher.match(actual, exclude)
+        if match is None or self._chooser is None:
+            return match
+        candidates = self.matcher.candidates(actual, exclude)
+        choice = self._chooser(actual, candidates)
+        if choice is None:
+            return match
+        if not isinstance(choice, Match) or choice not in candidates:
+            raise PluginError(
+                f"cgregistry_choose_match (implemented by {self._chooser_names}) returned {choice!r} for {actual}, "
+                "which is not one of the candidates it was given (each a Match)"
+            )
+        return choice
+
+
+def _same_kind(key: BatchDescriptor, actual: BatchDescriptor) -> bool:
+    """Whether ``key`` would cover ``actual`` if it had enough tokens and requests."""
+    return key.num_active_loras >= actual.num_active_loras and key.serves_kind(actual)
 
 
 class Counters:
@@ -54,7 +325,7 @@ class Catalog:
 
     __slots__ = (
         "entries", "pending", "failures", "capturing", "asleep", "memory_budget", "routes", "counters", "predicted", "_retired",
-        "_deferred", "_dirty", "follows_plans",
+        "follows_plans",
     )
 
     def __init__(
@@ -69,12 +340,11 @@ class Catalog:
         self.capturing: tuple[Pair, ...] = ()  # keys queued for, or in, background capture (not served yet)
         self.asleep = False  # reg.sleep(): no graph, every batch eager (miss reason "asleep") until reg.wake()
         self.memory_budget = memory_budget
-        self.routes = RouteTable(buffers, self.entries, output_axes, preference, chooser, chooser_names, self.failures, cap)
+        self.routes = RouteTable(buffers, self.entries, output_axes, preference, chooser, chooser_names, self.failures, cap,
+                                 self.pending)
         self.counters = Counters()
         self.predicted: dict[Pair, int] = {}  # device bytes per key, as the last memory estimate predicted them
         self._retired: dict[str, list[int]] = {}  # counters of removed entries, per key class
-        self._deferred = 0  # inside batch(): routes are rebuilt once, at its end
-        self._dirty = False
 
     # ---------------------------------------------------------------- reading
 
@@ -136,17 +406,6 @@ class Catalog:
         self.counters.reset()
 
     # ---------------------------------------------------------------- changes (each keeps the routes consistent)
-
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        """Make several changes with one rebuild of the routes, at the end."""
-        self._deferred += 1
-        try:
-            yield
-        finally:
-            self._deferred -= 1
-            if not self._deferred and self._dirty:
-                self._changed()
 
     def add(self, entry: Entry, *, background: bool = False) -> list[Entry]:
         """A captured entry goes live (no longer listed as failed, if an earlier capture or replay of its key failed);
@@ -270,9 +529,4 @@ class Catalog:
         return entry
 
     def _changed(self) -> None:
-        if self._deferred:  # the matcher is rebuilt at the end of batch(); no route cached before this change serves
-            self._dirty = True
-            self.routes.invalidate()
-            return
-        self._dirty = False
-        self.routes.rebuild(self.pairs(), self.capturing, self.asleep)
+        self.routes.changed(self.capturing, self.asleep)

@@ -27,7 +27,7 @@ from cgregistry.contracts.protocols import Backend, Graph, SegmentedBackend
 from cgregistry.errors import BreakError, OutputError
 from cgregistry.builtins import BUILTIN_RELAXES
 from cgregistry.contracts.markers import hookimpl
-from cgregistry.store.outputs import flatten
+from cgregistry.store.io import flatten
 
 if TYPE_CHECKING:
     from cgregistry.hooks.manager import StrategyRegistrar

@@ -27,6 +27,7 @@ from cgregistry.plan.adapt import (
     replay,
 )
 from cgregistry.plan.fit import PlanReport, evaluate
+from cgregistry.hooks.events import notify
 from cgregistry.testing import make_plugins
 from cgregistry.plan.workload import SchedulerConfig, read_trace, schedule
 
@@ -351,7 +352,7 @@ def test_the_plan_changed_hook_takes_the_registry_and_the_change() -> None:
 
     change = spec_lora_change()
     plugins = make_plugins(Watcher())
-    plugins.notify("cgregistry_plan_changed", registry="reg", change=change)
+    notify(plugins.pm, "cgregistry_plan_changed", registry="reg", change=change)
     assert seen == [("reg", change.to_dict())]
     with pytest.raises(pluggy.PluginValidationError, match="changes"):
         make_plugins(Misspelt())

@@ -40,7 +40,7 @@ def test_the_cpu_estimate_equals_what_capture_then_reports_key_by_key() -> None:
 def test_the_estimate_keeps_no_graph_alive_once_it_returns(background: bool) -> None:
     """Every scratch graph is dropped before the estimate measures what it left (a graph kept alive would hold its pool,
     counted as left behind and taken off the prediction), and its steps wrote the KV cache at the scratch slot only."""
-    from cgregistry.store.entries import Entry
+    from cgregistry.store.catalog import Entry
 
     def alive() -> int:
         gc.collect()
@@ -59,7 +59,7 @@ def test_the_estimate_keeps_no_graph_alive_once_it_returns(background: bool) -> 
 def test_an_estimate_whose_capture_fails_keeps_nothing_while_its_error_is_held(background: bool) -> None:
     """A key that fails to capture mid-plan: the error reaches the caller, and the keys captured before it are already
     dropped while the caller still holds the error (whose traceback keeps the estimate's frames)."""
-    from cgregistry.store.entries import Entry
+    from cgregistry.store.catalog import Entry
 
     engine = Engine()
     failing = PLAN.entries[len(PLAN.entries) // 2].descriptor

@@ -14,7 +14,7 @@ import torch
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry.backends.cpu import GraphUnsafeOpError
-from cgregistry.capture.entry import CaptureError
+from cgregistry.errors import CaptureError
 from cgregistry.errors import CgregistryError
 
 

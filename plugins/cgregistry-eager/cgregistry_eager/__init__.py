@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from cgregistry.store.outputs import flatten
+from cgregistry.store.io import flatten
 from cgregistry.plugin import StrategyRegistrar, hookimpl
 
 __all__ = ["EagerGraph", "EagerStrategy"]
