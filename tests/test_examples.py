@@ -12,14 +12,14 @@ import pytest
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 
 
-# Slow: hf_llama.py serves a Hugging Face model through every mode (tests/cli/test_hf_llama.py covers it in the default run).
-SLOW = {"hf_llama.py"}
+# Slow: the hf_ examples serve a Hugging Face model through every mode (tests/cli/test_hf_*.py cover them in the default run).
+SLOW = {"hf_llama.py", "hf_spec_decode.py"}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.slow] if p.name in SLOW else []) for p in EXAMPLES],
                          ids=[p.name for p in EXAMPLES])
 def test_example_runs(path: Path) -> None:
-    if path.name == "hf_llama.py":
+    if path.name.startswith("hf_"):
         pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'")
     env = {**os.environ, "CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD": "1"}
     r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=600)
