@@ -38,10 +38,6 @@ from cgregistry.errors import (
 
 from cgregistry.version import __version__
 
-from cgregistry.plan.build import use_installed_plugins
-
-use_installed_plugins(Plugins)  # plans find installed plugin strategies without importing the plugin manager
-del use_installed_plugins
 
 __all__ = [
     # batches and plans

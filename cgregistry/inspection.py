@@ -22,10 +22,17 @@ from cgregistry.key.matcher import DEFAULT_PREFERENCE, Candidate, Explanation, M
 from cgregistry.text import text_table
 
 __all__ = [
-    "SNAPSHOT_SCHEMA", "Candidate", "ClassStats", "EntryInfo", "Explanation", "Match", "Refreshed", "Slept", "Snapshot", "SnapshotError",
+    "PLAN_CHANGE_REASONS", "SNAPSHOT_SCHEMA", "Candidate", "ClassStats", "EntryInfo", "Explanation", "Match", "PlanChange", "PlanScore", "Refreshed", "Slept", "Snapshot", "SnapshotError",
     "Stats", "entries_table",
     "key_class", "load_snapshot",
 ]
+
+# Why adaptation proposes a plan change, in the order ``cgregistry.plan.adapt.propose`` checks them.
+PLAN_CHANGE_REASONS: dict[str, str] = {
+    "budget": "the current keys exceed max_graphs or max_bytes",
+    "coverage": "the fitted plan serves more observed steps from graphs",
+    "padding": "the fitted plan saves at least min_gain of the padded tokens",
+}
 
 SNAPSHOT_SCHEMA = 3  # 2: stats.bad_batches; 3: entries' device_bytes and predicted_bytes
 _READABLE_SCHEMAS = (1, 2, 3)  # older schemas lack only fields that have defaults
@@ -401,3 +408,95 @@ def load_snapshot(source: str | Path | Mapping[str, Any]) -> Snapshot:
     if not isinstance(data, dict):
         raise SnapshotError(f"{path}: a snapshot is a JSON object, got {type(data).__name__}")
     return Snapshot.from_dict(data)
+
+
+Pair = tuple[BatchDescriptor, str]  # (key, strategy name)
+
+
+@attrs.frozen(slots=True)
+class PlanScore:
+    """How a set of keys serves the observed traffic: the numbers a change is judged on."""
+
+    graphs: int
+    steps: int
+    graph_steps: int
+    real_tokens: int  # tokens of graph-served steps
+    padded_tokens: int
+
+    @classmethod
+    def of(cls, report: Any) -> PlanScore:
+        """The score of a ``cgregistry.plan.fit.PlanReport``."""
+        return cls(report.graphs, report.steps, report.graph_steps, report.real_tokens, report.padded_tokens)
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padded tokens over all tokens computed by graphs (``PlanReport.padding_ratio``)."""
+        total = self.real_tokens + self.padded_tokens
+        return self.padded_tokens / total if total else 0.0
+
+
+def _pair_dict(pair: Pair) -> dict[str, Any]:
+    return {"key": attrs.asdict(pair[0]), "strategy": pair[1]}
+
+
+def _pair_of(data: Mapping[str, Any]) -> Pair:
+    return BatchDescriptor(**data["key"]), data["strategy"]
+
+
+@attrs.frozen(slots=True)
+class PlanChange:
+    """One refit's outcome: keys to capture (largest first), keys to release, and why.
+
+    ``before`` and ``after`` score the current and the new keys on the traffic the refit
+    saw; ``observed`` is the registry's step count when it was proposed; ``reason`` is a
+    ``PLAN_CHANGE_REASONS`` name.
+    """
+
+    added: tuple[Pair, ...]
+    removed: tuple[Pair, ...]
+    before: PlanScore
+    after: PlanScore
+    observed: int
+    reason: str
+
+    @property
+    def gain(self) -> float:
+        """The fraction of padded tokens saved (negative when a budget cut costs padding; 0 with none before)."""
+        b = self.before.padded_tokens
+        return (b - self.after.padded_tokens) / b if b else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The change as JSON-serialisable data (``from_dict`` reads it back)."""
+        return {
+            "reason": self.reason,
+            "observed": self.observed,
+            "added": [_pair_dict(p) for p in self.added],
+            "removed": [_pair_dict(p) for p in self.removed],
+            "before": attrs.asdict(self.before),
+            "after": attrs.asdict(self.after),
+            "gain": self.gain,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlanChange:
+        """A change from ``to_dict``'s form (``gain`` is derived, so it is not read)."""
+        if data.get("reason") not in PLAN_CHANGE_REASONS:
+            raise ValueError(f"PlanChange reason must be one of {', '.join(PLAN_CHANGE_REASONS)}, got {data.get('reason')!r}")
+        if type(data.get("observed")) is not int or data["observed"] < 0:
+            raise ValueError(f"PlanChange observed must be an int >= 0 (steps), got {data.get('observed')!r}")
+        return cls(
+            added=tuple(_pair_of(p) for p in data["added"]),
+            removed=tuple(_pair_of(p) for p in data["removed"]),
+            before=PlanScore(**data["before"]),
+            after=PlanScore(**data["after"]),
+            observed=data["observed"],
+            reason=data["reason"],
+        )
+
+    def __str__(self) -> str:
+        b, a = self.before, self.after
+        return (
+            f"plan change ({self.reason}: {PLAN_CHANGE_REASONS[self.reason]}) after {self.observed} steps: +{len(self.added)} -{len(self.removed)} keys, "
+            f"{b.graphs} -> {a.graphs} graphs, graph-served steps {b.graph_steps} -> {a.graph_steps} of {a.steps}, "
+            f"padding {b.padding_ratio:.2%} -> {a.padding_ratio:.2%}"
+        )

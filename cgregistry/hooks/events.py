@@ -14,11 +14,10 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from cgregistry.plan.adapt import PlanChange
 from cgregistry.contracts.protocols import RegistryView
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.store.catalog import Chooser, Entry
-from cgregistry.inspection import Refreshed, Slept
+from cgregistry.inspection import PlanChange, Refreshed, Slept
 from cgregistry.key.matcher import Match
 from cgregistry.hooks.manager import Plugins
 from cgregistry.errors import CaptureError

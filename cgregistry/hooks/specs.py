@@ -22,10 +22,9 @@ from typing import TYPE_CHECKING
 from cgregistry.contracts.markers import PROJECT, hookimpl, hookspec
 
 if TYPE_CHECKING:  # annotations only: hook specifications import nothing of the registry at run time
-    from cgregistry.plan.adapt import PlanChange
     from cgregistry.contracts.protocols import RegistryView
     from cgregistry.key.descriptor import BatchDescriptor
-    from cgregistry.inspection import EntryInfo, Refreshed, Slept
+    from cgregistry.inspection import EntryInfo, PlanChange, Refreshed, Slept
     from cgregistry.key.matcher import Match
     from cgregistry.contracts.registrars import BackendRegistrar, StrategyRegistrar
 

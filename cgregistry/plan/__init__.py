@@ -16,12 +16,11 @@ from cgregistry.plan.build import (
     mode_preference,
     request_ladder,
     rounded_sizes,
-    use_installed_plugins,
     whole_requests,
 )
 
 __all__ = [
     "BUILTIN_RELAXES", "KEY_CLASSES", "MODES", "CapturePlan", "Downgrade", "PlanEntry", "PlanSettings", "UncoveredRange",
-    "default_ladder", "lora_ladder", "mode_preference", "request_ladder", "rounded_sizes", "use_installed_plugins",
+    "default_ladder", "lora_ladder", "mode_preference", "request_ladder", "rounded_sizes",
     "whole_requests",
 ]

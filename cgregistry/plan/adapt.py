@@ -20,21 +20,14 @@ from typing import Any
 import attrs
 
 from cgregistry.key.descriptor import BatchDescriptor
-from cgregistry.plan.fit import PlanReport, Workload, evaluate, workload_counts
+from cgregistry.plan.fit import Workload, evaluate, workload_counts
 from cgregistry.key.matcher import DEFAULT_PREFERENCE
 from cgregistry.plan.build import CapturePlan, PlanSettings
+from cgregistry.inspection import PLAN_CHANGE_REASONS as REASONS, PlanChange, PlanScore
 
 __all__ = ["REASONS", "Adaptation", "PlanChange", "PlanScore", "Replay", "TrafficHistogram", "propose", "refit", "replay"]
 
 Pair = tuple[BatchDescriptor, str]
-
-# Why a change is proposed, in the order ``propose`` checks them.
-REASONS: dict[str, str] = {
-    "budget": "the current keys exceed max_graphs or max_bytes",
-    "coverage": "the fitted plan serves more observed steps from graphs",
-    "padding": "the fitted plan saves at least min_gain of the padded tokens",
-}
-
 
 def _count(name: str, minimum: int) -> Any:
     def check(instance: Any, attribute: Any, value: object) -> None:
@@ -178,94 +171,6 @@ class TrafficHistogram(Mapping[BatchDescriptor, float]):
 
     def __repr__(self) -> str:
         return f"TrafficHistogram({len(self)} shapes, total {self.total:.1f}, observed {self.observed}, fresh {self.fresh})"
-
-
-@attrs.frozen(slots=True)
-class PlanScore:
-    """How a set of keys serves the observed traffic: the numbers a change is judged on."""
-
-    graphs: int
-    steps: int
-    graph_steps: int
-    real_tokens: int  # tokens of graph-served steps
-    padded_tokens: int
-
-    @classmethod
-    def of(cls, report: PlanReport) -> PlanScore:
-        return cls(report.graphs, report.steps, report.graph_steps, report.real_tokens, report.padded_tokens)
-
-    @property
-    def padding_ratio(self) -> float:
-        """Padded tokens over all tokens computed by graphs (``PlanReport.padding_ratio``)."""
-        total = self.real_tokens + self.padded_tokens
-        return self.padded_tokens / total if total else 0.0
-
-
-def _pair_dict(pair: Pair) -> dict[str, Any]:
-    return {"key": attrs.asdict(pair[0]), "strategy": pair[1]}
-
-
-def _pair_of(data: Mapping[str, Any]) -> Pair:
-    return BatchDescriptor(**data["key"]), data["strategy"]
-
-
-@attrs.frozen(slots=True)
-class PlanChange:
-    """One refit's outcome: keys to capture (largest first), keys to release, and why.
-
-    ``before`` and ``after`` score the current and the new keys on the traffic the refit
-    saw; ``observed`` is the registry's step count when it was proposed; ``reason`` is a
-    ``REASONS`` name.
-    """
-
-    added: tuple[Pair, ...]
-    removed: tuple[Pair, ...]
-    before: PlanScore
-    after: PlanScore
-    observed: int
-    reason: str
-
-    @property
-    def gain(self) -> float:
-        """The fraction of padded tokens saved (negative when a budget cut costs padding; 0 with none before)."""
-        b = self.before.padded_tokens
-        return (b - self.after.padded_tokens) / b if b else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """The change as JSON-serialisable data (``from_dict`` reads it back)."""
-        return {
-            "reason": self.reason,
-            "observed": self.observed,
-            "added": [_pair_dict(p) for p in self.added],
-            "removed": [_pair_dict(p) for p in self.removed],
-            "before": attrs.asdict(self.before),
-            "after": attrs.asdict(self.after),
-            "gain": self.gain,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PlanChange:
-        """A change from ``to_dict``'s form (``gain`` is derived, so it is not read)."""
-        if data.get("reason") not in REASONS:
-            raise ValueError(f"PlanChange reason must be one of {', '.join(REASONS)}, got {data.get('reason')!r}")
-        if type(data.get("observed")) is not int or data["observed"] < 0:
-            raise ValueError(f"PlanChange observed must be an int >= 0 (steps), got {data.get('observed')!r}")
-        return cls(
-            added=tuple(_pair_of(p) for p in data["added"]),
-            removed=tuple(_pair_of(p) for p in data["removed"]),
-            before=PlanScore(**data["before"]),
-            after=PlanScore(**data["after"]),
-            observed=data["observed"],
-            reason=data["reason"],
-        )
-
-    def __str__(self) -> str:
-        b, a = self.before, self.after
-        return (
-            f"plan change ({self.reason}: {REASONS[self.reason]}) after {self.observed} steps: +{len(self.added)} -{len(self.removed)} keys, "
-            f"{b.graphs} -> {a.graphs} graphs, graph-served steps {b.graph_steps} -> {a.graph_steps} of {a.steps}, "
-            f"padding {b.padding_ratio:.2%} -> {a.padding_ratio:.2%}"
-        )
 
 
 def _pairs(current: Sequence[Pair]) -> list[Pair]:

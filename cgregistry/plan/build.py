@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from cgregistry.contracts.protocols import StrategyLookup
+from cgregistry.hooks.manager import Plugins
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.plan.fit import Workload, fit_families
 from cgregistry.key.kinds import KEY_CLASSES, declared_unsupported, key_classes
@@ -23,23 +23,11 @@ from cgregistry.key.matcher import Matcher, PaddingCap
 
 __all__ = [
     "BUILTIN_RELAXES", "KEY_CLASSES", "MODES", "CapturePlan", "Downgrade", "PlanEntry", "PlanSettings", "UncoveredRange",
-    "default_ladder", "lora_ladder", "mode_preference", "request_ladder", "rounded_sizes", "use_installed_plugins",
+    "default_ladder", "lora_ladder", "mode_preference", "request_ladder", "rounded_sizes",
     "whole_requests",
 ]
 
 _DECLARERS = ("engine", "strategy", "both")
-
-# Where settings that name no plugins look up strategies that are not built in: the installed plugins, made by
-# the factory the package wires in when it is imported (``use_installed_plugins``), so that plans import nothing
-# of the plugin machinery.
-_installed_plugins: Callable[[], StrategyLookup] | None = None
-
-
-def use_installed_plugins(factory: Callable[[], StrategyLookup]) -> None:
-    """Set what makes the installed plugins for settings that name none (``cgregistry`` passes ``Plugins``)."""
-    global _installed_plugins
-    _installed_plugins = factory
-
 
 def mode_preference(mode: str | tuple[str | None, str | None], base: Sequence[str] = DEFAULT_PREFERENCE) -> tuple[str, ...]:
     """The matcher preference that serves a plan of ``mode`` as the mode says: its decode strategy, its mixed one, then ``base``.
@@ -505,9 +493,7 @@ class PlanSettings:
         if plugins is None:
             plugins = self._installed
             if plugins is None:
-                if _installed_plugins is None:
-                    raise KeyError(f"strategy {strategy!r} is not built in, and these settings name no plugins to find it in")
-                plugins = _installed_plugins()
+                plugins = Plugins()
                 object.__setattr__(self, "_installed", plugins)
         return plugins.strategy(strategy)
 

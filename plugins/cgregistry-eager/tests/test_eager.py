@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 
 import cgregistry_eager
+import pytest
 import torch
 
 import cgregistry as cg
@@ -40,3 +41,15 @@ def test_ab_against_full_gives_the_same_numbers() -> None:
         results[strategy] = reg.run(cg.BatchDescriptor(6, 3), x=x).clone()
         assert reg.stats().by_strategy == {strategy: 1}
     torch.testing.assert_close(results["full"], results["eager"])
+
+
+def test_plans_that_name_no_plugins_find_the_installed_strategy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan whose mode names a strategy that is not built in looks it up in the installed plugins (its own
+    ``relaxes_num_reqs`` decides its mixed keys); with autoload off it is not found, and the error names it."""
+    plan = cg.CapturePlan.build(max_num_seqs=4, max_num_tokens=16, mode=("full", "eager"))
+    assert {e.strategy for e in plan} == {"full", "eager"}
+    relaxed = cgregistry_eager.EagerStrategy.relaxes_num_reqs
+    assert all((e.descriptor.num_reqs is None) == relaxed for e in plan if e.strategy == "eager")
+    monkeypatch.setenv("CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD", "1")
+    with pytest.raises(ValueError, match="strategy 'eager' is not registered; available: breakable, full, piecewise"):
+        cg.CapturePlan.build(max_num_seqs=4, max_num_tokens=16, mode=("full", "eager"))
