@@ -18,8 +18,8 @@ capture ends under any loop.  Once graphs serve, a replay leaves the GIL free
 while the GPU works, which is when the capture thread takes the rest.
 
 Serving first: every torch op releases the GIL and takes it back, so a step's host work beside a
-capture thread running the model waits for the GIL at each op (figures in docs/background.md).  So the capture thread steps aside while ``run()`` is in progress and
-not waiting for it: it waits at its next Python call or return until the turn is back (at most
+capture thread running the model waits for the GIL at each op (figures in docs/background.md).  So
+the capture thread steps aside while ``run()`` is in progress and not waiting for it: it waits at its next Python call or return until the turn is back (at most
 ``PAUSE_LIMIT_S`` at a stretch, then it runs beside the serving thread for the rest of that run()
 and at least a tenth of the limit), and takes the GIL while the serving thread waits for the GPU or
 builds the next batch.  The interpreter's switch interval is also shortened while it runs
