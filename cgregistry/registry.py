@@ -192,8 +192,6 @@ class GraphRegistry:
             raise ValueError("capture(lazy=True, background=True): choose one; lazy captures a key at its first use, background ahead of it")
         if self._lifecycle.asleep is not None:
             self._lifecycle.refuse_asleep("capture()")
-        if self._background.active:  # what the capture thread finished goes live first: those keys are not captured again
-            self._background.install()
         if not (lazy or background or self._background.active):
             return self._job.capture_plan(plan, context, progress)  # the foreground: one job, no capture thread
         job = self._job
@@ -206,6 +204,7 @@ class GraphRegistry:
         job.record(context)
         job.warn_unwatched()
         job.say_uncovered(plan)
+        self._background.install()  # what the capture thread finished goes live first: those keys are not captured again
         pairs = [(e.descriptor, e.strategy) for e in dict.fromkeys(todo) if (e.descriptor, e.strategy) not in self._catalog.entries]
         if background:
             job.renew_if_unused()
