@@ -296,3 +296,63 @@ def test_a_key_requested_again_under_a_new_state_is_not_served_from_a_capture_un
         f"{expected.dtype} (entries {reg.entries()})"
     )
     assert reg.stats().stale_captures == 1, "the capture under the old context is counted as discarded once"
+
+
+class _Finished:
+    """Counts captures finished, and runs ``then(registry, key)`` on the thread that finished each."""
+
+    def __init__(self, then: Any = None) -> None:
+        self.count = 0
+        self.then = then
+
+    @cg.plugin.hookimpl
+    def cgregistry_capture_finished(self, registry: Any, key: B, strategy: str, entry: Any, error: Any) -> None:
+        self.count += 1
+        if self.then is not None:
+            self.then(registry, key)
+
+
+def _doubling(batch: B, x: torch.Tensor) -> torch.Tensor:
+    if batch.num_tokens == 8:
+        raise RuntimeError("a capture that fails")
+    return x * 2
+
+
+def test_a_refused_capture_leaves_finished_background_work_uninstalled() -> None:
+    """capture() refused at its checks changes nothing, also while the capture thread has finished work waiting for the
+    serving thread (an entry and a failure): those go live at the next step or call that installs, not here."""
+    finished = _Finished()
+    reg = cg.GraphRegistry(_doubling, {"x": cg.StaticInput((32, 8), torch.float32)}, backend="cpu", plugins=make_plugins(finished))
+    reg.capture([(B(16), "full"), (B(8), "full")], background=True)
+    deadline = time.monotonic() + 20
+    while finished.count < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    before = (len(reg), reg.capturing(), dict(reg.failures()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not even the failed key's warning: nothing is installed
+        with pytest.raises(ValueError, match="needs 64 tokens"):
+            reg.capture([(B(64), "full")])  # too large for the static input
+    assert (len(reg), reg.capturing(), dict(reg.failures())) == before == (0, [(B(16), "full"), (B(8), "full")], {})
+    with pytest.warns(RuntimeWarning, match="a capture that fails"):
+        reg.wait_captured()
+    assert len(reg) == 1 and list(reg.failures()) == [(B(8), "full")]
+
+
+def test_a_capture_asked_for_on_the_capture_thread_is_refused_before_it_installs_anything() -> None:
+    """A hook on the capture thread that calls capture() is refused, and nothing goes live on that thread: entries are
+    installed by the serving thread only."""
+    seen: list[tuple[int, int]] = []
+
+    def call_back(registry: Any, key: B) -> None:
+        if threading.current_thread() is not threading.main_thread() and key.num_tokens == 8:
+            time.sleep(0.05)  # the 32-token key finished before: waiting, not installed
+            before = len(registry)
+            with pytest.raises(RuntimeError, match="from its own capture thread"):
+                registry.capture([(B(4), "full")])
+            seen.append((before, len(registry)))
+
+    reg = cg.GraphRegistry(lambda batch, x: x * 2, {"x": cg.StaticInput((32, 8), torch.float32)}, backend="cpu",
+                           plugins=make_plugins(_Finished(call_back)))
+    reg.capture([(B(32), "full"), (B(16), "full"), (B(8), "full")], background=True)  # 32 first, then 8 and 16
+    reg.wait_captured()
+    assert seen == [(0, 0)] and len(reg) == 3
