@@ -126,7 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     r = args.max_num_seqs
-    schedule = SchedulerConfig(max_num_seqs=r, spec_schedule={max(1, r // 4): 3, max(2, r // 2): 2, r: 1})
+    schedule = SchedulerConfig(max_num_seqs=r, spec_schedule=sd.depth_schedule(r))
     shape = sd.engine_shape(r, 3, args.max_prompt + args.max_new + 4, block_size=16)
     target = sd.hf.build_model(args.config, device, shape)
     sd.damp_later_layers(target, args.drafter_layers, args.damp)

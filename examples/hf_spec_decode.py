@@ -19,8 +19,9 @@ A step whose depth has no graph in either registry is served by the nearest deep
 draft slots carry real drafts; acceptance stops at the scheduled depth), else eagerly: never wrongly.
 
 Rolling back is a matter of lengths: a request's target cache holds every token but its last, its drafter cache every
-token but its last two; what a rejected draft wrote beyond them is masked (each token sees positions up to its own)
-and written over by the next round.  Greedy acceptance makes speculation lossless: every request's tokens equal the
+token but its last two (after a round that drafted nothing, fewer: the next draft round first brings it there, eagerly);
+what a rejected draft wrote beyond them is masked (each token sees positions up to its own) and written over by the
+next round.  Greedy acceptance makes speculation lossless: every request's tokens equal the
 target's own greedy decode without speculation, which the example checks, with every verify logit row that decided
 a token checked against Hugging Face's forward (SDPA, no cache) over the final tokens.  Prefill runs eagerly.
 
@@ -174,6 +175,7 @@ class Request:
     tokens: list[int]
     blocks: list[int] = field(default_factory=list)
     logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> logits predicting the next token
+    drafted: int = 0  # tokens in the drafter's cache: every token but the last two after a draft round; fewer after plain ones
 
     @property
     def done(self) -> bool:
@@ -270,12 +272,26 @@ class SpecEngine:
         if self.keep_logits:
             req.logits[n - 1] = logits[-1].to("cpu", torch.float32, copy=True)
         req.tokens.append(int(logits[-1].argmax()))
-        if n > 1:
-            m = n - 1
-            draft_actual = cg.BatchDescriptor(m, 1, uniform=m == 1)
-            with cg.eager_batch(draft_actual, hf.HostBatch([0], [m], [m])):
-                self.draft_forward(inputs["input_ids"][:m], inputs["positions"][:m], inputs["slot_mapping"][:m],
-                                   self._tensor([0, m]), self._tensor([m]), table)
+        self.catch_up([req])
+
+    def catch_up(self, reqs: list[Request]) -> None:
+        """The drafter's cache brought to every token but the last two of each request (what its first draft pass
+        assumes), eagerly in one varlen pass: after the prompt, and after rounds that drafted nothing (depth 0)."""
+        behind = [r for r in reqs if r.drafted < len(r.tokens) - 2]
+        if not behind:
+            return
+        lens = [len(r.tokens) - 2 - r.drafted for r in behind]
+        ids = [t for r in behind for t in r.tokens[r.drafted:len(r.tokens) - 2]]
+        positions = [p for r in behind for p in range(r.drafted, len(r.tokens) - 2)]
+        slots = [self._slot(r, p) for r in behind for p in range(r.drafted, len(r.tokens) - 2)]
+        starts = [sum(lens[:i]) for i in range(len(lens) + 1)]
+        seq_lens = [len(r.tokens) - 2 for r in behind]
+        actual = cg.BatchDescriptor(len(ids), len(behind), uniform=all(n == 1 for n in lens))
+        with cg.eager_batch(actual, hf.HostBatch(starts[:-1], lens, seq_lens)):
+            self.draft_forward(self._tensor(ids), self._tensor(positions), self._tensor(slots), self._tensor(starts),
+                               self._tensor(seq_lens), self._table(behind))
+        for r in behind:
+            r.drafted = len(r.tokens) - 2
 
     # ---------------------------------------------------------------- one round
 
@@ -349,6 +365,7 @@ class SpecEngine:
         depth = self.schedule.depth_for(n)
         ran, form = self.depth_to_run(n, depth)
         if ran:
+            self.catch_up(reqs)  # after plain rounds the drafter's cache lacks the tokens they added
             drafts, draft_keys = self.propose(reqs, ran, form)
         else:
             drafts, draft_keys = torch.empty(n, 0, dtype=torch.long, device=self.device), ()
@@ -364,6 +381,8 @@ class SpecEngine:
                 for j in range(a + 1):
                     req.logits[start + j] = rows[i, j].to("cpu", torch.float32, copy=True)  # graph memory: copy it out
             req.tokens.extend(picks[i][: a + 1])  # the accepted drafts (the target's own choices) and one more
+            if ran:
+                req.drafted = len(req.tokens) - 2  # what it wrote past that is masked, and written over next round
         return Round(n, depth, ran, form, draft_keys, verify_key, sum(accepted_each))
 
     # ---------------------------------------------------------------- serving
@@ -400,6 +419,15 @@ class SpecEngine:
 
 
 # --------------------------------------------------------------------------- wiring
+
+
+def depth_schedule(max_num_seqs: int) -> dict[int, int]:
+    """Deep speculation for small batches: depth 3 up to a quarter of ``max_num_seqs`` requests, 2 up to half, 1 above
+    (the deeper depth where bounds coincide).  Depth 2 has no graph of its own in ``main``: the depth-3 graphs serve it."""
+    schedule: dict[int, int] = {}
+    for bound, depth in ((max(1, max_num_seqs // 4), 3), (max(1, max_num_seqs // 2), 2), (max_num_seqs, 1)):
+        schedule.setdefault(bound, depth)
+    return schedule
 
 
 def engine_shape(max_num_seqs: int, max_depth: int, max_context: int, block_size: int = 8) -> hf.EngineShape:
@@ -466,7 +494,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-prompt", type=hf.positive_int, default=12)
     parser.add_argument("--max-new", type=hf.positive_int, default=10)
     parser.add_argument("--forms", default="unrolled,chained,auto,eager", help=f"draft forms to run, of {', '.join(FORMS)}")
-    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-check", action="store_true", help="skip the comparison with Hugging Face's forward")
     args = parser.parse_args(argv)
@@ -474,10 +502,14 @@ def main(argv: list[str] | None = None) -> None:
     for form in forms:
         if form not in FORMS:
             parser.error(f"argument --forms: {form!r} is not one of {', '.join(FORMS)}")
-    device = torch.device(args.device)
+    device = hf.device_arg(parser, args.device)
+    if (args.backend == "cuda") != (device.type == "cuda") and args.backend != "auto":
+        parser.error(f"argument --backend: {args.backend!r} does not serve a model on {device}")
+    layers = hf.CONFIGS[args.config]["num_hidden_layers"]
+    if args.drafter_layers > layers:
+        parser.error(f"argument --drafter-layers: {args.drafter_layers}, but the {args.config} target has {layers} layers")
     r = args.max_num_seqs
-    # deep speculation for small batches; depth 2 has no graph of its own: the depth-3 graphs serve it, padded
-    schedule = SchedulerConfig(max_num_seqs=r, spec_schedule={max(1, r // 4): 3, max(2, r // 2): 2, r: 1})
+    schedule = SchedulerConfig(max_num_seqs=r, spec_schedule=depth_schedule(r))
     shape = engine_shape(r, 3, args.max_prompt + args.max_new + 4)
     target = hf.build_model(args.config, device, shape)
     drafter = build_drafter(target, shape, args.drafter_layers, args.noise)

@@ -136,3 +136,36 @@ def test_auto_picks_the_unrolled_graph_where_it_exists_else_the_chained_passes(m
     forms = {(r.ran, r.form) for r in result.rounds}
     assert (3, "chained") in forms and (1, "unrolled") in forms, forms
     assert all(k is not None for r in result.rounds for k in r.draft_keys), "every round graph-served"
+
+
+def test_every_draft_is_the_drafters_own_greedy_continuation_also_after_rounds_at_depth_0(models: tuple) -> None:
+    """The drafter's cache holds what its first pass assumes, also after plain rounds (depth 0 for the larger batches):
+    each proposed draft equals the drafter's greedy continuation computed by Hugging Face's forward with no cache.
+    (A stale drafter cache stays lossless, so only this check, or the acceptance rate, sees it.)"""
+    target, drafter, verify, draft = models
+    schedule = SchedulerConfig(max_num_seqs=MAX_SEQS, spec_schedule={2: 3, 4: 1, MAX_SEQS: 0})
+    engine = sd.SpecEngine(target, drafter, SHAPE, schedule, verify, draft, "unrolled")
+    checked, wrong = [0], []
+    propose = engine.propose
+
+    def checked_propose(reqs: list, k: int, form: str) -> tuple:
+        drafts, keys = propose(reqs, k, form)
+        drafter.config._attn_implementation = "sdpa"
+        try:
+            for req, row in zip(reqs, drafts.tolist()):
+                seq = list(req.tokens)
+                for _ in range(k):
+                    seq.append(int(drafter(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+                checked[0] += 1
+                if row[:k] != seq[len(req.tokens):]:
+                    wrong.append((req.rid, len(req.tokens), row[:k], seq[len(req.tokens):]))
+        finally:
+            drafter.config._attn_implementation = sd.hf.ATTENTION
+        return drafts, keys
+
+    engine.propose = checked_propose
+    with torch.inference_mode():
+        result = engine.generate(sd.requests_from_trace(6, target.config.vocab_size, max_prompt=12, max_new=10))
+    depths = [r.depth for r in result.rounds]
+    assert 0 in depths and any(d > 0 for d in depths[depths.index(0):]), depths  # a draft round after a plain one
+    assert checked[0] > 0 and not wrong, wrong
