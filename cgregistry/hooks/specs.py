@@ -6,7 +6,7 @@ protocol checks and duplicate rules.  Observer hooks are called on events and
 their return values are ignored; they run outside the per-step hot path (``run``
 calls ``cgregistry_miss`` only on a miss), one implementation at a time, and one
 that raises is reported as a warning while the others still run
-(``Plugins.notify``).  The one policy hook, ``cgregistry_choose_match``, is
+(``cgregistry.hooks.events.notify``).  The one policy hook, ``cgregistry_choose_match``, is
 ``firstresult``.
 
 Ordering: pluggy calls the most recently registered implementation first;
