@@ -10,24 +10,15 @@ checked against eager on a few batches. The drafter issue's bar: both in one poo
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
 import cgregistry as cg
 from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
 
-
-def used() -> int:
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    return total - free
-
-
-def clean() -> None:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+try:
+    from benchmarks.timing import clean_device, used_device_bytes
+except ImportError:  # run as a script from benchmarks/
+    from timing import clean_device, used_device_bytes  # type: ignore[no-redef]
 
 
 def main() -> None:
@@ -49,16 +40,16 @@ def main() -> None:
     with torch.inference_mode():
         for reg, _, _ in registries(False, "both"):  # warm: kernels, cuBLAS handles, allocator
             reg.capture(plan)
-        clean()
+        clean_device()
         results, errors = {}, {}
         for label, shared, which in (("target alone", False, "target"), ("drafter alone", False, "drafter"),
                                      ("both, one pool each", False, "both"), ("both, one shared pool", True, "both")):
-            clean()
-            before = used()
+            clean_device()
+            before = used_device_bytes()
             regs = registries(shared, which)
             for reg, _, _ in regs:
                 reg.capture(plan)
-            results[label] = used() - before
+            results[label] = used_device_bytes() - before
             worst = 0.0
             for reg, model, cfg in regs:
                 for n in (1, 7, 64):  # 7 is padded to the 8-request key: bf16 GEMMs of another shape round differently
@@ -68,7 +59,7 @@ def main() -> None:
                     worst = max(worst, (got - want).abs().max().item())
             errors[label] = worst
             del regs
-            clean()
+            clean_device()
     mib = 2**20
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {len(plan)} full graphs each")
     for label, value in results.items():

@@ -16,7 +16,6 @@ may round a near-tie the other way; the CPU tests check losslessness exactly in 
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import time
@@ -30,17 +29,10 @@ from cgregistry.plan.workload import SchedulerConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import hf_spec_decode as sd  # noqa: E402
 
-
-def used() -> int:
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    return total - free
-
-
-def clean() -> None:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+try:
+    from benchmarks.timing import clean_device, used_device_bytes
+except ImportError:  # run as a script from benchmarks/
+    from timing import clean_device, used_device_bytes  # type: ignore[no-redef]
 
 
 def memory_rows(target, drafter, shape, schedule) -> list[str]:  # type: ignore[no-untyped-def]
@@ -51,8 +43,8 @@ def memory_rows(target, drafter, shape, schedule) -> list[str]:  # type: ignore[
     configurations = (("warm-up (not reported)", "both", False), ("target (verify) alone", "verify", False),
                       ("drafter alone", "draft", False), ("both, a pool each", "both", False), ("both, one shared pool", "both", True))
     for label, which, shared in configurations:
-        clean()
-        before = used()
+        clean_device()
+        before = used_device_bytes()
         regs: list[cg.GraphRegistry] = []
         with torch.inference_mode():
             if which in ("verify", "both"):
@@ -63,7 +55,7 @@ def memory_rows(target, drafter, shape, schedule) -> list[str]:  # type: ignore[
                                              output_axis="reqs", name="draft", pool=pool))
             for reg in regs:
                 reg.capture(plan)
-        sizes[label] = used() - before
+        sizes[label] = used_device_bytes() - before
         if label.startswith("warm-up"):  # kernels loaded, cuBLAS handles, the allocator's first blocks
             del regs
             continue
@@ -139,7 +131,7 @@ def main() -> None:
     print("memory of the plans (growth of used device memory over the capture):")
     for row in memory_rows(target, drafter, shape, schedule):
         print(row)
-    clean()
+    clean_device()
     verify, draft, verify_s, draft_s = sd.registries(target, drafter, shape, schedule, "cuda", skip=(2,))
     print(f"capture: verify {len(verify)} graphs in {verify_s:.2f} s, draft {len(draft)} graphs in {draft_s:.2f} s "
           f"(drafter / target {draft_s / verify_s:.2f}x)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -98,3 +99,17 @@ def reduce_overhead_warmed(model: Callable[..., object], cfg: object, sizes: Ite
                 ro(**inputs)
     torch.cuda.synchronize()
     return ro, time.perf_counter() - start
+
+
+def used_device_bytes() -> int:
+    """Device memory in use now, by anyone (``mem_get_info``), after the work queued so far."""
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def clean_device() -> None:
+    """What is garbage collected, and the caching allocator's free blocks given back to the driver."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
