@@ -6,22 +6,15 @@ these tests pin what an engine relies on besides the numbers.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import cgregistry as cg
+from tests.example_modules import load_example
 
 pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'")
 
-_path = Path(__file__).parents[2] / "examples" / "hf_llama.py"
-_spec = importlib.util.spec_from_file_location("hf_llama_example", _path)
-hf = importlib.util.module_from_spec(_spec)
-sys.modules["hf_llama_example"] = hf
-_spec.loader.exec_module(hf)
+hf = load_example("hf_llama.py")
 
 SHAPE = hf.EngineShape(max_num_seqs=4, max_num_tokens=16, block_size=4, max_blocks_per_req=4)
 CPU = torch.device("cpu")

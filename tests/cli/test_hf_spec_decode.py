@@ -7,10 +7,6 @@ each deciding logit is checked against Hugging Face's forward, and each replay a
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,14 +14,11 @@ from hypothesis import strategies as st
 
 import cgregistry as cg
 from cgregistry.plan.workload import SchedulerConfig
+from tests.example_modules import load_example
 
 pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'")
 
-_path = Path(__file__).parents[2] / "examples" / "hf_spec_decode.py"
-_spec = importlib.util.spec_from_file_location("hf_spec_decode_example", _path)
-sd = importlib.util.module_from_spec(_spec)
-sys.modules["hf_spec_decode_example"] = sd
-_spec.loader.exec_module(sd)
+sd = load_example("hf_spec_decode.py")
 
 CPU = torch.device("cpu")
 MAX_SEQS, MAX_DEPTH = 8, 3
@@ -169,3 +162,19 @@ def test_every_draft_is_the_drafters_own_greedy_continuation_also_after_rounds_a
     depths = [r.depth for r in result.rounds]
     assert 0 in depths and any(d > 0 for d in depths[depths.index(0):]), depths  # a draft round after a plain one
     assert checked[0] > 0 and not wrong, wrong
+
+
+def test_capturing_both_registries_writes_only_the_scratch_slot_of_either_cache() -> None:
+    """Warm-up and capture run both steps, which write K/V (the drafter's k passes too): only at the scratch slot."""
+    target = sd.hf.build_model("tiny", CPU, SHAPE)
+    drafter = sd.build_drafter(target, SHAPE, layers=1, noise=0.5)
+    caches = [layer.self_attn.k_cache for model in (target, drafter) for layer in model.model.layers]
+    for cache in caches:
+        cache.fill_(7.0)  # a live server's caches
+    verify, draft, _, _ = sd.registries(target, drafter, SHAPE, SCHEDULE, "cpu", skip=(2,))
+    assert len(verify) > 0 and len(draft) > 0
+    others = torch.ones(caches[0].shape[0], dtype=torch.bool)
+    others[SHAPE.scratch_slot] = False
+    for cache in caches:
+        assert cache[others].eq(7.0).all(), "no request's slot was written by capture"
+        assert not cache[SHAPE.scratch_slot].eq(7.0).all(), "capture did run the step (it wrote the scratch slot)"

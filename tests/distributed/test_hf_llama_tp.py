@@ -8,7 +8,6 @@ benchmark for several GPUs (benchmarks/gpu_tp.py) runs its CPU smoke mode here t
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 import subprocess
 import sys
@@ -19,23 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.example_modules import load_example
+
 pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'")
 
 ROOT = Path(__file__).parents[2]
 
 
-def load_example() -> object:
-    """The example as a module, shared with tests/cli/test_hf_llama.py (one registration of its attention function)."""
-    if "hf_llama_example" in sys.modules:
-        return sys.modules["hf_llama_example"]
-    spec = importlib.util.spec_from_file_location("hf_llama_example", ROOT / "examples" / "hf_llama.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["hf_llama_example"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-hf = load_example()
+hf = load_example("hf_llama.py")
 SHAPE = hf.EngineShape(max_num_seqs=4, max_num_tokens=16, block_size=4, max_blocks_per_req=4)
 CPU = torch.device("cpu")
 

@@ -10,6 +10,7 @@ import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
+from tests.example_modules import load_example
 
 WIDTH, ROWS = 16, 32
 
@@ -67,19 +68,8 @@ def test_a_capture_in_flight_during_a_weight_sync_is_never_installed() -> None:
 
 
 def _hf():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
     pytest.importorskip("transformers")
-    if "hf_llama_example" in sys.modules:
-        return sys.modules["hf_llama_example"]
-    path = Path(__file__).parents[2] / "examples" / "hf_llama.py"
-    spec = importlib.util.spec_from_file_location("hf_llama_example", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["hf_llama_example"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("hf_llama.py")
 
 
 def test_hf_llama_sizes_the_kv_cache_for_the_capture_that_follows(monkeypatch) -> None:
