@@ -195,17 +195,11 @@ class GraphRegistry:
         if not (lazy or background or self._background.active):
             return self._job.capture_plan(plan, context, progress)  # the foreground: one job, no capture thread
         job = self._job
-        job.refuse_inside("capture()")
-        todo = job.check(plan)
-        if isinstance(plan, CapturePlan):  # a registry given no preference adopts the plan's strategy order
-            self._catalog.follow_plan((e.descriptor, e.strategy) for e in todo)
         if background:
             refuse_with_collectives()
-        job.record(context)
-        job.warn_unwatched()
-        job.say_uncovered(plan)
+        prepared = job.prepare(plan, context)
         self._background.install()  # what the capture thread finished goes live first: those keys are not captured again
-        pairs = [(e.descriptor, e.strategy) for e in dict.fromkeys(todo) if (e.descriptor, e.strategy) not in self._catalog.entries]
+        pairs = [p for p in prepared if p not in self._catalog.entries]
         if background:
             job.renew_if_unused()
             self._background.submit(pairs, job.current())

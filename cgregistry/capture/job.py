@@ -329,19 +329,26 @@ class CaptureJob:
 
     # ---------------------------------------------------------------- capturing
 
-    def capture_plan(self, plan: Any, payload: Any, progress: bool | None) -> list[EntryInfo]:
-        """``capture(plan)`` in the foreground: check every entry, adopt the plan's strategy order where the registry
-        follows plans, record the capture context, and capture what is not captured yet (``capture_all``)."""
+    def prepare(self, plan: Any, payload: Any, rebase: bool = False) -> list[Pair]:
+        """What ``capture(plan)`` does before it captures or queues anything: refuse a call from inside a capture, check
+        every entry, adopt the plan's strategy order where the registry follows plans, record the capture context
+        (``rebase``: where no graph is held, the watched addresses taken anew), say what the plan leaves uncovered;
+        the plan's (key, strategy) pairs, each once, in plan order."""
         self.refuse_inside("capture()")
         todo = self.check(plan)
-        catalog = self._catalog
-        if catalog.follows_plans and isinstance(plan, CapturePlan):  # its decode strategy first
-            catalog.follow_plan((e.descriptor, e.strategy) for e in todo)
-        self.record(payload, rebase=True)  # where no graph is held, the addresses taken anew (as renew_if_unused does)
+        if self._catalog.follows_plans and isinstance(plan, CapturePlan):  # its decode strategy first
+            self._catalog.follow_plan((e.descriptor, e.strategy) for e in todo)
+        self.record(payload, rebase=rebase)
         self.warn_unwatched()
         self.say_uncovered(plan)
-        pairs = [p for p in dict.fromkeys((e.descriptor, e.strategy) for e in todo) if p not in catalog.entries]
-        if self.pool.used and not self.holds_graphs():
+        return list(dict.fromkeys((e.descriptor, e.strategy) for e in todo))
+
+    def capture_plan(self, plan: Any, payload: Any, progress: bool | None) -> list[EntryInfo]:
+        """``capture(plan)`` in the foreground with no capture thread at work: ``prepare``, then capture what is not
+        captured yet (``capture_all``)."""
+        entries = self._catalog.entries
+        pairs = [p for p in self.prepare(plan, payload, rebase=True) if p not in entries]
+        if self.pool.used and not self.holds_graphs():  # the addresses were taken anew by prepare's record
             self.pool.renew_if_unused()
         try:
             return self._capture_all(pairs, progress)
