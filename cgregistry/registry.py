@@ -184,10 +184,11 @@ class GraphRegistry:
         captured sooner than the step would run eagerly (docs/background.md), else runs eagerly.  ``wait_captured()`` waits
         for all of them.  What the engine must not do meanwhile: docs/background.md.
         """
-        if type(lazy) is not bool or type(background) is not bool or not (progress is None or type(progress) is bool):
-            for flag, value in (("lazy", lazy), ("background", background), ("progress", progress)):
-                if value is not None or flag != "progress":
-                    check_flag("capture", flag, value)
+        if type(lazy) is not bool or type(background) is not bool or (progress is not None and type(progress) is not bool):
+            check_flag("capture", "lazy", lazy)  # the checks run only when a flag is off (no calls on the usual path)
+            check_flag("capture", "background", background)
+            if progress is not None:
+                check_flag("capture", "progress", progress)
         if lazy and background:
             raise ValueError("capture(lazy=True, background=True): choose one; lazy captures a key at its first use, background ahead of it")
         if self._lifecycle.asleep is not None:
