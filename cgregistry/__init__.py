@@ -16,7 +16,7 @@ from cgregistry.plan.adapt import Adaptation
 
 # The registry and its static inputs
 from cgregistry.store.io import REPEAT_LAST, StaticInput
-from cgregistry.registry import GraphRegistry
+from cgregistry.registry import GraphRegistry, estimate_pool_memory
 
 # Models with eager parts: attention as an eager break, piecewise compilation
 from cgregistry.strategies.breaks import capture_barrier, eager_break, graph_break
@@ -43,7 +43,7 @@ __all__ = [
     # batches and plans
     "Adaptation", "BatchDescriptor", "CapturePlan", "Matcher", "PlanSettings",
     # the registry
-    "GraphRegistry", "REPEAT_LAST", "StaticInput",
+    "GraphRegistry", "REPEAT_LAST", "StaticInput", "estimate_pool_memory",
     # eager parts
     "capture_barrier", "compile_piecewise", "current_batch", "eager_batch", "eager_break", "graph_break",
     # snapshots and plugins

@@ -38,13 +38,13 @@ from cgregistry.hooks.events import Events
 from cgregistry.lifecycle import Lifecycle
 from cgregistry.inspection import EntryInfo, Refreshed, Slept, Snapshot, Stats, entries_table, filter_entries, stats_line
 from cgregistry.key.matcher import Explanation, Match, PaddingCap
-from cgregistry.capture.memory import MemoryEstimate, estimate
+from cgregistry.capture.memory import MemoryEstimate, Part, PoolEstimate, estimate
 from cgregistry.plan.build import CapturePlan, PlanEntry
 from cgregistry.hooks.manager import Plugins
 from cgregistry.server import DebugServer, Server
 from cgregistry.errors import CaptureError, ConcurrentRunError
 
-__all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "Stats"]  # records re-exported
+__all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "Stats", "estimate_pool_memory"]  # records re-exported
 
 _names = itertools.count(1)  # default registry names: registry-1, registry-2, ...
 
@@ -244,12 +244,16 @@ class GraphRegistry:
         capture context is recorded).
         ``context``: the payload eager breaks see, as ``capture(context=...)`` takes it.  See docs/integration.md."""
         check_flag("estimate_memory", "background", background)
+        return estimate([self._estimate_part(plan, context)], background)[0]
+
+    def _estimate_part(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], context: Any) -> Part:
+        """This registry's share of an estimate: ``plan`` checked, less the keys it holds already."""
         self._lifecycle.refuse_asleep("estimate_memory()")
         self._job.refuse_inside("estimate_memory()")
         todo = self._job.check(plan)
         self._background.install()
-        return estimate(self._job, [p for p in dict.fromkeys((e.descriptor, e.strategy) for e in todo)
-                                         if p not in self._catalog.entries], background, context)
+        return Part(self._job, [p for p in dict.fromkeys((e.descriptor, e.strategy) for e in todo)
+                                if p not in self._catalog.entries], context)
 
     # ------------------------------------------------------------------ run
 
@@ -410,3 +414,32 @@ class GraphRegistry:
 
 # ``GraphRegistry.run`` as defined above: a registry whose class still has it binds its server's run instead (__init__).
 _DEFINED_RUN = GraphRegistry.run
+
+
+def estimate_pool_memory(
+    plans: Sequence[tuple[GraphRegistry, CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]]]], *,
+    background: bool = False, contexts: Mapping[str, Any] | None = None,
+) -> PoolEstimate:
+    """What capturing each registry's plan, in the order given, into the one pool they share will take (a drafter
+    beside its target: ``GraphRegistry(..., pool=target.pool)``), measured as ``estimate_memory`` measures one plan.
+    Each registry's part says what its keys add after the registries before it.  ``contexts``: per registry name,
+    the payload its eager breaks see (as ``capture(context=...)`` takes it)."""
+    check_flag("estimate_pool_memory", "background", background)
+    pairs = list(plans) if isinstance(plans, Sequence) and not isinstance(plans, str) else None
+    if not pairs or any(not (isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], GraphRegistry)) for p in pairs):
+        raise TypeError(f"estimate_pool_memory() takes a non-empty list of (registry, plan) pairs, got {plans!r}")
+    contexts = dict(contexts or {})
+    names = [reg.name for reg, _ in pairs]
+    first = pairs[0][0]
+    for i, (reg, _) in enumerate(pairs):
+        if any(reg is other for other, _ in pairs[:i]):
+            raise ValueError(f"registry {reg.name!r} is given twice: give each registry once, with its whole plan")
+        if reg.pool is not first.pool:
+            raise ValueError(f"registry {reg.name!r} captures into another pool than registry {first.name!r}: "
+                             "estimate_pool_memory() prices registries sharing one pool (GraphRegistry(..., pool=...)); "
+                             "estimate registries with a pool each one by one, with reg.estimate_memory(plan)")
+    unknown = sorted(set(contexts) - set(names))
+    if unknown:
+        raise ValueError(f"contexts names registries {unknown} not given: the registries are {names}")
+    parts = [reg._estimate_part(plan, contexts.get(reg.name)) for reg, plan in pairs]
+    return PoolEstimate(tuple(names), tuple(estimate(parts, background)))

@@ -35,7 +35,7 @@ from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.store.catalog import Pair
 from cgregistry.text import text_table
 
-__all__ = ["KeyMemory", "MemoryEstimate", "Probe", "estimate", "estimate_memory"]
+__all__ = ["KeyMemory", "MemoryEstimate", "Part", "PoolEstimate", "Probe", "estimate", "estimate_memory"]
 
 
 @attrs.frozen(slots=True)
@@ -163,45 +163,92 @@ def _interpolate(probes: Sequence[Probe], key: BatchDescriptor, strategy: str) -
                  mix(low.seconds, high.seconds))
 
 
-def estimate(job: CaptureJob, pairs: Sequence[Pair], background: bool, payload: Any = None) -> MemoryEstimate:
-    """Measure and predict the capture of ``pairs`` by ``job`` under the context a capture from this thread would run
-    under (``payload``, else the recorded one), without recording it; one capture at a time; the per-key predictions
-    are kept for inspection."""
-    ctx = job.context_for(payload)
+@attrs.frozen(slots=True)
+class Part:
+    """One registry's share of an estimate: its capture job, the keys it will capture (plan order), and the payload
+    its eager breaks see (None: the recorded one)."""
 
-    def whole_graph(name: str) -> bool:
-        return bool(getattr(job.strategy(name), "whole_graph", False))
+    job: CaptureJob
+    pairs: Sequence[Pair]
+    payload: Any = None
 
-    job.pool.refuse_if_held("estimate_memory()", job.name)
-    with job.pool.lock:
-        found = estimate_memory(job, pairs, job.strategy, ctx.state.run, ctx.payload, background=background,
-                                whole_graph=whole_graph)
-    job.predicted(found.keys)
+
+@attrs.frozen(slots=True)
+class PoolEstimate:
+    """What capturing several registries' plans into their one pool will take, in that order: each registry's
+    ``MemoryEstimate`` says what its keys add after the registries before it (a drafter's graphs reuse what the
+    target's left free in the pool, so its keys add only their own graph objects and kept tensors)."""
+
+    names: tuple[str, ...]
+    parts: tuple[MemoryEstimate, ...]
+
+    def __getitem__(self, name: str) -> MemoryEstimate:
+        """The part of registry ``name``."""
+        for have, part in zip(self.names, self.parts):
+            if have == name:
+                return part
+        raise KeyError(f"this estimate has no registry {name!r}: it has {list(self.names)}")
+
+    @property
+    def capture_bytes(self) -> int:
+        """What capturing every plan, in order, will take from the device."""
+        return sum(p.capture_bytes for p in self.parts)
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything the plans' graphs need, every registry's static inputs included."""
+        return sum(p.total_bytes for p in self.parts)
+
+    @property
+    def capture_seconds(self) -> float:
+        return sum(p.capture_seconds for p in self.parts)
+
+    def table(self) -> str:
+        blocks = [f"registry {name!r}\n{part.table()}" for name, part in zip(self.names, self.parts)]
+        summary = (f"{len(self.parts)} registries in one pool: capture {_size(self.capture_bytes)}, with static inputs "
+                   f"{_size(self.total_bytes)}; about {self.capture_seconds:.2f} s to capture")
+        return "\n\n".join([*blocks, summary])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"capture_bytes": self.capture_bytes, "total_bytes": self.total_bytes,
+                "capture_seconds": self.capture_seconds,
+                "registries": [{"name": name, **part.to_dict()} for name, part in zip(self.names, self.parts)]}
+
+
+def estimate(parts: Sequence[Part], background: bool) -> list[MemoryEstimate]:
+    """Measure and predict the capture of each part's keys by its job, the parts in order into their one pool, under
+    the context a capture from this thread would run under, without recording it; one capture at a time; the per-key
+    predictions are kept for inspection."""
+    pool = parts[0].job.pool
+    for part in parts:
+        pool.refuse_if_held("estimate_memory()", part.job.name)
+    contexts = [part.job.context_for(part.payload) for part in parts]
+    with pool.lock:
+        found = estimate_memory(parts, [c.state.run for c in contexts], [c.payload for c in contexts], background=background)
+    for part, one in zip(parts, found):
+        part.job.predicted(one.keys)
     return found
 
 
 def estimate_memory(
-    one: CaptureJob, pairs: Sequence[Pair], strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
-    *, background: bool, whole_graph: Callable[[str], bool],
-) -> MemoryEstimate:
-    """Capture ``pairs`` (plan order) as ``capture(pairs, background=background)`` would, into scratch, measure each key,
-    and let everything go (see the module's docstring).
+    parts: Sequence[Part], runs: Sequence[Callable[..., Any]], payloads: Sequence[Any], *, background: bool,
+) -> list[MemoryEstimate]:
+    """Capture each part's keys (plan order; the parts in order) as ``capture(pairs, background=background)`` of each
+    registry would, into one scratch pool, measure each key, and let everything go (see the module's docstring).
 
-    ``strategies(name)`` gives a strategy object; ``run(fn, *args, **kwargs)`` runs a capture under the registry's
-    capture context; ``whole_graph(name)``: the strategy shares the pool in the background too.
+    ``runs[i](fn, *args, **kwargs)`` runs a capture under part i's capture context, whose eager breaks see ``payloads[i]``.
     """
-    backend = one.backend
+    backend = parts[0].job.backend
     device_memory = getattr(backend, "device_memory", None)
     release = getattr(backend, "release_cached", None) or (lambda: None)
-    order = background_order(pairs) if background else list(pairs)
+    orders = [background_order(p.pairs) if background else list(p.pairs) for p in parts]
     gc.collect()
     release()
     try:
-        measured, held = _capture_all(one, order, strategies, run, payload, background, whole_graph, device_memory)
+        measured, held = _capture_all(parts, orders, runs, payloads, background, device_memory)
     finally:  # on an error too: nothing captured for the estimate outlives it (the error's frames are cleared)
         gc.collect()
         release()
-    probes = [p for p, _ in measured]
     taken = [t for _, t in measured]
     if device_memory is not None and taken:
         # What dropping the scratch graphs gave back is what the capture will take: what the estimate leaves (kernels
@@ -214,62 +261,82 @@ def estimate_memory(
             for i, t in enumerate(taken):
                 cut = min(-change, t)
                 taken[i], change = t - cut, change + cut
-    if device_memory is not None:
+    found, at = [], 0
+    for part, order in zip(parts, orders):
+        probes = [p for p, _ in measured[at:at + len(order)]]
+        found.append(_part_estimate(part, probes, taken[at:at + len(order)], background, device_memory is not None))
+        at += len(order)
+    return found
+
+
+def _part_estimate(part: Part, probes: list[Probe], taken: list[int], background: bool, measures: bool) -> MemoryEstimate:
+    """One part's estimate from its keys' probes and what each took in the joint order."""
+    job = part.job
+
+    def whole_graph(name: str) -> bool:
+        return bool(getattr(job.strategy(name), "whole_graph", False))
+
+    if measures:
         probes = _priced_first(probes)
     shared = [p for p in probes if not background or whole_graph(p.strategy)]
-    pool_bytes = max((p.pool_bytes for p in shared), default=0) if device_memory is not None else 0
-    sharing = frozenset(name for name in {p[1] for p in pairs} if whole_graph(name))
-    estimate = MemoryEstimate(backend.name, background, (), pool_bytes, 0, _storage_bytes(one.buffers.values()), tuple(probes), sharing)
+    pool_bytes = max((p.pool_bytes for p in shared), default=0) if measures else 0
+    sharing = frozenset(name for name in {p[1] for p in part.pairs} if whole_graph(name))
+    estimate = MemoryEstimate(job.backend.name, background, (), pool_bytes, 0, _storage_bytes(job.buffers.values()),
+                              tuple(probes), sharing)
     keys = tuple(KeyMemory(p.key, p.strategy, t, estimate.key_bytes(p.key, p.strategy), p.pool_bytes, p.seconds, True)
                  for p, t in zip(probes, taken))
-    warmup = max(0, sum(taken) - pool_bytes - sum(k.own_bytes for k in keys)) if device_memory is not None else 0
+    warmup = max(0, sum(taken) - pool_bytes - sum(k.own_bytes for k in keys)) if measures else 0
     return attrs.evolve(estimate, keys=keys, warmup_bytes=warmup)
 
 
 def _capture_all(
-    one: CaptureJob, order: Sequence[Pair], strategies: Callable[[str], Any], run: Callable[..., Any], payload: Any,
-    background: bool, whole_graph: Callable[[str], bool], device_memory: Callable[[], tuple[int, int]] | None,
+    parts: Sequence[Part], orders: Sequence[Sequence[Pair]], runs: Sequence[Callable[..., Any]], payloads: Sequence[Any],
+    background: bool, device_memory: Callable[[], tuple[int, int]] | None,
 ) -> tuple[list[tuple[Probe, int]], int]:
-    """Each key of ``order`` captured into scratch, all alive until the last is measured (as a plan's entries are while
-    it is captured), then dropped: each key's probe and what it took of the device (cpu: the emulator's count), and the
-    device memory in use with all of them alive (0 where the backend measures none).
+    """Each part's keys captured into one scratch pool, in order, all alive until the last is measured (as the plans'
+    entries are while they are captured), then dropped: each key's probe and what it took of the device (cpu: the
+    emulator's count), and the device memory in use with all of them alive (0 where the backend measures none).
 
     A key's price (``Probe.own_bytes``) is what stays of its capture whatever else is captured: what it took outside the
     caching allocator (the driver's graph objects) and the tensors it keeps alive in it (results kept between eager
     breaks: 64 KiB a token on the Hugging Face engine).  The rest (the pool growing to its need, the warm-up's cache)
     is the pool and warm-up every plan pays, priced once (``fixed_bytes``); in the background its own inputs and pool
     are its own (``key_bytes`` adds them)."""
-    pool = one.backend.new_pool()
-    live = getattr(one.backend, "live_bytes", None) or (lambda: 0)
+    backend = parts[0].job.backend
+    pool = backend.new_pool()
+    live = getattr(backend, "live_bytes", None) or (lambda: 0)
     before_inputs = device_memory()[0] if device_memory is not None else 0
-    inputs = None if background else {name: buf.sized(buf.capacity) for name, buf in one.buffers.items()}
+    inputs = [None if background else {name: buf.sized(buf.capacity) for name, buf in part.job.buffers.items()}
+              for part in parts]
     scratch_inputs = device_memory()[0] - before_inputs if device_memory is not None else 0  # a capture has its own
     entries: list[Any] = []
     measured = []
     try:
         with PausedGC():
-            for key, name in order:
-                shares = not background or whole_graph(name)
-                before, live_before = (device_memory(), live()) if device_memory is not None else ((0, 0), 0)
-                mode = scratch(pool if shares else None, inputs, as_background=background)
-                entry = run(one.capture_entry, key, name, strategies(name), payload, mode)
-                entries.append(entry)
-                if device_memory is None:  # the emulator counts a graph's bytes, and nothing else
-                    measured.append((Probe(key, name, 0, entry.memory_bytes, 0, 0, entry.capture_seconds), entry.memory_bytes))
-                    continue
-                used, reserved = device_memory()
-                own_inputs = _storage_bytes(entry.buffers or ()) if background else 0
-                outside = max(0, (used - before[0]) - (reserved - before[1]))
-                kept = max(0, live() - live_before - own_inputs)  # tensors it keeps alive (results kept between eager breaks)
-                price = outside + kept
-                measured.append((Probe(key, name, entry.memory_bytes, price, 0, own_inputs, entry.capture_seconds), entry.device_bytes))
+            for part, order, run, payload, part_inputs in zip(parts, orders, runs, payloads, inputs):
+                for key, name in order:
+                    strategy = part.job.strategy(name)
+                    shares = not background or bool(getattr(strategy, "whole_graph", False))
+                    before, live_before = (device_memory(), live()) if device_memory is not None else ((0, 0), 0)
+                    mode = scratch(pool if shares else None, part_inputs, as_background=background)
+                    entry = run(part.job.capture_entry, key, name, strategy, payload, mode)
+                    entries.append(entry)
+                    if device_memory is None:  # the emulator counts a graph's bytes, and nothing else
+                        measured.append((Probe(key, name, 0, entry.memory_bytes, 0, 0, entry.capture_seconds), entry.memory_bytes))
+                        continue
+                    used, reserved = device_memory()
+                    own_inputs = _storage_bytes(entry.buffers or ()) if background else 0
+                    outside = max(0, (used - before[0]) - (reserved - before[1]))
+                    kept = max(0, live() - live_before - own_inputs)  # tensors it keeps alive (results kept between eager breaks)
+                    price = outside + kept
+                    measured.append((Probe(key, name, entry.memory_bytes, price, 0, own_inputs, entry.capture_seconds), entry.device_bytes))
         if device_memory is None:
             return measured, 0
-        one.backend.synchronize()
+        backend.synchronize()
         return measured, device_memory()[0] - scratch_inputs
     finally:  # the entries die here, also when a capture raised (its traceback keeps this frame)
         entries.clear()
-        entry = inputs = None  # noqa: F841
+        entry = inputs = part_inputs = None  # noqa: F841
 
 
 def _priced_first(probes: list[Probe]) -> list[Probe]:
