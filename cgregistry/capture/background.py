@@ -146,7 +146,8 @@ class BackgroundCapture:
         self._aside = 0.0  # seconds the capture thread stood aside for run(), in all
         self._aside_since: float | None = None  # when the stand in progress began
         self._aside_at_flight = 0.0  # self._aside when the item in flight began
-        self._ran: deque[float] = deque(maxlen=32)  # the capture thread's own seconds for each key it finished lately
+        self._ran: deque[tuple[Pair, float]] = deque(maxlen=32)  # the capture thread's own seconds for the keys it finished lately
+        self._took: dict[Pair, float] = {}  # the capture thread's own seconds for each key, at its last capture of it
         self.eager_s: float | None = None  # a recent eager step's seconds beside a capture (moving average)
         self.active = False  # work queued or in flight, or results not installed: run() installs between steps
         self._stopped = False  # the registry is gone: the capture thread takes nothing more
@@ -364,21 +365,34 @@ class BackgroundCapture:
         self.eager_s = seconds if self.eager_s is None else 0.8 * self.eager_s + 0.2 * seconds
 
     def _done_before_eager(self, pair: Pair) -> bool:
-        """Whether the key in flight is expected to be captured before an eager step would end: the capture thread's
-        own time for a key (the median of its recent ones, else of the registry's captures of that strategy) less
-        what it has run of this one (standing aside not counted).  False while either is unknown."""
+        """Whether the key in flight is expected to be captured before an eager step would end: what its capture is
+        expected to take (``_expected``) less what the capture thread has run of it (standing aside not counted).
+        False while either is unknown."""
         if self.eager_s is None:
             return False
-        if self._ran:
-            typical = statistics.median(self._ran)
-        else:
-            seconds = [e.capture_seconds for (_, strategy), e in list(self._catalog.entries.items()) if strategy == pair[1]]
-            if not seconds:
-                return False
-            typical = statistics.median(seconds)
+        typical = self._expected(pair)
+        if typical is None:
+            return False
         now = time.monotonic()
         aside = self._aside - self._aside_at_flight + (now - self._aside_since if self._aside_since is not None else 0.0)
         return typical - (now - self._flight_began - aside) <= self.eager_s
+
+    def _expected(self, pair: Pair) -> float | None:
+        """The capture thread's own seconds for ``pair``: its time at its last capture of the key; else the key's last
+        foreground capture time, scaled as the keys the thread finished lately were against theirs; else the median of
+        those keys, or of the registry's keys of its strategy.  Keys differ tenfold (a 512-token mixed key against a
+        decode key), so a key's own time comes first.  None while nothing is known."""
+        own = self._took.get(pair)
+        if own is not None:
+            return own
+        foreground = self._catalog.took
+        if pair in foreground:
+            slower = [seconds / foreground[p] for p, seconds in self._ran if foreground.get(p)]
+            return foreground[pair] * (statistics.median(slower) if slower else 1.0)
+        if self._ran:
+            return statistics.median(seconds for _, seconds in self._ran)
+        seconds = [e.capture_seconds for (_, strategy), e in list(self._catalog.entries.items()) if strategy == pair[1]]
+        return statistics.median(seconds) if seconds else None
 
     # ---------------------------------------------------------------- the capture thread
 
@@ -496,7 +510,9 @@ class BackgroundCapture:
                 self._dropped.discard(item[0])
             else:
                 if error is None:  # the capture thread's own time for a key: what waiting for one costs
-                    self._ran.append(time.monotonic() - self._flight_began - (self._aside - self._aside_at_flight))
+                    ran = time.monotonic() - self._flight_began - (self._aside - self._aside_at_flight)
+                    self._ran.append((item[0], ran))
+                    self._took[item[0]] = ran
                 elif not isinstance(error, CaptureError):
                     error = CaptureError(item[0][0], item[0][1], error)
                 self._ready.append(Captured(item[0], result, error, item[1]))

@@ -324,7 +324,7 @@ class Catalog:
     """Entries by (key, strategy), lazy keys, keys being captured, failures, the budget, counters and routes."""
 
     __slots__ = (
-        "entries", "pending", "failures", "capturing", "asleep", "memory_budget", "routes", "counters", "predicted", "_retired",
+        "entries", "pending", "failures", "capturing", "asleep", "memory_budget", "routes", "counters", "predicted", "took", "_retired",
         "follows_plans",
     )
 
@@ -344,6 +344,7 @@ class Catalog:
                                  self.pending)
         self.counters = Counters()
         self.predicted: dict[Pair, int] = {}  # device bytes per key, as the last memory estimate predicted them
+        self.took: dict[Pair, float] = {}  # seconds per key, as its last foreground capture took them (one per planned key)
         self._retired: dict[str, list[int]] = {}  # counters of removed entries, per key class
 
     # ---------------------------------------------------------------- reading
@@ -416,6 +417,8 @@ class Catalog:
         self.failures.pop(pair, None)
         if background:
             self.counters.background_captures += 1
+        else:
+            self.took[pair] = entry.capture_seconds
         evicted = self._evict_over_budget(keep=pair)
         self._changed()
         return evicted

@@ -145,6 +145,43 @@ def test_a_step_waits_for_its_key_in_flight_only_when_that_is_sooner_than_runnin
         assert hits == [0, 0, 0], hits
 
 
+class KeyedSleepyStep(SleepyStep):
+    """A SleepyStep whose capture of a key of ``slow_tokens`` tokens takes ``slow_s`` instead."""
+
+    def __init__(self, capture_s: float, eager_s: float, slow_tokens: int, slow_s: float) -> None:
+        super().__init__(capture_s, eager_s)
+        self.quick_s, self.slow_tokens, self.slow_s = capture_s, slow_tokens, slow_s
+        self.slow_began = threading.Event()  # set when the capture thread starts on the slow key
+
+    def __call__(self, batch: B, x: torch.Tensor) -> torch.Tensor:
+        slow = batch.num_tokens == self.slow_tokens
+        if slow and threading.current_thread().name.startswith("cgregistry-capture-"):
+            self.slow_began.set()
+        self.capture_s = self.slow_s if slow else self.quick_s
+        return super().__call__(batch, x)
+
+
+def test_a_step_does_not_wait_for_a_slow_key_in_flight_because_other_keys_were_quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys' capture times differ tenfold (a 512-token mixed key against a decode key): whether waiting for the key in
+    flight beats running eagerly is judged by that key's own last capture time, not by the quick keys' median."""
+    monkeypatch.setattr(background, "WAIT_LIMIT_S", 5.0)  # long enough to wait out the slow key
+    step = KeyedSleepyStep(0.01, 0.05, slow_tokens=32, slow_s=0.6)
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
+    reg.capture([(B(n), "full") for n in (32, 1, 2, 4, 8)], background=True)  # every key's own time, measured
+    assert reg.wait_captured(timeout=30) and len(reg) == 5
+    reg.clear()  # as refresh() after weights moved: the same keys, captured again beside the engine
+    step.slow_began.clear()
+    reg.capture([(B(n), "full") for n in (32, 8, 4)], background=True)  # 32, which serves every batch below, first
+    assert step.slow_began.wait(30), "the capture thread did not start on the slow key"
+    x = torch.randn(3, D)
+    hits = []
+    for _ in range(3):
+        torch.testing.assert_close(reg.run(B(3), x=x), x * 2)
+        hits.append(reg.stats().hits)
+    assert reg.wait_captured(timeout=30)
+    assert hits == [0, 0, 0], f"a step waited for the 0.6 s key in flight instead of running eagerly in 50 ms: {hits}"
+
+
 def test_the_capture_thread_never_stands_aside_holding_the_lock_run_takes() -> None:
     """The capture thread takes the background's lock to pop its next key and to hand in a result, and run() takes it
     to install results: standing aside while holding it would stall that run() for the whole limit."""
