@@ -11,10 +11,10 @@ Progress under a busy serving loop: an engine whose eager step is host-bound cal
 back to back, so a thread that only ran between steps would never run.  A step whose batch no
 live graph serves, but a key being captured would, moves that key to the front of the queue and
 runs eagerly, unless the key is in flight and expected to be captured before the eager step would
-end (the capture thread's time for a key, against recent eager steps): then it waits for it (at
-most ``WAIT_LIMIT_S``) and replays it.  When such steps keep coming while the capture thread
-finishes nothing (``EAGER_STEPS_BEFORE_WAIT``), the next one waits whatever it costs, so the
-capture ends under any loop.  Once graphs serve, a replay leaves the GIL free
+end (the capture thread's own time for that key, against recent eager steps): then it waits for it
+(at most ``WAIT_SHARE`` of an eager step) and replays it.  When such steps keep coming while the capture thread
+finishes nothing (``EAGER_STEPS_BEFORE_WAIT``), the next one waits (at most ``WAIT_LIMIT_S``), so
+the capture ends under any loop.  Once graphs serve, a replay leaves the GIL free
 while the GPU works, which is when the capture thread takes the rest.
 
 Serving first: every torch op releases the GIL and takes it back, so a step's host work beside a
@@ -40,14 +40,14 @@ from typing import Any
 
 import attrs
 
-from cgregistry.capture.job import BACKGROUND, CaptureJob
+from cgregistry.capture.job import BACKGROUND, CaptureJob, FrozenHeap
 from cgregistry.store.catalog import Catalog, Entry, Pair
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.hooks.events import Events
 from cgregistry.warn import warn
 from cgregistry.errors import CaptureError
 
-__all__ = ["EAGER_STEPS_BEFORE_WAIT", "PAUSE_LIMIT_S", "SWITCH_INTERVAL_S", "WAIT_LIMIT_S", "BackgroundCapture", "Captured", "TaskDone", "background_order"]
+__all__ = ["EAGER_STEPS_BEFORE_WAIT", "PAUSE_LIMIT_S", "SWITCH_INTERVAL_S", "WAIT_LIMIT_S", "WAIT_SHARE", "BackgroundCapture", "Captured", "TaskDone", "background_order"]
 
 # The interpreter's switch interval while a capture thread runs (CPython's default is 5 ms): how long the serving
 # thread may wait for the GIL when the capture thread holds it.  None leaves the interval alone.
@@ -55,6 +55,9 @@ SWITCH_INTERVAL_S: float | None = 2e-4
 # The longest a step waits for the key being captured that would serve it; past it the step runs eagerly, and
 # steps do not wait again while the same capture is in flight (a slow compile, say).
 WAIT_LIMIT_S = 0.5
+# The longest a step waits for the key in flight that it expects sooner than an eager step, as a share of an eager
+# step's time: past it the step runs eagerly (a wait the estimate got wrong costs at most this much more).
+WAIT_SHARE = 0.5
 # Steps that run eagerly beside the capture of their key, while the capture thread finishes nothing, before one waits
 # for it whatever the wait would cost: under run() called back to back with host-bound eager steps the capture still
 # ends.  Otherwise a step waits only for a key in flight expected to be done before the step would be, eagerly.
@@ -321,9 +324,10 @@ class BackgroundCapture:
 
     def await_cover(self, actual: BatchDescriptor, exclude: Sequence[str] | frozenset[str]) -> bool:
         """For a step no live graph serves: move the key that would serve ``actual`` (its strategy not in ``exclude``,
-        within the padding cap) to the front of the queue, and wait for it at most ``WAIT_LIMIT_S`` (then install what
-        finished) when it is in flight and expected to be done before an eager step would be, or once
-        ``EAGER_STEPS_BEFORE_WAIT`` steps ran eagerly while the capture thread finished nothing.  False without
+        within the padding cap) to the front of the queue, and wait for it (then install what finished) when it is in
+        flight and expected to be done before an eager step would be (at most ``WAIT_SHARE`` of an eager step), or
+        once ``EAGER_STEPS_BEFORE_WAIT`` steps ran eagerly while the capture thread finished nothing (at most
+        ``WAIT_LIMIT_S``).  False without
         waiting otherwise, when no such key is queued, or when a step already waited in vain while the capture in
         flight now ran."""
         cap = self._catalog.cap
@@ -345,14 +349,18 @@ class BackgroundCapture:
                 self._queue.appendleft(item)
             if self._finished != self._finished_seen:  # the capture got on since the last step that did not wait
                 self._finished_seen, self._unwaited = self._finished, 0
-            if not (target is flight and self._done_before_eager(target)):
-                if self._unwaited < EAGER_STEPS_BEFORE_WAIT:
-                    self._unwaited += 1
-                    return False
+            limit = WAIT_LIMIT_S
+            if target is flight and self._done_before_eager(target):
+                # Worth it only while the key comes sooner than the step would take eagerly: past half of that, the
+                # estimate was wrong, and the step runs eagerly (at most 1.5 eager steps in all, not WAIT_LIMIT_S).
+                limit = min(WAIT_LIMIT_S, WAIT_SHARE * self.eager_s)  # type: ignore[operator]
+            elif self._unwaited < EAGER_STEPS_BEFORE_WAIT:
+                self._unwaited += 1
+                return False
             self._unwaited = 0
             self.waiting.append(None)
             try:
-                done = self._cond.wait_for(lambda: self._in_flight != target and not self._queued(target), WAIT_LIMIT_S)
+                done = self._cond.wait_for(lambda: self._in_flight != target and not self._queued(target), limit)
             finally:
                 self.waiting.pop()
             if not done:
@@ -413,6 +421,8 @@ class BackgroundCapture:
         stepping_aside = self._serving is not None and PAUSE_LIMIT_S is not None and sys.getprofile() is None
         if stepping_aside:
             sys.setprofile(self.step_aside_hook(self._serving, PAUSE_LIMIT_S))  # this thread's only
+        frozen = FrozenHeap()
+        frozen.__enter__()
         try:
             while True:
                 self.holding.append(None)  # the serving thread takes this lock in run(): never stand aside holding it
@@ -436,6 +446,7 @@ class BackgroundCapture:
                     self.holding.pop()
                 self._finish(item, *self._run(item))
         finally:
+            frozen.__exit__()
             if stepping_aside:
                 sys.setprofile(None)
             _restore_switch_interval()

@@ -3,6 +3,7 @@ capture running the model, and a run() that waits for the capture thread is neve
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -182,6 +183,29 @@ def test_a_step_does_not_wait_for_a_slow_key_in_flight_because_other_keys_were_q
     assert hits == [0, 0, 0], f"a step waited for the 0.6 s key in flight instead of running eagerly in 50 ms: {hits}"
 
 
+def test_a_step_waits_at_most_half_an_eager_step_for_a_key_the_estimate_said_was_sooner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key whose capture takes far longer than its last one (the estimate is wrong): the step that waits for it
+    gives up after half an eager step and runs eagerly, instead of waiting up to WAIT_LIMIT_S for it."""
+    monkeypatch.setattr(background, "WAIT_LIMIT_S", 5.0)  # long enough to wait out the slow capture
+    step = KeyedSleepyStep(0.01, 0.05, slow_tokens=32, slow_s=0.01)
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
+    reg.capture([(B(16), "full")])  # the process's first capture, whose one-time costs are not the key's
+    reg.capture([(B(n), "full") for n in (32, 1, 2)], background=True)  # 32 took about 10 ms
+    assert reg.wait_captured(timeout=30) and len(reg) == 4
+    reg.clear()
+    step.slow_s = 1.0  # this time it takes 1 s
+    step.slow_began.clear()
+    reg.capture([(B(n), "full") for n in (32, 8, 4)], background=True)
+    assert step.slow_began.wait(30)
+    x = torch.randn(3, D)
+    hits = []
+    for _ in range(3):
+        torch.testing.assert_close(reg.run(B(3), x=x), x * 2)
+        hits.append(reg.stats().hits)
+    assert reg.wait_captured(timeout=30)
+    assert hits == [0, 0, 0], f"a step waited out the 1 s capture its estimate put at 10 ms: {hits}"
+
+
 def test_the_capture_thread_never_stands_aside_holding_the_lock_run_takes() -> None:
     """The capture thread takes the background's lock to pop its next key and to hand in a result, and run() takes it
     to install results: standing aside while holding it would stall that run() for the whole limit."""
@@ -230,3 +254,32 @@ def test_a_step_that_takes_a_lock_the_capture_thread_holds_is_not_stalled(monkey
     worker.start()
     worker.join(45)
     assert finished.is_set(), "a step stalled on a lock held by the capture thread standing aside"
+
+
+@pytest.mark.parametrize("engine_froze", [False, True])
+def test_the_heap_is_frozen_while_the_capture_thread_works_and_as_it_was_after(engine_froze: bool) -> None:
+    """A capture makes many objects; a full collection they set off would hold the GIL for the whole heap (0.2 s with
+    a 1B model loaded) on whichever thread, the serving one included: while the capture thread works, collections see
+    only objects made since it began.  A heap the engine froze itself is left as the engine froze it."""
+    seen: list[int] = []
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        if threading.current_thread().name.startswith("cgregistry-capture-"):
+            seen.append(gc.get_freeze_count())
+        return x * 2
+
+    if engine_froze:
+        gc.freeze()
+    try:
+        reg = cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
+        reg.capture([(B(n), "full") for n in (4, 8)], background=True)
+        assert reg.wait_captured(timeout=30) and len(reg) == 2
+        deadline = time.monotonic() + 30
+        while reg.capturing() or (gc.get_freeze_count() > 0) != engine_froze:  # unfrozen as the thread ends
+            assert time.monotonic() < deadline, f"the heap stayed frozen: {gc.get_freeze_count()} objects"
+            time.sleep(0.01)
+        assert seen and all(n > 0 for n in seen), seen
+        assert (gc.get_freeze_count() > 0) == engine_froze, "the engine's own frozen heap was unfrozen"
+    finally:
+        if engine_froze:
+            gc.unfreeze()
