@@ -111,6 +111,15 @@ class HostBatch:
     seq_lens: list[int]
 
 
+def capture_context(mode: str) -> HostBatch | None:
+    """What the attention breaks see while a plan of ``mode`` is captured (``capture(context=...)``): one request of
+    one token, where mixed keys run their attention eagerly (breakable, piecewise), so that warm-up and capture attend
+    over one block instead of gathering the whole padded context for every token (a 512-token key: 1 GiB a layer in
+    bf16, on the GPU beside the serving steps during a background capture), for outputs no replay reads.  None for
+    ``full``, whose mixed keys are one graph each: their attention is the static one, recorded."""
+    return None if mode == "full" else HostBatch([0], [1], [1])
+
+
 @cg.eager_break
 def paged_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
@@ -471,7 +480,7 @@ def build_registry(
         return None
     reg, plan = new_registry(model, shape, mode, backend, adapt, plugins)
     with torch.inference_mode():
-        reg.capture(plan, background=background, progress=progress)
+        reg.capture(plan, background=background, progress=progress, context=capture_context(mode))
     return reg
 
 
@@ -706,13 +715,13 @@ def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, r
             free, total = torch.cuda.mem_get_info(device)
             graph_and_kv_bytes = int(gpu_memory_utilization * total) - (total - free)  # type: ignore[operator]
         with torch.inference_mode():
-            estimate = reg.estimate_memory(plan, background=background) if reg is not None else None
+            estimate = reg.estimate_memory(plan, background=background, context=capture_context(mode)) if reg is not None else None
         shape = size_kv_cache(model, shape, graph_and_kv_bytes, estimate)
         report.update(f"KV cache {shape.num_blocks} blocks ({shape.num_blocks * kv_block_bytes(model, shape) / 2**20:.0f} MiB), "
                       f"graphs estimated at {(estimate.capture_bytes if estimate else 0) / 2**20:.0f} MiB")
         if reg is not None:
             with torch.inference_mode():
-                reg.capture(plan, background=background, progress=bar)
+                reg.capture(plan, background=background, progress=bar, context=capture_context(mode))
     else:
         reg = build_registry(model, shape, mode, backend, background=background, progress=bar)
     engine = Engine(model, shape, reg, keep_logits=check, group=group)

@@ -80,9 +80,9 @@ def test_hf_llama_sizes_the_kv_cache_for_the_capture_that_follows(monkeypatch) -
     asked: list[bool] = []
     original = cg.GraphRegistry.estimate_memory
 
-    def spy(self, plan, *, background=False):
+    def spy(self, plan, *, background=False, context=None):
         asked.append(background)
-        return original(self, plan, background=background)
+        return original(self, plan, background=background, context=context)
 
     monkeypatch.setattr(cg.GraphRegistry, "estimate_memory", spy)
     result, reg = hf.serve("tiny", "full", device=torch.device("cpu"), shape=shape, requests=2, max_prompt=6, max_new=2,
