@@ -43,6 +43,7 @@ from cgregistry.plan.build import CapturePlan, PlanEntry
 from cgregistry.hooks.manager import Plugins
 from cgregistry.server import DebugServer, Server
 from cgregistry.errors import CaptureError, ConcurrentRunError
+from cgregistry.warn import warn
 
 __all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "Stats", "estimate_pool_memory"]  # records re-exported
 
@@ -244,16 +245,24 @@ class GraphRegistry:
         capture context is recorded).
         ``context``: the payload eager breaks see, as ``capture(context=...)`` takes it.  See docs/integration.md."""
         check_flag("estimate_memory", "background", background)
-        return estimate([self._estimate_part(plan, context)], background)[0]
+        todo = self._estimate_check(plan, "estimate_memory()")
+        return estimate([self._estimate_part(todo, context)], background)[0]
 
-    def _estimate_part(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], context: Any) -> Part:
-        """This registry's share of an estimate: ``plan`` checked, less the keys it holds already."""
-        self._lifecycle.refuse_asleep("estimate_memory()")
-        self._job.refuse_inside("estimate_memory()")
-        todo = self._job.check(plan)
+    def _estimate_check(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], call: str) -> list[PlanEntry]:
+        """``plan`` checked for an estimate (``call``): refused asleep or from inside a capture; nothing changes."""
+        self._lifecycle.refuse_asleep(call)
+        self._job.refuse_inside(call)
+        return self._job.check(plan)
+
+    def _estimate_part(self, todo: list[PlanEntry], context: Any) -> Part:
+        """This registry's share of an estimate of a checked plan: finished background captures installed first, then
+        the plan's keys less the ones it holds."""
         self._background.install()
         return Part(self._job, [p for p in dict.fromkeys((e.descriptor, e.strategy) for e in todo)
                                 if p not in self._catalog.entries], context)
+
+    def _holds_any(self) -> bool:
+        return bool(self._catalog.entries)
 
     # ------------------------------------------------------------------ run
 
@@ -423,23 +432,53 @@ def estimate_pool_memory(
     """What capturing each registry's plan, in the order given, into the one pool they share will take (a drafter
     beside its target: ``GraphRegistry(..., pool=target.pool)``), measured as ``estimate_memory`` measures one plan.
     Each registry's part says what its keys add after the registries before it.  ``contexts``: per registry name,
-    the payload its eager breaks see (as ``capture(context=...)`` takes it)."""
+    the payload its eager breaks see (as ``capture(context=...)`` takes it).  Estimate before capturing: keys a
+    registry holds already are left out, and what follows them is priced as in an empty pool (an upper bound)."""
+    call = "estimate_pool_memory()"
     check_flag("estimate_pool_memory", "background", background)
     pairs = list(plans) if isinstance(plans, Sequence) and not isinstance(plans, str) else None
     if not pairs or any(not (isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], GraphRegistry)) for p in pairs):
-        raise TypeError(f"estimate_pool_memory() takes a non-empty list of (registry, plan) pairs, got {plans!r}")
-    contexts = dict(contexts or {})
+        raise TypeError(f"{call} takes a non-empty list of (registry, plan) pairs, got {plans!r}")
+    if contexts is None:
+        contexts = {}
+    elif not isinstance(contexts, Mapping) or any(not isinstance(name, str) for name in contexts):
+        raise TypeError(f"{call} takes contexts as a mapping from registry name to payload, got {contexts!r}")
     names = [reg.name for reg, _ in pairs]
     first = pairs[0][0]
     for i, (reg, _) in enumerate(pairs):
         if any(reg is other for other, _ in pairs[:i]):
             raise ValueError(f"registry {reg.name!r} is given twice: give each registry once, with its whole plan")
+        if reg.name in names[:i]:
+            raise ValueError(f"two registries are named {reg.name!r}: an estimate's parts and contexts are keyed by "
+                             "name, so give each registry its own (GraphRegistry(..., name=...))")
         if reg.pool is not first.pool:
             raise ValueError(f"registry {reg.name!r} captures into another pool than registry {first.name!r}: "
-                             "estimate_pool_memory() prices registries sharing one pool (GraphRegistry(..., pool=...)); "
+                             f"{call} prices registries sharing one pool (GraphRegistry(..., pool=...)); "
                              "estimate registries with a pool each one by one, with reg.estimate_memory(plan)")
     unknown = sorted(set(contexts) - set(names))
     if unknown:
         raise ValueError(f"contexts names registries {unknown} not given: the registries are {names}")
-    parts = [reg._estimate_part(plan, contexts.get(reg.name)) for reg, plan in pairs]
+    checked = []
+    for reg, plan in pairs:  # every plan checked before anything changes
+        try:
+            checked.append(reg._estimate_check(plan, call))
+        except (ValueError, TypeError) as exc:  # the plans of a pair differ: say whose plan was refused
+            named = _naming(exc, reg.name)
+            if named is exc:
+                raise
+            raise named from exc
+    parts = [reg._estimate_part(todo, contexts.get(reg.name)) for (reg, _), todo in zip(pairs, checked)]
+    held = [reg.name for (reg, _), part in zip(pairs, parts) if reg._holds_any()]
+    if held and any(part.pairs for part in parts[names.index(held[0]) + 1:]):
+        warn(f"cgregistry: {call}: registry {held[0]!r} already holds graphs in the pool; the keys of the registries "
+             "after it are priced as in an empty pool, which overstates what they add beside those graphs: estimate "
+             "before capturing")
     return PoolEstimate(tuple(names), tuple(estimate(parts, background)))
+
+
+def _naming(exc: BaseException, registry: str) -> BaseException:
+    """``exc`` again, its message led by the registry it concerns; ``exc`` itself for an error type built otherwise."""
+    try:
+        return type(exc)(f"registry {registry!r}: {exc}")
+    except Exception:
+        return exc

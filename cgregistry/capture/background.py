@@ -10,9 +10,9 @@ hot path reads only ever change on the thread that runs it.
 Progress under a busy serving loop: an engine whose eager step is host-bound calls ``run()``
 back to back, so a thread that only ran between steps would never run.  A step whose batch no
 live graph serves, but a key being captured would, moves that key to the front of the queue and
-runs eagerly, unless the key is in flight and expected to be captured before the eager step would
-end (the capture thread's own time for that key, against recent eager steps): then it waits for it
-(at most ``WAIT_SHARE`` of an eager step) and replays it.  When such steps keep coming while the capture thread
+runs eagerly, unless the key is in flight and expected within ``WAIT_SHARE`` of an eager step (the
+capture thread's own time for that key, against recent eager steps): then it waits for it (at most
+one eager step) and replays it.  When such steps keep coming while the capture thread
 finishes nothing (``EAGER_STEPS_BEFORE_WAIT``), the next one waits (at most ``WAIT_LIMIT_S``), so
 the capture ends under any loop.  Once graphs serve, a replay leaves the GIL free
 while the GPU works, which is when the capture thread takes the rest.
@@ -55,8 +55,8 @@ SWITCH_INTERVAL_S: float | None = 2e-4
 # The longest a step waits for the key being captured that would serve it; past it the step runs eagerly, and
 # steps do not wait again while the same capture is in flight (a slow compile, say).
 WAIT_LIMIT_S = 0.5
-# The longest a step waits for the key in flight that it expects sooner than an eager step, as a share of an eager
-# step's time: past it the step runs eagerly (a wait the estimate got wrong costs at most this much more).
+# A step waits for the key in flight when it expects it within this share of an eager step's time (a replay after
+# the wait costs something too), and at most one eager step's time: then it runs eagerly.
 WAIT_SHARE = 0.5
 # Steps that run eagerly beside the capture of their key, while the capture thread finishes nothing, before one waits
 # for it whatever the wait would cost: under run() called back to back with host-bound eager steps the capture still
@@ -151,6 +151,7 @@ class BackgroundCapture:
         self._aside_at_flight = 0.0  # self._aside when the item in flight began
         self._ran: deque[tuple[Pair, float]] = deque(maxlen=32)  # the capture thread's own seconds for the keys it finished lately
         self._took: dict[Pair, float] = {}  # the capture thread's own seconds for each key, at its last capture of it
+        self._frozen: FrozenHeap | None = None  # the heap frozen while the thread has work
         self.eager_s: float | None = None  # a recent eager step's seconds beside a capture (moving average)
         self.active = False  # work queued or in flight, or results not installed: run() installs between steps
         self._stopped = False  # the registry is gone: the capture thread takes nothing more
@@ -325,8 +326,8 @@ class BackgroundCapture:
     def await_cover(self, actual: BatchDescriptor, exclude: Sequence[str] | frozenset[str]) -> bool:
         """For a step no live graph serves: move the key that would serve ``actual`` (its strategy not in ``exclude``,
         within the padding cap) to the front of the queue, and wait for it (then install what finished) when it is in
-        flight and expected to be done before an eager step would be (at most ``WAIT_SHARE`` of an eager step), or
-        once ``EAGER_STEPS_BEFORE_WAIT`` steps ran eagerly while the capture thread finished nothing (at most
+        flight and expected within ``WAIT_SHARE`` of an eager step (at most one eager step), or once
+        ``EAGER_STEPS_BEFORE_WAIT`` steps ran eagerly while the capture thread finished nothing (at most
         ``WAIT_LIMIT_S``).  False without
         waiting otherwise, when no such key is queued, or when a step already waited in vain while the capture in
         flight now ran."""
@@ -351,9 +352,9 @@ class BackgroundCapture:
                 self._finished_seen, self._unwaited = self._finished, 0
             limit = WAIT_LIMIT_S
             if target is flight and self._done_before_eager(target):
-                # Worth it only while the key comes sooner than the step would take eagerly: past half of that, the
-                # estimate was wrong, and the step runs eagerly (at most 1.5 eager steps in all, not WAIT_LIMIT_S).
-                limit = min(WAIT_LIMIT_S, WAIT_SHARE * self.eager_s)  # type: ignore[operator]
+                # Expected within WAIT_SHARE of an eager step: past a whole one the estimate was wrong, and the step
+                # runs eagerly (a wrong estimate costs one eager step more, not WAIT_LIMIT_S).
+                limit = min(WAIT_LIMIT_S, self.eager_s)  # type: ignore[arg-type]
             elif self._unwaited < EAGER_STEPS_BEFORE_WAIT:
                 self._unwaited += 1
                 return False
@@ -373,8 +374,8 @@ class BackgroundCapture:
         self.eager_s = seconds if self.eager_s is None else 0.8 * self.eager_s + 0.2 * seconds
 
     def _done_before_eager(self, pair: Pair) -> bool:
-        """Whether the key in flight is expected to be captured before an eager step would end: what its capture is
-        expected to take (``_expected``) less what the capture thread has run of it (standing aside not counted).
+        """Whether the key in flight is expected to be captured within ``WAIT_SHARE`` of an eager step: what its capture
+        is expected to take (``_expected``) less what the capture thread has run of it (standing aside not counted).
         False while either is unknown."""
         if self.eager_s is None:
             return False
@@ -383,7 +384,7 @@ class BackgroundCapture:
             return False
         now = time.monotonic()
         aside = self._aside - self._aside_at_flight + (now - self._aside_since if self._aside_since is not None else 0.0)
-        return typical - (now - self._flight_began - aside) <= self.eager_s
+        return typical - (now - self._flight_began - aside) <= WAIT_SHARE * self.eager_s
 
     def _expected(self, pair: Pair) -> float | None:
         """The capture thread's own seconds for ``pair``: its time at its last capture of the key; else the key's last
@@ -421,8 +422,6 @@ class BackgroundCapture:
         stepping_aside = self._serving is not None and PAUSE_LIMIT_S is not None and sys.getprofile() is None
         if stepping_aside:
             sys.setprofile(self.step_aside_hook(self._serving, PAUSE_LIMIT_S))  # this thread's only
-        frozen = FrozenHeap()
-        frozen.__enter__()
         try:
             while True:
                 self.holding.append(None)  # the serving thread takes this lock in run(): never stand aside holding it
@@ -435,6 +434,9 @@ class BackgroundCapture:
                             self._cond.notify_all()
                             return
                         item = self._queue.popleft()
+                        if self._frozen is None:  # the heap is frozen while the thread has work (FrozenHeap)
+                            self._frozen = FrozenHeap()
+                            self._frozen.__enter__()
                         if isinstance(item, tuple) and self._job.context is not None:
                             item = (item[0], self._job.context)  # the registry's capture context as the capture starts
                         self._in_flight = item if isinstance(item, _Task) else item[0]
@@ -446,7 +448,8 @@ class BackgroundCapture:
                     self.holding.pop()
                 self._finish(item, *self._run(item))
         finally:
-            frozen.__exit__()
+            with self._cond:
+                self._thaw()
             if stepping_aside:
                 sys.setprofile(None)
             _restore_switch_interval()
@@ -529,7 +532,15 @@ class BackgroundCapture:
                 self._ready.append(Captured(item[0], result, error, item[1]))
             self._in_flight = self._flight_context = None
             self._finished += 1
+            if not self._queue:  # no work left: thawed before a wait for it returns (an engine may freeze its heap next)
+                self._thaw()
             self._cond.notify_all()
+
+    def _thaw(self) -> None:
+        """The heap as it was before this thread's work (under the condition's lock)."""
+        if self._frozen is not None:
+            self._frozen.__exit__()
+            self._frozen = None
 
 
 def _shorten_switch_interval() -> None:

@@ -611,14 +611,16 @@ class PausedGC:
 
 
 _heap_lock = threading.Lock()
-_heap_holds = [0, False]  # capture threads at work, and whether the first of them froze the heap
+_heap_holds = [0, False, 0]  # capture threads at work, whether the first froze the heap, and how many objects it froze
 
 
 class FrozenHeap:
     """The heap frozen (``gc.freeze``) while capture threads work beside a serving thread: a capture makes many
     objects, and a collection they set off, on either thread, then looks only at objects made since, never at the
     whole heap (a full collection holds the GIL 0.2 s with a 1B model loaded).  Unfrozen when the last capture thread
-    ends; a heap already frozen (by the engine) is left alone."""
+    runs out of work, before a wait for it returns.  A heap the engine froze before, or once the capture was waited
+    for, stays frozen; one it froze while the capture ran is thawed with it, unless that froze more objects than the
+    capture had (nothing tells the two freezes apart)."""
 
     def __enter__(self) -> None:
         with _heap_lock:
@@ -626,6 +628,7 @@ class FrozenHeap:
                 _heap_holds[1] = gc.get_freeze_count() == 0
                 if _heap_holds[1]:
                     gc.freeze()
+                    _heap_holds[2] = gc.get_freeze_count()
             _heap_holds[0] += 1
 
     def __exit__(self, *exc: object) -> None:
@@ -633,7 +636,8 @@ class FrozenHeap:
             _heap_holds[0] -= 1
             if _heap_holds[0] == 0 and _heap_holds[1]:
                 _heap_holds[1] = False
-                gc.unfreeze()
+                if gc.get_freeze_count() <= _heap_holds[2]:  # frozen objects only die meanwhile, unless someone froze more
+                    gc.unfreeze()
 
 
 class _FrozenGC:

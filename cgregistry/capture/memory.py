@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 import gc
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -188,6 +188,16 @@ class PoolEstimate:
             if have == name:
                 return part
         raise KeyError(f"this estimate has no registry {name!r}: it has {list(self.names)}")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __iter__(self) -> Iterator[str]:
+        """The registries' names, in capture order (as a mapping's keys)."""
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
     @property
     def capture_bytes(self) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -79,6 +81,8 @@ def test_the_pair_estimate_reads_as_a_table_and_json() -> None:
     assert [r["name"] for r in data["registries"]] == ["target", "drafter"] and all(r["background"] for r in data["registries"])
     with pytest.raises(KeyError, match=r"no registry 'other': it has \['target', 'drafter'\]"):
         found["other"]
+    assert list(found) == ["target", "drafter"] and len(found) == 2 and "drafter" in found and "other" not in found
+    assert dict(zip(found, found.parts))["drafter"] is found["drafter"]
 
 
 def test_bad_pairs_are_refused_before_anything_is_captured() -> None:
@@ -94,8 +98,14 @@ def test_bad_pairs_are_refused_before_anything_is_captured() -> None:
         cg.estimate_pool_memory([(target, PLAN), (target, DRAFT_PLAN)])
     with pytest.raises(ValueError, match=r"contexts names registries \['verify'\] not given: the registries are \['target', 'drafter'\]"):
         cg.estimate_pool_memory([(target, PLAN), (drafter, DRAFT_PLAN)], contexts={"verify": 1})
-    with pytest.raises(ValueError, match="needs 65 tokens"):
+    with pytest.raises(ValueError, match="registry 'drafter': .*needs 65 tokens"):
         cg.estimate_pool_memory([(target, PLAN), (drafter, [(B.decode(65), "full")])])
+    twin = make(Engine(), name="target", pool=target.pool)
+    with pytest.raises(ValueError, match=r"two registries are named 'target'"):
+        cg.estimate_pool_memory([(target, PLAN), (twin, DRAFT_PLAN)])
+    for contexts in ({target: 1}, ["target"], "target"):
+        with pytest.raises(TypeError, match=r"contexts as a mapping from registry name to payload"):
+            cg.estimate_pool_memory([(target, PLAN), (drafter, DRAFT_PLAN)], contexts=contexts)  # type: ignore[arg-type]
     for bad in ([], [target], [(target,)], [(PLAN, target)], "target"):
         with pytest.raises(TypeError, match=r"a non-empty list of \(registry, plan\) pairs"):
             cg.estimate_pool_memory(bad)  # type: ignore[arg-type]
@@ -159,3 +169,29 @@ def test_the_cuda_pair_estimate_prices_the_drafter_at_what_it_adds_to_the_target
         taken = free0 - torch.cuda.mem_get_info()[0]
     assert abs(found.capture_bytes - taken) <= 0.05 * taken, (found.capture_bytes, taken)
     assert found["drafter"].capture_bytes < 0.25 * alone.capture_bytes, (found["drafter"].capture_bytes, alone.capture_bytes)
+
+
+def test_a_refused_pair_leaves_every_registry_as_it_was() -> None:
+    """A drafter asleep (or with a bad plan) is refused before the target installs what its capture thread finished."""
+    _, _, target, drafter = pair()
+    drafter.capture(DRAFT_PLAN)
+    drafter.sleep()
+    target.capture(PLAN, background=True)
+    deadline = time.monotonic() + 30
+    while any(t.name == f"cgregistry-capture-{target.name}" for t in threading.enumerate()):  # done, not installed
+        assert time.monotonic() < deadline, "the capture thread did not end"
+        time.sleep(0.01)
+    assert len(target) == 0 and len(target.capturing()) == len(PLAN), "finished on the thread, installed at the next call"
+    with pytest.raises(RuntimeError, match=r"estimate_pool_memory\(\) on registry 'drafter' while it sleeps"):
+        cg.estimate_pool_memory([(target, PLAN), (drafter, DRAFT_PLAN)])
+    assert len(target) == 0, "the refused estimate installed the target's finished keys"
+    drafter.wake()
+    assert target.wait_captured(timeout=30) and len(target) == len(PLAN)
+
+
+def test_a_pair_whose_first_registry_holds_its_graphs_says_the_rest_is_an_upper_bound() -> None:
+    _, _, target, drafter = pair()
+    target.capture(PLAN)
+    with pytest.warns(RuntimeWarning, match=r"registry 'target' already holds graphs in the pool; .* estimate before capturing"):
+        found = cg.estimate_pool_memory([(target, PLAN), (drafter, DRAFT_PLAN)])
+    assert found["target"].keys == () and len(found["drafter"].keys) == len(DRAFT_PLAN)
