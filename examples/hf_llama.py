@@ -134,11 +134,13 @@ def paged_attention(
     q = query[0].transpose(0, 1)  # (tokens, heads, head_dim)
     batch = cg.current_batch()
     host = batch.payload if batch is not None else None
-    if isinstance(host, HostBatch) and not batch.actual.uniform:
-        # A mixed batch, run eagerly (a break between segments, or a miss): one pass sized by host-side lengths.
+    # A uniform key's own capture may be a full graph's recording: static shapes only.  Anything else that runs this
+    # Python with host-side lengths runs eagerly (a break between segments, a miss, a decode batch padded into a
+    # mixed key's graph, a mixed key's capture): one pass sized by the lengths, not by the padded key.
+    recording = batch is None or (batch.key is not None and batch.key.uniform and batch.actual == batch.key)
+    if isinstance(host, HostBatch) and not recording:
         out = varlen_attention(module, q, host, cg_block_table, scaling)
     else:
-        # Decode, or a capture into a full graph (no payload then): static shapes only, one pass for every token.
         out = static_attention(module, q, cg_positions, cg_query_start_loc, cg_seq_lens, cg_block_table, scaling)
     return out[None], None  # (1, tokens, heads, head_dim), as HF's own attention functions return
 
