@@ -11,8 +11,8 @@ Progress under a busy serving loop: an engine whose eager step is host-bound cal
 back to back, so a thread that only ran between steps would never run.  A step whose batch no
 live graph serves, but a key being captured would, moves that key to the front of the queue and
 runs eagerly, unless the key is in flight and expected within ``WAIT_SHARE`` of an eager step (the
-capture thread's own time for that key, against recent eager steps): then it waits for it (at most
-one eager step) and replays it.  When such steps keep coming while the capture thread
+capture thread's own time for that key, against recent eager steps): then it waits for it (for no
+longer) and replays it.  When such steps keep coming while the capture thread
 finishes nothing (``EAGER_STEPS_BEFORE_WAIT``), the next one waits (at most ``WAIT_LIMIT_S``), so
 the capture ends under any loop.  Once graphs serve, a replay leaves the GIL free
 while the GPU works, which is when the capture thread takes the rest.
@@ -56,7 +56,7 @@ SWITCH_INTERVAL_S: float | None = 2e-4
 # steps do not wait again while the same capture is in flight (a slow compile, say).
 WAIT_LIMIT_S = 0.5
 # A step waits for the key in flight when it expects it within this share of an eager step's time (a replay after
-# the wait costs something too), and at most one eager step's time: then it runs eagerly.
+# the wait costs something too), and for no longer: then it runs eagerly (at most 1 + WAIT_SHARE eager steps in all).
 WAIT_SHARE = 0.5
 # Steps that run eagerly beside the capture of their key, while the capture thread finishes nothing, before one waits
 # for it whatever the wait would cost: under run() called back to back with host-bound eager steps the capture still
@@ -326,7 +326,7 @@ class BackgroundCapture:
     def await_cover(self, actual: BatchDescriptor, exclude: Sequence[str] | frozenset[str]) -> bool:
         """For a step no live graph serves: move the key that would serve ``actual`` (its strategy not in ``exclude``,
         within the padding cap) to the front of the queue, and wait for it (then install what finished) when it is in
-        flight and expected within ``WAIT_SHARE`` of an eager step (at most one eager step), or once
+        flight and expected within ``WAIT_SHARE`` of an eager step (for no longer), or once
         ``EAGER_STEPS_BEFORE_WAIT`` steps ran eagerly while the capture thread finished nothing (at most
         ``WAIT_LIMIT_S``).  False without
         waiting otherwise, when no such key is queued, or when a step already waited in vain while the capture in
@@ -352,9 +352,9 @@ class BackgroundCapture:
                 self._finished_seen, self._unwaited = self._finished, 0
             limit = WAIT_LIMIT_S
             if target is flight and self._done_before_eager(target):
-                # Expected within WAIT_SHARE of an eager step: past a whole one the estimate was wrong, and the step
-                # runs eagerly (a wrong estimate costs one eager step more, not WAIT_LIMIT_S).
-                limit = min(WAIT_LIMIT_S, self.eager_s)  # type: ignore[arg-type]
+                # Expected within WAIT_SHARE of an eager step: past that the estimate was wrong, and the step runs
+                # eagerly (a wrong estimate costs WAIT_SHARE of an eager step more, not WAIT_LIMIT_S).
+                limit = min(WAIT_LIMIT_S, WAIT_SHARE * self.eager_s)  # type: ignore[operator]
             elif self._unwaited < EAGER_STEPS_BEFORE_WAIT:
                 self._unwaited += 1
                 return False

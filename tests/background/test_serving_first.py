@@ -183,9 +183,9 @@ def test_a_step_does_not_wait_for_a_slow_key_in_flight_because_other_keys_were_q
     assert hits == [0, 0, 0], f"a step waited for the 0.6 s key in flight instead of running eagerly in 50 ms: {hits}"
 
 
-def test_a_step_waits_at_most_one_eager_step_for_a_key_the_estimate_said_was_sooner(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_waits_at_most_half_an_eager_step_for_a_key_the_estimate_said_was_sooner(monkeypatch: pytest.MonkeyPatch) -> None:
     """A key whose capture takes far longer than its last one (the estimate is wrong): the step that waits for it
-    gives up after an eager step's time and runs eagerly, instead of waiting up to WAIT_LIMIT_S for it."""
+    gives up after half an eager step (WAIT_SHARE) and runs eagerly, instead of waiting up to WAIT_LIMIT_S for it."""
     monkeypatch.setattr(background, "WAIT_LIMIT_S", 5.0)  # long enough to wait out the slow capture
     step = KeyedSleepyStep(0.01, 0.05, slow_tokens=32, slow_s=0.01)
     reg = cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
