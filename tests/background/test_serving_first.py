@@ -166,7 +166,7 @@ def test_a_step_does_not_wait_for_a_slow_key_in_flight_because_other_keys_were_q
     """Keys' capture times differ tenfold (a 512-token mixed key against a decode key): whether waiting for the key in
     flight beats running eagerly is judged by that key's own last capture time, not by the quick keys' median."""
     monkeypatch.setattr(background, "WAIT_LIMIT_S", 5.0)  # long enough to wait out the slow key
-    step = KeyedSleepyStep(0.01, 0.05, slow_tokens=32, slow_s=0.6)
+    step = KeyedSleepyStep(0.01, 0.05, slow_tokens=32, slow_s=0.3)
     reg = cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
     reg.capture([(B(n), "full") for n in (32, 1, 2, 4, 8)], background=True)  # every key's own time, measured
     assert reg.wait_captured(timeout=30) and len(reg) == 5
@@ -180,7 +180,7 @@ def test_a_step_does_not_wait_for_a_slow_key_in_flight_because_other_keys_were_q
         torch.testing.assert_close(reg.run(B(3), x=x), x * 2)
         hits.append(reg.stats().hits)
     assert reg.wait_captured(timeout=30)
-    assert hits == [0, 0, 0], f"a step waited for the 0.6 s key in flight instead of running eagerly in 50 ms: {hits}"
+    assert hits == [0, 0, 0], f"a step waited for the 0.3 s key in flight instead of running eagerly in 50 ms: {hits}"
 
 
 def test_a_step_waits_at_most_half_an_eager_step_for_a_key_the_estimate_said_was_sooner(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,7 +193,7 @@ def test_a_step_waits_at_most_half_an_eager_step_for_a_key_the_estimate_said_was
     reg.capture([(B(n), "full") for n in (32, 1, 2)], background=True)  # 32 took about 10 ms
     assert reg.wait_captured(timeout=30) and len(reg) == 4
     reg.clear()
-    step.slow_s = 1.0  # this time it takes 1 s
+    step.slow_s = 0.4  # this time it takes 0.4 s
     step.slow_began.clear()
     reg.capture([(B(n), "full") for n in (32, 8, 4)], background=True)
     assert step.slow_began.wait(30)
@@ -203,7 +203,7 @@ def test_a_step_waits_at_most_half_an_eager_step_for_a_key_the_estimate_said_was
         torch.testing.assert_close(reg.run(B(3), x=x), x * 2)
         hits.append(reg.stats().hits)
     assert reg.wait_captured(timeout=30)
-    assert hits == [0, 0, 0], f"a step waited out the 1 s capture its estimate put at 10 ms: {hits}"
+    assert hits == [0, 0, 0], f"a step waited out the 0.4 s capture its estimate put at 10 ms: {hits}"
 
 
 def test_the_capture_thread_never_stands_aside_holding_the_lock_run_takes() -> None:
