@@ -261,9 +261,6 @@ class GraphRegistry:
         return Part(self._job, [p for p in dict.fromkeys((e.descriptor, e.strategy) for e in todo)
                                 if p not in self._catalog.entries], context)
 
-    def _holds_any(self) -> bool:
-        return bool(self._catalog.entries)
-
     # ------------------------------------------------------------------ run
 
     def run(
@@ -468,7 +465,7 @@ def estimate_pool_memory(
                 raise
             raise named from exc
     parts = [reg._estimate_part(todo, contexts.get(reg.name)) for (reg, _), todo in zip(pairs, checked)]
-    held = [reg.name for (reg, _), part in zip(pairs, parts) if reg._holds_any()]
+    held = [reg.name for reg, _ in pairs if len(reg)]
     if held and any(part.pairs for part in parts[names.index(held[0]) + 1:]):
         warn(f"cgregistry: {call}: registry {held[0]!r} already holds graphs in the pool; the keys of the registries "
              "after it are priced as in an empty pool, which overstates what they add beside those graphs: estimate "
