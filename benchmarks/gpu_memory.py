@@ -9,10 +9,13 @@ Target: the predicted ``capture_bytes`` within 5% (or 32 MiB, whichever is large
 took.  Then ``clear()`` and a second estimate, which must leave nothing behind.  Configurations: the
 demo decoder in ``full``, ``full_and_piecewise``, ``full_and_breakable``, with LoRA counts and spec
 depths, and the Hugging Face Llama engine of examples/hf_llama.py; two of them also captured in the
-background (estimated with ``background=True``).
+background (estimated with ``background=True``).  The estimate is the default one (every key captured), or
+with ``--sample`` ``estimate_memory(sample=True)`` (a sample of the whole-graph keys); each configuration's
+capture is also timed alone in a fresh process ("alone s"), and "start-up" is (estimate + capture) / capture
+alone: what the estimate adds to an engine's start-up.
 
-    PYTHONPATH=. python3 benchmarks/gpu_memory.py            # every configuration, a table at the end
-    PYTHONPATH=. python3 benchmarks/gpu_memory.py --one NAME  # one, printing a JSON line
+    PYTHONPATH=. python3 benchmarks/gpu_memory.py [--sample]            # every configuration, a table at the end
+    PYTHONPATH=. python3 benchmarks/gpu_memory.py --one NAME [--sample]  # one, printing a JSON line
 """
 
 from __future__ import annotations
@@ -80,7 +83,22 @@ def _hf(options: dict[str, Any]) -> tuple[cg.GraphRegistry, cg.CapturePlan]:
     return reg, plan
 
 
-def one(name: str) -> dict[str, Any]:
+def capture_alone(name: str) -> dict[str, Any]:
+    """The configuration's capture with no estimate before it, the process's first graphs: its seconds."""
+    options = dict(CONFIGS[name])
+    background = options.pop("background", False)
+    reg, plan = (_hf if options.pop("hf", False) else _demo)(options)
+    with torch.inference_mode():
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        reg.capture(plan, background=background)
+        if background and not reg.wait_captured(timeout=300):
+            raise SystemExit(f"{name}: the background capture did not finish")
+        torch.cuda.synchronize()
+        return {"name": name, "capture_alone_s": time.perf_counter() - t}
+
+
+def one(name: str, sample: bool = False) -> dict[str, Any]:
     options = dict(CONFIGS[name])
     background = options.pop("background", False)
     reg, plan = (_hf if options.pop("hf", False) else _demo)(options)
@@ -89,7 +107,7 @@ def one(name: str) -> dict[str, Any]:
         torch.cuda.empty_cache()
         free0, reserved0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
         t = time.perf_counter()
-        cold = reg.estimate_memory(plan, background=background)  # the process's first graphs, as an engine's estimate is
+        cold = reg.estimate_memory(plan, background=background, sample=sample)  # the process's first graphs, as an engine's estimate is
         estimate_s = time.perf_counter() - t
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -111,14 +129,14 @@ def one(name: str) -> dict[str, Any]:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free3 = torch.cuda.mem_get_info()[0]
-        est = reg.estimate_memory(plan, background=background)  # a second, once graphs were captured and dropped: it must leave nothing
+        est = reg.estimate_memory(plan, background=background, sample=sample)  # a second, once graphs were captured and dropped: it must leave nothing
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free4 = torch.cuda.mem_get_info()[0]
     taken = free1 - free2
     worst = max((abs((p or 0) - (d or 0)) for p, d in per_key.values()), default=0)
     return {
-        "name": name, "keys": len(plan), "probes": len(cold.probes), "predicted": cold.capture_bytes, "taken": taken,
+        "name": name, "keys": len(plan), "probes": sum(k.probed for k in cold.keys), "predicted": cold.capture_bytes, "taken": taken,
         "second_predicted": est.capture_bytes, "left_behind": free3 - free4, "left_cold": free0 - free_est, "kv_took": free_est - free1,
         "left_cold_allocator": reserved_cold - reserved0, "pool": cold.pool_bytes, "warmup": cold.warmup_bytes,
         "per_key": cold.capture_bytes - cold.pool_bytes - cold.warmup_bytes, "estimate_s": estimate_s, "capture_s": capture_s,
@@ -129,24 +147,31 @@ def one(name: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--one", default=None, choices=sorted(CONFIGS))
-    parser.add_argument("--only", default=None, help="comma-separated names (default: all)")
+    parser.add_argument("--only", default=None, help="names separated by ';' (default: all)")
+    parser.add_argument("--sample", action="store_true", help="estimate_memory(sample=True): a sample of the whole-graph keys captured")
+    parser.add_argument("--capture-alone", action="store_true", help="with --one: time the capture alone")
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one)))
+        print(json.dumps(capture_alone(args.one) if args.capture_alone else one(args.one, args.sample)))
         return
-    names = args.only.split(",") if args.only else list(CONFIGS)
+    names = args.only.split(";") if args.only else list(CONFIGS)
     rows = []
     for name in names:
-        done = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True, timeout=600)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode or not lines:
-            print(f"{name}: failed\n{done.stderr[-2000:]}")
-            continue
-        rows.append(json.loads(lines[-1]))
-        print(rows[-1], flush=True)
+        found = []
+        for extra in (["--sample"] if args.sample else [], ["--capture-alone"]):
+            done = subprocess.run([sys.executable, __file__, "--one", name, *extra], capture_output=True, text=True, timeout=600)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            if done.returncode or not lines:
+                print(f"{name} {extra}: failed\n{done.stderr[-2000:]}")
+                break
+            found.append(json.loads(lines[-1]))
+        else:
+            rows.append({**found[0], **found[1]})
+            print(rows[-1], flush=True)
     mib = 2**20
     print(f"\n{'configuration':38} {'keys':>4} {'probes':>6} {'predicted':>10} {'taken':>9} {'error':>7} {'within':>6} "
-          f"{'2nd':>8} {'2nd err':>7} {'left':>6} {'cold':>6} {'pool':>8} {'warm-up':>8} {'per key':>8} {'est s':>6} {'capt s':>6} {'pred s':>6}")
+          f"{'2nd':>8} {'2nd err':>7} {'left':>6} {'cold':>6} {'pool':>8} {'warm-up':>8} {'per key':>8} {'est s':>6} {'capt s':>6} {'pred s':>6} "
+          f"{'alone s':>7} {'start-up':>8}")
     for r in rows:
         err = r["predicted"] - r["taken"]
         ok = abs(err) <= max(0.05 * r["taken"], 32 * mib)
@@ -155,9 +180,11 @@ def main() -> None:
               f"{err / max(1, r['taken']) * 100:6.1f}% {'yes' if ok else 'NO':>6} {r['second_predicted'] / mib:6.0f}Mi "
               f"{err2 / max(1, r['taken']) * 100:6.1f}% {r['left_behind'] / mib:5.0f}Mi {r['left_cold'] / mib:5.0f}Mi "
               f"{r['pool'] / mib:6.0f}Mi {r['warmup'] / mib:6.0f}Mi {r['per_key'] / mib:6.0f}Mi {r['estimate_s']:6.2f} "
-              f"{r['capture_s']:6.2f} {r['predicted_capture_s']:6.2f}")
+              f"{r['capture_s']:6.2f} {r['predicted_capture_s']:6.2f} {r['capture_alone_s']:7.2f} "
+              f"{(r['estimate_s'] + r['capture_s']) / r['capture_alone_s']:7.2f}x")
     print("predicted: the process's first estimate (an engine's); taken: what capture(plan) took right after it; 2nd: an estimate "
-          "after the plan was captured and cleared; left: what that one left on the device; cold: what the first left")
+          "after the plan was captured and cleared; left: what that one left on the device; cold: what the first left; alone s: the "
+          "capture with no estimate before it (a fresh process); start-up: (est s + capt s) / alone s")
 
 
 if __name__ == "__main__":

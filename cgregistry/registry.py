@@ -238,15 +238,17 @@ class GraphRegistry:
         return self._background.capturing()
 
     def estimate_memory(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], *,
-                        background: bool = False, context: Any = None) -> MemoryEstimate:
+                        background: bool = False, context: Any = None, sample: bool = False) -> MemoryEstimate:
         """The device memory ``capture(plan)`` (with ``background``) will take, per key and in all, and the seconds it
         will take; measured before capture by capturing the plan into a scratch pool and dropping it, on static inputs
         of their own (nothing of the engine's state is touched; what stays on the device, the capture reuses; no
-        capture context is recorded).
+        capture context is recorded).  ``sample``: capture only a sample of the whole-graph (``full``) keys of each
+        kind and price the rest from it (a foreground estimate; less exact, much shorter: docs/integration.md).
         ``context``: the payload eager breaks see, as ``capture(context=...)`` takes it.  See docs/integration.md."""
         check_flag("estimate_memory", "background", background)
+        check_flag("estimate_memory", "sample", sample)
         todo = self._estimate_check(plan, "estimate_memory()")
-        return estimate([self._estimate_part(todo, context)], background)[0]
+        return estimate([self._estimate_part(todo, context)], background, sample)[0]
 
     def _estimate_check(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], call: str) -> list[PlanEntry]:
         """``plan`` checked for an estimate (``call``): refused asleep or from inside a capture; nothing changes."""
@@ -424,15 +426,17 @@ _DEFINED_RUN = GraphRegistry.run
 
 def estimate_pool_memory(
     plans: Sequence[tuple[GraphRegistry, CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]]]], *,
-    background: bool = False, contexts: Mapping[str, Any] | None = None,
+    background: bool = False, contexts: Mapping[str, Any] | None = None, sample: bool = False,
 ) -> PoolEstimate:
     """What capturing each registry's plan, in the order given, into the one pool they share will take (a drafter
     beside its target: ``GraphRegistry(..., pool=target.pool)``), measured as ``estimate_memory`` measures one plan.
     Each registry's part says what its keys add after the registries before it.  ``contexts``: per registry name,
     the payload its eager breaks see (as ``capture(context=...)`` takes it).  Estimate before capturing: keys a
-    registry holds already are left out, and what follows them is priced as in an empty pool (an upper bound)."""
+    registry holds already are left out, and what follows them is priced as in an empty pool (an upper bound).
+    ``sample``: a sample of each plan's whole-graph keys captured, as ``estimate_memory(sample=True)``."""
     call = "estimate_pool_memory()"
     check_flag("estimate_pool_memory", "background", background)
+    check_flag("estimate_pool_memory", "sample", sample)
     pairs = list(plans) if isinstance(plans, Sequence) and not isinstance(plans, str) else None
     if not pairs or any(not (isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], GraphRegistry)) for p in pairs):
         raise TypeError(f"{call} takes a non-empty list of (registry, plan) pairs, got {plans!r}")
@@ -470,7 +474,7 @@ def estimate_pool_memory(
         warn(f"cgregistry: {call}: registry {held[0]!r} already holds graphs in the pool; the keys of the registries "
              "after it are priced as in an empty pool, which overstates what they add beside those graphs: estimate "
              "before capturing")
-    return PoolEstimate(tuple(names), tuple(estimate(parts, background)))
+    return PoolEstimate(tuple(names), tuple(estimate(parts, background, sample)))
 
 
 def _naming(exc: BaseException, registry: str) -> BaseException:

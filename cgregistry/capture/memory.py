@@ -7,12 +7,15 @@ their fills (so nothing of the engine's state is touched), with a background cap
 a serving thread; it measures what each key took of the device, drops everything, and predicts what
 dropping it gave back.
 
-Why the whole plan and not a few keys extrapolated: what a key adds depends on what was captured
-before it (a warm-up's cached activations serve later keys' eager breaks and the outputs they keep,
-the driver hands what a dead graph held to the next one), so a model of a few probes misses what
-capturing the whole plan measures (figures in docs/performance.md).  What the estimate leaves on the device (the process's first CUDA work:
-kernels loaded, cuBLAS handles; and what the driver keeps of its dropped graphs) the capture that
-follows reuses rather than takes again, so it is taken off the first keys' bytes.
+With ``sample=True`` it captures a sample of the plan's whole-graph keys (``full``), in the plan's order: of each
+kind (strategy, uniformity, LoRA count) the first in capture order (the largest, which sizes the pool), the last,
+and some between (``SAMPLE_PER_KIND``); every other such key is priced from its kind's sample (the tensors it keeps,
+linear in token count, and the driver's graph objects, averaged).  Keys with eager work between their graphs
+(breakable, piecewise) and every key of a background estimate are captured each: what they add depends on what
+was captured before them (kept tensors, the warm-up's cache, pools and inputs of their own; figures in
+docs/performance.md).  By default the whole plan is captured, which measures all of that to the byte.  What the estimate leaves on the device (the
+process's first CUDA work: kernels loaded, cuBLAS handles; and what the driver keeps of its dropped graphs)
+the capture that follows reuses rather than takes again, so it is taken off the first keys' bytes.
 
 The per-key table says what each key adds in capture order; ``key_bytes`` prices any key (its
 strategy's measured keys interpolated by token count: what stays of a key whatever else is
@@ -35,7 +38,11 @@ from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.store.catalog import Pair
 from cgregistry.text import text_table
 
-__all__ = ["KeyMemory", "MemoryEstimate", "Part", "PoolEstimate", "Probe", "estimate", "estimate_memory"]
+__all__ = ["SAMPLE_PER_KIND", "KeyMemory", "MemoryEstimate", "Part", "PoolEstimate", "Probe", "estimate", "estimate_memory"]
+
+
+# Keys of each kind an estimate captures unless exact: the first (largest), the last, and evenly spaced between.
+SAMPLE_PER_KIND = 8
 
 
 @attrs.frozen(slots=True)
@@ -49,6 +56,7 @@ class Probe:
     warmup_bytes: int  # kept for records made by hand (an estimate prices the warm-up once, in ``MemoryEstimate.warmup_bytes``)
     input_bytes: int  # static inputs of its own (a background capture's)
     seconds: float
+    kept_bytes: int = 0  # of own_bytes, the tensors it keeps alive (the rest: the driver's graph objects)
 
 
 @attrs.frozen(slots=True)
@@ -61,7 +69,7 @@ class KeyMemory:
     own_bytes: int  # its price, ``key_bytes``: graph objects, kept tensors (in the background its own pool and inputs too)
     pool_bytes: int  # what its capture grew its pool by (its own pool's size where it has one)
     capture_seconds: float
-    probed: bool  # measured (every key of an estimated plan is; ``key_bytes`` interpolates others)
+    probed: bool  # measured; else priced from the measured keys of its kind (``key_bytes``, ``sampled``)
 
 
 def _size(n: float) -> str:
@@ -134,7 +142,7 @@ class MemoryEstimate:
 
 
 def _interpolate(probes: Sequence[Probe], key: BatchDescriptor, strategy: str) -> Probe:
-    """A key's figures from the probes of its strategy (and LoRA count, where probed), linear in token count."""
+    """A key's figures from the probes of its strategy (and kind and LoRA count, where probed), linear in token count."""
     same = [p for p in probes if p.strategy == strategy]
     if not same:
         priced = sorted({p.strategy for p in probes})
@@ -145,7 +153,8 @@ def _interpolate(probes: Sequence[Probe], key: BatchDescriptor, strategy: str) -
     exact = [p for p in same if p.key == key]
     if exact:
         return exact[0]
-    lora = [p for p in same if p.key.num_active_loras == key.num_active_loras] or same
+    lora = ([p for p in same if (p.key.kind, p.key.num_active_loras) == (key.kind, key.num_active_loras)]
+            or [p for p in same if p.key.num_active_loras == key.num_active_loras] or same)
     ordered = sorted(lora, key=lambda p: p.key.num_tokens)
     tokens = [p.key.num_tokens for p in ordered]
     at = bisect.bisect_left(tokens, key.num_tokens)
@@ -225,26 +234,49 @@ class PoolEstimate:
                 "registries": [{"name": name, **part.to_dict()} for name, part in zip(self.names, self.parts)]}
 
 
-def estimate(parts: Sequence[Part], background: bool) -> list[MemoryEstimate]:
+def estimate(parts: Sequence[Part], background: bool, sample: bool = False) -> list[MemoryEstimate]:
     """Measure and predict the capture of each part's keys by its job, the parts in order into their one pool, under
     the context a capture from this thread would run under, without recording it; one capture at a time; the per-key
-    predictions are kept for inspection."""
+    predictions are kept for inspection.  ``sample``: a sample of the whole-graph keys captured (``sampled``)."""
     pool = parts[0].job.pool
     for part in parts:
         pool.refuse_if_held("estimate_memory()", part.job.name)
     contexts = [part.job.context_for(part.payload) for part in parts]
     with pool.lock:
-        found = estimate_memory(parts, [c.state.run for c in contexts], [c.payload for c in contexts], background=background)
+        found = estimate_memory(parts, [c.state.run for c in contexts], [c.payload for c in contexts],
+                                background=background, sample=sample)
     for part, one in zip(parts, found):
         part.job.predicted(one.keys)
     return found
 
 
+def sampled(order: Sequence[Pair], every: Callable[[Pair], bool] = lambda pair: False,
+            per_kind: int = SAMPLE_PER_KIND) -> list[Pair]:
+    """The keys of ``order`` an estimate captures, in that order: every key ``every`` names, and of each other kind
+    (strategy, uniformity, LoRA count) the first, the last and evenly spaced ones between, ``per_kind`` in all."""
+    kinds: dict[tuple[Any, ...], list[Pair]] = {}
+    chosen: set[Pair] = set()
+    for pair in order:
+        if every(pair):
+            chosen.add(pair)
+        else:
+            kinds.setdefault((pair[1], pair[0].kind, pair[0].num_active_loras), []).append(pair)
+    for pairs in kinds.values():
+        if len(pairs) <= per_kind:
+            chosen.update(pairs)
+            continue
+        last = len(pairs) - 1
+        chosen.update(pairs[round(i * last / (per_kind - 1))] for i in range(per_kind))
+    return [pair for pair in order if pair in chosen]
+
+
 def estimate_memory(
     parts: Sequence[Part], runs: Sequence[Callable[..., Any]], payloads: Sequence[Any], *, background: bool,
+    sample: bool = False,
 ) -> list[MemoryEstimate]:
     """Capture each part's keys (plan order; the parts in order) as ``capture(pairs, background=background)`` of each
-    registry would, into one scratch pool, measure each key, and let everything go (see the module's docstring).
+    registry would, into one scratch pool, measure each key, and let everything go (see the module's docstring);
+    with ``sample``, a sample of each kind of whole-graph key (``sampled``), the others priced from it.
 
     ``runs[i](fn, *args, **kwargs)`` runs a capture under part i's capture context, whose eager breaks see ``payloads[i]``.
     """
@@ -252,10 +284,14 @@ def estimate_memory(
     device_memory = getattr(backend, "device_memory", None)
     release = getattr(backend, "release_cached", None) or (lambda: None)
     orders = [background_order(p.pairs) if background else list(p.pairs) for p in parts]
+    if not sample or background:  # a background key has inputs and (unless whole-graph) a pool of its own: each measured
+        captured = orders
+    else:  # keys with eager work between their graphs keep tensors and reuse caches by what came before: each measured
+        captured = [sampled(order, lambda pair: not _whole_graph(part, pair[1])) for part, order in zip(parts, orders)]
     gc.collect()
     release()
     try:
-        measured, held = _capture_all(parts, orders, runs, payloads, background, device_memory)
+        measured, held = _capture_all(parts, captured, runs, payloads, background, device_memory)
     finally:  # on an error too: nothing captured for the estimate outlives it (the error's frames are cleared)
         gc.collect()
         release()
@@ -272,31 +308,51 @@ def estimate_memory(
                 cut = min(-change, t)
                 taken[i], change = t - cut, change + cut
     found, at = [], 0
-    for part, order in zip(parts, orders):
-        probes = [p for p, _ in measured[at:at + len(order)]]
-        found.append(_part_estimate(part, probes, taken[at:at + len(order)], background, device_memory is not None))
-        at += len(order)
+    for part, order, done in zip(parts, orders, captured):
+        probes = [p for p, _ in measured[at:at + len(done)]]
+        found.append(_part_estimate(part, order, probes, taken[at:at + len(done)], background, device_memory is not None))
+        at += len(done)
     return found
 
 
-def _part_estimate(part: Part, probes: list[Probe], taken: list[int], background: bool, measures: bool) -> MemoryEstimate:
-    """One part's estimate from its keys' probes and what each took in the joint order."""
+def _part_estimate(part: Part, order: Sequence[Pair], probes: list[Probe], taken: list[int], background: bool,
+                   measures: bool) -> MemoryEstimate:
+    """One part's estimate of the keys of ``order`` from the probes of those captured and what each took in the joint
+    order; a key not captured adds its price (``key_bytes``) and takes its kind's interpolated seconds."""
     job = part.job
-
-    def whole_graph(name: str) -> bool:
-        return bool(getattr(job.strategy(name), "whole_graph", False))
-
     if measures:
         probes = _priced_first(probes)
-    shared = [p for p in probes if not background or whole_graph(p.strategy)]
+    shared = [p for p in probes if not background or _whole_graph(part, p.strategy)]
     pool_bytes = max((p.pool_bytes for p in shared), default=0) if measures else 0
-    sharing = frozenset(name for name in {p[1] for p in part.pairs} if whole_graph(name))
+    sharing = frozenset(name for name in {p[1] for p in part.pairs} if _whole_graph(part, name))
     estimate = MemoryEstimate(job.backend.name, background, (), pool_bytes, 0, _storage_bytes(job.buffers.values()),
                               tuple(probes), sharing)
-    keys = tuple(KeyMemory(p.key, p.strategy, t, estimate.key_bytes(p.key, p.strategy), p.pool_bytes, p.seconds, True)
-                 for p, t in zip(probes, taken))
-    warmup = max(0, sum(taken) - pool_bytes - sum(k.own_bytes for k in keys)) if measures else 0
-    return attrs.evolve(estimate, keys=keys, warmup_bytes=warmup)
+    measured = {(p.key, p.strategy): KeyMemory(p.key, p.strategy, t, estimate.key_bytes(p.key, p.strategy),
+                                                p.pool_bytes, p.seconds, True) for p, t in zip(probes, taken)}
+    warmup = max(0, sum(taken) - pool_bytes - sum(k.own_bytes for k in measured.values())) if measures else 0
+    keys = []
+    for key, strategy in order:
+        known = measured.get((key, strategy))
+        if known is None:
+            like = _interpolate(probes, key, strategy)
+            price = estimate.key_bytes(key, strategy)
+            adds = _adds_like(probes, key, strategy) if measures else None
+            known = KeyMemory(key, strategy, price if adds is None else adds, price, like.pool_bytes, like.seconds, False)
+        keys.append(known)
+    return attrs.evolve(estimate, keys=tuple(keys), warmup_bytes=warmup)
+
+
+def _adds_like(probes: Sequence[Probe], key: BatchDescriptor, strategy: str) -> int | None:
+    """What a whole-graph key not captured adds: the tensors it keeps (linear in token count) and the driver's graph
+    objects, averaged over the captured keys of its kind after the first (the driver hands out memory for graphs in
+    chunks, so one key's share is lumpy and only an average over several is near the plan's); None with no such key."""
+    kind = (strategy, key.kind, key.num_active_loras)
+    same = [p for p in probes if (p.strategy, p.key.kind, p.key.num_active_loras) == kind][1:]
+    if not same:
+        return None
+    graphs = sum(p.own_bytes - p.kept_bytes for p in same) / len(same)
+    kept = _interpolate([attrs.evolve(p, own_bytes=p.kept_bytes) for p in same], key, strategy).own_bytes
+    return int(graphs + kept)
 
 
 def _capture_all(
@@ -339,7 +395,8 @@ def _capture_all(
                     outside = max(0, (used - before[0]) - (reserved - before[1]))
                     kept = max(0, live() - live_before - own_inputs)  # tensors it keeps alive (results kept between eager breaks)
                     price = outside + kept
-                    measured.append((Probe(key, name, entry.memory_bytes, price, 0, own_inputs, entry.capture_seconds), entry.device_bytes))
+                    measured.append((Probe(key, name, entry.memory_bytes, price, 0, own_inputs, entry.capture_seconds, kept),
+                                     entry.device_bytes))
         if device_memory is None:
             return measured, 0
         backend.synchronize()
@@ -351,15 +408,20 @@ def _capture_all(
 
 def _priced_first(probes: list[Probe]) -> list[Probe]:
     """The first key's price: what it took outside the allocator also holds the process's first CUDA work (kernels,
-    cuBLAS handles), so it is priced as the next key of its strategy and LoRA count, else of its strategy, else as
-    the median key (a plan of one key keeps its own, on the safe side)."""
+    cuBLAS handles), and its seconds that work's time, so it is priced (bytes and seconds) as the next key of its
+    strategy and LoRA count, else of its strategy, else as the median key (a plan of one key keeps its own)."""
     if len(probes) < 2:
         return probes
     first, rest = probes[0], probes[1:]
     like = ([p for p in rest if (p.strategy, p.key.num_active_loras) == (first.strategy, first.key.num_active_loras)]
             or [p for p in rest if p.strategy == first.strategy])
-    price = like[0].own_bytes if like else sorted(p.own_bytes for p in rest)[len(rest) // 2]
-    return [attrs.evolve(first, own_bytes=price), *rest]
+    model = like[0] if like else sorted(rest, key=lambda p: p.own_bytes)[len(rest) // 2]
+    return [attrs.evolve(first, own_bytes=model.own_bytes, seconds=model.seconds), *rest]
+
+
+def _whole_graph(part: Part, name: str) -> bool:
+    """Whether strategy ``name`` captures a key as one graph with nothing eager inside (``full``)."""
+    return bool(getattr(part.job.strategy(name), "whole_graph", False))
 
 
 def _storage_bytes(buffers: Iterable[StaticBuffer]) -> int:

@@ -36,6 +36,39 @@ def test_the_cpu_estimate_equals_what_capture_then_reports_key_by_key() -> None:
     assert all(e.predicted_bytes == actual[(e.key, e.strategy)] for e in reg.entries()), "entries show what was predicted"
 
 
+@pytest.mark.parametrize("mode", ["full", "full_and_breakable"])
+def test_a_sampled_estimate_captures_a_few_whole_graph_keys_and_prices_the_rest_close_to_the_capture(
+    mode: str,
+) -> None:
+    """With ``sample=True`` the estimate captures a few whole-graph keys of each kind (the largest, the smallest, some
+    between) and every key with eager work inside (breakable), and prices the rest from the sample: within 5% of
+    what capture(plan) then takes, key by key within a tenth of the largest key."""
+    plan = cg.CapturePlan.build(max_num_seqs=64, max_num_tokens=64, mode=mode, capture_sizes=[*range(1, 64, 2), 64])
+    engine = Engine()
+    seen: list[int] = []  # the token count of every step the estimate ran (warm-up, capture)
+    step = engine.step
+    engine.step = lambda batch, **inputs: (seen.append(batch.num_tokens), step(batch, **inputs))[1]  # type: ignore[method-assign]
+    reg = make(engine)
+    estimate = reg.estimate_memory(plan, sample=True)
+    probed = {(k.key, k.strategy) for k in estimate.keys if k.probed}
+    assert [(k.key, k.strategy) for k in estimate.keys] == [(e.descriptor, e.strategy) for e in plan]
+    full = [(e.descriptor, e.strategy) for e in plan if e.strategy == "full"]
+    assert len(full) > 2 * cg.capture.memory.SAMPLE_PER_KIND
+    assert len([p for p in full if p in probed]) == cg.capture.memory.SAMPLE_PER_KIND, "a sample of the full keys"
+    assert all(p in probed for e in plan for p in [(e.descriptor, e.strategy)] if e.strategy != "full"), "the rest each"
+    tokens = [k.num_tokens for k, _ in full]
+    assert {max(tokens), min(tokens)} <= {k.num_tokens for k, s in probed if s == "full"}
+    assert set(seen) == {k.num_tokens for k, _ in probed}, "the estimate ran the probed keys and no other"
+    background = reg.estimate_memory(plan, background=True, sample=True).keys
+    assert len(background) == len(plan) and all(k.probed for k in background), "a background estimate: every key"
+    reg.capture(plan)
+    actual = {(e.key, e.strategy): e.device_bytes for e in reg.entries()}
+    assert abs(estimate.capture_bytes - sum(actual.values())) <= 0.05 * sum(actual.values()), estimate.table()
+    largest = max(actual.values())
+    for k in estimate.keys:
+        assert abs(k.bytes - actual[(k.key, k.strategy)]) <= 0.1 * largest, (k, actual[(k.key, k.strategy)])
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_the_estimate_keeps_no_graph_alive_once_it_returns(background: bool) -> None:
     """Every scratch graph is dropped before the estimate measures what it left (a graph kept alive would hold its pool,
@@ -247,6 +280,27 @@ def test_the_cuda_estimate_is_close_and_leaves_no_memory_behind() -> None:
     taken = free0 - torch.cuda.mem_get_info()[0]
     assert abs(estimate.capture_bytes - taken) <= max(0.05 * taken, 32 << 20), (estimate.capture_bytes, taken)
     assert device_of("cuda").type == "cuda"
+
+
+@pytest.mark.cuda
+def test_a_sampled_cuda_estimate_of_a_wide_model_is_close_and_leaves_no_memory_behind() -> None:
+    from tests.memory.test_pool_estimate import WideMLP
+
+    plan = cg.CapturePlan.build(max_num_seqs=512, max_num_tokens=512, max_capture_size=512, mode="full")
+    reg = cg.GraphRegistry(WideMLP(), {"x": cg.StaticInput((512, 1024), torch.float32)}, backend="cuda")
+    with torch.inference_mode():
+        reg.estimate_memory(plan, sample=True)  # the process's first CUDA work, whoever runs first
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free0 = torch.cuda.mem_get_info()[0]
+        estimate = reg.estimate_memory(plan, sample=True)
+        torch.cuda.synchronize()
+        assert torch.cuda.mem_get_info()[0] >= free0 - (2 << 20), "the estimate left memory behind"
+        assert sum(k.probed for k in estimate.keys) < len(plan) / 2
+        reg.capture(plan)
+        torch.cuda.synchronize()
+        taken = free0 - torch.cuda.mem_get_info()[0]
+    assert abs(estimate.capture_bytes - taken) <= 0.05 * taken, (estimate.capture_bytes, taken)
 
 
 def test_the_demo_fits_its_plan_to_memory_only_where_there_is_device_memory(capsys: pytest.CaptureFixture[str]) -> None:
