@@ -22,7 +22,7 @@ from cgregistry.key.matcher import DEFAULT_PREFERENCE, Candidate, Explanation, M
 from cgregistry.text import text_table
 
 __all__ = [
-    "PLAN_CHANGE_REASONS", "SNAPSHOT_SCHEMA", "Candidate", "ClassStats", "EntryInfo", "Explanation", "Match", "PlanChange", "PlanScore", "Refreshed", "Slept", "Snapshot", "SnapshotError",
+    "PLAN_CHANGE_REASONS", "SNAPSHOT_SCHEMA", "Candidate", "CapturePhases", "ClassStats", "EntryInfo", "Explanation", "Match", "PlanChange", "PlanScore", "Refreshed", "Slept", "Snapshot", "SnapshotError",
     "Stats", "entries_table",
     "key_class", "load_snapshot",
 ]
@@ -34,13 +34,51 @@ PLAN_CHANGE_REASONS: dict[str, str] = {
     "padding": "the fitted plan saves at least min_gain of the padded tokens",
 }
 
-SNAPSHOT_SCHEMA = 3  # 2: stats.bad_batches; 3: entries' device_bytes and predicted_bytes
-_READABLE_SCHEMAS = (1, 2, 3)  # older schemas lack only fields that have defaults
+SNAPSHOT_SCHEMA = 4  # 2: stats.bad_batches; 3: entries' device_bytes and predicted_bytes; 4: entries' phases
+_READABLE_SCHEMAS = (1, 2, 3, 4)  # older schemas lack only fields that have defaults
 
 
 def key_class(key: BatchDescriptor, strategy: str) -> str:
     """The class a key belongs to for statistics: strategy, kind (``BatchDescriptor.kind_label``), LoRA count."""
     return f"{strategy}/{key.kind_label}/lora{key.num_active_loras}"
+
+
+@attrs.frozen(slots=True)
+class CapturePhases:
+    """Where capture seconds went: compiling (dynamo and Inductor), the warm-up run (less compiling), ending the graphs
+    (the driver instantiates them then), and the rest (recording the step, checking its outputs).  They add up to the
+    capture's seconds; ``CapturePhases.of(reg.capture(plan))`` sums a plan's."""
+
+    compile: float = 0.0
+    warmup: float = 0.0
+    record: float = 0.0
+    instantiate: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.compile + self.warmup + self.record + self.instantiate
+
+    def __add__(self, other: CapturePhases) -> CapturePhases:
+        if not isinstance(other, CapturePhases):
+            return NotImplemented
+        return CapturePhases(self.compile + other.compile, self.warmup + other.warmup, self.record + other.record,
+                             self.instantiate + other.instantiate)
+
+    @classmethod
+    def of(cls, entries: Iterable[EntryInfo]) -> CapturePhases:
+        """The phases of ``entries`` (``capture()``'s result, ``entries()``) summed; entries without phases add none."""
+        total = cls()
+        for entry in entries:
+            if entry.phases is not None:
+                total = total + entry.phases
+        return total
+
+    def summary(self) -> str:
+        """One line: the total and each phase's seconds and share."""
+        total = self.total
+        parts = [f"{name} {getattr(self, name):.2f} s ({getattr(self, name) / total:.0%})" if total else f"{name} 0.00 s"
+                 for name in ("compile", "warmup", "record", "instantiate")]
+        return f"{total:.2f} s: " + ", ".join(parts)
 
 
 @attrs.frozen(slots=True)
@@ -59,6 +97,7 @@ class EntryInfo:
     breaks: int | None = None  # eager breaks between segments, where the strategy has them
     device_bytes: int | None = None  # device memory its capture took (pool, warm-up, driver objects; cpu: memory_bytes)
     predicted_bytes: int | None = None  # what the last reg.estimate_memory() predicted for it
+    phases: CapturePhases | None = None  # where its capture seconds went
 
     @property
     def key_class(self) -> str:
@@ -231,6 +270,7 @@ def _descriptor_from(data: object, where: str) -> BatchDescriptor:
 def _entry_to_dict(e: EntryInfo) -> dict[str, Any]:
     data = attrs.asdict(e, recurse=False)
     data["key"] = attrs.asdict(e.key)
+    data["phases"] = None if e.phases is None else attrs.asdict(e.phases)
     return data
 
 
@@ -308,6 +348,7 @@ _READERS: dict[str, Any] = {
     "Mapping[str, str]": lambda v, w: {k: _text(x, f"{w}[{k!r}]") for k, x in _table(v, w).items()},
     "Mapping[str, ClassStats]": lambda v, w: {k: _record(ClassStats, x, f"{w}[{k!r}]") for k, x in _table(v, w).items()},
     "Stats": lambda v, w: _record(Stats, v, w),
+    "CapturePhases | None": lambda v, w: None if v is None else _record(CapturePhases, v, w),
     "tuple[EntryInfo, ...]": lambda v, w: tuple(_record(EntryInfo, x, f"{w}[{i}]") for i, x in enumerate(_items(v, w))),
     "tuple[tuple[BatchDescriptor, str], ...]": lambda v, w: tuple(_pending_from(x, f"{w}[{i}]") for i, x in enumerate(_items(v, w))),
 }

@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -433,7 +434,11 @@ class CpuSegment:
                     "alias imported earlier or a functional collective; replay would skip the rest",
                     "the end of a captured segment",
                 )
-        return CpuGraph(self._recorder.ops, self._recorder.fresh_bytes)
+        clock, began = runtime.phase_clock.get(), time.perf_counter()
+        graph = CpuGraph(self._recorder.ops, self._recorder.fresh_bytes)
+        if clock is not None:  # inline: a capture walks no more modules for it
+            clock["instantiate"] += time.perf_counter() - began
+        return graph
 
     def abort(self) -> None:
         self._close()

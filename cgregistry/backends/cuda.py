@@ -11,6 +11,7 @@ import collections
 import contextlib
 import contextvars
 import threading
+import time
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -255,12 +256,15 @@ class CudaSegment:
                 f"side stream(s) {names} forked from the capture stream were not joined back; "
                 "call torch.cuda.current_stream().wait_stream(side) first"
             )
+        clock, began = runtime.phase_clock.get(), time.perf_counter()
         try:
             self.graph.capture_end()
         except BaseException:
             self.backend._poisoned.add(self.pool)
             raise
         finally:
+            if clock is not None:  # inline: a capture walks no more modules for it
+                clock["instantiate"] += time.perf_counter() - began
             self._closed()
             clear_cublas_workspaces()  # eager work after the capture must not use a block of the pool
         # The allocator may give cached blocks back to the driver mid-capture (retrying an allocation): never below 0.

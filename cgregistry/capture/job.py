@@ -33,12 +33,13 @@ from typing import Any, Literal
 import attrs
 import torch
 
+from cgregistry.capture import phases
 from cgregistry.capture.pool import GraphPool
 from cgregistry.contracts.protocols import Backend
 from cgregistry.errors import CaptureError, PluginError, ServingStateError, WeightsMovedError
 from cgregistry.hooks.events import Events
 from cgregistry.hooks.manager import Plugins
-from cgregistry.inspection import EntryInfo
+from cgregistry.inspection import CapturePhases, EntryInfo
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.key.kinds import check_serves
 from cgregistry.plan.build import CapturePlan, PlanEntry
@@ -489,6 +490,10 @@ class CaptureJob:
             return step(key, **views)
 
         axes, slots = self._output_axes, self._request_slots
+        if not phases.watching:
+            phases.watch_dynamo_compiles()
+        clock = {"compile": 0.0, "instantiate": 0.0}  # added to by compiles and graph ends (capture/phases.py)
+        clock_token = runtime.phase_clock.set(clock)
         started = time.perf_counter()
         recording = runtime.Recording()
         tokens = (
@@ -502,6 +507,7 @@ class CaptureJob:
             with torch.inference_mode():
                 warm_leaves, spec = checked_outputs(backend.warmup(body, self._warmup_runs), axes, key, slots, self.device)
                 del warm_leaves
+                warmed, compiled_warming = time.perf_counter() - started, clock["compile"]
                 recording_token = runtime.recording.set(recording)
                 try:
                     graph, out = strategy.capture(body, backend, pool)
@@ -521,10 +527,15 @@ class CaptureJob:
                 raise
             raise CaptureError(key, strategy_name, exc) from exc
         finally:
+            runtime.phase_clock.reset(clock_token)
             for var, token in zip(_CAPTURE_VARS, tokens):
                 var.reset(token)
         seconds = time.perf_counter() - started
         entry = Entry(key, strategy_name, graph, slicer, seconds)
+        # the rest of the warm-up once its compiling is taken out; record: the rest (recording, checking the outputs)
+        warmup = max(0.0, warmed - compiled_warming)
+        entry.phases = CapturePhases(clock["compile"], warmup, max(0.0, seconds - clock["compile"] - warmup - clock["instantiate"]),
+                                     clock["instantiate"])
         if device_memory is not None:  # what the device gave this capture: pool, warm-up, driver objects, own inputs
             entry.device_bytes = max(0, device_memory()[0] - used_before)
         entry.read_live_batch = recording.live_batch_reads > 0

@@ -27,6 +27,7 @@ from cgregistry.cli.demo_model import (
 )
 from cgregistry.plan.build import CapturePlan, mode_preference
 from cgregistry.hooks.manager import Plugins
+from cgregistry.inspection import CapturePhases
 from cgregistry.registry import GraphRegistry
 from cgregistry.strategies.piecewise import PiecewiseStrategy
 from cgregistry.plan.workload import SchedulerConfig, read_trace, schedule
@@ -51,6 +52,7 @@ class DemoResult:
     capture_seconds: float
     memory_bytes: int
     table: str
+    capture_phases: CapturePhases = CapturePhases()  # where the graphs' capture seconds went
 
     @property
     def no_speedup_reason(self) -> str | None:
@@ -181,7 +183,7 @@ def run_demo(
         plan = _fit_to_memory(reg, plan, batches, gpu_memory_utilization, dict(
             max_num_seqs=cfg.max_num_seqs, max_num_tokens=cfg.max_num_tokens, mode=mode, plugins=plugins), log)
     started = time.perf_counter()
-    reg.capture(plan, progress=progress)
+    captured = reg.capture(plan, progress=progress)
     capture_seconds = time.perf_counter() - started
 
     gen = torch.Generator().manual_seed(seed)
@@ -211,7 +213,7 @@ def run_demo(
         backend=reg.backend.name, steps=len(batches), mismatches=mismatches, max_abs_error=worst,
         eager_seconds=eager_s, graph_seconds=graph_s, hits=hits, misses=misses, padding_ratio=padding,
         entries=len(reg), capture_seconds=capture_seconds, memory_bytes=reg.memory_bytes(),
-        table=reg.table(used_only=not all_entries),
+        table=reg.table(used_only=not all_entries), capture_phases=CapturePhases.of(captured),
     )
     if snapshot:
         import json
@@ -226,7 +228,7 @@ def run_demo(
         f"(max abs error {result.max_abs_error:.3g}); {hits} served by graphs, {misses} eager (no covering key); "
         f"padding {padding:.1%} of graph tokens"
     )
-    log(f"capture: {result.entries} graphs in {capture_seconds:.2f} s")
+    log(f"capture: {result.entries} graphs in {capture_seconds:.2f} s; the graphs' own {result.capture_phases.summary()}")
     timing = f"timing over the same {result.steps} steps: eager {eager_s * 1e3:.1f} ms, registry {graph_s * 1e3:.1f} ms"
     if result.speedup is None:
         log(timing)

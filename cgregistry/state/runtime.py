@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -20,7 +21,7 @@ from cgregistry.key.descriptor import BatchDescriptor
 
 __all__ = [
     "BreakContext", "BreakSite", "FrozenReadWarning", "Recording", "RecordingBatch", "axis_rows", "background_capture", "barrier", "batch", "capture_strategy", "cpu_capturing", "current_batch", "eager_batch", "foreground_layout", "marked",
-    "on_mark", "recording", "see_compiled", "site", "unrecorded",
+    "on_mark", "phase_clock", "recording", "see_compiled", "site", "timed_phase", "unrecorded",
 ]
 
 
@@ -68,6 +69,30 @@ class Recording:
     break reads now is frozen into the graph.  Counts the reads of the batch's ``actual`` and ``payload`` there."""
 
     live_batch_reads: int = 0
+
+
+# The phase clock of the capture in progress on this thread (None outside one): seconds it spent compiling and ending
+# its graphs (the driver instantiates them then), added by the code that does it (``timed_phase``, or inline on the
+# hot path of a capture, which must not walk into more modules).
+phase_clock: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("cgregistry_phase_clock", default=None)
+
+
+@contextlib.contextmanager
+def timed_phase(name: str) -> Iterator[None]:
+    """Add the time of this block to phase ``name`` of the capture in progress on this thread, if any; a block inside
+    another of the same phase (a compile inside dynamo's) counts once."""
+    clock = phase_clock.get()
+    depth = f"{name} depth"
+    if clock is None or clock.get(depth, 0):
+        yield
+        return
+    clock[depth] = 1
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        clock[name] = clock.get(name, 0.0) + time.perf_counter() - began
+        clock[depth] = 0
 
 
 # The recording in progress on this thread; None outside one, and inside an eager break's body.

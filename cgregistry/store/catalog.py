@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from cgregistry.errors import InputError, PluginError
-from cgregistry.inspection import MISS_REASONS, ClassStats, EntryInfo, Stats, key_class
+from cgregistry.inspection import MISS_REASONS, CapturePhases, ClassStats, EntryInfo, Stats, key_class
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.key.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher, PaddingCap
 from cgregistry.state.runtime import BreakContext
@@ -40,7 +40,7 @@ class Entry:
     __slots__ = (
         "key", "strategy", "graph", "replay", "slicer", "capture_seconds", "memory_bytes",
         "replays", "padded_tokens", "graph_tokens", "last_step", "_key_class", "has_breaks", "buffers", "weights",
-        "generation", "read_live_batch", "device_bytes", "__weakref__",
+        "generation", "read_live_batch", "device_bytes", "phases", "__weakref__",
     )
 
     def __init__(self, key: BatchDescriptor, strategy: str, graph: Any, slicer: OutputSlicer, seconds: float) -> None:
@@ -64,6 +64,7 @@ class Entry:
         # Device memory its capture took (measured where the backend can: pool growth, warm-up, driver objects), else
         # the graph's own count; what memory_budget sums.
         self.device_bytes = self.memory_bytes
+        self.phases: CapturePhases | None = None  # where its capture seconds went (compile, warm-up, record, instantiate)
 
     @property
     def pair(self) -> Pair:
@@ -82,7 +83,7 @@ class Entry:
         return EntryInfo(
             self.key, self.strategy, backend, self.capture_seconds, self.memory_bytes, self.replays, self.padded_tokens,
             self.last_step, segments=getattr(graph, "num_segments", None), breaks=getattr(graph, "breaks", None),
-            device_bytes=self.device_bytes, predicted_bytes=predicted_bytes,
+            device_bytes=self.device_bytes, predicted_bytes=predicted_bytes, phases=self.phases,
         )
 
 

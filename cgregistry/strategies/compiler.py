@@ -247,7 +247,7 @@ def _compile_pieces_with_inductor(split: fx.GraphModule, pieces: Sequence[str], 
             return out
 
     ctx = fake_mode if fake_mode is not None else torch.no_grad()
-    with ctx, _sizes_kept_general(getattr(fake_mode, "shape_env", None), _sizes_safe_at_one(gm)):
+    with ctx, _sizes_kept_general(getattr(fake_mode, "shape_env", None), _sizes_safe_at_one(gm)), runtime.timed_phase("compile"):
         _Propagate(split).run(*fake_args)
 
 
@@ -540,7 +540,7 @@ class WholeGraph:
         ranges, replacements, first = dict(shape_env.var_to_range), dict(shape_env.replacements), len(shape_env.guards)
         context = torch._guards.TracingContext(fake_mode)
         with torch._guards.tracing(context), fake_mode, fx.experimental._config.patch(backed_size_oblivious=False), \
-                _sizes_kept_general(shape_env, _sizes_safe_at_one(self.gm)):
+                _sizes_kept_general(shape_env, _sizes_safe_at_one(self.gm)), runtime.timed_phase("compile"):
             fn = compile_fx(self.gm, fake_args)
         conditions = [g.expr for g in shape_env.guards[first:]]
         for symbol, now in shape_env.var_to_range.items():

@@ -93,7 +93,7 @@ def test_snapshot_round_trip_and_offline_explain(tmp_path) -> None:  # noqa: ANN
 
 def test_bad_snapshots_are_named(tmp_path) -> None:  # noqa: ANN001
     data = make().snapshot()
-    with pytest.raises(cg.SnapshotError, match=r"snapshot schema 99 is not supported; this cgregistry reads schemas \(1, 2, 3\)"):
+    with pytest.raises(cg.SnapshotError, match=r"snapshot schema 99 is not supported; this cgregistry reads schemas \(1, 2, 3, 4\)"):
         cg.load_snapshot({**data, "schema": 99})
     broken = {**data, "entries": [{"key": {"num_tokens": 0}}]}
     with pytest.raises(cg.SnapshotError, match=r"entries\[0\].key: not a BatchDescriptor: BatchDescriptor.num_tokens must be positive"):

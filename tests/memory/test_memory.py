@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,7 +143,7 @@ def test_snapshots_and_inspect_show_predicted_and_actual_bytes_per_key(tmp_path:
     estimate = reg.estimate_memory(PLAN)
     reg.capture(PLAN)
     snap = cg.load_snapshot(reg.snapshot())
-    assert snap.schema == 3
+    assert snap.schema == 4
     predicted = {(k.key, k.strategy): k.bytes for k in estimate.keys}
     assert all(e.predicted_bytes == predicted[(e.key, e.strategy)] and e.device_bytes == e.memory_bytes for e in snap.entries)
     assert "predicted" in reg.table().splitlines()[0]
@@ -282,8 +286,8 @@ def test_the_cuda_estimate_is_close_and_leaves_no_memory_behind() -> None:
     assert device_of("cuda").type == "cuda"
 
 
-@pytest.mark.cuda
-def test_a_sampled_cuda_estimate_of_a_wide_model_is_close_and_leaves_no_memory_behind() -> None:
+def measure_a_sampled_wide_estimate() -> str:
+    """In this process: a sampled estimate of a wide MLP's plan, then its capture; ``predicted taken left probed keys``."""
     from tests.memory.test_pool_estimate import WideMLP
 
     plan = cg.CapturePlan.build(max_num_seqs=512, max_num_tokens=512, max_capture_size=512, mode="full")
@@ -295,12 +299,27 @@ def test_a_sampled_cuda_estimate_of_a_wide_model_is_close_and_leaves_no_memory_b
         free0 = torch.cuda.mem_get_info()[0]
         estimate = reg.estimate_memory(plan, sample=True)
         torch.cuda.synchronize()
-        assert torch.cuda.mem_get_info()[0] >= free0 - (2 << 20), "the estimate left memory behind"
-        assert sum(k.probed for k in estimate.keys) < len(plan) / 2
+        left = free0 - torch.cuda.mem_get_info()[0]
         reg.capture(plan)
         torch.cuda.synchronize()
         taken = free0 - torch.cuda.mem_get_info()[0]
-    assert abs(estimate.capture_bytes - taken) <= 0.05 * taken, (estimate.capture_bytes, taken)
+    return f"{estimate.capture_bytes} {taken} {left} {sum(k.probed for k in estimate.keys)} {len(plan)}"
+
+
+@pytest.mark.cuda
+def test_a_sampled_cuda_estimate_of_a_wide_model_is_close_and_leaves_no_memory_behind() -> None:
+    """In a fresh process, as an engine's start-up is: the driver keeps memory of graphs a process captured and
+    dropped, and a sampled estimate made after that errs low (docs/integration.md), so the suite's earlier CUDA
+    tests would change what this one measures."""
+    root = Path(__file__).parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    code = "from tests.memory.test_memory import measure_a_sampled_wide_estimate as m; print(m())"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    predicted, taken, left, probed, keys = map(int, done.stdout.split()[-5:])
+    assert left <= 2 << 20, "the estimate left memory behind"
+    assert probed < keys / 2
+    assert abs(predicted - taken) <= 0.05 * taken, (predicted, taken)
 
 
 def test_the_demo_fits_its_plan_to_memory_only_where_there_is_device_memory(capsys: pytest.CaptureFixture[str]) -> None:

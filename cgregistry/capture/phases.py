@@ -1,0 +1,49 @@
+"""Where a capture's seconds go: compiling, the warm-up, recording the step, and ending the graphs (the driver
+instantiates them then), so that an engine author sees what to tune.
+
+The capture job sets a phase clock for each key (``runtime.phase_clock``); the code that compiles or ends a graph
+adds its span to it, and a compile by dynamo (``torch.compile``, ``reg.compile``: its trace and the backend's
+compile) is timed by dynamo's own compile callbacks, registered here once the process has imported dynamo."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+from cgregistry.state import runtime
+
+__all__ = ["watch_dynamo_compiles", "watching"]
+
+watching = False  # dynamo's compile callbacks are registered (the job checks this before calling in)
+_lock = threading.Lock()
+
+
+def watch_dynamo_compiles() -> None:
+    """Time dynamo's compiles into the capture in progress on their thread, from now on; does nothing until the
+    process has imported dynamo (nothing compiles before that)."""
+    global watching
+    if watching or "torch._dynamo" not in sys.modules:
+        return
+    with _lock:
+        if watching:
+            return
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.register_start_callback(_compile_started)
+        callback_handler.register_end_callback(_compile_ended)
+        watching = True
+
+
+def _compile_started(args: Any = None) -> None:
+    clock = runtime.phase_clock.get()
+    if clock is not None and not clock.get("compile depth", 0):
+        clock["compile depth"], clock["compile since"] = 1, time.perf_counter()
+
+
+def _compile_ended(args: Any = None) -> None:
+    clock = runtime.phase_clock.get()
+    if clock is not None and clock.get("compile depth", 0):
+        clock["compile"] = clock.get("compile", 0.0) + time.perf_counter() - clock["compile since"]
+        clock["compile depth"] = 0
