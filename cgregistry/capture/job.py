@@ -490,8 +490,7 @@ class CaptureJob:
             return step(key, **views)
 
         axes, slots = self._output_axes, self._request_slots
-        if not phases.watching:
-            phases.watch_dynamo_compiles()
+        _watch_compiles()
         clock = {"compile": 0.0, "instantiate": 0.0}  # added to by compiles and graph ends (capture/phases.py)
         clock_token = runtime.phase_clock.set(clock)
         started = time.perf_counter()
@@ -531,6 +530,7 @@ class CaptureJob:
             for var, token in zip(_CAPTURE_VARS, tokens):
                 var.reset(token)
         seconds = time.perf_counter() - started
+        _watch_compiles()  # again: the step may have loaded dynamo
         entry = Entry(key, strategy_name, graph, slicer, seconds)
         # the rest of the warm-up once its compiling is taken out; record: the rest (recording, checking the outputs)
         warmup = max(0.0, warmed - compiled_warming)
@@ -542,6 +542,12 @@ class CaptureJob:
         if own_inputs:
             entry.buffers = tuple(buffers.values())  # in the registry's input order, as routes copy them
         return entry
+
+
+def _watch_compiles() -> None:
+    """Have dynamo's compiles timed into captures (capture/phases.py) once the process has loaded dynamo."""
+    if not phases.watching and "torch._dynamo" in sys.modules:
+        phases.watch_dynamo_compiles()
 
 
 def _shares_pool(mode: Mode, strategy: Any) -> bool:

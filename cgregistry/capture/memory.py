@@ -13,9 +13,11 @@ and some between (``SAMPLE_PER_KIND``); every other such key is priced from its 
 linear in token count, and the driver's graph objects, averaged).  Keys with eager work between their graphs
 (breakable, piecewise) and every key of a background estimate are captured each: what they add depends on what
 was captured before them (kept tensors, the warm-up's cache, pools and inputs of their own; figures in
-docs/performance.md).  By default the whole plan is captured, which measures all of that to the byte.  What the estimate leaves on the device (the
-process's first CUDA work: kernels loaded, cuBLAS handles; and what the driver keeps of its dropped graphs)
-the capture that follows reuses rather than takes again, so it is taken off the first keys' bytes.
+docs/performance.md).  By default the whole plan is captured, which measures all of that to the byte.
+
+What the estimate leaves on the device (the process's first CUDA work: kernels loaded, cuBLAS handles; and what
+the driver keeps of its dropped graphs) the capture that follows reuses rather than takes again, so it is taken
+off the first keys' bytes.
 
 The per-key table says what each key adds in capture order; ``key_bytes`` prices any key (its
 strategy's measured keys interpolated by token count: what stays of a key whatever else is
@@ -41,7 +43,7 @@ from cgregistry.text import text_table
 __all__ = ["SAMPLE_PER_KIND", "KeyMemory", "MemoryEstimate", "Part", "PoolEstimate", "Probe", "estimate", "estimate_memory"]
 
 
-# Keys of each kind an estimate captures unless exact: the first (largest), the last, and evenly spaced between.
+# Whole-graph keys of each kind a sampled estimate captures: the first (largest), the last, and evenly spaced between.
 SAMPLE_PER_KIND = 8
 
 
