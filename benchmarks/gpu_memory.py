@@ -83,11 +83,17 @@ def _hf(options: dict[str, Any]) -> tuple[cg.GraphRegistry, cg.CapturePlan]:
     return reg, plan
 
 
-def capture_alone(name: str) -> dict[str, Any]:
-    """The configuration's capture with no estimate before it, the process's first graphs: its seconds."""
+def _configuration(name: str) -> tuple[cg.GraphRegistry, cg.CapturePlan, bool]:
+    """Configuration ``name``'s registry, plan, and whether it captures in the background."""
     options = dict(CONFIGS[name])
     background = options.pop("background", False)
     reg, plan = (_hf if options.pop("hf", False) else _demo)(options)
+    return reg, plan, background
+
+
+def capture_alone(name: str) -> dict[str, Any]:
+    """The configuration's capture with no estimate before it, the process's first graphs: its seconds."""
+    reg, plan, background = _configuration(name)
     with torch.inference_mode():
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -99,9 +105,7 @@ def capture_alone(name: str) -> dict[str, Any]:
 
 
 def one(name: str, sample: bool = False) -> dict[str, Any]:
-    options = dict(CONFIGS[name])
-    background = options.pop("background", False)
-    reg, plan = (_hf if options.pop("hf", False) else _demo)(options)
+    reg, plan, background = _configuration(name)
     with torch.inference_mode():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

@@ -384,7 +384,7 @@ def _capture_all(
             for part, order, run, payload, part_inputs in zip(parts, orders, runs, payloads, inputs):
                 for key, name in order:
                     strategy = part.job.strategy(name)
-                    shares = not background or bool(getattr(strategy, "whole_graph", False))
+                    shares = not background or _whole_graph(part, name)
                     before, live_before = (device_memory(), live()) if device_memory is not None else ((0, 0), 0)
                     mode = scratch(pool if shares else None, part_inputs, as_background=background)
                     entry = run(part.job.capture_entry, key, name, strategy, payload, mode)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from typing import Any
 
 from cgregistry.state import runtime
@@ -37,13 +36,8 @@ def watch_dynamo_compiles() -> None:
 
 
 def _compile_started(args: Any = None) -> None:
-    clock = runtime.phase_clock.get()
-    if clock is not None and not clock.get("compile depth", 0):
-        clock["compile depth"], clock["compile since"] = 1, time.perf_counter()
+    runtime.begin_phase("compile")
 
 
 def _compile_ended(args: Any = None) -> None:
-    clock = runtime.phase_clock.get()
-    if clock is not None and clock.get("compile depth", 0):
-        clock["compile"] = clock.get("compile", 0.0) + time.perf_counter() - clock["compile since"]
-        clock["compile depth"] = 0
+    runtime.end_phase("compile")

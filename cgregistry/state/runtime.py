@@ -20,7 +20,7 @@ import attrs
 from cgregistry.key.descriptor import BatchDescriptor
 
 __all__ = [
-    "BreakContext", "BreakSite", "FrozenReadWarning", "Recording", "RecordingBatch", "axis_rows", "background_capture", "barrier", "batch", "capture_strategy", "cpu_capturing", "current_batch", "eager_batch", "foreground_layout", "marked",
+    "BreakContext", "BreakSite", "FrozenReadWarning", "Recording", "RecordingBatch", "axis_rows", "background_capture", "barrier", "batch", "begin_phase", "capture_strategy", "cpu_capturing", "current_batch", "eager_batch", "end_phase", "foreground_layout", "marked",
     "on_mark", "phase_clock", "recording", "see_compiled", "site", "timed_phase", "unrecorded",
 ]
 
@@ -77,22 +77,34 @@ class Recording:
 phase_clock: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("cgregistry_phase_clock", default=None)
 
 
+def begin_phase(name: str) -> None:
+    """Start timing phase ``name`` of the capture in progress on this thread, if any; a span begun inside another of
+    the same phase (a compile inside dynamo's) counts once, in the outer one."""
+    clock = phase_clock.get()
+    if clock is not None and not clock.get(f"{name} depth", 0):
+        clock[f"{name} depth"], clock[f"{name} since"] = 1, time.perf_counter()
+
+
+def end_phase(name: str) -> None:
+    """Add the span ``begin_phase(name)`` began to the capture in progress on this thread (none begun: nothing)."""
+    clock = phase_clock.get()
+    if clock is not None and clock.get(f"{name} depth", 0):
+        clock[name] = clock.get(name, 0.0) + time.perf_counter() - clock[f"{name} since"]
+        clock[f"{name} depth"] = 0
+
+
 @contextlib.contextmanager
 def timed_phase(name: str) -> Iterator[None]:
-    """Add the time of this block to phase ``name`` of the capture in progress on this thread, if any; a block inside
-    another of the same phase (a compile inside dynamo's) counts once."""
+    """Add the time of this block to phase ``name`` of the capture in progress on this thread (``begin_phase``)."""
     clock = phase_clock.get()
-    depth = f"{name} depth"
-    if clock is None or clock.get(depth, 0):
+    if clock is None or clock.get(f"{name} depth", 0):  # none, or inside a span of the phase: the outer one counts
         yield
         return
-    clock[depth] = 1
-    began = time.perf_counter()
+    begin_phase(name)
     try:
         yield
     finally:
-        clock[name] = clock.get(name, 0.0) + time.perf_counter() - began
-        clock[depth] = 0
+        end_phase(name)
 
 
 # The recording in progress on this thread; None outside one, and inside an eager break's body.
