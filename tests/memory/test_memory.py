@@ -53,7 +53,9 @@ def test_a_sampled_estimate_captures_a_few_whole_graph_keys_and_prices_the_rest_
     step = engine.step
     engine.step = lambda batch, **inputs: (seen.append(batch.num_tokens), step(batch, **inputs))[1]  # type: ignore[method-assign]
     reg = make(engine)
+    before = engine.cache.clone()
     estimate = reg.estimate_memory(plan, sample=True)
+    assert torch.equal(engine.cache[:SCRATCH], before[:SCRATCH]), "the sampled captures wrote only the scratch slot"
     probed = {(k.key, k.strategy) for k in estimate.keys if k.probed}
     assert [(k.key, k.strategy) for k in estimate.keys] == [(e.descriptor, e.strategy) for e in plan]
     full = [(e.descriptor, e.strategy) for e in plan if e.strategy == "full"]
