@@ -546,7 +546,9 @@ class CaptureJob:
 
 def _watch_compiles() -> None:
     """Have dynamo's compiles timed into captures (capture/phases.py) once the process has loaded dynamo."""
-    if not phases.watching and "torch._dynamo" in sys.modules:
+    # phases.watching(), read here: a capture enters no module for it once the callbacks are set.
+    callback = sys.modules.get("torch._dynamo.callback")
+    if callback is not None and phases.compile_started not in callback.callback_handler.start_callbacks:
         phases.watch_dynamo_compiles()
 
 

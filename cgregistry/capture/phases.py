@@ -13,31 +13,37 @@ from typing import Any
 
 from cgregistry.state import runtime
 
-__all__ = ["watch_dynamo_compiles", "watching"]
+__all__ = ["compile_ended", "compile_started", "watch_dynamo_compiles", "watching"]
 
-watching = False  # dynamo's compile callbacks are registered (the job checks this before calling in)
 _lock = threading.Lock()
+
+
+def watching() -> bool:
+    """Whether dynamo's compile callbacks are registered now (``torch._dynamo.reset()`` clears them: they go back
+    at the next capture)."""
+    callback = sys.modules.get("torch._dynamo.callback")
+    return callback is not None and compile_started in callback.callback_handler.start_callbacks
 
 
 def watch_dynamo_compiles() -> None:
     """Time dynamo's compiles into the capture in progress on their thread, from now on; does nothing until the
     process has imported dynamo (nothing compiles before that)."""
-    global watching
-    if watching or "torch._dynamo" not in sys.modules:
+    if "torch._dynamo" not in sys.modules:
         return
     with _lock:
-        if watching:
+        if watching():
             return
         from torch._dynamo.callback import callback_handler
 
-        callback_handler.register_start_callback(_compile_started)
-        callback_handler.register_end_callback(_compile_ended)
-        watching = True
+        callback_handler.register_start_callback(compile_started)
+        callback_handler.register_end_callback(compile_ended)
 
 
-def _compile_started(args: Any = None) -> None:
+def compile_started(args: Any = None) -> None:
+    """Dynamo's start-of-compile callback: the compile phase of the capture on this thread begins."""
     runtime.begin_phase("compile")
 
 
-def _compile_ended(args: Any = None) -> None:
+def compile_ended(args: Any = None) -> None:
+    """Dynamo's end-of-compile callback."""
     runtime.end_phase("compile")

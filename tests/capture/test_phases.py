@@ -50,7 +50,12 @@ def test_the_phases_add_up_to_the_capture_seconds_and_put_the_warm_up_and_the_re
     assert "warmup" in total.summary() and total.summary().startswith(f"{total.total:.2f} s")
 
 
-def test_the_first_piecewise_key_carries_the_compile_and_the_later_keys_none() -> None:
+@pytest.mark.parametrize("reset", [False, True], ids=["as-is", "after-dynamo-reset"])
+def test_the_first_piecewise_key_carries_the_compile_and_the_later_keys_none(reset: bool) -> None:
+    """Also after ``torch._dynamo.reset()``, which drops dynamo's compile callbacks: the next capture sets them again."""
+    if reset:
+        demo_registry("cpu")[0].capture([(B(8), "piecewise")])  # dynamo loaded and the callbacks set
+        torch._dynamo.reset()
     reg, _, _, compiled = demo_registry("cpu")
     plan = cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=32, mode="full_and_piecewise")
     captured = reg.capture(plan)
