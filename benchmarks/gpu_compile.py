@@ -2,8 +2,8 @@
 
 Demo decoder (12 x 1024, bf16) with its attention kernel as ``@eager_break``; ``reg.compile(...,
 inductor=True)`` and a ``full_and_piecewise`` plan.  Per step (median µs): ``full`` keys at decode
-batch 1, 8 and 64 (the model compiled by Inductor as one graph, unsplit), ``piecewise`` keys at 64
-tokens (a mixed batch: pieces compiled by Inductor, attention eager between them), and
+batch 1, 8 and 64 (the pieces compiled once by Inductor, attention inline, in one graph), ``piecewise`` keys at
+64 tokens (a mixed batch: the same pieces, attention eager between them), and
 ``torch.compile(mode="reduce-overhead", dynamic=True)`` of the same model.  Start-up: the whole
 plan's trace, compile and capture against reduce-overhead's compile and warm-up over the same
 token sizes.  Reduce-overhead runs after the registry has captured (its warm-up clears cuBLAS's
@@ -25,6 +25,7 @@ import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
+from cgregistry.inspection import CapturePhases
 from cgregistry.cli.demo_model import (
     DemoConfig,
     DemoDecoder,
@@ -79,6 +80,9 @@ def main() -> None:
     torch.cuda.synchronize()
     reg_startup = time.perf_counter() - start
     startup_breakdown(reg, reg_startup)
+    reports = compiled.compiler.traces
+    print(f"  {len(reports)} trace(s): " + "; ".join(f"{r.pieces} pieces, {r.compiles} Inductor compiles" for r in reports)
+          + f"; phases {CapturePhases.of(reg.entries()).summary()}")
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
 

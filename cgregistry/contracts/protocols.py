@@ -92,7 +92,7 @@ class Strategy(Protocol):
     name: str
     relaxes_num_reqs: bool  # True when attention metadata is built eagerly, so keys need no request count
     # Optional ``whole_graph = True``: the step is captured as one graph with nothing eager inside, so a
-    # piecewise-compiled model runs unsplit for it (read with getattr; not part of the protocol's members).
+    # piecewise-compiled model runs whole for it, splits inline (read with getattr; not part of the protocol's members).
     # Optional ``unsupported_classes = frozenset({...})``: key classes ("mixed", "spec_decode", "decode")
     # it cannot serve; plans downgrade them and the registry refuses such keys (read with getattr too).
 

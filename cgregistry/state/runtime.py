@@ -49,7 +49,7 @@ barrier: contextvars.ContextVar[Callable[[], None] | None] = contextvars.Context
 # The cpu emulator is recording a capture on this thread.
 cpu_capturing: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_cpu_capturing", default=False)
 # The strategy warming up or capturing an entry now (None outside a capture): a compiled model runs
-# whole, without its splits, for one whose ``whole_graph`` is true.
+# whole, its splits inline instead of breaking, for one whose ``whole_graph`` is true.
 capture_strategy: contextvars.ContextVar[Any] = contextvars.ContextVar("cgregistry_capture_strategy", default=None)
 # Row counts of the batch axes (tokens, requests, requests + 1) in the step being warmed up or captured,
 # as its static input views have them: what the piecewise compiler makes symbolic.
@@ -116,6 +116,8 @@ see_compiled: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_
 # callbacks told of each new one (the piecewise compiler keeps them opaque to dynamo).
 marked: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 on_mark: list[Callable[[Callable[..., Any]], None]] = []
+# Names ("namespace::name") of the torch custom ops marked as eager breaks: a trace records the op itself.
+marked_ops: set[str] = set()
 
 
 def unrecorded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

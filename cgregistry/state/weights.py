@@ -117,7 +117,12 @@ _hooks_installed = False
 
 
 def _registered(module: nn.Module, name: str, value: Any) -> None:
-    """torch's registration hook (parameters, buffers, submodules of any module): tell the watches of this module."""
+    """torch's registration hook (parameters, buffers, submodules of any module): tell the watches of this module.
+
+    Not while dynamo traces: a model's forward that builds a module (``layers[:n]`` makes a ModuleList) would
+    otherwise have the trace guard on which modules are watched, and trace again when another is watched."""
+    if torch.compiler.is_compiling():
+        return
     watches = _listeners.get(module)
     if watches:
         for watch in list(watches):

@@ -144,10 +144,16 @@ def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = Non
     (same arguments; to skip a collective, say); replay always runs ``fn``.
     Arguments may include ``nn.Module`` objects (a Hugging Face attention function
     gets its layer), also when dynamo traces the model for ``piecewise``.
+
+    ``fn`` may be a torch custom op (``torch.library.custom_op``, with a fake
+    implementation): a trace then records the op itself, with the tensors its schema
+    says it writes (a KV cache), so any ``torch.compile`` of the model takes it, and
+    the piecewise compiler splits there.
     """
 
     def wrap(func: F) -> F:
-        label = name or getattr(func, "__qualname__", repr(func))
+        op = custom_op_name(func)
+        label = name or op or getattr(func, "__qualname__", repr(func))
 
         def call(args: tuple, kwargs: dict) -> Any:
             return runtime.unrecorded(dispatch, args, kwargs)  # marked host code: what it reads is not frozen unseen
@@ -165,9 +171,12 @@ def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = Non
                 kwargs[key] = _module_of(kwargs[key], label)
             return call(args, kwargs)
 
-        @functools.wraps(func)
+        @functools.wraps(func, updated=())
         def marked(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling():  # dynamo is tracing: record one opaque call
+            if torch.compiler.is_compiling():
+                if op is not None:  # dynamo records the op itself, with what its schema says it mutates
+                    return func(*args, **kwargs)
+                # Record one opaque call.
                 slots = tuple(i for i, a in enumerate(args) if isinstance(a, nn.Module))
                 keys = tuple(k for k, v in kwargs.items() if isinstance(v, nn.Module))
                 args = tuple(_handle_of(a, label) if i in slots else a for i, a in enumerate(args))
@@ -175,16 +184,31 @@ def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = Non
                 return opaque(slots, keys, *args, **kwargs)
             return call(args, kwargs)
 
-        opaque.__cgregistry_break__ = label  # type: ignore[attr-defined]
-        opaque.__qualname__ = f"{label}.<traced>"
         marked.__cgregistry_break__ = label  # type: ignore[attr-defined]
-        marked.__cgregistry_opaque__ = opaque  # type: ignore[attr-defined]
+        if op is None:
+            opaque.__cgregistry_break__ = label  # type: ignore[attr-defined]
+            opaque.__qualname__ = f"{label}.<traced>"
+            marked.__cgregistry_opaque__ = opaque  # type: ignore[attr-defined]
+        else:
+            marked.__cgregistry_op__ = op  # type: ignore[attr-defined]
+            runtime.marked_ops.add(op)
         runtime.marked.add(marked)
         for callback in runtime.on_mark:
             callback(marked)
         return marked  # type: ignore[return-value]
 
     return wrap(fn) if fn is not None else wrap
+
+
+def custom_op_name(func: object) -> str | None:
+    """``"namespace::name"`` of a torch custom op (``torch.library.custom_op``'s result, or an op of ``torch.ops``), else None."""
+    if isinstance(func, torch._ops.OpOverload):
+        return func._schema.name
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return func._qualified_op_name
+    if isinstance(func, torch._library.custom_ops.CustomOpDef):
+        return func._qualname
+    return None
 
 
 def graph_break() -> None:

@@ -18,11 +18,8 @@ function marked with ``@eager_break`` is a splitting op.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
-import threading
 import types
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -30,7 +27,6 @@ import attrs
 import sympy
 import torch
 from torch import fx, nn
-from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.value_ranges import ValueRanges
 
 from cgregistry.strategies import breaks
@@ -38,18 +34,12 @@ from cgregistry.state import runtime
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.errors import PiecewiseError
 
-__all__ = ["DEFAULT_MAX_TRACES", "PiecewiseCompiler", "PiecewiseError", "PiecewiseModel", "SplittingOps", "WholeGraph", "compile_piecewise"]
+__all__ = ["DEFAULT_MAX_TRACES", "PiecewiseCompiler", "PiecewiseError", "PiecewiseModel", "SplittingOps", "compile_piecewise"]
 
 DEFAULT_MAX_TRACES = 4  # one dynamic trace serves every size; slack for specialize_size_one and retries
 
 
-def _op_name(target: object) -> str | None:
-    """``"namespace::name"`` for a torch op overload or packet, else None."""
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name
-    return None
+_op_name = breaks.custom_op_name  # "namespace::name" of a torch op, else None
 
 
 def _label(op: object) -> str:
@@ -90,6 +80,8 @@ class SplittingOps:
                 names.add(_op_name(op))  # type: ignore[arg-type]
             elif isinstance(op, type) and issubclass(op, nn.Module):
                 modules.append(op)
+            elif isinstance(getattr(op, "__cgregistry_op__", None), str):
+                names.add(op.__cgregistry_op__)  # a marked custom op: the trace records the op
             elif callable(op) and not isinstance(op, type):
                 functions.append(getattr(op, "__cgregistry_opaque__", op))  # a marked function: what the trace records
             else:
@@ -115,7 +107,7 @@ class SplittingOps:
             return None
         target = node.target
         name = _op_name(target)
-        if name is not None and name in self.op_names:
+        if name is not None and (name in self.op_names or (self.marked and name in runtime.marked_ops)):
             return f"{name}#{node.name}"
         if any(target is fn for fn in self.functions):
             return f"{_label(target)}#{node.name}"
@@ -140,8 +132,11 @@ class SplittingOps:
 
 
 def _allow_marked(fn: Callable[..., Any]) -> None:
-    """Dynamo traces the marked wrapper (it swaps module arguments for handles) and records its opaque call."""
-    torch.compiler.allow_in_graph(getattr(fn, "__cgregistry_opaque__", fn))
+    """Dynamo traces the marked wrapper (it swaps module arguments for handles) and records its opaque call
+    (a marked custom op: the op itself, which dynamo records as it is)."""
+    opaque = getattr(fn, "__cgregistry_opaque__", None)
+    if opaque is not None:
+        torch.compiler.allow_in_graph(opaque)
 
 
 class _Split(nn.Module):
@@ -164,10 +159,12 @@ class _Split(nn.Module):
 
 @attrs.define(slots=True)
 class SplitReport:
-    """What one trace became: how many pieces and splits, and the split labels in order."""
+    """What one trace became: how many pieces and splits, the split labels in order, and how many Inductor
+    compiles its pieces took (pieces alike in graph and input layout share one; 0 without Inductor)."""
 
     pieces: int
     splits: list[str]
+    compiles: int = 0
 
 
 def split_graph(gm: fx.GraphModule, ops: SplittingOps) -> tuple[fx.GraphModule, SplitReport, list[str]]:
@@ -230,25 +227,78 @@ def _fakes_of(gm: fx.GraphModule) -> tuple[list[Any], Any]:
     return fake_args, fake_mode
 
 
-def _compile_pieces_with_inductor(split: fx.GraphModule, pieces: Sequence[str], gm: fx.GraphModule) -> None:
-    """Replace each piece by its Inductor compilation, once, for the symbolic shapes of the trace."""
+def _compile_pieces_with_inductor(split: fx.GraphModule, pieces: Sequence[str], gm: fx.GraphModule) -> tuple[int, bool]:
+    """Replace each piece by its Inductor compilation, for the symbolic shapes of the trace; return how many
+    compiles that took, and whether size 1 is left to a trace of its own.  Pieces alike (a decoder's layers:
+    the same ops on inputs of the same layout, the weights among the inputs) share one compilation."""
+    from torch._dispatch.python import enable_python_dispatcher
     from torch._inductor.compile_fx import compile_fx
 
     fake_args, fake_mode = _fakes_of(gm)
     names = set(pieces)
+    compiled_by_form: dict[tuple, _Compiled] = {}
 
     class _Propagate(fx.Interpreter):
         def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
             module = self.fetch_attr(target)
             out = module(*args, **kwargs)
             if target in names:
-                compiled = compile_fx(module, list(args))
-                setattr(split, target, _Compiled(compiled))
+                form = _piece_form(module, args)
+                compiled = compiled_by_form.get(form) if form is not None else None
+                if compiled is None:
+                    compiled = _Compiled(compile_fx(module, list(args)))
+                    compiled_by_form[form if form is not None else ("own", target)] = compiled
+                setattr(split, target, compiled)
             return out
 
+    safe = _sizes_safe_at_one(gm)
     ctx = fake_mode if fake_mode is not None else torch.no_grad()
-    with ctx, _sizes_kept_general(getattr(fake_mode, "shape_env", None), _sizes_safe_at_one(gm)), runtime.timed_phase("compile"):
+    # The python dispatcher, as dynamo traced with: composite ops (a matmul under autocast on CUDA) then keep their
+    # sizes symbolic instead of reading them as ints, which would fix the batch size for good.
+    with ctx, enable_python_dispatcher(), _sizes_kept_general(getattr(fake_mode, "shape_env", None), safe), \
+            runtime.timed_phase("compile"):
         _Propagate(split).run(*fake_args)
+        own_trace_at_one = _guard_sizes_unsafe_at_one(gm, safe)
+    return len(compiled_by_form), own_trace_at_one
+
+
+class _Ref:
+    """A node of a piece, by its position: what ``_piece_form`` writes in place of a node's name."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"%{self.index}"
+
+
+def _piece_form(piece: fx.GraphModule, args: Sequence[Any]) -> tuple | None:
+    """What a piece computes, independent of its nodes' names: each node's op, target and arguments (nodes by
+    position), with its inputs' dtypes, devices, symbolic sizes and strides.  Two pieces of one form compile
+    to the same kernels.  None where the piece holds state of its own (a constant, a submodule)."""
+    position: dict[fx.Node, _Ref] = {}
+    nodes: list[tuple] = []
+    for i, node in enumerate(piece.graph.nodes):
+        if node.op in ("get_attr", "call_module"):
+            return None
+        position[node] = _Ref(i)
+        ref = functools.partial(fx.node.map_arg, fn=position.__getitem__)
+        target = node.target if node.op == "call_function" else str(node.target) if node.op != "placeholder" else None
+        nodes.append((node.op, target, repr(ref(node.args)), repr(ref(node.kwargs))))
+    storages: dict[Any, int] = {}  # which inputs share memory: compiled code may rely on how they alias
+    return (tuple(nodes), tuple(_input_form(a, i, storages) for i, a in enumerate(args)))
+
+
+def _input_form(value: Any, index: int, storages: dict[Any, int]) -> tuple:
+    if isinstance(value, torch.Tensor):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        shares = storages.setdefault(StorageWeakRef(value.untyped_storage()), index)
+        return ("tensor", value.dtype, value.device, tuple(map(str, value.shape)), tuple(map(str, value.stride())),
+                str(value.storage_offset()), value.requires_grad, shares)
+    return ("value", type(value), str(value))
 
 
 @contextlib.contextmanager
@@ -339,25 +389,41 @@ def _symbol_values(symbols: list[list[tuple[int, Any]] | Any], args: Sequence[An
 def _sizes_safe_at_one(gm: fx.GraphModule) -> frozenset[Any]:
     """The trace's batch-axis symbols at which every node's shape, rerun with that size (and all of them) at 1,
     is the symbolic shape at 1: no op in the trace behaves differently at size 1 (a squeeze of that axis, a
-    broadcast against it), so kernels generated for a general size serve size 1.  Empty where unsure.
-    Worked out once per trace (the pieces' compile and the one-graph compile both ask)."""
-    if "cgregistry_safe_at_one" not in gm.meta:
-        gm.meta["cgregistry_safe_at_one"] = _work_out_sizes_safe_at_one(gm)
-    return gm.meta["cgregistry_safe_at_one"]
-
-
-def _work_out_sizes_safe_at_one(gm: fx.GraphModule) -> frozenset[Any]:
+    broadcast against it), so kernels generated for a general size serve size 1.  Empty where unsure."""
     fake_args, fake_mode = _fakes_of(gm)
     shape_env = getattr(fake_mode, "shape_env", None)
     hints = getattr(shape_env, "backed_var_to_val", None) or getattr(shape_env, "var_to_val", None)
     if not isinstance(hints, dict):
         return frozenset()
-    candidates = {sym for where in _placeholder_symbols(gm) for sym in ([s for _, s in where] if isinstance(where, list) else [where])
-                  if sym is not None and shape_env.var_to_range.get(sym) is not None and shape_env.var_to_range[sym].lower <= 1}
+    candidates = _sizes_general_at_one(gm, shape_env)
     safe = frozenset(sym for sym in candidates if _shapes_agree(gm, fake_args, hints, {sym}))
     if len(safe) > 1 and not _shapes_agree(gm, fake_args, hints, safe):
         return frozenset()
     return safe
+
+
+def _sizes_general_at_one(gm: fx.GraphModule, shape_env: Any) -> set[Any]:
+    """The trace's batch-axis symbols whose range takes 1: sizes the trace (size-oblivious) assumed are not 1."""
+    ranges = getattr(shape_env, "var_to_range", None) or {}
+    return {sym for where in _placeholder_symbols(gm) for sym in ([s for _, s in where] if isinstance(where, list) else [where])
+            if sym is not None and ranges.get(sym) is not None and ranges[sym].lower <= 1}
+
+
+def _guard_sizes_unsafe_at_one(gm: fx.GraphModule, safe: frozenset[Any]) -> bool:
+    """Make dynamo trace again at size 1 for every batch axis that is not ``safe`` at 1: Inductor's kernels
+    for a general size would run the trace's size-oblivious choices (a squeeze that squeezes nothing) there.
+    Whether any guard was added."""
+    fake_args, fake_mode = _fakes_of(gm)
+    unsafe = _sizes_general_at_one(gm, getattr(fake_mode, "shape_env", None)) - safe
+    guarded = bool(unsafe)
+    for value in fake_args:
+        sizes = value.shape if isinstance(value, torch.Tensor) else [value] if isinstance(value, torch.SymInt) else []
+        for size in sizes:
+            symbol = _symbol_of(size)
+            if symbol in unsafe:
+                unsafe.discard(symbol)
+                bool(size >= 2)  # a guard, installed with the trace's own
+    return guarded
 
 
 def _shapes_agree(gm: fx.GraphModule, fake_args: list[Any], hints: dict[Any, Any], at_one: set[Any] | frozenset[Any]) -> bool:
@@ -448,7 +514,8 @@ class PiecewiseCompiler:
         self.inductor = bool(inductor)
         self.max_traces = max_traces
         self.traces: list[SplitReport] = []
-        self.trace_seconds = 0.0
+        # A trace's Inductor kernels cannot serve size 1 (see _guard_sizes_unsafe_at_one): later traces specialise it.
+        self.size_one_specialized = False
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         if len(self.traces) >= self.max_traces:
@@ -459,12 +526,11 @@ class PiecewiseCompiler:
                 "TORCH_LOGS=recompiles for the failing guard"
             )
         split, report, pieces = split_graph(gm, self.ops)
-        whole = None
         if self.inductor:
-            _compile_pieces_with_inductor(split, pieces, gm)
-            whole = WholeGraph(gm)
+            report.compiles, own_trace_at_one = _compile_pieces_with_inductor(split, pieces, gm)
+            self.size_one_specialized = self.size_one_specialized or own_trace_at_one
         self.traces.append(report)
-        return _Runner(split, whole)
+        return _Runner(split)
 
     @property
     def pieces(self) -> int:
@@ -472,107 +538,16 @@ class PiecewiseCompiler:
         return self.traces[-1].pieces if self.traces else 0
 
 
-# Set while PiecewiseModel calls its compiled model: it catches _WholeUnavailable and compiles the model whole itself.
-_model_falls_back: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_model_falls_back", default=False)
-
-
-class _WholeUnavailable(Exception):
-    """This trace's one-graph compile cannot serve this call (it failed, or assumed other sizes): the full key
-    falls back to a separate compile of the model."""
-
-
-class WholeGraph:
-    """The same trace compiled by Inductor as one graph, no splits, for full keys: nothing to trace again,
-    and fused across what the pieces split at.  Compiled on first use (a full key's warm-up).
-
-    Dynamo installed the trace's guards before this compile ran, so what the compile itself assumes of
-    the sizes (AOT tracing through an eager break's host-side branch, Inductor's view arithmetic) is
-    recorded here and checked on every call: a call it does not hold for falls back (``_WholeUnavailable``).
-    """
-
-    __slots__ = ("gm", "fn", "failed", "lock", "conditions", "symbols")
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        self.gm = gm
-        self.fn: Callable[..., Any] | None = None
-        self.failed = False
-        self.lock = threading.Lock()  # one compile, even with a capture thread beside the serving one
-        self.conditions: list[Any] = []
-        self.symbols = _placeholder_symbols(gm)
-
-    def __call__(self, *args: Any) -> Any:
-        if self.fn is None:
-            with self.lock:
-                if self.fn is None:
-                    if self.failed:
-                        raise _WholeUnavailable("an earlier compile of this trace as one graph failed")
-                    try:
-                        self.fn, self.conditions = self.compile_unsplit()
-                    except Exception as exc:
-                        self.failed = True
-                        raise _WholeUnavailable(_first_line(exc)) from exc
-        broken = self._broken(args)
-        if broken is not None:
-            raise _WholeUnavailable(f"the one-graph compile assumed {broken}, which this call's sizes break")
-        return self.fn(*args)
-
-    def _broken(self, args: Sequence[Any]) -> str | None:
-        if not self.conditions:
-            return None
-        values = _symbol_values(self.symbols, args)
-        for condition in self.conditions:
-            try:
-                if bool(condition.xreplace(values)):
-                    continue
-            except TypeError:  # a symbol this call does not give: unsure, so not served
-                pass
-            return str(condition)
-        return None
-
-    def compile_unsplit(self) -> tuple[Callable[..., Any], list[Any]]:
-        from torch._inductor.compile_fx import compile_fx
-
-        # The graph's own fakes, under a tracing context of their fake mode: dynamo has finished with the
-        # trace, and real example inputs would compile for one size.  Its view arithmetic needs sizes that
-        # may be 1 ruled out, as a full compile of the model would (kept general where safe, as for pieces).
-        fake_args, fake_mode = _fakes_of(self.gm)
-        shape_env = fake_mode.shape_env
-        ranges, replacements, first = dict(shape_env.var_to_range), dict(shape_env.replacements), len(shape_env.guards)
-        context = torch._guards.TracingContext(fake_mode)
-        with torch._guards.tracing(context), fake_mode, fx.experimental._config.patch(backed_size_oblivious=False), \
-                _sizes_kept_general(shape_env, _sizes_safe_at_one(self.gm)), runtime.timed_phase("compile"):
-            fn = compile_fx(self.gm, fake_args)
-        conditions = [g.expr for g in shape_env.guards[first:]]
-        for symbol, now in shape_env.var_to_range.items():
-            if ranges.get(symbol) != now:
-                if now.lower not in (-sympy.oo, -int_oo):
-                    conditions.append(sympy.Le(now.lower, symbol))
-                if now.upper not in (sympy.oo, int_oo):
-                    conditions.append(sympy.Le(symbol, now.upper))
-        for symbol, value in shape_env.replacements.items():
-            if replacements.get(symbol) != value:
-                conditions.append(sympy.Eq(symbol, value))
-        return fn, conditions
-
-
 class _Runner:
-    """What dynamo calls for a trace: the split graph (noting to a piecewise capture that it ran), or
-    the unsplit compilation of the same trace while a full key is warmed up or captured."""
+    """What dynamo calls for a trace: the split graph.  A piecewise capture records its pieces and runs its
+    splits between them; any other capture (a full key's) records the whole of it, splits inline, in one graph."""
 
-    __slots__ = ("split", "whole")
+    __slots__ = ("split",)
 
-    def __init__(self, split: fx.GraphModule, whole: WholeGraph | None) -> None:
+    def __init__(self, split: fx.GraphModule) -> None:
         self.split = split
-        self.whole = whole
 
     def __call__(self, *args: Any) -> Any:
-        if self.whole is not None and getattr(runtime.capture_strategy.get(), "whole_graph", False):
-            try:
-                return self.whole(*args)
-            except _WholeUnavailable:
-                if _model_falls_back.get():
-                    raise  # PiecewiseModel compiles the model whole on its own
-                # The bare backend (torch.compile(..., backend=reg.compile_backend())): the split graph, splits inline.
         site = runtime.site.get()
         if site is not None and hasattr(site, "compiled_runs"):  # a piecewise capture is watching
             site.compiled_runs += 1  # type: ignore[attr-defined]
@@ -596,18 +571,7 @@ class PiecewiseModel:
         # (argument, dimension) pairs sized like the key of the first traced call: marked on every call
         # alike, since a marking that appears later would make dynamo trace again.
         self._batch_axes: list[tuple[int | str, int]] | None = None
-        self._whole_alone: Callable[..., Any] | None = None  # full keys' own compile, where a trace's unsplit one failed
         functools.update_wrapper(self, model, updated=())  # type: ignore[arg-type]
-
-    @property
-    def separate_full_compile(self) -> bool:
-        """Whether full keys run a compile of the model of their own (a trace's one-graph compile could not serve them)."""
-        return self._whole_alone is not None
-
-    def _whole_model(self) -> Callable[..., Any]:
-        if self._whole_alone is None:
-            self._whole_alone = torch.compile(self.model, fullgraph=True, dynamic=None)
-        return self._whole_alone
 
     def _register_modules(self) -> None:
         """Handles for the modules the model reaches (itself, a bound method's owner, a closure's modules),
@@ -641,27 +605,10 @@ class PiecewiseModel:
         token = runtime.site.set(breaks.TRACING_SITE) if runtime.site.get() is None else None
         try:
             # Python floats of the model (eps, say) stay constants instead of becoming 0-d tensor
-            # inputs read with .item(): one trace still serves every size, full keys' too (see _Runner).
-            with torch._dynamo.config.patch(specialize_float=True):
-                falls_back = _model_falls_back.set(True)
-                try:
-                    with fx.experimental._config.patch(**self._shape_config):
-                        return self._compiled(*args, **kwargs)
-                except _WholeUnavailable as exc:
-                    # The one-graph compile of this trace failed (Inductor cannot split a size traced at 1, say), or
-                    # assumed sizes this key breaks (an eager break's host-side branch): the model compiled whole on
-                    # its own, with dynamo's guards for all of that, size 1 specialised as a plain torch.compile does.
-                    if self._whole_alone is None:
-                        warnings.warn(
-                            f"a full key of {_label(self.model)} cannot run the piecewise trace compiled as one graph "
-                            f"({exc}); full keys it cannot serve use a separate torch.compile of the model (a second "
-                            "trace and compile)",
-                            stacklevel=2,
-                        )
-                    with fx.experimental._config.patch(**{**self._shape_config, "backed_size_oblivious": False}):
-                        return self._whole_model()(*args, **kwargs)
-                finally:
-                    _model_falls_back.reset(falls_back)
+            # inputs read with .item(): one trace still serves every size.
+            shapes = {**self._shape_config, "backed_size_oblivious": False} if self.compiler.size_one_specialized else self._shape_config
+            with torch._dynamo.config.patch(specialize_float=True), fx.experimental._config.patch(**shapes):
+                return self._compiled(*args, **kwargs)
         except PiecewiseError:
             raise
         except torch._dynamo.exc.BackendCompilerFailed as exc:

@@ -24,7 +24,7 @@ class FullStrategy:
 
     name = "full"
     relaxes_num_reqs = BUILTIN_RELAXES["full"]
-    whole_graph = True  # a piecewise-compiled model runs unsplit for it (one Inductor graph, or the model itself)
+    whole_graph = True  # a piecewise-compiled model runs whole for it (its pieces with the splits inline, or the model itself)
     unsupported_classes: frozenset[str] = frozenset()  # serves every key class (plans of built-in modes rely on it)
 
     def capture(self, body: Callable[[], Any], backend: Backend, pool: object) -> tuple[Graph, Any]:

@@ -387,15 +387,26 @@ def _warm_up_as(compiled: cg.PiecewiseModel, strategy: object, key: B, inputs: d
             var.reset(token)
 
 
-def test_one_inductor_trace_serves_full_and_piecewise_keys_of_every_size() -> None:
-    """Full keys run the same trace compiled unsplit, and size 1 runs the general kernels: one trace, no recompile."""
+def test_one_inductor_compile_serves_full_and_piecewise_keys_of_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full keys run the piecewise trace's compiled pieces, splits inline; size 1 runs the general kernels: one trace,
+    one Inductor pass over the pieces, nothing compiled again for a full key or another size."""
+    from torch._inductor import compile_fx as inductor
+
     from cgregistry.strategies.full import FullStrategy
     from cgregistry.strategies.piecewise import PiecewiseStrategy
 
+    compiled_graphs: list[torch.fx.GraphModule] = []
+    real = inductor.compile_fx
+
+    def counting(gm: torch.fx.GraphModule, *args: object, **kwargs: object) -> object:
+        compiled_graphs.append(gm)
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(inductor, "compile_fx", counting)
     _, inline, _, compiled = demo_registry("cpu", inductor=True)
     full, piecewise = FullStrategy(), PiecewiseStrategy()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    runner_calls = []
+    traces_after = []
     g = torch.Generator().manual_seed(4)
     for batch, strategy in ((B.decode(8), piecewise), (B.decode(8), full), (B.decode(1), full), (B(1, 1, uniform=False), piecewise),
                             (B(13, 4), piecewise), (B.decode(5), full)):
@@ -403,35 +414,59 @@ def test_one_inductor_trace_serves_full_and_piecewise_keys_of_every_size() -> No
         got = _warm_up_as(compiled, strategy, batch, inputs)
         with torch.inference_mode():
             torch.testing.assert_close(got, inline(batch, **inputs), rtol=1e-4, atol=1e-4)
-        runner_calls.append(len(compiled.compiler.traces))
-    assert runner_calls == [1] * 6, f"traces after each call: {runner_calls}"
+        traces_after.append(len(compiled.compiler.traces))
+    assert traces_after == [1] * 6, f"traces after each call: {traces_after}"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1, "full keys traced the model again"
+    report = compiled.compiler.traces[0]
+    # Three layers, attention split out: the first piece (embedding, layer 0 up to attention), two alike middle pieces
+    # (a layer's rest and the next layer's start) and the last (the head): three forms, three compiles.
+    assert (report.pieces, report.compiles, len(compiled_graphs)) == (4, 3, 3)
 
 
-def test_a_trace_inductor_cannot_compile_unsplit_falls_back_to_the_models_own_compile(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where Inductor refuses the shared trace unsplit (CantSplit on a trace made at size 1, on the GPU), full keys
-    compile the model whole on their own, as before the trace was shared; piecewise keys keep the trace."""
-    from cgregistry.strategies import compiler
+@cg.eager_break
+def _written_cache_attention(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+    cache.index_copy_(0, slots, q)
+    out.copy_(q + cache.sum(0))
+
+
+class _CacheWriting(nn.Module):
+    """Two layers, each writing its own cache in an eager break between two Inductor pieces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+        self.register_buffer("caches", torch.zeros(2, 32, D))
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        h = self.w[0](x)
+        for layer in range(2):
+            out = torch.empty_like(h)
+            _written_cache_attention(h, self.caches[layer], slots, out)
+            h = self.w[layer + 1](out).relu()
+        return h
+
+
+def test_a_full_key_over_inductor_pieces_writes_the_cache_its_break_writes() -> None:
+    """A break that writes a KV cache in place stays out of Inductor for full keys too: the full key runs the
+    compiled pieces with the break inline, the cache is written where the break writes it, nothing else moves."""
     from cgregistry.strategies.full import FullStrategy
     from cgregistry.strategies.piecewise import PiecewiseStrategy
 
-    def refuse(self: object) -> None:
-        raise RuntimeError("CantSplit: 1024 not divisible by 1024*s42")
-
-    monkeypatch.setattr(compiler.WholeGraph, "compile_unsplit", refuse)
-    _, inline, _, compiled = demo_registry("cpu", inductor=True)
-    g = torch.Generator().manual_seed(5)
-    for i, (batch, strategy) in enumerate(((B.decode(4), FullStrategy()), (B.decode(4), FullStrategy()), (B(6, 2), PiecewiseStrategy()))):
-        inputs = random_batch(CFG, batch, "cpu", g)
-        if i == 0:
-            with pytest.warns(UserWarning, match=r"cannot run the piecewise trace compiled as one graph \(CantSplit"):
-                got = _warm_up_as(compiled, strategy, batch, inputs)
-        else:
-            got = _warm_up_as(compiled, strategy, batch, inputs)
+    torch.manual_seed(0)
+    model, reference = _CacheWriting().eval(), _CacheWriting().eval()
+    reference.load_state_dict(model.state_dict())
+    compiled = cg.compile_piecewise(model, inductor=True)
+    written: set[int] = set()
+    for key, strategy in ((B.decode(8), PiecewiseStrategy()), (B.decode(4), FullStrategy()), (B.decode(1), FullStrategy())):
+        x, slots = torch.randn(key.num_tokens, D), torch.randperm(32)[: key.num_tokens]
+        written |= set(slots.tolist())
+        got = _warm_up_as(compiled, strategy, key, {"x": x, "slots": slots})
         with torch.inference_mode():
-            torch.testing.assert_close(got, inline(batch, **inputs), rtol=1e-4, atol=1e-4)
-    assert compiled.separate_full_compile, "full keys used the model's own compile"
-    assert len(compiled.compiler.traces) == 1
+            want = reference(x, slots)
+            torch.testing.assert_close(got, want, msg=f"{key} {strategy.name}")
+        torch.testing.assert_close(model.caches, reference.caches, msg=f"{key} {strategy.name}")
+        rows = set(model.caches.abs().sum((0, 2)).nonzero().flatten().tolist())
+        assert rows == written, f"{key} {strategy.name}: cache rows written {sorted(rows)}, slots given {sorted(written)}"
 
 
 @cg.eager_break
@@ -471,49 +506,60 @@ class _Squeezing(nn.Module):
         return out.squeeze(0).softmax(0).reshape(-1)  # one token: softmax over features; more: over tokens
 
 
-def test_full_keys_never_run_a_one_graph_compile_made_for_other_sizes() -> None:
-    """The one-graph compile traces through eager breaks after dynamo's guards are installed: a key whose sizes
-    take another host-side branch (spec decode after decode) must not run it, and a model that behaves
-    differently at size 1 (a squeeze of the token axis) must not run general kernels at size 1."""
+def test_full_keys_over_inductor_pieces_take_each_sizes_own_host_side_branch() -> None:
+    """Full keys run an eager break's host-side code at their own sizes (spec decode after decode takes the other
+    branch), and a model that behaves differently at size 1 (a squeeze of the token axis) does not run general
+    kernels at size 1, for full and piecewise keys alike."""
     from cgregistry.strategies.full import FullStrategy
     from cgregistry.strategies.piecewise import PiecewiseStrategy
 
     torch.manual_seed(0)
     branching = _Branching().eval()
     compiled = cg.compile_piecewise(branching, inductor=True)
-    with pytest.warns(UserWarning, match="cannot run the piecewise trace compiled as one graph"):
-        for key, strategy in ((B.decode(8), PiecewiseStrategy()), (B.decode(8), FullStrategy()),
-                              (B.decode(4, spec_depth=1), PiecewiseStrategy()), (B.decode(4, spec_depth=1), FullStrategy())):
-            t, r = key.num_tokens, key.num_reqs
-            inputs = {"x": torch.randn(t, D), "req_idx": torch.arange(r).repeat_interleave(t // r), "seq_lens": torch.arange(1.0, r + 1)}
-            got = _warm_up_as(compiled, strategy, key, inputs)
-            with torch.inference_mode():
-                torch.testing.assert_close(got, branching(**inputs), msg=f"{key} {strategy.name}")
+    for key, strategy in ((B.decode(8), PiecewiseStrategy()), (B.decode(8), FullStrategy()),
+                          (B.decode(4, spec_depth=1), PiecewiseStrategy()), (B.decode(4, spec_depth=1), FullStrategy())):
+        t, r = key.num_tokens, key.num_reqs
+        inputs = {"x": torch.randn(t, D), "req_idx": torch.arange(r).repeat_interleave(t // r), "seq_lens": torch.arange(1.0, r + 1)}
+        got = _warm_up_as(compiled, strategy, key, inputs)
+        with torch.inference_mode():
+            torch.testing.assert_close(got, branching(**inputs), msg=f"{key} {strategy.name}")
     squeezing = _Squeezing().eval()
     compiled = cg.compile_piecewise(squeezing, inductor=True)
-    with pytest.warns(UserWarning, match="a full key of _Squeezing cannot run the piecewise trace compiled as one graph"):
-        for key, strategy in ((B.decode(8), PiecewiseStrategy()), (B.decode(8), FullStrategy()), (B.decode(1), FullStrategy())):
-            x = torch.randn(key.num_tokens, D)
-            got = _warm_up_as(compiled, strategy, key, {"x": x})
-            with torch.inference_mode():
-                torch.testing.assert_close(got, squeezing(x), msg=f"{key} {strategy.name}")
+    for key, strategy in ((B.decode(8), PiecewiseStrategy()), (B.decode(8), FullStrategy()), (B.decode(1), FullStrategy()),
+                          (B.decode(1), PiecewiseStrategy())):
+        x = torch.randn(key.num_tokens, D)
+        got = _warm_up_as(compiled, strategy, key, {"x": x})
+        with torch.inference_mode():
+            torch.testing.assert_close(got, squeezing(x), msg=f"{key} {strategy.name}")
 
 
-def test_the_bare_backend_runs_the_split_graph_where_the_one_graph_compile_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch.compile(..., backend=reg.compile_backend(inductor=True)) has no model to compile on its own: a full key
-    whose one-graph compile fails runs the split graph inline, as before the trace was shared."""
-    from cgregistry.strategies import compiler
-    from cgregistry.strategies.full import FullStrategy
 
-    def refuse(self: object) -> None:
-        raise RuntimeError("CantSplit: 1024 not divisible by 1024*s42")
 
-    monkeypatch.setattr(compiler.WholeGraph, "compile_unsplit", refuse)
-    torch.manual_seed(0)
-    model = _Branching().eval()
-    reg = cg.GraphRegistry(lambda b, **i: model(**i), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
-    bare = torch.compile(model, backend=reg.compile_backend(inductor=True), dynamic=True, fullgraph=True)
-    inputs = {"x": torch.randn(8, D), "req_idx": torch.arange(8), "seq_lens": torch.arange(1.0, 9)}
-    got = _warm_up_as(bare, FullStrategy(), B.decode(8), inputs)
+class _Slicing(nn.Module):
+    """A forward that builds a module while it runs (``layers[:n]`` makes a ModuleList), as Hugging Face models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:2]:
+            x = torch.tanh(layer(plain_scale(x)))
+        return x
+
+
+def test_watching_another_module_does_not_make_the_model_trace_again() -> None:
+    """The weight watch's registration hook runs inside the trace when the forward builds a module: it must not
+    leave a guard on which modules are watched (a drafter's registry, an adapter loaded later)."""
+    model = _Slicing().eval()
+    reg = cg.GraphRegistry(lambda batch, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
+    compiled = reg.compile(model, splitting_ops=[plain_scale])
+    reg.watch(model)
+    reg.capture([(B(8), "piecewise")])
+    other = cg.GraphRegistry(lambda batch, x: x * 2, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
+    other.watch(nn.Linear(D, D))
+    reg.capture([(B(4), "piecewise")])
+    assert len(compiled.compiler.traces) == 1, "the trace guarded on the watched modules"
+    x = torch.randn(5, D)
     with torch.inference_mode():
-        torch.testing.assert_close(got, model(**inputs))
+        torch.testing.assert_close(reg.run(B(5), x=x), model(x))
