@@ -7,7 +7,13 @@ same bundled-trace requests eagerly and through the registry (decode ``full``, m
 ``breakable`` or ``piecewise``), and reports end-to-end tokens/s, with every logit checked
 against Hugging Face's own forward.
 
-    PYTHONPATH=. python3 benchmarks/gpu_hf_llama.py [--requests 48]
+``--inductor`` instead: the decoder compiled once by Inductor, in pieces around the attention op, and
+``full`` keys over those pieces (attention inline) at decode batch 1, 8 and 32, against
+``torch.compile(mode="reduce-overhead")`` of the same step at batch 1 and the time to read the weights
+once at the card's memory bandwidth; then the engine serves the trace with ``full_and_piecewise`` over
+the same compile, every logit checked against Hugging Face's forward.
+
+    PYTHONPATH=. python3 benchmarks/gpu_hf_llama.py [--requests 48] [--inductor]
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 import torch
 
 import cgregistry as cg
+from cgregistry.inspection import CapturePhases
 
 sys.path.insert(0, str(Path(__file__).parent))
 from timing import per_call_us, static_graph  # noqa: E402
@@ -74,12 +81,62 @@ def step_latency(model: torch.nn.Module, device: torch.device, sizes: list[int],
     return rows
 
 
-def trace_replay(device: torch.device, requests: int) -> list[tuple]:
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # the cards' published memory bandwidth (SXM)
+
+
+def inductor_latency(model: torch.nn.Module, device: torch.device, sizes: list[int], iters: int) -> list[tuple]:
+    """Decode steps: ``full`` keys over the one Inductor compile against reduce-overhead of the same step (batch 1
+    only: each batch size is a compile of its own there).  Rows: batch, eager, full over Inductor, reduce-overhead
+    (None past batch 1), both errors against eager, the registry's start-up and reduce-overhead's."""
+    eager_step = hf.make_step(model, hf.decoder(model))
+    holder: dict[str, object] = {}
+    reg = cg.GraphRegistry(hf.make_step(model, lambda *a: holder["compiled"](*a)), hf.static_inputs(SHAPE),
+                           output_axis=hf.OUTPUT_AXES, name="full-inductor")
+    holder["compiled"] = reg.compile(hf.decoder(model), inductor=True)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        reg.capture([(cg.BatchDescriptor.decode(n), "full") for n in sorted(sizes, reverse=True)])  # a plan's order
+    torch.cuda.synchronize()
+    reg_startup = time.perf_counter() - started
+    report = holder["compiled"].compiler.traces  # type: ignore[attr-defined]
+    print(f"full over Inductor: {len(report)} trace(s), " + "; ".join(f"{r.pieces} pieces, {r.compiles} Inductor compiles" for r in report)
+          + f"; capture {reg_startup:.1f} s, phases {CapturePhases.of(reg.entries()).summary()}", flush=True)
     rows = []
-    for mode in ("none", "full_and_breakable", "full_and_piecewise"):
+    for n in sizes:
+        batch = cg.BatchDescriptor.decode(n)
+        inputs = decode_inputs(n, 500, device)
+        with torch.inference_mode():
+            want = eager_step(batch, **inputs)["logits"].float()
+            t_eager = per_call_us(lambda: eager_step(batch, **inputs), max(iters // 5, 5))
+            t_reg = per_call_us(lambda: reg.run(batch, **inputs), iters)
+            err_reg = (reg.run(batch, **inputs)["logits"].float() - want).abs().max().item()
+            t_ro = err_ro = ro_startup = None
+            if n == 1:
+                def plain(**i: torch.Tensor) -> dict[str, torch.Tensor]:
+                    return eager_step(batch, **i)
+
+                ro = torch.compile(plain, mode="reduce-overhead", fullgraph=True, dynamic=False)
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                for _ in range(3):  # compile, warm-up, record
+                    ro(**inputs)
+                torch.cuda.synchronize()
+                ro_startup = time.perf_counter() - started
+                t_ro = per_call_us(lambda: ro(**inputs), iters)
+                err_ro = (ro(**inputs)["logits"].float() - want).abs().max().item()
+        assert reg.match(batch).strategy == "full"
+        rows.append((n, t_eager, t_reg, t_ro, err_reg, err_ro, reg_startup, ro_startup))
+    return rows
+
+
+def trace_replay(device: torch.device, requests: int, modes: tuple[str, ...] = ("none", "full_and_breakable", "full_and_piecewise"),
+                 inductor: bool = False) -> list[tuple]:
+    rows = []
+    for mode in modes:
         started = time.perf_counter()
         model = hf.build_model("llama-3.2-1b", device, SHAPE)
-        reg = hf.build_registry(model, SHAPE, mode)
+        reg = hf.build_registry(model, SHAPE, mode, inductor=inductor and mode != "none")
         setup = time.perf_counter() - started
         engine = hf.Engine(model, SHAPE, reg, keep_logits=True)
         reqs = hf.trace_requests(requests, SHAPE, model.config.vocab_size, max_prompt=768, max_new=128)
@@ -97,11 +154,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--inductor", action="store_true", help="full over one Inductor compile against reduce-overhead")
     args = parser.parse_args()
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; Llama-3.2-1B shape (16 x 2048, 32 heads, 8 KV heads, "
           f"vocab 32000), bf16; KV cache {SHAPE.num_blocks} blocks of {SHAPE.block_size}")
     model = hf.build_model("llama-3.2-1b", device, SHAPE)
+    if args.inductor:
+        inductor_main(model, device, args)
+        return
     lat = step_latency(model, device, [1, 8, 32], args.iters)
     del model
     torch.cuda.empty_cache()
@@ -115,6 +176,28 @@ def main() -> None:
     base = trace[0][2] / trace[0][3]
     for mode, steps, tokens, secs, setup, graphs, hits, misses, err in trace:
         print(f"{mode:19} {steps:5d} {tokens:6d} {secs:8.2f} {tokens / secs:9.1f} {tokens / secs / base:8.2f} {setup:8.1f} {graphs:6d} {hits:5d} {misses:6d} {err:13.3e}")
+
+
+def inductor_main(model: torch.nn.Module, device: torch.device, args: argparse.Namespace) -> None:
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    card = next((name for name in HBM_BYTES_PER_S if name in torch.cuda.get_device_name()), None)
+    read_us = weight_bytes / HBM_BYTES_PER_S[card] * 1e6 if card else float("nan")
+    rows = inductor_latency(model, device, [1, 8, 32], args.iters)
+    del model
+    torch.cuda.empty_cache()
+    print(f"\nweights {weight_bytes / 1e9:.2f} GB: read once in {read_us:.0f} us at {card}'s bandwidth")
+    print(f"{'batch':>5} {'eager us':>9} {'full/Inductor us':>16} {'reduce-overhead us':>18} {'full/ro':>7} {'full/read':>9} "
+          f"{'|full-eager|':>12} {'|ro-eager|':>10}")
+    for n, e, f, ro, ef, er, _, _ in rows:
+        ro_text = f"{ro:18.1f} {f / ro:7.3f}" if ro else f"{'-':>18} {'-':>7}"
+        print(f"{n:5d} {e:9.1f} {f:16.1f} {ro_text} {f / read_us:9.2f} {ef:12.2e} {er if er is not None else float('nan'):10.2e}")
+    print(f"start-up: registry (trace, compile, 3 full keys) {rows[0][6]:.1f} s; reduce-overhead at batch 1 alone {rows[0][7]:.1f} s")
+    trace = trace_replay(device, args.requests, ("none", "full_and_piecewise"), inductor=True)
+    print(f"\ntrace replay, Inductor pieces: {args.requests} bundled-trace requests")
+    base = trace[0][2] / trace[0][3]
+    for mode, steps, tokens, secs, setup, graphs, hits, misses, err in trace:
+        print(f"{mode:19} {steps:5d} steps {tokens:6d} tokens {tokens / secs:9.1f} tok/s {tokens / secs / base:6.2f}x eager, "
+              f"setup {setup:6.1f} s, {graphs} graphs, {hits} hits, {misses} misses, max|logit-HF| {err:.3e}")
 
 
 if __name__ == "__main__":

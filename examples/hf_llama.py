@@ -4,7 +4,8 @@ A ``LlamaForCausalLM`` built from a ``LlamaConfig`` (random weights, no download
 loop with continuous batching and chunked prefill over requests of the bundled Azure trace.  Its
 attention is registered through transformers' attention interface: a paged KV cache with a scratch
 slot for padded rows, varlen metadata (``query_start_loc``, ``seq_lens``, ``block_table``,
-``slot_mapping``) as static inputs.  The attention function is an ``@eager_break``:
+``slot_mapping``) as static inputs.  The attention is a torch custom op that declares the caches it writes
+(so ``torch.compile`` and Inductor take it as it is), marked ``@eager_break``:
 
 - inside a ``full`` graph it is captured like the rest (a static-shape kernel: each token gathers its
   request's cache through the block table); decode batches always use this kernel;
@@ -30,6 +31,7 @@ estimated (``reg.estimate_memory``), the KV cache given what is left of F of the
     python examples/hf_llama.py                          # tiny config on CPU, every strategy
     python examples/hf_llama.py --config llama-3.2-1b --mode full_and_piecewise --requests 64   # on a GPU
     python examples/hf_llama.py --config llama-3.2-1b --mode full --gpu-memory-utilization 0.5  # KV cache sized last
+    python examples/hf_llama.py --config llama-3.2-1b --mode full_and_piecewise --inductor       # one Inductor compile
     torchrun --standalone --nproc-per-node 2 examples/hf_llama.py --tp 2          # TP=2: gloo on CPU, NCCL on GPUs
 
 ``llama-3.2-1b`` is GPU-sized (1.1 billion parameters): on a CPU it runs, but each mode takes many
@@ -120,17 +122,18 @@ def capture_context(mode: str) -> HostBatch | None:
     return None if mode == "full" else HostBatch([0], [1], [1])
 
 
-@cg.eager_break
-def paged_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-    scaling: float | None = None, dropout: float = 0.0, *, cg_slot_mapping: torch.Tensor, cg_positions: torch.Tensor,
-    cg_query_start_loc: torch.Tensor, cg_seq_lens: torch.Tensor, cg_block_table: torch.Tensor, **_: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface over the paged cache: write this step's K/V at ``slot_mapping``
-    (padded tokens write the scratch slot), then attend.  Query is (1, heads, tokens, head_dim)."""
+@torch.library.custom_op("cgregistry_hf::paged_attention", mutates_args=("k_cache", "v_cache"))
+def _paged_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    block_table: torch.Tensor, block_size: int, scaling: float | None,
+) -> torch.Tensor:
+    """Write this step's K/V at ``slot_mapping`` (padded tokens write the scratch slot), then attend.  Query is
+    (1, heads, tokens, head_dim); the result (tokens, heads, head_dim).  A custom op that declares the caches it
+    writes: dynamo and Inductor take it as it is (``torch.compile``, Inductor pieces, ``full`` over them)."""
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (tokens, kv_heads, head_dim)
-    module.k_cache.index_copy_(0, cg_slot_mapping, k_new)
-    module.v_cache.index_copy_(0, cg_slot_mapping, v_new)
+    k_cache.index_copy_(0, slot_mapping, k_new)
+    v_cache.index_copy_(0, slot_mapping, v_new)
     q = query[0].transpose(0, 1)  # (tokens, heads, head_dim)
     batch = cg.current_batch()
     host = batch.payload if batch is not None else None
@@ -138,39 +141,63 @@ def paged_attention(
     # Python with host-side lengths runs eagerly (a break between segments, a miss, a decode batch padded into a
     # mixed key's graph, a mixed key's capture): one pass sized by the lengths, not by the padded key.
     recording = batch is None or (batch.key is not None and batch.key.uniform and batch.actual == batch.key)
+    caches = (k_cache, v_cache, block_size)
     if isinstance(host, HostBatch) and not recording:
-        out = varlen_attention(module, q, host, cg_block_table, scaling)
-    else:
-        out = static_attention(module, q, cg_positions, cg_query_start_loc, cg_seq_lens, cg_block_table, scaling)
+        return varlen_attention(caches, q, host, block_table, scaling)
+    return static_attention(caches, q, positions, query_start_loc, seq_lens, block_table, scaling)
+
+
+@_paged_attention_op.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+      slot_mapping: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+      block_table: torch.Tensor, block_size: int, scaling: float | None) -> torch.Tensor:
+    return query.new_empty((query.shape[2], query.shape[1], query.shape[3]))
+
+
+# An eager break: between graph segments in a ``breakable`` entry, a split of a ``piecewise`` one, inside ``full``.
+paged_attention_op = cg.eager_break(_paged_attention_op)
+
+
+def paged_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+    scaling: float | None = None, dropout: float = 0.0, *, cg_slot_mapping: torch.Tensor, cg_positions: torch.Tensor,
+    cg_query_start_loc: torch.Tensor, cg_seq_lens: torch.Tensor, cg_block_table: torch.Tensor, **_: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over the layer's paged cache (``paged_attention_op``)."""
+    out = paged_attention_op(query, key, value, module.k_cache, module.v_cache, cg_slot_mapping, cg_positions,
+                             cg_query_start_loc, cg_seq_lens, cg_block_table, module.block_size, scaling)
     return out[None], None  # (1, tokens, heads, head_dim), as HF's own attention functions return
 
 
+Caches = tuple[torch.Tensor, torch.Tensor, int]  # a layer's K and V caches and its block size
+
+
 def static_attention(
-    module: torch.nn.Module, q: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
+    caches: Caches, q: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, block_table: torch.Tensor, scaling: float | None,
 ) -> torch.Tensor:
     """Every token finds its request through ``query_start_loc`` and gathers that request's cache through
     ``block_table``; it sees the positions up to its own.  Padded tokens see one slot (no NaN)."""
+    k_cache, v_cache, block = caches
     tokens, num_reqs = q.shape[0], seq_lens.shape[0]
-    block = module.block_size
     t = torch.arange(tokens, device=q.device)
     req = torch.searchsorted(query_start_loc[1:], t, right=True).clamp_(max=num_reqs - 1)
     j = torch.arange(block_table.shape[1] * block, device=q.device)
     slots = block_table[req][:, j // block] * block + j % block  # (tokens, context)
-    k, v = module.k_cache[slots].transpose(1, 2), module.v_cache[slots].transpose(1, 2)  # (tokens, kv_heads, ctx, d)
+    k, v = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)  # (tokens, kv_heads, ctx, d)
     visible = (j[None, :] <= positions[:, None]) & (j[None, :] < seq_lens[req][:, None])
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=visible[:, None, None, :], scale=scaling, enable_gqa=True)
     return out[:, :, 0, :]
 
 
 def varlen_attention(
-    module: torch.nn.Module, q: torch.Tensor, host: HostBatch, block_table: torch.Tensor, scaling: float | None,
+    caches: Caches, q: torch.Tensor, host: HostBatch, block_table: torch.Tensor, scaling: float | None,
 ) -> torch.Tensor:
     """With host-side lengths: every token gathers its request's context, cut to the longest request's (a shape
     known only on the host), and sees the positions up to its own, in one pass (a per-request loop launches ~10
     kernels a request and layer).  Padded tokens (past the batch's own): zeros."""
+    k_cache, v_cache, block = caches
     out = torch.zeros_like(q)
-    block = module.block_size
     used = sum(host.query_lens)
     req = torch.repeat_interleave(torch.arange(len(host.query_lens)), torch.tensor(host.query_lens)).to(q.device, non_blocking=True)
     last = torch.tensor([length - n for n, length in zip(host.query_lens, host.seq_lens)])  # each request's first new position
@@ -179,7 +206,7 @@ def varlen_attention(
     blocks = math.ceil(max(host.seq_lens) / block)
     j = torch.arange(blocks * block, device=q.device)
     slots = block_table[req][:, j // block] * block + j % block  # (tokens, context)
-    k, v = module.k_cache[slots].transpose(1, 2), module.v_cache[slots].transpose(1, 2)  # (tokens, kv_heads, ctx, d)
+    k, v = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)  # (tokens, kv_heads, ctx, d)
     visible = j[None, :] <= pos[:, None]  # a request's own positions only: the later ones are not written yet
     attended = F.scaled_dot_product_attention(q[:used, :, None, :], k, v, attn_mask=visible[:, None, None, :], scale=scaling, enable_gqa=True)
     out[:used] = attended[:, :, 0, :]
@@ -470,7 +497,7 @@ def decoder(model: LlamaForCausalLM) -> Any:
 
 def build_registry(
     model: LlamaForCausalLM, shape: EngineShape, mode: str, backend: str = "auto", background: bool = False,
-    adapt: cg.Adaptation | None = None, progress: bool | None = None, plugins: cg.Plugins | None = None,
+    adapt: cg.Adaptation | None = None, progress: bool | None = None, plugins: cg.Plugins | None = None, inductor: bool = False,
 ) -> cg.GraphRegistry | None:
     """A registry for ``mode`` with its plan captured (None for mode 'none': the engine runs eagerly).
 
@@ -480,7 +507,7 @@ def build_registry(
     """
     if mode == "none":
         return None
-    reg, plan = new_registry(model, shape, mode, backend, adapt, plugins)
+    reg, plan = new_registry(model, shape, mode, backend, adapt, plugins, inductor=inductor)
     with torch.inference_mode():
         reg.capture(plan, background=background, progress=progress, context=capture_context(mode))
     return reg
@@ -488,20 +515,25 @@ def build_registry(
 
 def new_registry(
     model: LlamaForCausalLM, shape: EngineShape, mode: str, backend: str = "auto", adapt: cg.Adaptation | None = None,
-    plugins: cg.Plugins | None = None,
+    plugins: cg.Plugins | None = None, inductor: bool = False,
 ) -> tuple[cg.GraphRegistry, cg.CapturePlan]:
-    """``build_registry`` without the capture: the registry (watching the model's weights) and its plan."""
+    """``build_registry`` without the capture: the registry (watching the model's weights) and its plan.
+
+    ``inductor``: the decoder compiled once, by Inductor in pieces around the attention op, and every key served by
+    those pieces: ``full`` keys with the attention inline in one graph, ``piecewise`` ones with it eager between them
+    (CUDA only: the cpu emulator cannot record Inductor's kernels)."""
     preference = ("full", "piecewise", "breakable")
     reg: cg.GraphRegistry
     forward = decoder(model)
-    if "piecewise" in mode:
+    if "piecewise" in mode or inductor:
         holder: dict[str, Any] = {}
         reg = cg.GraphRegistry(make_step(model, lambda *a: holder["compiled"](*a)), static_inputs(shape),
                                backend=backend, output_axis=OUTPUT_AXES, preference=preference, name=f"hf-{mode}", plugins=plugins)
         sharded = any(isinstance(m, RowParallelLinear) for m in model.modules())
         # A sharded model's all-reduces split the pieces too (they run eagerly between them): dynamo cannot trace the
         # cpu emulator's recorded collective, and a split keeps every backend the same.
-        holder["compiled"] = reg.compile(forward, [all_reduce_partial], include_marked=True) if sharded else reg.compile(forward)
+        holder["compiled"] = (reg.compile(forward, [all_reduce_partial], include_marked=True, inductor=inductor) if sharded
+                              else reg.compile(forward, inductor=inductor))
     else:
         reg = cg.GraphRegistry(make_step(model, forward), static_inputs(shape), backend=backend,
                                output_axis=OUTPUT_AXES, preference=preference, name=f"hf-{mode}", adapt=adapt, plugins=plugins)
@@ -686,7 +718,7 @@ def check_against_hf(model: LlamaForCausalLM, sequences: list[Sequence]) -> floa
 def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, requests: int, max_prompt: int,
           max_new: int, backend: str = "auto", check: bool = True, progress: Progress | None = None,
           group: Any = None, background: bool = False, gpu_memory_utilization: float | None = None,
-          graph_and_kv_bytes: int | None = None,
+          graph_and_kv_bytes: int | None = None, inductor: bool = False,
           ) -> tuple[EngineResult, cg.GraphRegistry | None]:
     """Build, capture and serve ``requests`` trace requests in ``mode``; with ``check``, compare with HF.
 
@@ -697,6 +729,7 @@ def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, r
     ``background``: capture while serving (refused by the registry with a process group of more than one rank).
     ``gpu_memory_utilization``: the KV cache sized after the model and the plan's estimated graphs, so that they take
     this share of the GPU's memory (``size_kv_cache``); ``graph_and_kv_bytes``: the same with the bytes given.
+    ``inductor``: the decoder compiled once by Inductor, in pieces around the attention, for every key (``new_registry``).
     """
     report = progress or Progress(mode, after=float("inf"))
     sizing = gpu_memory_utilization is not None or graph_and_kv_bytes is not None
@@ -711,7 +744,7 @@ def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, r
     report.begin("capturing")
     bar = None if config == "tiny" else group is None or torch.distributed.get_rank(group) == 0  # a bar for long captures
     if sizing:
-        reg, plan = new_registry(model, shape, mode, backend) if mode != "none" else (None, None)
+        reg, plan = new_registry(model, shape, mode, backend, inductor=inductor) if mode != "none" else (None, None)
         if graph_and_kv_bytes is None:
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(device)
@@ -725,7 +758,7 @@ def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, r
             with torch.inference_mode():
                 reg.capture(plan, background=background, progress=bar, context=capture_context(mode))
     else:
-        reg = build_registry(model, shape, mode, backend, background=background, progress=bar)
+        reg = build_registry(model, shape, mode, backend, background=background, progress=bar, inductor=inductor)
     engine = Engine(model, shape, reg, keep_logits=check, group=group)
     report.begin(f"serving {requests} requests")
     result = engine.serve(trace_requests(requests, shape, model.config.vocab_size, max_prompt, max_new), progress=report.update)
@@ -811,6 +844,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, metavar="F",
                         help="size the KV cache after the model and the plan's estimated graphs, so that everything takes "
                              "this share of the GPU's memory (0 < F <= 1; cuda, one process)")
+    parser.add_argument("--inductor", action="store_true",
+                        help="compile the decoder once with Inductor, in pieces around the attention op, for every key "
+                             "(full keys: the pieces and the attention in one graph); cuda only")
     parser.add_argument("--background", action="store_true",
                         help="capture on the registry's capture thread while serving (one process only: not with --tp > 1)")
     args = parser.parse_args(argv)
@@ -824,6 +860,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.tp > 1:
             parser.error(f"argument --gpu-memory-utilization: not with --tp {args.tp}: each rank would size its own cache "
                          "and the ranks' schedulers could admit different batches")
+    if args.inductor and device.type != "cuda":
+        parser.error(f"argument --inductor: needs a CUDA device (the cpu emulator cannot record Inductor's kernels), got {str(device)!r}")
     rank = 0
     if args.tp > 1:
         rank, device = tensor_parallel_launch(parser, args, device)
@@ -852,7 +890,8 @@ def main(argv: list[str] | None = None) -> None:
         for mode in args.mode or MODES:
             result, reg = serve(args.config, mode, device=device, shape=shape, requests=args.requests, max_prompt=max_prompt,
                                 max_new=max_new, backend=backend, progress=Progress(mode if rank == 0 else "", after=5.0 if rank == 0 else math.inf),
-                                group=group, background=args.background, gpu_memory_utilization=utilization)
+                                group=group, background=args.background, gpu_memory_utilization=utilization,
+                                inductor=args.inductor)
             stats = reg.stats() if reg is not None else None
             served = f"{stats.hits} graph steps, {stats.misses} eager" if stats else "eager"
             if rank == 0:

@@ -157,3 +157,55 @@ def test_background_capture_while_serving_then_the_hf_check(mode: str) -> None:
     plan = cg.CapturePlan.build(max_num_seqs=SHAPE.max_num_seqs, max_num_tokens=SHAPE.max_num_tokens,
                                 max_capture_size=SHAPE.max_num_tokens, mode=mode)
     assert len(reg) == len(plan) > 0, "every key of the plan captured"
+
+
+def _as_warm_up_of(key: cg.BatchDescriptor, strategy: object, call: object) -> object:
+    """``call()`` as a registry's warm-up of ``key`` with ``strategy`` runs the step (no capture: the cpu emulator
+    cannot record Inductor's kernels)."""
+    from cgregistry.state import runtime
+
+    tokens = (runtime.batch.set(runtime.BreakContext(key, key)),
+              runtime.axis_rows.set(frozenset({key.num_tokens, key.num_tokens + 1})), runtime.capture_strategy.set(strategy))
+    try:
+        with torch.inference_mode():
+            return call()  # type: ignore[operator]
+    finally:
+        for var, token in zip((runtime.capture_strategy, runtime.axis_rows, runtime.batch), reversed(tokens)):
+            var.reset(token)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_the_attention_op_compiles_with_inductor_for_full_piecewise_and_reduce_overhead() -> None:
+    """The attention op declares the caches it writes: the decoder compiles once with Inductor in pieces around it,
+    full keys run those pieces with the op inline and piecewise keys with it between them, torch.compile's
+    reduce-overhead takes the whole step, and each writes the K/V cache where eager writes it, HF's numbers."""
+    from cgregistry.strategies.full import FullStrategy
+    from cgregistry.strategies.piecewise import PiecewiseStrategy
+
+    model, reference = hf.build_model("tiny", CPU, SHAPE), hf.build_model("tiny", CPU, SHAPE)
+    compiled = cg.compile_piecewise(hf.decoder(model), inductor=True)
+    plain = hf.build_model("tiny", CPU, SHAPE)
+    reduce_overhead = torch.compile(hf.decoder(plain), mode="reduce-overhead", fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    for key, strategy in ((cg.BatchDescriptor.decode(4), FullStrategy()), (cg.BatchDescriptor.decode(3), PiecewiseStrategy()),
+                          (cg.BatchDescriptor.decode(1), FullStrategy())):
+        n = key.num_tokens
+        table = 1 + torch.randperm(SHAPE.num_blocks - 1, generator=g)[: n * SHAPE.max_blocks_per_req].view(n, -1) % (SHAPE.num_blocks - 1)
+        pos = torch.randint(0, SHAPE.max_context, (n,), generator=g)
+        inputs = dict(input_ids=torch.randint(0, 256, (n,), generator=g), positions=pos,
+                      slot_mapping=table.gather(1, (pos // SHAPE.block_size)[:, None])[:, 0] * SHAPE.block_size + pos % SHAPE.block_size,
+                      query_start_loc=torch.arange(n + 1), seq_lens=pos + 1, block_table=table)
+        got = _as_warm_up_of(key, strategy, lambda: compiled(**inputs))
+        with torch.inference_mode():
+            want = hf.decoder(reference)(**inputs)
+            ro = reduce_overhead(**inputs).clone()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{key} {strategy.name}")
+        torch.testing.assert_close(ro, want, rtol=1e-4, atol=1e-4, msg=f"{key} reduce-overhead")
+        for ours, theirs, ros in zip(model.model.layers, reference.model.layers, plain.model.layers):
+            for name in ("k_cache", "v_cache"):
+                torch.testing.assert_close(getattr(ours.self_attn, name), getattr(theirs.self_attn, name), rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(getattr(ros.self_attn, name), getattr(theirs.self_attn, name), rtol=1e-5, atol=1e-6)
+    assert reference.model.layers[0].self_attn.k_cache.count_nonzero() > 0
+    [report] = compiled.compiler.traces
+    assert report.splits == ["cgregistry_hf::paged_attention"] * len(model.model.layers)
