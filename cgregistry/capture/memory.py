@@ -345,15 +345,17 @@ def _part_estimate(part: Part, order: Sequence[Pair], probes: list[Probe], taken
 
 
 def _adds_like(probes: Sequence[Probe], key: BatchDescriptor, strategy: str) -> int | None:
-    """What a whole-graph key not captured adds: the tensors it keeps (linear in token count) and the driver's graph
-    objects, averaged over the captured keys of its kind after the first (the driver hands out memory for graphs in
-    chunks, so one key's share is lumpy and only an average over several is near the plan's); None with no such key."""
+    """What a whole-graph key not captured adds: the tensors it keeps (linear in token count, interpolated between the
+    captured keys of its kind) and the driver's graph objects, averaged over those keys after the first (the driver
+    hands out memory for graphs in chunks, so one key's share is lumpy, the first key's most, and only an average over
+    several is near the plan's); None with no key of its kind after the first."""
     kind = (strategy, key.kind, key.num_active_loras)
-    same = [p for p in probes if (p.strategy, p.key.kind, p.key.num_active_loras) == kind][1:]
-    if not same:
+    of_kind = [p for p in probes if (p.strategy, p.key.kind, p.key.num_active_loras) == kind]
+    later = of_kind[1:]
+    if not later:
         return None
-    graphs = sum(p.own_bytes - p.kept_bytes for p in same) / len(same)
-    kept = _interpolate([attrs.evolve(p, own_bytes=p.kept_bytes) for p in same], key, strategy).own_bytes
+    graphs = sum(p.own_bytes - p.kept_bytes for p in later) / len(later)
+    kept = _interpolate([attrs.evolve(p, own_bytes=p.kept_bytes) for p in of_kind], key, strategy).own_bytes
     return int(graphs + kept)
 
 
