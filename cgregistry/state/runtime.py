@@ -116,8 +116,9 @@ see_compiled: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_
 # callbacks told of each new one (the piecewise compiler keeps them opaque to dynamo).
 marked: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 on_mark: list[Callable[[Callable[..., Any]], None]] = []
-# Names ("namespace::name") of the torch custom ops marked as eager breaks: a trace records the op itself.
-marked_ops: set[str] = set()
+# The torch custom ops marked as eager breaks, by name ("namespace::name"), to their label and capture stub: a trace
+# records the op itself, and the piecewise compiler splits at every call of it.
+marked_ops: dict[str, tuple[str, Callable[..., Any] | None]] = {}
 
 
 def unrecorded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

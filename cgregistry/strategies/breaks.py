@@ -148,10 +148,13 @@ def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = Non
     ``fn`` may be a torch custom op (``torch.library.custom_op``, with a fake
     implementation): a trace then records the op itself, with the tensors its schema
     says it writes (a KV cache), so any ``torch.compile`` of the model takes it, and
-    the piecewise compiler splits there.
+    the piecewise compiler splits at every call of that op (call it through the
+    marked function, so that ``breakable`` captures break there too).
     """
 
     def wrap(func: F) -> F:
+        if not callable(func):
+            raise TypeError(f"eager_break marks a function or a torch custom op, got {func!r}")
         op = custom_op_name(func)
         label = name or op or getattr(func, "__qualname__", repr(func))
 
@@ -191,7 +194,7 @@ def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = Non
             marked.__cgregistry_opaque__ = opaque  # type: ignore[attr-defined]
         else:
             marked.__cgregistry_op__ = op  # type: ignore[attr-defined]
-            runtime.marked_ops.add(op)
+            runtime.marked_ops[op] = (label, capture_stub)
         runtime.marked.add(marked)
         for callback in runtime.on_mark:
             callback(marked)

@@ -107,8 +107,10 @@ class SplittingOps:
             return None
         target = node.target
         name = _op_name(target)
-        if name is not None and (name in self.op_names or (self.marked and name in runtime.marked_ops)):
+        if name is not None and name in self.op_names:
             return f"{name}#{node.name}"
+        if name is not None and self.marked and name in runtime.marked_ops:
+            return f"{runtime.marked_ops[name][0]}#{node.name}"
         if any(target is fn for fn in self.functions):
             return f"{_label(target)}#{node.name}"
         if self.marked and hasattr(target, "__cgregistry_break__"):
@@ -140,12 +142,14 @@ def _allow_marked(fn: Callable[..., Any]) -> None:
 
 
 class _Split(nn.Module):
-    """A splitting region of the split graph: runs eagerly, and as an eager break under a piecewise capture."""
+    """A splitting region of the split graph: runs eagerly, and as an eager break under a piecewise capture
+    (``stub``: the region with a marked op's capture stub in its place, what a capture runs instead)."""
 
-    def __init__(self, region: fx.GraphModule, label: str) -> None:
+    def __init__(self, region: fx.GraphModule, label: str, stub: fx.GraphModule | None = None) -> None:
         super().__init__()
         self.region = region
         self.label = label
+        self.stub = stub
 
     def forward(self, *args: Any) -> Any:
         return runtime.unrecorded(self._run, args)  # runs eagerly at every replay: what it reads is live
@@ -154,7 +158,7 @@ class _Split(nn.Module):
         site = runtime.site.get()
         if site is None:
             return self.region(*args)
-        return site.on_break(self.region.forward, None, self.label, args, {})
+        return site.on_break(self.region.forward, self.stub.forward if self.stub is not None else None, self.label, args, {})
 
 
 @attrs.define(slots=True)
@@ -210,8 +214,25 @@ def split_graph(gm: fx.GraphModule, ops: SplittingOps) -> tuple[fx.GraphModule, 
         # A region holding just a marked function already breaks by itself (with its capture stub).
         calls = [n for n in region.graph.nodes if n.op == "call_function"]
         if not (len(calls) == 1 and hasattr(calls[0].target, "__cgregistry_break__")):
-            setattr(split, str(node.target), _Split(region, label))
+            setattr(split, str(node.target), _Split(region, label, _with_capture_stubs(region)))
     return split, SplitReport(len(pieces), labels), pieces
+
+
+def _with_capture_stubs(region: fx.GraphModule) -> fx.GraphModule | None:
+    """``region`` with each marked custom op that has a capture stub calling the stub instead (same arguments);
+    None where it has none."""
+    stubs = {node: stub for node in region.graph.nodes if node.op == "call_function"
+             for name in [_op_name(node.target)] if name is not None and name in runtime.marked_ops
+             for stub in [runtime.marked_ops[name][1]] if stub is not None}
+    if not stubs:
+        return None
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in region.graph.nodes:
+        copies[node] = graph.node_copy(node, copies.__getitem__)
+        if node in stubs:
+            copies[node].target = stubs[node]
+    return fx.GraphModule(region, graph)
 
 
 def _which_ops(ops: SplittingOps) -> str:
@@ -230,7 +251,8 @@ def _fakes_of(gm: fx.GraphModule) -> tuple[list[Any], Any]:
 def _compile_pieces_with_inductor(split: fx.GraphModule, pieces: Sequence[str], gm: fx.GraphModule) -> tuple[int, bool]:
     """Replace each piece by its Inductor compilation, for the symbolic shapes of the trace; return how many
     compiles that took, and whether size 1 is left to a trace of its own.  Pieces alike (a decoder's layers:
-    the same ops on inputs of the same layout, the weights among the inputs) share one compilation."""
+    the same ops on inputs of the same layout, the weights among the inputs) share one compilation.  A trace
+    that Inductor's general kernels cannot serve, made at size 1, keeps its pieces uncompiled."""
     from torch._dispatch.python import enable_python_dispatcher
     from torch._inductor.compile_fx import compile_fx
 
@@ -252,13 +274,15 @@ def _compile_pieces_with_inductor(split: fx.GraphModule, pieces: Sequence[str], 
             return out
 
     safe = _sizes_safe_at_one(gm)
+    own_trace_at_one, for_size_one = _settle_sizes_unsafe_at_one(gm, safe)
+    if for_size_one:
+        return 0, own_trace_at_one  # the pieces run as traced: torch's own ops, right at size 1
     ctx = fake_mode if fake_mode is not None else torch.no_grad()
     # The python dispatcher, as dynamo traced with: composite ops (a matmul under autocast on CUDA) then keep their
     # sizes symbolic instead of reading them as ints, which would fix the batch size for good.
     with ctx, enable_python_dispatcher(), _sizes_kept_general(getattr(fake_mode, "shape_env", None), safe), \
             runtime.timed_phase("compile"):
         _Propagate(split).run(*fake_args)
-        own_trace_at_one = _guard_sizes_unsafe_at_one(gm, safe)
     return len(compiled_by_form), own_trace_at_one
 
 
@@ -392,7 +416,7 @@ def _sizes_safe_at_one(gm: fx.GraphModule) -> frozenset[Any]:
     broadcast against it), so kernels generated for a general size serve size 1.  Empty where unsure."""
     fake_args, fake_mode = _fakes_of(gm)
     shape_env = getattr(fake_mode, "shape_env", None)
-    hints = getattr(shape_env, "backed_var_to_val", None) or getattr(shape_env, "var_to_val", None)
+    hints = getattr(shape_env, "backed_var_to_val" if hasattr(shape_env, "backed_var_to_val") else "var_to_val", None)
     if not isinstance(hints, dict):
         return frozenset()
     candidates = _sizes_general_at_one(gm, shape_env)
@@ -409,21 +433,26 @@ def _sizes_general_at_one(gm: fx.GraphModule, shape_env: Any) -> set[Any]:
             if sym is not None and ranges.get(sym) is not None and ranges[sym].lower <= 1}
 
 
-def _guard_sizes_unsafe_at_one(gm: fx.GraphModule, safe: frozenset[Any]) -> bool:
-    """Make dynamo trace again at size 1 for every batch axis that is not ``safe`` at 1: Inductor's kernels
-    for a general size would run the trace's size-oblivious choices (a squeeze that squeezes nothing) there.
-    Whether any guard was added."""
+def _settle_sizes_unsafe_at_one(gm: fx.GraphModule, safe: frozenset[Any]) -> tuple[bool, bool]:
+    """Keep Inductor's kernels for a general size away from size 1 on every batch axis that is not ``safe`` at 1
+    (they would run the trace's size-oblivious choices there: a squeeze that squeezes nothing).  Called before the
+    pieces compile.  A trace made at size 2 or more gets a ``size >= 2`` guard, so dynamo traces size 1 again; one
+    made at size 1 gets ``size < 2``, and its pieces must stay uncompiled (their torch ops then decide at run time).
+    Returns (a guard left size 1 to a later trace, this trace is for size 1 only)."""
     fake_args, fake_mode = _fakes_of(gm)
     unsafe = _sizes_general_at_one(gm, getattr(fake_mode, "shape_env", None)) - safe
-    guarded = bool(unsafe)
+    later = at_one = False
     for value in fake_args:
         sizes = value.shape if isinstance(value, torch.Tensor) else [value] if isinstance(value, torch.SymInt) else []
         for size in sizes:
             symbol = _symbol_of(size)
             if symbol in unsafe:
                 unsafe.discard(symbol)
-                bool(size >= 2)  # a guard, installed with the trace's own
-    return guarded
+                if bool(size >= 2):  # a guard, installed with the trace's own
+                    later = True
+                else:
+                    at_one = True
+    return later, at_one
 
 
 def _shapes_agree(gm: fx.GraphModule, fake_args: list[Any], hints: dict[Any, Any], at_one: set[Any] | frozenset[Any]) -> bool:
@@ -514,7 +543,7 @@ class PiecewiseCompiler:
         self.inductor = bool(inductor)
         self.max_traces = max_traces
         self.traces: list[SplitReport] = []
-        # A trace's Inductor kernels cannot serve size 1 (see _guard_sizes_unsafe_at_one): later traces specialise it.
+        # A trace's Inductor kernels cannot serve size 1 (see _settle_sizes_unsafe_at_one): later traces specialise it.
         self.size_one_specialized = False
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:

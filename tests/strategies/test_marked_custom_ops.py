@@ -146,3 +146,57 @@ def test_full_and_piecewise_keys_over_inductor_pieces_write_the_cache_through_th
     report = compiled.compiler.traces[0]
     assert report.splits == ["cgregistry_test::cached_attention"] * 2
     assert len(compiled.compiler.traces) == 1
+
+
+@torch.library.custom_op("cgregistry_test::doubled_in_place", mutates_args=("x",))
+def _doubled_in_place(x: torch.Tensor) -> None:
+    x.mul_(2)
+
+
+@_doubled_in_place.register_fake
+def _(x: torch.Tensor) -> None:
+    return None
+
+
+class _Collective(nn.Module):
+    """A step whose in-place op stands for a collective: its capture stub runs instead of it while capturing."""
+
+    def __init__(self, op: object) -> None:
+        super().__init__()
+        self.op = op
+        self.w = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w(x)
+        self.op(h)
+        return h + 1
+
+
+@pytest.mark.parametrize("strategy", ["breakable", "piecewise"])
+def test_a_marked_custom_ops_capture_stub_runs_while_capturing_and_the_op_at_replay(strategy: str) -> None:
+    calls = {"stub": 0}
+
+    def stub(x: torch.Tensor) -> None:
+        calls["stub"] += 1
+
+    op = cg.eager_break(_doubled_in_place, capture_stub=stub, name="all_reduce_stand_in")
+    model = _Collective(op).eval()
+    late = _Late()
+    reg = cg.GraphRegistry(lambda batch, x: late(x) if strategy == "piecewise" else model(x),
+                           {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu", plugins=make_plugins())
+    late.fn = reg.compile(model)
+    with torch.inference_mode():
+        reg.capture([(B(8), strategy)])
+    [entry] = reg.entries()
+    assert calls["stub"] == 1 and entry.breaks == 1, calls
+    x = torch.randn(5, D)
+    with torch.inference_mode():
+        torch.testing.assert_close(reg.run(B(5), x=x), (model.w(x) * 2) + 1)
+    if strategy == "piecewise":
+        assert late.fn.compiler.traces[0].splits == ["all_reduce_stand_in"]
+
+
+@pytest.mark.parametrize("value", ["cgregistry_test::doubled_in_place", 3])
+def test_eager_break_of_something_not_callable_is_refused_naming_it(value: object) -> None:
+    with pytest.raises(TypeError, match=f"eager_break marks a function or a torch custom op, got {value!r}"):
+        cg.eager_break(value)  # type: ignore[call-overload]

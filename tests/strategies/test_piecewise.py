@@ -563,3 +563,15 @@ def test_watching_another_module_does_not_make_the_model_trace_again() -> None:
     x = torch.randn(5, D)
     with torch.inference_mode():
         torch.testing.assert_close(reg.run(B(5), x=x), model(x))
+
+
+def test_a_model_that_differs_at_size_one_called_directly_matches_eager_at_every_size() -> None:
+    """Outside a registry dynamo may first trace size 1 dynamically: that trace serves size 1 only, and its pieces
+    run torch's own ops there, not general kernels that squeeze nothing."""
+    torch.manual_seed(0)
+    squeezing = _Squeezing().eval()
+    compiled = cg.compile_piecewise(squeezing, inductor=True)
+    with torch.inference_mode():
+        for tokens in (8, 1, 4, 1):
+            x = torch.randn(tokens, D)
+            torch.testing.assert_close(compiled(x), squeezing(x), msg=f"{tokens} tokens")
