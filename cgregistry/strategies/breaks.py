@@ -174,7 +174,7 @@ def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = Non
                 kwargs[key] = _module_of(kwargs[key], label)
             return call(args, kwargs)
 
-        @functools.wraps(func, updated=())
+        @functools.wraps(func, updated=() if op is not None else functools.WRAPPER_UPDATES)  # not a custom op's internals
         def marked(*args: Any, **kwargs: Any) -> Any:
             if torch.compiler.is_compiling():
                 if op is not None:  # dynamo records the op itself, with what its schema says it mutates

@@ -397,19 +397,6 @@ def _placeholder_symbols(gm: fx.GraphModule) -> list[list[tuple[int, Any]] | Any
     return found
 
 
-def _symbol_values(symbols: list[list[tuple[int, Any]] | Any], args: Sequence[Any]) -> dict[Any, int]:
-    """The sizes a call gives the trace's symbols (from its tensors' shapes and its SymInt arguments)."""
-    values: dict[Any, int] = {}
-    for where, arg in zip(symbols, args):
-        if isinstance(where, list):
-            if isinstance(arg, torch.Tensor):
-                for dim, sym in where:
-                    values[sym] = int(arg.shape[dim])
-        elif where is not None and isinstance(arg, int):
-            values[where] = arg
-    return values
-
-
 def _sizes_safe_at_one(gm: fx.GraphModule) -> frozenset[Any]:
     """The trace's batch-axis symbols at which every node's shape, rerun with that size (and all of them) at 1,
     is the symbolic shape at 1: no op in the trace behaves differently at size 1 (a squeeze of that axis, a
