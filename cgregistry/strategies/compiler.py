@@ -27,6 +27,7 @@ import attrs
 import sympy
 import torch
 from torch import fx, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._sympy.value_ranges import ValueRanges
 
 from cgregistry.strategies import breaks
@@ -163,12 +164,14 @@ class _Split(nn.Module):
 
 @attrs.define(slots=True)
 class SplitReport:
-    """What one trace became: how many pieces and splits, the split labels in order, and how many Inductor
-    compiles its pieces took (pieces alike in graph and input layout share one; 0 without Inductor)."""
+    """What one trace became: how many pieces and splits, the split labels in order, how many Inductor compiles
+    its pieces took (pieces alike in graph and input layout share one; 0 without Inductor), and whether it left
+    size 1 to a later trace (its Inductor kernels cannot serve size 1: see ``_settle_sizes_unsafe_at_one``)."""
 
     pieces: int
     splits: list[str]
     compiles: int = 0
+    size_one_later: bool = False
 
 
 def split_graph(gm: fx.GraphModule, ops: SplittingOps) -> tuple[fx.GraphModule, SplitReport, list[str]]:
@@ -221,9 +224,12 @@ def split_graph(gm: fx.GraphModule, ops: SplittingOps) -> tuple[fx.GraphModule, 
 def _with_capture_stubs(region: fx.GraphModule) -> fx.GraphModule | None:
     """``region`` with each marked custom op that has a capture stub calling the stub instead (same arguments);
     None where it has none."""
-    stubs = {node: stub for node in region.graph.nodes if node.op == "call_function"
-             for name in [_op_name(node.target)] if name is not None and name in runtime.marked_ops
-             for stub in [runtime.marked_ops[name][1]] if stub is not None}
+    stubs: dict[fx.Node, Callable[..., Any]] = {}
+    for node in region.graph.nodes:
+        name = _op_name(node.target) if node.op == "call_function" else None
+        stub = runtime.marked_ops[name][1] if name in runtime.marked_ops else None
+        if stub is not None:
+            stubs[node] = stub
     if not stubs:
         return None
     graph = fx.Graph()
@@ -273,15 +279,15 @@ def _compile_pieces_with_inductor(split: fx.GraphModule, pieces: Sequence[str], 
                 setattr(split, target, compiled)
             return out
 
+    shape_env = getattr(fake_mode, "shape_env", None)
     safe = _sizes_safe_at_one(gm)
-    own_trace_at_one, for_size_one = _settle_sizes_unsafe_at_one(gm, safe)
+    own_trace_at_one, for_size_one = _settle_sizes_unsafe_at_one(fake_args, _sizes_general_at_one(gm, shape_env) - safe)
     if for_size_one:
         return 0, own_trace_at_one  # the pieces run as traced: torch's own ops, right at size 1
     ctx = fake_mode if fake_mode is not None else torch.no_grad()
     # The python dispatcher, as dynamo traced with: composite ops (a matmul under autocast on CUDA) then keep their
     # sizes symbolic instead of reading them as ints, which would fix the batch size for good.
-    with ctx, enable_python_dispatcher(), _sizes_kept_general(getattr(fake_mode, "shape_env", None), safe), \
-            runtime.timed_phase("compile"):
+    with ctx, enable_python_dispatcher(), _sizes_kept_general(shape_env, safe), runtime.timed_phase("compile"):
         _Propagate(split).run(*fake_args)
     return len(compiled_by_form), own_trace_at_one
 
@@ -308,17 +314,18 @@ def _piece_form(piece: fx.GraphModule, args: Sequence[Any]) -> tuple | None:
         if node.op in ("get_attr", "call_module"):
             return None
         position[node] = _Ref(i)
-        ref = functools.partial(fx.node.map_arg, fn=position.__getitem__)
-        target = node.target if node.op == "call_function" else str(node.target) if node.op != "placeholder" else None
-        nodes.append((node.op, target, repr(ref(node.args)), repr(ref(node.kwargs))))
+        if node.op == "placeholder":
+            target = None  # its name: the piece's own
+        else:
+            target = node.target if node.op == "call_function" else str(node.target)
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), position.__getitem__)
+        nodes.append((node.op, target, repr(args), repr(kwargs)))
     storages: dict[Any, int] = {}  # which inputs share memory: compiled code may rely on how they alias
     return (tuple(nodes), tuple(_input_form(a, i, storages) for i, a in enumerate(args)))
 
 
 def _input_form(value: Any, index: int, storages: dict[Any, int]) -> tuple:
     if isinstance(value, torch.Tensor):
-        from torch.multiprocessing.reductions import StorageWeakRef
-
         shares = storages.setdefault(StorageWeakRef(value.untyped_storage()), index)
         return ("tensor", value.dtype, value.device, tuple(map(str, value.shape)), tuple(map(str, value.stride())),
                 str(value.storage_offset()), value.requires_grad, shares)
@@ -420,14 +427,12 @@ def _sizes_general_at_one(gm: fx.GraphModule, shape_env: Any) -> set[Any]:
             if sym is not None and ranges.get(sym) is not None and ranges[sym].lower <= 1}
 
 
-def _settle_sizes_unsafe_at_one(gm: fx.GraphModule, safe: frozenset[Any]) -> tuple[bool, bool]:
-    """Keep Inductor's kernels for a general size away from size 1 on every batch axis that is not ``safe`` at 1
-    (they would run the trace's size-oblivious choices there: a squeeze that squeezes nothing).  Called before the
-    pieces compile.  A trace made at size 2 or more gets a ``size >= 2`` guard, so dynamo traces size 1 again; one
-    made at size 1 gets ``size < 2``, and its pieces must stay uncompiled (their torch ops then decide at run time).
-    Returns (a guard left size 1 to a later trace, this trace is for size 1 only)."""
-    fake_args, fake_mode = _fakes_of(gm)
-    unsafe = _sizes_general_at_one(gm, getattr(fake_mode, "shape_env", None)) - safe
+def _settle_sizes_unsafe_at_one(fake_args: Sequence[Any], unsafe: set[Any]) -> tuple[bool, bool]:
+    """Keep Inductor's kernels for a general size away from size 1 on the ``unsafe`` batch axes (those a trace's
+    shapes differ at, at size 1: the kernels would run the trace's size-oblivious choices there, a squeeze that
+    squeezes nothing).  Called before the pieces compile.  A trace made at size 2 or more gets a ``size >= 2`` guard,
+    so dynamo traces size 1 again; one made at size 1 gets ``size < 2``, and its pieces must stay uncompiled (their
+    torch ops then decide at run time).  Returns (a guard left size 1 to a later trace, this trace is for size 1)."""
     later = at_one = False
     for value in fake_args:
         sizes = value.shape if isinstance(value, torch.Tensor) else [value] if isinstance(value, torch.SymInt) else []
@@ -530,8 +535,6 @@ class PiecewiseCompiler:
         self.inductor = bool(inductor)
         self.max_traces = max_traces
         self.traces: list[SplitReport] = []
-        # A trace's Inductor kernels cannot serve size 1 (see _settle_sizes_unsafe_at_one): later traces specialise it.
-        self.size_one_specialized = False
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         if len(self.traces) >= self.max_traces:
@@ -543,10 +546,14 @@ class PiecewiseCompiler:
             )
         split, report, pieces = split_graph(gm, self.ops)
         if self.inductor:
-            report.compiles, own_trace_at_one = _compile_pieces_with_inductor(split, pieces, gm)
-            self.size_one_specialized = self.size_one_specialized or own_trace_at_one
+            report.compiles, report.size_one_later = _compile_pieces_with_inductor(split, pieces, gm)
         self.traces.append(report)
         return _Runner(split)
+
+    @property
+    def size_one_specialized(self) -> bool:
+        """Whether later traces specialise size 1: an earlier trace's Inductor kernels cannot serve it."""
+        return any(report.size_one_later for report in self.traces)
 
     @property
     def pieces(self) -> int:
