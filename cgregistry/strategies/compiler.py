@@ -262,6 +262,8 @@ def _compile_pieces_with_inductor(split: fx.GraphModule, pieces: Sequence[str], 
     from torch._dispatch.python import enable_python_dispatcher
     from torch._inductor.compile_fx import compile_fx
 
+    from cgregistry.strategies.inductor_passes import pieces_config
+
     fake_args, fake_mode = _fakes_of(gm)
     names = set(pieces)
     compiled_by_form: dict[tuple, _Compiled] = {}
@@ -287,7 +289,7 @@ def _compile_pieces_with_inductor(split: fx.GraphModule, pieces: Sequence[str], 
     ctx = fake_mode if fake_mode is not None else torch.no_grad()
     # The python dispatcher, as dynamo traced with: composite ops (a matmul under autocast on CUDA) then keep their
     # sizes symbolic instead of reading them as ints, which would fix the batch size for good.
-    with ctx, enable_python_dispatcher(), _sizes_kept_general(shape_env, safe), runtime.timed_phase("compile"):
+    with ctx, enable_python_dispatcher(), _sizes_kept_general(shape_env, safe), pieces_config(), runtime.timed_phase("compile"):
         _Propagate(split).run(*fake_args)
     return len(compiled_by_form), own_trace_at_one
 
