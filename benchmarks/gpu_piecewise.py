@@ -11,6 +11,8 @@ Per step, at batch 1, 8 and 64 (uniform decode), median µs:
   breakable   reg.run() with the breakable strategy (13 segments, 12 eager breaks)
   pw_inductor piecewise with Inductor-compiled pieces (--inductor)
   ro          torch.compile(mode="reduce-overhead", dynamic=True) of the same model, run last
+The floor: one graph-to-eager-to-graph transition (timing.transition_floor_us), measured in the same
+process, and what piecewise over Inductor costs over ro per split, held against it.
 
 Start-up over the same 35 sizes (1, 2, 4, 8, 16, 24, ..., 256 tokens):
   piecewise   dynamo trace + split + capture of every size (reg.compile, reg.capture)
@@ -47,9 +49,9 @@ from cgregistry.cli.demo_model import (
 from cgregistry.plan import default_ladder
 
 try:
-    from benchmarks.timing import per_call_us, reduce_overhead_warmed
+    from benchmarks.timing import per_call_us, reduce_overhead_warmed, transition_floor_us
 except ImportError:  # run as a script from benchmarks/
-    from timing import per_call_us, reduce_overhead_warmed  # type: ignore[no-redef]
+    from timing import per_call_us, reduce_overhead_warmed, transition_floor_us  # type: ignore[no-redef]
 
 SIZES = (1, 8, 64)
 PLAN_SIZES = sorted(default_ladder(256), reverse=True)  # 35 sizes
@@ -178,6 +180,11 @@ def main() -> None:
                 row["ro_err"] = (ro(**inputs).float() - want).abs().max().item()
                 row["ro_us"] = per_call_us(lambda: ro(**inputs), args.iters)
 
+    # The floor every split pays, measured in this process: what piecewise over Inductor costs over reduce-overhead,
+    # per split, is held against it.
+    splits = max(results["startup"]["pieces"] - 1, 1)  # type: ignore[index]
+    results["transition_floor_us"] = floor = transition_floor_us(breaks=splits)
+
     s = results["startup"]
     print(f"\n{results['device']}, torch {results['torch']}; piecewise: {s['pieces']} pieces, {s['traces']} trace(s)")
     cols = ["eager", "full", "piecewise", "breakable"] + (["pw_inductor"] if args.inductor else []) + (["ro"] if ro is not None else [])
@@ -185,6 +192,11 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>5} " + " ".join(f"{r[c + '_us']:13.1f}" for c in cols)
               + f" {r['piecewise_over_full']:8.3f} {r['piecewise_over_breakable']:7.3f} {max(r['max_abs_err'], r.get('ro_err', 0)):8.2g}")
+    line = f"graph-to-eager-to-graph transition floor: {floor:.2f} us"
+    if args.inductor and ro is not None:
+        line += "; pw_inductor over ro per split: " + " / ".join(
+            f"{(r['pw_inductor_us'] - r['ro_us']) / splits:.2f}" for r in rows) + f" us at batch {' / '.join(str(r['batch']) for r in rows)}"
+    print(line)
     line = f"start-up over {s['sizes']} sizes: piecewise {s['piecewise_s']:.2f} s"
     if "piecewise_inductor_s" in s:
         line += f", piecewise with Inductor pieces {s['piecewise_inductor_s']:.2f} s"

@@ -113,3 +113,38 @@ def clean_device() -> None:
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+def transition_floor_us(breaks: int = 12, iters: int = 500) -> float:
+    """What one graph-to-eager-to-graph transition costs from Python: ``breaks + 1`` one-matmul graphs replayed with one
+    eager kernel between each, against one graph of the same kernels, per break.  The floor a piecewise step pays per
+    split whatever does the splitting (each graph here is a few µs of GPU work, so the host's cost shows in full)."""
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            x @ w
+            x.add_(0)
+    torch.cuda.current_stream().wait_stream(side)
+    pieces = []
+    for _ in range(breaks + 1):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            x @ w
+        pieces.append(graph)
+    whole = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(whole):
+        for i in range(breaks + 1):
+            x @ w
+            if i < breaks:
+                x.add_(0)
+
+    def split() -> None:
+        for graph in pieces[:-1]:
+            graph.replay()
+            x.add_(0)
+        pieces[-1].replay()
+
+    return (per_call_us(split, iters) - per_call_us(whole.replay, iters)) / breaks
