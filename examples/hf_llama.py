@@ -125,11 +125,12 @@ def capture_context(mode: str) -> HostBatch | None:
 @torch.library.custom_op("cgregistry_hf::paged_attention", mutates_args=("k_cache", "v_cache"))
 def _paged_attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-    block_table: torch.Tensor, block_size: int, scaling: float | None,
+    slot_mapping: torch.Tensor, slots: torch.Tensor, bias: torch.Tensor, block_table: torch.Tensor, block_size: int,
+    scaling: float | None,
 ) -> torch.Tensor:
     """Write this step's K/V at ``slot_mapping`` (padded tokens write the scratch slot), then attend.  Query is
-    (1, heads, tokens, head_dim); the result (tokens, heads, head_dim).  A custom op that declares the caches it
+    (1, heads, tokens, head_dim); the result (tokens, heads, head_dim).  ``slots`` and ``bias``: the step's attention
+    metadata (``attention_metadata``), built once for every layer.  A custom op that declares the caches it
     writes: dynamo and Inductor take it as it is (``torch.compile``, Inductor pieces, ``full`` over them)."""
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (tokens, kv_heads, head_dim)
     k_cache.index_copy_(0, slot_mapping, k_new)
@@ -144,13 +145,13 @@ def _paged_attention_op(
     caches = (k_cache, v_cache, block_size)
     if isinstance(host, HostBatch) and not recording:
         return varlen_attention(caches, q, host, block_table, scaling)
-    return static_attention(caches, q, positions, query_start_loc, seq_lens, block_table, scaling)
+    return static_attention(caches, q, slots, bias, scaling)
 
 
 @_paged_attention_op.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-      slot_mapping: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-      block_table: torch.Tensor, block_size: int, scaling: float | None) -> torch.Tensor:
+      slot_mapping: torch.Tensor, slots: torch.Tensor, bias: torch.Tensor, block_table: torch.Tensor, block_size: int,
+      scaling: float | None) -> torch.Tensor:
     return query.new_empty((query.shape[2], query.shape[1], query.shape[3]))
 
 
@@ -160,33 +161,44 @@ paged_attention_op = cg.eager_break(_paged_attention_op)
 
 def paged_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-    scaling: float | None = None, dropout: float = 0.0, *, cg_slot_mapping: torch.Tensor, cg_positions: torch.Tensor,
-    cg_query_start_loc: torch.Tensor, cg_seq_lens: torch.Tensor, cg_block_table: torch.Tensor, **_: Any,
+    scaling: float | None = None, dropout: float = 0.0, *, cg_slot_mapping: torch.Tensor, cg_slots: torch.Tensor,
+    cg_bias: torch.Tensor, cg_block_table: torch.Tensor, **_: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface over the layer's paged cache (``paged_attention_op``)."""
-    out = paged_attention_op(query, key, value, module.k_cache, module.v_cache, cg_slot_mapping, cg_positions,
-                             cg_query_start_loc, cg_seq_lens, cg_block_table, module.block_size, scaling)
+    out = paged_attention_op(query, key, value, module.k_cache, module.v_cache, cg_slot_mapping, cg_slots, cg_bias,
+                             cg_block_table, module.block_size, scaling)
     return out[None], None  # (1, tokens, heads, head_dim), as HF's own attention functions return
 
 
 Caches = tuple[torch.Tensor, torch.Tensor, int]  # a layer's K and V caches and its block size
 
 
-def static_attention(
-    caches: Caches, q: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor, block_table: torch.Tensor, scaling: float | None,
-) -> torch.Tensor:
-    """Every token finds its request through ``query_start_loc`` and gathers that request's cache through
-    ``block_table``; it sees the positions up to its own.  Padded tokens see one slot (no NaN)."""
-    k_cache, v_cache, block = caches
-    tokens, num_reqs = q.shape[0], seq_lens.shape[0]
-    t = torch.arange(tokens, device=q.device)
-    req = torch.searchsorted(query_start_loc[1:], t, right=True).clamp_(max=num_reqs - 1)
-    j = torch.arange(block_table.shape[1] * block, device=q.device)
-    slots = block_table[req][:, j // block] * block + j % block  # (tokens, context)
-    k, v = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)  # (tokens, kv_heads, ctx, d)
+def attention_metadata(
+    positions: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+    block_size: int, dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The static attention's metadata, once a step for every layer (as an engine builds it): the cache slot of each
+    token's context, (tokens, context), through ``query_start_loc`` and ``block_table``; and the additive mask that
+    lets it see the positions up to its own, (tokens, 1, 1, context).  Padded tokens see one slot (no NaN)."""
+    t = torch.arange(positions.shape[0], device=positions.device)
+    # Each token's request: how many requests after the first start at or before it.  Tokens past the last request's
+    # (padding) count the same as its own.  (A count, not a search over a slice of query_start_loc: Inductor's lowering
+    # of that slice fails on CUDA with the token count symbolic.)
+    starts = torch.arange(query_start_loc.shape[0], device=positions.device)
+    later = (starts >= 1) & (starts < query_start_loc.shape[0] - 1)
+    req = ((query_start_loc[None, :] <= t[:, None]) & later[None, :]).sum(1)
+    j = torch.arange(block_table.shape[1] * block_size, device=positions.device)
+    slots = block_table[req][:, j // block_size] * block_size + j % block_size
     visible = (j[None, :] <= positions[:, None]) & (j[None, :] < seq_lens[req][:, None])
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=visible[:, None, None, :], scale=scaling, enable_gqa=True)
+    bias = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
+    return slots, bias[:, None, None, :]
+
+
+def static_attention(caches: Caches, q: torch.Tensor, slots: torch.Tensor, bias: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Every token attends over the cache at its ``slots``, masked by ``bias`` (``attention_metadata``)."""
+    k_cache, v_cache, _ = caches
+    k, v = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)  # (tokens, kv_heads, ctx, d)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=bias.to(q.dtype), scale=scaling, enable_gqa=True)
     return out[:, :, 0, :]
 
 
@@ -482,13 +494,16 @@ def make_step(model: LlamaForCausalLM, forward: Any) -> Any:
 
 
 def decoder(model: LlamaForCausalLM) -> Any:
-    """The decoder stack on one flattened token batch; the metadata reaches the attention as keyword arguments."""
+    """The decoder stack on one flattened token batch; the attention metadata, built once a step, reaches every layer's
+    attention as keyword arguments."""
+    block_size, dtype = model.model.layers[0].self_attn.block_size, model.dtype
 
     def forward(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                 seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        slots, bias = attention_metadata(positions, query_start_loc, seq_lens, block_table, block_size, dtype)
         out = model.model(
             input_ids=input_ids[None], position_ids=positions[None], use_cache=False, cg_slot_mapping=slot_mapping,
-            cg_positions=positions, cg_query_start_loc=query_start_loc, cg_seq_lens=seq_lens, cg_block_table=block_table,
+            cg_slots=slots, cg_bias=bias, cg_block_table=block_table,
         )
         return out.last_hidden_state[0]
 
