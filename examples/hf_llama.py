@@ -496,11 +496,11 @@ def make_step(model: LlamaForCausalLM, forward: Any) -> Any:
 def decoder(model: LlamaForCausalLM) -> Any:
     """The decoder stack on one flattened token batch; the attention metadata, built once a step, reaches every layer's
     attention as keyword arguments."""
-    block_size, dtype = model.model.layers[0].self_attn.block_size, model.dtype
+    attn = model.model.layers[0].self_attn  # its block size and cache, read per call: a resized cache may change them
 
     def forward(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                 seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        slots, bias = attention_metadata(positions, query_start_loc, seq_lens, block_table, block_size, dtype)
+        slots, bias = attention_metadata(positions, query_start_loc, seq_lens, block_table, attn.block_size, attn.k_cache.dtype)
         out = model.model(
             input_ids=input_ids[None], position_ids=positions[None], use_cache=False, cg_slot_mapping=slot_mapping,
             cg_slots=slots, cg_bias=bias, cg_block_table=block_table,

@@ -4,7 +4,11 @@ Inductor folds ``x + a @ b`` into ``addmm(x, a, b)`` unless every use of the sum
 ends at a split, so its residual stream is also a piece output, and the fold is taken: cuBLAS's
 ``addmm`` then first copies ``x`` into its output (one device-to-device copy per residual, two a
 decoder layer).  Where the sum also feeds a pointwise op (the next norm), the add costs nothing
-there: this pass undoes the fold for those, as one compile of the whole model would have it.
+there: this pass undoes the fold for those, as one compile of the whole model would have it.  The
+product is then rounded before the add, as the model's ``x + a @ b`` is run eagerly.  On CUDA the
+graph does not tell Inductor's fold from an ``addmm`` the model wrote (both carry ``aten.addmm`` as
+their origin), so a written one with a residual-shaped input is unfolded too: in half precision it
+then rounds like mm-then-add, where Inductor would keep it fused.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+try:  # torch >= 2.6; before it, the pieces compile without the pass
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+except ImportError:  # pragma: no cover - the tests pin a newer torch
+    CustomGraphPass = object  # type: ignore[assignment,misc]
+    get_hash_for_files = None
 
 __all__ = ["ResidualAddsUnfolded", "pieces_config"]
 
@@ -86,9 +95,10 @@ class ResidualAddsUnfolded(CustomGraphPass):
 
 
 def pieces_config() -> contextlib.AbstractContextManager[Any]:
-    """Inductor's config for compiling pieces: the pass above, unless the process set a post pass of its own."""
+    """Inductor's config for compiling pieces: the pass above, unless the process set a post pass of its own (kept
+    as it is) or torch predates custom graph passes."""
     from torch._inductor import config
 
-    if config.post_grad_custom_post_pass is not None:
+    if get_hash_for_files is None or config.post_grad_custom_post_pass is not None:
         return contextlib.nullcontext()
     return config.patch(post_grad_custom_post_pass=ResidualAddsUnfolded())

@@ -209,3 +209,21 @@ def test_the_attention_op_compiles_with_inductor_for_full_piecewise_and_reduce_o
     assert reference.model.layers[0].self_attn.k_cache.count_nonzero() > 0
     [report] = compiled.compiler.traces
     assert report.splits == ["cgregistry_hf::paged_attention"] * len(model.model.layers)
+
+
+def test_a_decoder_built_before_the_cache_is_resized_attends_with_the_new_block_size() -> None:
+    """The engine may build its step, then size the KV cache (another block size): the attention follows the cache."""
+    before = hf.EngineShape(max_num_seqs=2, max_num_tokens=8, block_size=4, max_blocks_per_req=4)
+    after = hf.EngineShape(max_num_seqs=2, max_num_tokens=8, block_size=8, max_blocks_per_req=2)
+    model = hf.build_model("tiny", CPU, before)
+    early = hf.decoder(model)
+    hf.resize_kv_cache(model, after)
+    positions, table = torch.arange(6), torch.tensor([[1, 2]])
+    inputs = (torch.tensor([1, 2, 3, 4, 5, 6]), positions, table[0][positions // 8] * 8 + positions % 8,
+              torch.tensor([0, 6]), torch.tensor([6]), table)
+    with torch.no_grad():
+        want = hf.decoder(model)(*inputs)
+        for layer in model.model.layers:
+            layer.self_attn.k_cache.zero_()
+            layer.self_attn.v_cache.zero_()
+        torch.testing.assert_close(early(*inputs), want)

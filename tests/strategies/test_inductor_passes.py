@@ -20,11 +20,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is dep
 
 
 def passed(fn: Callable[..., object], device: str, *shapes: tuple[int, ...]) -> fx.GraphModule:
-    """``fn`` traced to aten ops on fake tensors of ``device`` (no GPU needed), then the pass run over it."""
+    """``fn`` traced to aten ops on fake tensors of ``device`` (no GPU needed), then the pass run over it.  Its
+    ``addmm`` calls stand for Inductor's folds of the model's ``x + a @ b``."""
     mode = FakeTensorMode()
     with mode:
-        args = [torch.empty(shape, device=device) for shape in shapes]
-        gm = make_fx(fn)(*args)
+        gm = make_fx(fn)(*[torch.empty(shape, device=device) for shape in shapes])
         ResidualAddsUnfolded()(gm.graph)
     return gm
 
@@ -84,11 +84,7 @@ def test_cpu_graphs_are_left_as_inductor_folds_them() -> None:
 
 def test_the_rewrite_computes_the_same_values() -> None:
     x, a, b = torch.randn(4, 8), torch.randn(4, 16), torch.randn(16, 8)
-    mode = FakeTensorMode()
-    with mode:
-        fakes = [torch.empty(t.shape, device="cuda") for t in (x, a, b)]
-        gm = make_fx(lambda x, a, b: aten.addmm(x, a, b).relu())(*fakes)
-        ResidualAddsUnfolded()(gm.graph)
+    gm = passed(lambda x, a, b: aten.addmm(x, a, b).relu(), "cuda", (4, 8), (4, 16), (16, 8))
     gm.recompile()
     assert aten.addmm.default not in calls(gm)
     torch.testing.assert_close(gm(x, a, b), torch.addmm(x, a, b).relu())
