@@ -6,8 +6,10 @@
    requests, and over the same steps run eagerly twice), and every logit against Hugging Face's own forward with the new weights.
 2. ``sleep()`` / ``wake(background=True)``: bytes released (``torch.cuda.mem_get_info``) against what
    ``capture(plan)`` took, and the time from ``wake()`` to the first graph-served step.
+3. ``--windows``: the by-assign recapture window again, once per setting of the capture thread's knobs
+   (``cgregistry.capture.background``), in this process, against the same steps run eagerly.
 
-    PYTHONPATH=. python3 benchmarks/gpu_lifecycle.py [--requests 64] [--config llama-3.2-1b]
+    PYTHONPATH=. python3 benchmarks/gpu_lifecycle.py [--requests 64] [--config llama-3.2-1b] [--windows NAME=KNOB:VALUE,...]
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ def main() -> None:
     parser.add_argument("--mode", default="full_and_breakable")
     parser.add_argument("--wait-limit", type=float, help="seconds a step waits for the key being captured (default: the library's)")
     parser.add_argument("--steps", action="store_true", help="print every step of the background recapture window on stderr")
+    parser.add_argument("--windows", nargs="*", default=[], metavar="NAME=KNOB:VALUE,...",
+                        help="after the rest, serve the recapture window again once per spec, in this process, with "
+                             "cgregistry.capture.background's knobs set as given (e.g. share0=CAPTURE_SHARE:0,"
+                             "STAND_ASIDE_BY:profile; an empty spec is the library's defaults)")
     args = parser.parse_args()
     if args.wait_limit is not None:
         import cgregistry.capture.background as background
@@ -189,10 +195,63 @@ def main() -> None:
     rows.append(("sleep: released / capture took", f"{released / 2**20:.0f} / {captured_bytes / 2**20:.0f} MiB ({released / captured_bytes:.2f})"))
     rows.append(("wake: first graph-served step after wake()", f"{first * 1e3:.0f} ms"))
     rows.append(("wake: max |logit - HF|", f"{err_wake:.3g}"))
+    if args.windows:
+        compare_windows(args.windows, model, reg, eng_factory=lambda: Timed(model, shape, reg, keep_logits=False),
+                        requests=requests, new_weights=new_weights, same=same, foreground_s=foreground_s, rows=rows)
     print("\nsummary")
     for name, value in rows:
         print(f"  {name:55s} {value}")
     print(f"  median eager step {statistics.median(eager_ms):.1f} ms")
+
+
+def knob_settings(spec: str) -> tuple[str, dict[str, Any]]:
+    """'name=KNOB:VALUE,...' as (name, {knob: value}); values are read as Python literals where they parse."""
+    import ast
+
+    name, _, body = spec.partition("=")
+    knobs: dict[str, Any] = {}
+    for item in filter(None, body.split(",")):
+        knob, _, text = item.partition(":")
+        try:
+            knobs[knob] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            knobs[knob] = text
+    return name, knobs
+
+
+def compare_windows(specs: list[str], model: Any, reg: Any, *, eng_factory: Any, requests: Any, new_weights: Any,
+                    same: list[list[float]], foreground_s: float, rows: list[tuple[str, str]]) -> None:
+    """The assign-sync recapture window once per spec, in this process: its steps' p99 against the same steps run
+    eagerly, its worst steps, and when every key was back (a serve that outlasts the recapture counts its later
+    steps too, and says so)."""
+    import cgregistry.capture.background as background
+
+    defaults = {name: getattr(background, name) for name in background.__all__ if name.isupper()}
+    eager_p99 = [percentile(steps, 0.99) for steps in same]
+    for i, spec in enumerate(specs):
+        name, knobs = knob_settings(spec)
+        for knob, value in {**defaults, **knobs}.items():
+            if knob not in defaults:
+                raise SystemExit(f"--windows {spec!r}: {knob} is not a knob of cgregistry.capture.background ({sorted(defaults)})")
+            setattr(background, knob, value)
+        try:
+            model.load_state_dict(new_weights(100 + i), assign=True)
+            eng = eng_factory()
+            t0 = time.perf_counter()
+            reg.refresh(background=True)
+            eng.serve(requests(5))
+            beside = bool(reg.capturing())  # every step served beside the recapture
+            reg.wait_captured()
+            done = time.perf_counter() - t0
+        finally:
+            for knob, value in defaults.items():
+                setattr(background, knob, value)
+        window = [ms for ms, _, _ in eng.steps]
+        worst = sorted(window)[-4:]
+        ratio = " and ".join(f"{percentile(window, 0.99) / p:.2f}" for p in eager_p99)
+        print(f"window {name} {knobs}: all keys back {done:.2f} s ({done / foreground_s:.2f}x the foreground capture); "
+              f"{len(window)} steps{'' if beside else ' (the last ones after every key was back)'}, worst {', '.join(f'{ms:.1f}' for ms in worst)} ms; p99 / the same steps eager {ratio}")
+        rows.append((f"window {name}: p99 / the same steps eager", ratio))
 
 
 if __name__ == "__main__":

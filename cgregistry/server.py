@@ -207,6 +207,7 @@ class Server:
             background.serving_thread = threading.get_ident()
             background.install()
             background.pace()
+            background.share()
 
     def _graph_for(
         self, actual: BatchDescriptor, route: Route, variant: Variant | None, inputs: dict[str, torch.Tensor]

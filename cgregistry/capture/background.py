@@ -12,18 +12,20 @@ back to back, so a thread that only ran between steps would never run.  A step w
 live graph serves, but a key being captured would, moves that key to the front of the queue and
 runs eagerly, unless the key is in flight and expected within ``WAIT_SHARE`` of an eager step (the
 capture thread's own time for that key, against recent eager steps): then it waits for it (for no
-longer) and replays it.  When such steps keep coming while the capture thread
-finishes nothing (``EAGER_STEPS_BEFORE_WAIT``), the next one waits (at most ``WAIT_LIMIT_S``), so
-the capture ends under any loop.  Once graphs serve, a replay leaves the GIL free
+longer) and replays it.  The capture gets on under any loop through the share a step's start hands it (below).
+Once graphs serve, a replay leaves the GIL free
 while the GPU works, which is when the capture thread takes the rest.
 
-Serving first: every torch op releases the GIL and takes it back, so a step's host work beside a
-capture thread running the model waits for the GIL at each op (figures in docs/background.md).  So
-the capture thread steps aside while ``run()`` is in progress and not waiting for it: it waits at its next Python call or return until the turn is back (at most
-``PAUSE_LIMIT_S`` at a stretch, then it runs beside the serving thread for the rest of that run()
-and at least a tenth of the limit), and takes the GIL while the serving thread waits for the GPU or
-builds the next batch.  The interpreter's switch interval is also shortened while it runs
-(``SWITCH_INTERVAL_S``) so the serving thread gets the GIL back quickly outside ``run()``.
+Serving first: every torch op releases the GIL and takes it back, so a step's host work beside a capture
+thread running the model waits for the GIL at each op (figures in docs/background.md).  So the capture thread steps
+aside while ``run()`` is in progress and not waiting for it: it waits at its next torch op (a torch function mode on
+that thread alone, from Python 3.12) or Python call or return (a profile function, before 3.12: from 3.12 a profile
+function on one thread slows every thread's Python) until the turn is back (at most ``PAUSE_LIMIT_S`` at a stretch),
+and takes the GIL while the serving thread waits for the GPU or builds the next batch.  Under ``run()`` called back to
+back it would get nothing, so a step's start hands it the share it is owed (``CAPTURE_SHARE`` of the time it stood
+aside, less what it had between steps): the capture always gets on, and a step waits for it a bounded share, never
+beside it (two threads trading the GIL at every op made steps up to 9x slower).  The interpreter's switch interval is
+also shortened while it runs (``SWITCH_INTERVAL_S``) so the serving thread gets the GIL back quickly outside ``run()``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
+import torch
+from torch.overrides import TorchFunctionMode
 
 from cgregistry.capture.job import BACKGROUND, CaptureJob, FrozenHeap
 from cgregistry.store.catalog import Catalog, Entry, Pair
@@ -47,7 +51,7 @@ from cgregistry.hooks.events import Events
 from cgregistry.warn import warn
 from cgregistry.errors import CaptureError
 
-__all__ = ["EAGER_STEPS_BEFORE_WAIT", "PAUSE_LIMIT_S", "SWITCH_INTERVAL_S", "WAIT_LIMIT_S", "WAIT_SHARE", "BackgroundCapture", "Captured", "TaskDone", "background_order"]
+__all__ = ["CAPTURE_SHARE", "EAGER_STEPS_BEFORE_WAIT", "PAUSE_LIMIT_S", "POLL_MAX_S", "SHARE_MAX_S", "SHARE_MIN_S", "STAND_ASIDE_BY", "STILL_S", "SWITCH_INTERVAL_S", "WAIT_LIMIT_S", "WAIT_SHARE", "BackgroundCapture", "Captured", "TaskDone", "background_order", "stand_aside_method"]
 
 # The interpreter's switch interval while a capture thread runs (CPython's default is 5 ms): how long the serving
 # thread may wait for the GIL when the capture thread holds it.  None leaves the interval alone.
@@ -59,13 +63,30 @@ WAIT_LIMIT_S = 0.5
 # the wait costs something too), and for no longer: then it runs eagerly (at most 1 + WAIT_SHARE eager steps in all).
 WAIT_SHARE = 0.5
 # Steps that run eagerly beside the capture of their key, while the capture thread finishes nothing, before one waits
-# for it whatever the wait would cost: under run() called back to back with host-bound eager steps the capture still
-# ends.  Otherwise a step waits only for a key in flight expected to be done before the step would be, eagerly.
-EAGER_STEPS_BEFORE_WAIT = 16
-# The longest the capture thread stands aside at a stretch while run() is in progress (one long eager step, or steps
-# back to back with no gap it sees); then it runs beside the serving thread for the rest of that run() and at least a
-# tenth of this, so that it always gets on.  None: it never stands aside.
-PAUSE_LIMIT_S: float | None = 0.05
+# for it whatever the wait would cost (at most WAIT_LIMIT_S).  None: never (the share below keeps the capture going).
+EAGER_STEPS_BEFORE_WAIT: int | None = None
+# The longest the capture thread stands aside at a stretch while run() is in progress (a run() that waits on something
+# this thread must do without standing still); then it runs beside the serving thread for the rest of that run() and at
+# least a tenth of this.  None: it never stands aside.
+PAUSE_LIMIT_S: float | None = 0.5
+# How long the serving thread's frame stands still (blocked on a lock the standing capture thread may hold, or in a
+# long call) before the capture thread goes on for a millisecond: longer than a step's own waits for the GPU, which
+# would otherwise hand the capture thread the GIL just before the step goes on.
+STILL_S = 2e-3
+# The longest the capture thread sleeps between looks at the turn while it stands aside (from 50 us, doubling): each
+# look takes the GIL from the serving thread, whose next op then waits for it.
+POLL_MAX_S = 1e-3
+# What the capture thread is owed for standing aside: this share of the time it stood aside, less the time it had
+# between steps; a step's start waits while it takes what it is owed (at most SHARE_MAX_S at once, and only once it is
+# owed SHARE_MIN_S), so under run() called back to back a step costs at most about 1 + CAPTURE_SHARE of itself.
+CAPTURE_SHARE = 0.25
+SHARE_MIN_S = 1e-3
+SHARE_MAX_S = 0.025
+# How the capture thread finds the moments to stand aside: "torch_function" (a torch function mode on that thread: at
+# each torch op), "profile" (a profile function on that thread: at each Python call and return), or "auto": the mode
+# on Python 3.12 and later, where a profile function on one thread makes every thread's Python run instrumented, unless
+# dynamo has compiled in this process (a compiled frame guards on the mode stack: the mode would make it compile again).
+STAND_ASIDE_BY = "auto"
 
 
 
@@ -149,6 +170,7 @@ class BackgroundCapture:
         self._aside = 0.0  # seconds the capture thread stood aside for run(), in all
         self._aside_since: float | None = None  # when the stand in progress began
         self._aside_at_flight = 0.0  # self._aside when the item in flight began
+        self._owed_from = (time.monotonic(), 0.0)  # (when, self._aside then): what the capture thread is owed since
         self._ran: deque[tuple[Pair, float]] = deque(maxlen=32)  # the capture thread's own seconds for the keys it finished lately
         self._took: dict[Pair, float] = {}  # the capture thread's own seconds for each key, at its last capture of it
         self._frozen: FrozenHeap | None = None  # the heap frozen while the thread has work
@@ -157,6 +179,7 @@ class BackgroundCapture:
         self._stopped = False  # the registry is gone: the capture thread takes nothing more
         self._serving: list[None] | None = None  # the server's turn: empty while a run() is in progress
         self.waiting: list[None] = []  # non-empty while the serving side waits for the capture thread
+        self._nudge = threading.Event()  # set while share() waits: wakes the capture thread from a stand at once
         self.runs = 0  # run() calls begun while the capture thread had work
         self.holding: list[None] = []  # non-empty while the capture thread holds a lock run() takes
         self.serving_thread: int | None = None  # the thread of the latest run(), watched while standing aside
@@ -208,6 +231,7 @@ class BackgroundCapture:
         Each capture starts under the registry's capture context of that moment.  One in flight under another
         context than ``context`` is never installed: it is dropped (``stats().stale_captures``) and queued again if
         still wanted."""
+        stand_aside_method()  # a bad setting is refused here, before anything is queued, not on the capture thread
         pairs = list(pairs) if ordered else background_order(pairs)
         with self._cond:
             known = {item[0] for item in self._queue if isinstance(item, tuple)}
@@ -233,6 +257,7 @@ class BackgroundCapture:
     def submit_task(self, task: Callable[[], Any], on_done: Callable[[Any, BaseException | None], None]) -> None:
         """Run ``task()`` on the capture thread after what is queued; ``on_done(result, error)`` runs on the serving
         thread when it is installed (never, if the task is cancelled)."""
+        stand_aside_method()
         with self._cond:
             self._queue.append(_Task(task, on_done))
             self._start()
@@ -314,6 +339,36 @@ class BackgroundCapture:
             finally:
                 self.waiting.pop()
 
+    def share(self) -> None:
+        """At the start of a step while the capture thread works: let it take what it is owed for standing aside
+        (``CAPTURE_SHARE`` of that time, less the time it had between steps), at most ``SHARE_MAX_S``, before the
+        step."""
+        if self._serving is None or PAUSE_LIMIT_S is None or not self.busy:
+            return
+        now = time.monotonic()
+        since, aside_then = self._owed_from
+        stood = self._aside_total(now) - aside_then
+        owed = CAPTURE_SHARE * stood - (now - since - stood)
+        if owed < SHARE_MIN_S:
+            if owed <= 0:  # it had its share between steps: nothing carries over
+                self._owed_from = (now, self._aside_total(now))
+            return
+        self.waiting.append(None)  # the capture thread does not stand aside while this waits
+        self._nudge.set()
+        try:
+            with self._cond:
+                self._cond.wait_for(lambda: not self.busy, min(owed, SHARE_MAX_S))
+        finally:
+            self._nudge.clear()
+            self.waiting.pop()
+        now = time.monotonic()
+        self._owed_from = (now, self._aside_total(now))
+
+    def _aside_total(self, now: float) -> float:
+        """Seconds the capture thread has stood aside, in all, the stand in progress included."""
+        since = self._aside_since
+        return self._aside + (now - since if since is not None else 0.0)
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued or in flight (True), or ``timeout`` seconds pass (False); installs nothing."""
         self.waiting.append(None)
@@ -327,7 +382,7 @@ class BackgroundCapture:
         """For a step no live graph serves: move the key that would serve ``actual`` (its strategy not in ``exclude``,
         within the padding cap) to the front of the queue, and wait for it (then install what finished) when it is in
         flight and expected within ``WAIT_SHARE`` of an eager step (for no longer), or once
-        ``EAGER_STEPS_BEFORE_WAIT`` steps ran eagerly while the capture thread finished nothing (at most
+        ``EAGER_STEPS_BEFORE_WAIT`` steps (if set) ran eagerly while the capture thread finished nothing (at most
         ``WAIT_LIMIT_S``).  False without
         waiting otherwise, when no such key is queued, or when a step already waited in vain while the capture in
         flight now ran."""
@@ -355,7 +410,7 @@ class BackgroundCapture:
                 # Expected within WAIT_SHARE of an eager step: past that the estimate was wrong, and the step runs
                 # eagerly (a wrong estimate costs WAIT_SHARE of an eager step more, not WAIT_LIMIT_S).
                 limit = min(WAIT_LIMIT_S, WAIT_SHARE * self.eager_s)  # type: ignore[operator]
-            elif self._unwaited < EAGER_STEPS_BEFORE_WAIT:
+            elif EAGER_STEPS_BEFORE_WAIT is None or self._unwaited < EAGER_STEPS_BEFORE_WAIT:
                 self._unwaited += 1
                 return False
             self._unwaited = 0
@@ -413,15 +468,16 @@ class BackgroundCapture:
         if self._queue:
             self.active = True
             if self._thread is None:
+                self._owed_from = (time.monotonic(), self._aside)
                 self._thread = threading.Thread(target=self._loop, name=f"cgregistry-capture-{self._name}", daemon=True)
                 self._thread.start()
 
     def _loop(self) -> None:
         self._job.mark_capture_thread(True)
         _shorten_switch_interval()
-        stepping_aside = self._serving is not None and PAUSE_LIMIT_S is not None and sys.getprofile() is None
-        if stepping_aside:
-            sys.setprofile(self.step_aside_hook(self._serving, PAUSE_LIMIT_S))  # this thread's only
+        undo = None
+        if self._serving is not None and PAUSE_LIMIT_S is not None:
+            undo = _stand_aside_on(self.step_aside_hook(self._serving, PAUSE_LIMIT_S))  # this thread's only
         try:
             while True:
                 self.holding.append(None)  # the serving thread takes this lock in run(): never stand aside holding it
@@ -450,19 +506,19 @@ class BackgroundCapture:
         finally:
             with self._cond:
                 self._thaw()
-            if stepping_aside:
-                sys.setprofile(None)
+            if undo is not None:
+                undo()
             _restore_switch_interval()
             self._job.mark_capture_thread(False)
 
     def step_aside_hook(self, turn: list[None], limit: float) -> Callable[[Any, str, Any], None]:
-        """The capture thread's profile function: called at each Python call and return, it waits while a run() is in
-        progress and not waiting for this thread, at most ``limit`` seconds at a stretch; then this thread runs beside
-        the serving one for the rest of that run() and at least a tenth of ``limit`` (a loop of run() with no gap still
-        lets the capture on).  While it stands aside it watches the serving thread's frame: when that does not move
-        for a few polls (blocked on a lock this thread holds, say, in the step's own code, a logging handler or an
+        """The capture thread's stand-aside check (``_stand_aside_on``: at each torch op, or each Python call and
+        return): it waits while a run() is in progress and not waiting for this thread, at most ``limit`` seconds at a
+        stretch; then this thread runs beside the serving one for the rest of that run() and at least a tenth of
+        ``limit``.  While it stands aside it watches the serving thread's frame: when that does not move for
+        ``STILL_S`` (blocked on a lock this thread holds, say, in the step's own code, a logging handler or an
         import), it goes on for a millisecond instead of stalling that run()."""
-        waiting, holding, sleep, clock, frames = self.waiting, self.holding, time.sleep, time.monotonic, sys._current_frames
+        waiting, holding, nap, clock, frames = self.waiting, self.holding, self._nudge.wait, time.monotonic, sys._current_frames
         free: list[Any] = [None, 0.0]  # the run() the stand ran out in, and the least time this thread then runs
 
         def step_aside(frame: Any, event: str, arg: Any) -> None:
@@ -477,23 +533,23 @@ class BackgroundCapture:
             now = clock()
             end = now + limit
             self._aside_since = now
-            seen, still = None, 0
+            seen, moved, pause = None, now, 5e-5
             try:
                 while not turn and not waiting:
                     if clock() > end:
                         free[0], free[1] = self.runs, clock() + limit / 10
                         return
-                    sleep(5e-5)
+                    nap(pause)  # each look takes the GIL: soon after a short run(), seldom in a long one
+                    pause = min(2 * pause, POLL_MAX_S)
                     frame = frames().get(self.serving_thread)
                     if frame is None:  # no run() thread to watch (not known, or gone): the limit alone bounds the stand
                         continue
                     at = (id(frame), frame.f_lasti)
                     if at != seen:
-                        seen, still = at, 0
+                        seen, moved = at, clock()
                         continue
-                    still += 1
-                    if still >= 4:  # the serving thread is not running Python: blocked (on a lock this thread may
-                        free[0], free[1] = -1, clock() + 1e-3  # hold) or in a long call; either way, go on a while
+                    if clock() - moved >= STILL_S:  # the serving thread is not running Python: blocked (on a lock this
+                        free[0], free[1] = -1, clock() + 1e-3  # thread may hold) or in a long call; go on a while
                         return
             finally:
                 self._aside += clock() - now
@@ -541,6 +597,50 @@ class BackgroundCapture:
         if self._frozen is not None:
             self._frozen.__exit__()
             self._frozen = None
+
+
+class _StandAsideMode(TorchFunctionMode):
+    """Runs the capture thread's stand-aside check before each torch op on that thread (a torch function mode is the
+    thread's own: the serving thread's ops never see it).  Not while dynamo traces (the check is no op of the step)."""
+
+    def __init__(self, check: Callable[[Any, str, Any], None]) -> None:
+        super().__init__()
+        self._check = check
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not torch.compiler.is_compiling():
+            self._check(None, "call", None)
+        return func(*args, **(kwargs or {}))
+
+
+def _dynamo_compiled() -> bool:
+    """Whether dynamo has compiled (or tried to) a frame in this process."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils is not None and utils.counters["frames"]["total"] > 0
+
+
+def stand_aside_method(version: tuple[int, ...] = tuple(sys.version_info)) -> str:
+    """How a capture thread starting now finds the moments to stand aside under Python ``version``: ``STAND_ASIDE_BY``,
+    with "auto" resolved ("torch_function" from 3.12 unless dynamo has compiled in this process, else "profile")."""
+    if STAND_ASIDE_BY not in ("auto", "torch_function", "profile"):
+        raise ValueError(
+            f"cgregistry.capture.background.STAND_ASIDE_BY={STAND_ASIDE_BY!r}; expected 'auto', 'torch_function' or 'profile'")
+    if STAND_ASIDE_BY != "auto":
+        return STAND_ASIDE_BY
+    return "torch_function" if tuple(version) >= (3, 12) and not _dynamo_compiled() else "profile"
+
+
+def _stand_aside_on(check: Callable[[Any, str, Any], None]) -> Callable[[], None] | None:
+    """Have ``check`` run on this thread as ``stand_aside_method()`` says; what undoes it, or None where nothing was set
+    (a profile function the engine set on its threads is left alone: the thread then does not stand aside)."""
+    if stand_aside_method() == "torch_function":
+        mode = _StandAsideMode(check)
+        mode.__enter__()
+        return lambda: mode.__exit__(None, None, None)
+    if sys.getprofile() is not None:
+        return None
+    sys.setprofile(check)
+    return lambda: sys.setprofile(None)
 
 
 def _shorten_switch_interval() -> None:

@@ -41,8 +41,13 @@ def registry(step: CountingStep) -> cg.GraphRegistry:
     return cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
 
 
-def test_the_capture_thread_makes_no_progress_while_an_eager_step_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+STAND_ASIDE_METHODS = ["profile", "torch_function"]
+
+
+@pytest.mark.parametrize("method", STAND_ASIDE_METHODS)
+def test_the_capture_thread_makes_no_progress_while_an_eager_step_runs(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(background, "PAUSE_LIMIT_S", 60.0)  # however slow this machine is
+    monkeypatch.setattr(background, "STAND_ASIDE_BY", method)
     step = CountingStep()
     reg = registry(step)
     reg.capture([(B(n), "full") for n in range(1, 9)], background=True)
@@ -90,26 +95,109 @@ def test_a_run_that_waits_for_the_capture_thread_is_not_left_waiting(monkeypatch
     assert len(reg) == 6
 
 
-def test_a_loop_with_no_gap_between_steps_still_lets_every_key_be_captured() -> None:
-    """run() back to back with no gap the capture thread sees: it stands aside at most ``PAUSE_LIMIT_S`` at a stretch,
-    then runs beside the steps; every key ends captured, also those no step needs (a larger key serves every size
-    here, so no step waits for one)."""
+@pytest.mark.parametrize("method", STAND_ASIDE_METHODS)
+def test_a_loop_with_no_gap_between_steps_still_lets_every_key_be_captured(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """run() back to back with no gap the capture thread sees, and no stand ever running out (the limit is a minute):
+    each step's start hands the capture thread the share it is owed, so every key ends captured, also those no step
+    needs (a larger key serves every size here, so no step waits for one)."""
+    monkeypatch.setattr(background, "PAUSE_LIMIT_S", 60.0)
+    monkeypatch.setattr(background, "STAND_ASIDE_BY", method)
     step = CountingStep()
     reg = registry(step)
     sizes = list(range(1, 9))
     reg.capture([(B(n), "full") for n in sizes], background=True)
     xs = [torch.randn(n, D) for n in sizes]
     outs = []
-    for i in range(200_000):  # nothing between steps but the loop and keeping the output
+    deadline = time.monotonic() + 120
+    i = 0
+    while len(reg) < len(sizes) and time.monotonic() < deadline:  # nothing between steps but the loop and the output
         out = reg.run(B(sizes[i % len(sizes)]), x=xs[i % len(sizes)])
         if i < 64:
             outs.append(out.clone())
-        if len(reg) == len(sizes):
-            break
-    assert len(reg) == len(sizes), "the capture ended while the loop ran"
+        i += 1
+    assert len(reg) == len(sizes), f"{len(reg)} of {len(sizes)} keys captured in {i} back-to-back steps"
     assert reg.stats().hits >= 1
     for i, out in enumerate(outs):
         torch.testing.assert_close(out, step(B(sizes[i % len(sizes)]), xs[i % len(sizes)]))
+    # the capture thread moved between steps, never inside one
+    served = sorted(step.capture_moved_during_a_serving_step[: len(outs)])
+    assert served[len(served) // 2] <= 1, served
+
+
+def test_the_share_a_step_hands_the_capture_thread_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host-bound steps of 5 ms called back to back (the serving thread never stands still, nothing runs between
+    steps), and a stand that never runs out (the limit is a minute): the capture still ends beside them, through the
+    share each step's start hands the capture thread, and no step waits for it more than SHARE_MAX_S."""
+    monkeypatch.setattr(background, "PAUSE_LIMIT_S", 60.0)
+    eager_s = 0.005
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        if threading.current_thread().name.startswith("cgregistry-capture-"):
+            y = x
+            for _ in range(200):  # host work between torch ops: the capture thread stands aside at each
+                y = y + 1
+            return y
+        end = time.perf_counter() + eager_s
+        while time.perf_counter() < end:  # Python all along: a frame that moves
+            pass
+        return x + 200
+
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
+    reg.capture([(B(16), "full")])  # the process's first capture (lazy imports and such) on this thread
+    reg.clear()
+    reg.capture([(B(n), "full") for n in (1, 2, 4, 8)], background=True)
+    x = torch.randn(MAX_TOKENS, D)
+    clock, run, capturing = time.perf_counter, reg.run, reg.capturing
+    deadline, seconds = clock() + 30, []
+    while capturing() and clock() < deadline:  # batches above every key: eager, back to back
+        started = clock()
+        run(B(MAX_TOKENS), x=x)
+        seconds.append(clock() - started)
+    assert not capturing(), f"the capture did not end beside {len(seconds)} back-to-back steps"
+    assert reg.wait_captured(timeout=60) and len(reg) == 4
+    torch.testing.assert_close(reg.run(B(MAX_TOKENS), x=x), x + 200)
+    assert max(seconds) - eager_s < background.SHARE_MAX_S + 0.25, f"a step waited {max(seconds) - eager_s:.3f} s before it ran"
+
+
+def test_the_stand_aside_method_follows_the_setting_and_the_python_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From Python 3.12 a profile function on one thread makes every thread's Python run instrumented: "auto" takes a
+    torch function mode there (the capture thread's own), unless dynamo has compiled in this process (a compiled frame
+    guards on the mode stack and would compile again); a bad setting is refused before anything is queued."""
+    monkeypatch.setattr(background, "STAND_ASIDE_BY", "auto")
+    assert background.stand_aside_method((3, 11, 9)) == "profile"
+    compiled = "torch._dynamo.utils" in __import__("sys").modules and torch._dynamo.utils.counters["frames"]["total"] > 0
+    assert background.stand_aside_method((3, 12, 0)) == ("profile" if compiled else "torch_function")
+    torch.compile(lambda t: t * 2, backend="eager")(torch.ones(2))
+    assert background.stand_aside_method((3, 12, 0)) == "profile"
+    for method in STAND_ASIDE_METHODS:
+        monkeypatch.setattr(background, "STAND_ASIDE_BY", method)
+        assert background.stand_aside_method((3, 11)) == background.stand_aside_method((3, 13)) == method
+    monkeypatch.setattr(background, "STAND_ASIDE_BY", "sometimes")
+    reg = registry(CountingStep())
+    with pytest.raises(ValueError, match="STAND_ASIDE_BY='sometimes'.*'auto', 'torch_function' or 'profile'"):
+        reg.capture([(B(n), "full") for n in (1, 2)], background=True)
+    assert reg.capturing() == [] and len(reg) == 0
+
+
+def test_the_torch_function_mode_is_the_capture_threads_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Standing aside by torch function mode: the serving thread's ops never see the mode (nor does the step's own
+    code on that thread), and the capture thread's mode is gone once it ends."""
+    monkeypatch.setattr(background, "STAND_ASIDE_BY", "torch_function")
+    modes: dict[str, set[int]] = {"capture": set(), "serving": set()}
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        capture = threading.current_thread().name.startswith("cgregistry-capture-")
+        modes["capture" if capture else "serving"].add(torch._C._len_torch_function_stack())
+        return torch.tanh(x)
+
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
+    reg.capture([(B(n), "full") for n in (1, 2, 4, 8)], background=True)
+    x = torch.randn(MAX_TOKENS, D)
+    while reg.capturing():
+        torch.testing.assert_close(reg.run(B(MAX_TOKENS), x=x), torch.tanh(x))
+    assert reg.wait_captured(timeout=30)
+    assert modes["serving"] == {0}, modes
+    assert modes["capture"] and min(modes["capture"]) >= 1, modes
 
 
 class SleepyStep:
@@ -222,11 +310,13 @@ def test_the_capture_thread_never_stands_aside_holding_the_lock_run_takes() -> N
     assert time.monotonic() - started >= 0.15
 
 
-def test_a_step_that_takes_a_lock_the_capture_thread_holds_is_not_stalled(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("method", STAND_ASIDE_METHODS)
+def test_a_step_that_takes_a_lock_the_capture_thread_holds_is_not_stalled(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The step takes a lock of its own around its ops (a cache's, a logging handler's): the capture thread running it
     may stand aside inside that lock, and the serving thread's eager step then blocks on it.  Seeing the serving
     thread stand still, the capture thread goes on and lets the lock go, instead of stalling run() for the limit."""
     monkeypatch.setattr(background, "PAUSE_LIMIT_S", 60.0)
+    monkeypatch.setattr(background, "STAND_ASIDE_BY", method)
     lock = threading.Lock()
     weight = torch.randn(D, D, generator=torch.Generator().manual_seed(1))
 
