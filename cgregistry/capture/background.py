@@ -18,14 +18,14 @@ while the GPU works, which is when the capture thread takes the rest.
 
 Serving first: every torch op releases the GIL and takes it back, so a step's host work beside a capture
 thread running the model waits for the GIL at each op (figures in docs/background.md).  So the capture thread steps
-aside while ``run()`` is in progress and not waiting for it: it waits at its next torch op (a torch function mode on
-that thread alone, from Python 3.12) or Python call or return (a profile function, before 3.12: from 3.12 a profile
-function on one thread slows every thread's Python) until the turn is back (at most ``PAUSE_LIMIT_S`` at a stretch),
-and takes the GIL while the serving thread waits for the GPU or builds the next batch.  Under ``run()`` called back to
-back it would get nothing, so a step's start hands it the share it is owed (``CAPTURE_SHARE`` of the time it stood
-aside, less what it had between steps): the capture always gets on, and a step waits for it a bounded share, never
-beside it (two threads trading the GIL at every op made steps up to 9x slower).  The interpreter's switch interval is
-also shortened while it runs (``SWITCH_INTERVAL_S``) so the serving thread gets the GIL back quickly outside ``run()``.
+aside while ``run()`` is in progress and not waiting for it: it waits at its next Python call or return (a profile
+function on that thread; or before its next torch op, a torch function mode: ``STAND_ASIDE_BY``) until the turn is
+back (at most ``PAUSE_LIMIT_S`` at a stretch, then it runs beside the rest of that run()), and takes the GIL while
+the serving thread waits for the GPU or builds the next batch.  Under ``run()`` called back to back it would get
+little, so a step's start hands it the share it is owed (``CAPTURE_SHARE`` of the time it stood aside, less what it
+had between steps): the capture gets on, and a step waits for it a bounded share rather than beside it (two threads
+trading the GIL at every op made steps up to 9x slower).  The interpreter's switch interval is also shortened while it
+runs (``SWITCH_INTERVAL_S``) so the serving thread gets the GIL back quickly outside ``run()``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from cgregistry.hooks.events import Events
 from cgregistry.warn import warn
 from cgregistry.errors import CaptureError
 
-__all__ = ["CAPTURE_SHARE", "EAGER_STEPS_BEFORE_WAIT", "PAUSE_LIMIT_S", "POLL_MAX_S", "SHARE_MAX_S", "SHARE_MIN_S", "STAND_ASIDE_BY", "STILL_S", "SWITCH_INTERVAL_S", "WAIT_LIMIT_S", "WAIT_SHARE", "BackgroundCapture", "Captured", "TaskDone", "background_order", "stand_aside_method"]
+__all__ = ["CAPTURE_SHARE", "EAGER_STEPS_BEFORE_WAIT", "PAUSE_LIMIT_S", "POLL_MAX_S", "SHARE_MAX_S", "SHARE_MIN_S", "STAND_ASIDE_BY", "STILL_S", "SWITCH_INTERVAL_S", "WAIT_LIMIT_S", "WAIT_SHARE", "BackgroundCapture", "Captured", "TaskDone", "background_order"]
 
 # The interpreter's switch interval while a capture thread runs (CPython's default is 5 ms): how long the serving
 # thread may wait for the GIL when the capture thread holds it.  None leaves the interval alone.
@@ -82,11 +82,13 @@ POLL_MAX_S = 1e-3
 CAPTURE_SHARE = 0.25
 SHARE_MIN_S = 1e-3
 SHARE_MAX_S = 0.025
-# How the capture thread finds the moments to stand aside: "torch_function" (a torch function mode on that thread: at
-# each torch op), "profile" (a profile function on that thread: at each Python call and return), or "auto": the mode
-# on Python 3.12 and later, where a profile function on one thread makes every thread's Python run instrumented, unless
-# dynamo has compiled in this process (a compiled frame guards on the mode stack: the mode would make it compile again).
-STAND_ASIDE_BY = "auto"
+# How the capture thread finds the moments to stand aside: "profile" (a profile function on that thread: at each Python
+# call and return), or "torch_function" (a torch function mode on that thread: before each torch op).  From Python 3.12
+# a profile function on one thread makes every thread's Python run instrumented, the serving thread's included; the
+# mode spares that, but Python between torch ops (a dynamo compile included) runs beside run(), torch's nn fast paths
+# (TransformerEncoderLayer, MultiheadAttention) are off while a mode is active, so a background capture records other
+# kernels than a foreground one, and a compiled frame guards on the mode stack (it compiles again on that thread).
+STAND_ASIDE_BY = "profile"
 
 
 
@@ -231,7 +233,6 @@ class BackgroundCapture:
         Each capture starts under the registry's capture context of that moment.  One in flight under another
         context than ``context`` is never installed: it is dropped (``stats().stale_captures``) and queued again if
         still wanted."""
-        stand_aside_method()  # a bad setting is refused here, before anything is queued, not on the capture thread
         pairs = list(pairs) if ordered else background_order(pairs)
         with self._cond:
             known = {item[0] for item in self._queue if isinstance(item, tuple)}
@@ -257,7 +258,6 @@ class BackgroundCapture:
     def submit_task(self, task: Callable[[], Any], on_done: Callable[[Any, BaseException | None], None]) -> None:
         """Run ``task()`` on the capture thread after what is queued; ``on_done(result, error)`` runs on the serving
         thread when it is installed (never, if the task is cancelled)."""
-        stand_aside_method()
         with self._cond:
             self._queue.append(_Task(task, on_done))
             self._start()
@@ -348,19 +348,19 @@ class BackgroundCapture:
         now = time.monotonic()
         since, aside_then = self._owed_from
         stood = self._aside_total(now) - aside_then
-        owed = CAPTURE_SHARE * stood - (now - since - stood)
-        if owed < SHARE_MIN_S:
-            if owed <= 0:  # it had its share between steps: nothing carries over
+        owed = min(CAPTURE_SHARE * stood - (now - since - stood), SHARE_MAX_S)
+        if not owed >= SHARE_MIN_S:  # (a NaN setting owes nothing)
+            if not owed > 0:  # it had its share between steps: nothing carries over
                 self._owed_from = (now, self._aside_total(now))
             return
         self.waiting.append(None)  # the capture thread does not stand aside while this waits
-        self._nudge.set()
         try:
+            self._nudge.set()
             with self._cond:
-                self._cond.wait_for(lambda: not self.busy, min(owed, SHARE_MAX_S))
+                self._cond.wait_for(lambda: not self.busy, owed)
         finally:
-            self._nudge.clear()
             self.waiting.pop()
+            self._nudge.clear()
         now = time.monotonic()
         self._owed_from = (now, self._aside_total(now))
 
@@ -476,9 +476,9 @@ class BackgroundCapture:
         self._job.mark_capture_thread(True)
         _shorten_switch_interval()
         undo = None
-        if self._serving is not None and PAUSE_LIMIT_S is not None:
-            undo = _stand_aside_on(self.step_aside_hook(self._serving, PAUSE_LIMIT_S))  # this thread's only
         try:
+            if self._serving is not None and PAUSE_LIMIT_S is not None:
+                undo = _stand_aside_on(self.step_aside_hook(self._serving, PAUSE_LIMIT_S))  # this thread's only
             while True:
                 self.holding.append(None)  # the serving thread takes this lock in run(): never stand aside holding it
                 try:
@@ -512,8 +512,8 @@ class BackgroundCapture:
             self._job.mark_capture_thread(False)
 
     def step_aside_hook(self, turn: list[None], limit: float) -> Callable[[Any, str, Any], None]:
-        """The capture thread's stand-aside check (``_stand_aside_on``: at each torch op, or each Python call and
-        return): it waits while a run() is in progress and not waiting for this thread, at most ``limit`` seconds at a
+        """The capture thread's stand-aside check (``_stand_aside_on``: at each Python call and return, or before each
+        torch op): it waits while a run() is in progress and not waiting for this thread, at most ``limit`` seconds at a
         stretch; then this thread runs beside the serving one for the rest of that run() and at least a tenth of
         ``limit``.  While it stands aside it watches the serving thread's frame: when that does not move for
         ``STILL_S`` (blocked on a lock this thread holds, say, in the step's own code, a logging handler or an
@@ -613,27 +613,16 @@ class _StandAsideMode(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _dynamo_compiled() -> bool:
-    """Whether dynamo has compiled (or tried to) a frame in this process."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    return utils is not None and utils.counters["frames"]["total"] > 0
-
-
-def stand_aside_method(version: tuple[int, ...] = tuple(sys.version_info)) -> str:
-    """How a capture thread starting now finds the moments to stand aside under Python ``version``: ``STAND_ASIDE_BY``,
-    with "auto" resolved ("torch_function" from 3.12 unless dynamo has compiled in this process, else "profile")."""
-    if STAND_ASIDE_BY not in ("auto", "torch_function", "profile"):
-        raise ValueError(
-            f"cgregistry.capture.background.STAND_ASIDE_BY={STAND_ASIDE_BY!r}; expected 'auto', 'torch_function' or 'profile'")
-    if STAND_ASIDE_BY != "auto":
-        return STAND_ASIDE_BY
-    return "torch_function" if tuple(version) >= (3, 12) and not _dynamo_compiled() else "profile"
-
-
 def _stand_aside_on(check: Callable[[Any, str, Any], None]) -> Callable[[], None] | None:
-    """Have ``check`` run on this thread as ``stand_aside_method()`` says; what undoes it, or None where nothing was set
-    (a profile function the engine set on its threads is left alone: the thread then does not stand aside)."""
-    if stand_aside_method() == "torch_function":
+    """Have ``check`` run on this thread as ``STAND_ASIDE_BY`` says; what undoes it, or None where nothing was set (a
+    profile function the engine set on its threads is left alone: the thread then does not stand aside).  An unknown
+    setting is warned about and taken as "profile": the capture thread never dies of it."""
+    how = STAND_ASIDE_BY
+    if how not in ("profile", "torch_function"):
+        warn(f"cgregistry: cgregistry.capture.background.STAND_ASIDE_BY={how!r}; expected 'profile' or "
+             "'torch_function': the capture thread stands aside by a profile function")
+        how = "profile"
+    if how == "torch_function":
         mode = _StandAsideMode(check)
         mode.__enter__()
         return lambda: mode.__exit__(None, None, None)
