@@ -174,8 +174,8 @@ def test_an_unknown_stand_aside_setting_is_named_in_a_warning_and_the_capture_go
 
 
 def test_the_torch_function_mode_is_the_capture_threads_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Standing aside by torch function mode: the serving thread's ops never see the mode (nor does the step's own
-    code on that thread), and the capture thread's mode is gone once it ends."""
+    """Standing aside by torch function mode: the step's code on the capture thread runs under it (its warm-up calls
+    too, where the cpu backend's own recording mode is not on), and on the serving thread never."""
     monkeypatch.setattr(background, "STAND_ASIDE_BY", "torch_function")
     modes: dict[str, set[int]] = {"capture": set(), "serving": set()}
 
