@@ -438,7 +438,7 @@ class BackgroundCapture:
         if typical is None:
             return False
         now = time.monotonic()
-        aside = self._aside - self._aside_at_flight + (now - self._aside_since if self._aside_since is not None else 0.0)
+        aside = self._aside_total(now) - self._aside_at_flight
         return typical - (now - self._flight_began - aside) <= WAIT_SHARE * self.eager_s
 
     def _expected(self, pair: Pair) -> float | None:
