@@ -159,6 +159,42 @@ def test_the_share_a_step_hands_the_capture_thread_is_bounded(monkeypatch: pytes
     assert max(seconds) - eager_s < background.SHARE_MAX_S + 0.25, f"a step waited {max(seconds) - eager_s:.3f} s before it ran"
 
 
+@pytest.mark.parametrize("method", STAND_ASIDE_METHODS)
+def test_steps_back_to_back_under_autocast_and_inference_mode_equal_eager_while_the_share_runs(
+    method: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """run() back to back under torch.autocast and inference mode, nothing between steps, while the capture thread
+    takes its shares (the stand never runs out): every step, eager or replayed, equals the eager step under the
+    same state, in bfloat16."""
+    monkeypatch.setattr(background, "PAUSE_LIMIT_S", 60.0)
+    monkeypatch.setattr(background, "STAND_ASIDE_BY", method)
+    step = CountingStep()
+    reg = registry(step)
+    sizes = [3, 5, 8, MAX_TOKENS]  # MAX_TOKENS: above every key, eager
+    g = torch.Generator().manual_seed(2)
+    xs = {n: torch.randn(n, D, generator=g) for n in sizes}
+    outs: list[tuple[int, torch.Tensor]] = []
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        reg.capture([(B(2), "full")])  # the process's first capture (lazy imports and such) on this thread
+        reg.clear()
+        reg.capture([(B(n), "full") for n in (4, 8, 16)], background=True)
+        i = 0
+        while reg.capturing() and i < 20_000:
+            n = sizes[i % len(sizes)]
+            outs.append((n, reg.run(B(n), x=xs[n]).clone()))
+            i += 1
+        assert reg.wait_captured(timeout=60) and len(reg) == 3
+        assert i >= len(sizes), f"only {i} steps ran beside the capture"
+        hits = reg.stats().hits
+        for n in sizes:
+            outs.append((n, reg.run(B(n), x=xs[n]).clone()))
+        assert reg.stats().hits == hits + 3, "graphs serve once captured"
+        for n, out in outs:
+            expected = step(B(n), xs[n])
+            assert out.dtype == expected.dtype == torch.bfloat16
+            torch.testing.assert_close(out, expected)
+
+
 def test_an_unknown_stand_aside_setting_is_named_in_a_warning_and_the_capture_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """The setting is read on the capture thread as it starts: an unknown one is named in a warning and taken as
     "profile", and the capture thread neither dies of it nor leaves the registry waiting on it."""
