@@ -630,16 +630,21 @@ class PausedGC:
 
 
 _heap_lock = threading.Lock()
-_heap_holds = [0, False, 0]  # capture threads at work, whether the first froze the heap, and how many objects it froze
+# capture threads at work, whether the first froze the heap, how many objects it froze, and the collector's thresholds
+# before it put the full collection off (None: it did not)
+_heap_holds: list[Any] = [0, False, 0, None]
+_NO_FULL = 2**30  # a third threshold no count of young collections reaches: the full collection waits
 
 
 class FrozenHeap:
-    """The heap frozen (``gc.freeze``) while capture threads work beside a serving thread: a capture makes many
-    objects, and a collection they set off, on either thread, then looks only at objects made since, never at the
-    whole heap (a full collection holds the GIL 0.2 s with a 1B model loaded).  Unfrozen when the last capture thread
-    runs out of work, before a wait for it returns.  A heap the engine froze before, or once the capture was waited
-    for, stays frozen; one it froze while the capture ran is thawed with it, unless that froze more objects than the
-    capture had (nothing tells the two freezes apart)."""
+    """No full collection while capture threads work beside a serving thread: a capture makes many objects, and a
+    full collection they set off, on either thread, would hold the GIL for the whole heap (0.2 s with a 1B model
+    loaded).  A heap nobody froze is frozen (``gc.freeze``: collections then look only at objects made since) and
+    thawed when the last capture thread runs out of work, before a wait for it returns.  A heap frozen before (by the
+    engine, or by the interpreter's start-up) is not the capture's to thaw: the full collection is put off instead
+    (the collector's third threshold) and the thresholds are restored then.  A heap the engine froze once the capture
+    was waited for stays frozen; one it froze while the capture ran is thawed with it, unless that froze more objects
+    than the capture had (nothing tells the two freezes apart)."""
 
     def __enter__(self) -> None:
         with _heap_lock:
@@ -648,6 +653,9 @@ class FrozenHeap:
                 if _heap_holds[1]:
                     gc.freeze()
                     _heap_holds[2] = gc.get_freeze_count()
+                else:
+                    first, second, third = _heap_holds[3] = gc.get_threshold()
+                    gc.set_threshold(first, second, max(third, _NO_FULL))
             _heap_holds[0] += 1
 
     def __exit__(self, *exc: object) -> None:
@@ -657,6 +665,11 @@ class FrozenHeap:
                 _heap_holds[1] = False
                 if gc.get_freeze_count() <= _heap_holds[2]:  # frozen objects only die meanwhile, unless someone froze more
                     gc.unfreeze()
+            elif _heap_holds[0] == 0 and _heap_holds[3] is not None:
+                first, second, third = _heap_holds[3]
+                if gc.get_threshold() == (first, second, max(third, _NO_FULL)):  # unless someone set them meanwhile
+                    gc.set_threshold(first, second, third)
+                _heap_holds[3] = None
 
 
 class _FrozenGC:

@@ -390,6 +390,8 @@ def test_the_heap_is_frozen_while_the_capture_thread_works_and_as_it_was_after(e
 
     if engine_froze == "before":
         gc.freeze()
+    else:
+        gc.unfreeze()  # a heap nobody froze (some interpreters start with a few hundred objects frozen)
     try:
         reg = cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
         reg.capture([(B(n), "full") for n in (4, 8)], background=True)
@@ -405,4 +407,42 @@ def test_the_heap_is_frozen_while_the_capture_thread_works_and_as_it_was_after(e
             time.sleep(0.01)
         assert (gc.get_freeze_count() > 0) == (engine_froze != "never"), "the engine's own frozen heap was unfrozen"
     finally:
+        gc.unfreeze()
+
+
+def test_no_full_collection_runs_while_the_capture_thread_works_beside_a_heap_frozen_before_it() -> None:
+    """A heap frozen before the capture (by the engine, or by the interpreter's start-up: some builds start with a few
+    hundred objects frozen) is not the capture thread's to thaw, so it cannot freeze the rest of the heap: the full
+    collection waits instead, on every thread, until the capture thread runs out of work, and the collector's
+    thresholds are as they were once the wait returns."""
+    thresholds = gc.get_threshold()
+    ran: list[str] = []
+    full: list[str] = []
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(threading.current_thread().name)
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        if threading.current_thread().name.startswith("cgregistry-capture-"):
+            ran.append("capture thread")
+            for _ in range(3000):  # a capture's worth of objects in cycles: automatic collections, the full one due
+                a: list = []
+                a.append(a)
+        return x * 2
+
+    gc.freeze()  # a few objects frozen before anything ran, as by the interpreter's start-up
+    gc.set_threshold(100, 1, 1)  # a full collection due after two young ones
+    gc.callbacks.append(watch)
+    try:
+        reg = cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS, D), torch.float32)}, backend="cpu")
+        reg.capture([(B(n), "full") for n in (4, 8)], background=True)
+        assert reg.wait_captured(timeout=30) and len(reg) == 2
+        assert ran, "the step never ran on the capture thread"
+        assert not [name for name in full if name.startswith("cgregistry-capture-")], full
+        assert gc.get_threshold() == (100, 1, 1), "the collector's thresholds are not as they were once the wait returned"
+        assert gc.get_freeze_count() > 0, "the heap frozen before the capture was thawed"
+    finally:
+        gc.callbacks.remove(watch)
+        gc.set_threshold(*thresholds)
         gc.unfreeze()
