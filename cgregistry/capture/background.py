@@ -201,7 +201,8 @@ class BackgroundCapture:
     @property
     def settled(self) -> bool:
         """Nothing queued, in flight, or finished and not installed yet."""
-        return not self.busy and not self._ready
+        with self._cond:
+            return not self.busy and not self._ready
 
     def queued(self) -> list[Pair]:
         """Keys waiting or being captured now, in capture order."""
@@ -489,13 +490,14 @@ class BackgroundCapture:
                             self._thread = None
                             self._cond.notify_all()
                             return
-                        item = self._queue.popleft()
+                        item = self._queue[0]  # in flight before it leaves the queue: no moment reads as neither
+                        self._in_flight = item if isinstance(item, _Task) else item[0]
+                        self._queue.popleft()
                         if self._frozen is None:  # the heap is frozen while the thread has work (FrozenHeap)
                             self._frozen = FrozenHeap()
                             self._frozen.__enter__()
                         if isinstance(item, tuple) and self._job.context is not None:
                             item = (item[0], self._job.context)  # the registry's capture context as the capture starts
-                        self._in_flight = item if isinstance(item, _Task) else item[0]
                         self._flight_context = None if isinstance(item, _Task) else item[1]
                         self._flight_stale = False
                         self._started += 1

@@ -4,6 +4,7 @@ reproduced a defect found in review (threads are joined with timeouts)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -65,6 +66,42 @@ def test_a_capture_in_flight_during_a_weight_sync_is_never_installed() -> None:
         want = model(key, x)
     assert len(reg) == 1 and reg.stats().hits == 1
     torch.testing.assert_close(got, want, msg="the graph replayed the weights from before the update")
+
+
+def test_the_wait_after_a_weight_sync_waits_for_the_key_captured_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait installs the capture that read the old weight, which queues the key again: it returns once that key is
+    captured, also when it looks just as the capture thread has taken the key off the queue and not yet marked it in
+    flight (held there on purpose)."""
+    import cgregistry.capture.background as background
+
+    taken = threading.Event()
+
+    class SlowFreeze(background.FrozenHeap):
+        def __enter__(self) -> None:  # the capture thread, between taking a key off the queue and marking it in flight
+            taken.set()
+            time.sleep(0.3)
+            super().__enter__()
+
+    install = background.BackgroundCapture.install
+
+    def install_then_look(self: background.BackgroundCapture) -> None:
+        install(self)
+        taken.wait(5)  # the wait looks while the capture thread is held after taking the key
+
+    reg, model = held_registry()
+    key = B.decode(8)
+    model.hold_tokens = 8
+    reg.capture([(key, "full")], background=True)
+    try:
+        assert model.holding.wait(30), "the capture thread reached the key's capture"
+        model.weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH))
+        assert (key, "full") in reg.refresh(background=True).recaptured
+        monkeypatch.setattr(background, "FrozenHeap", SlowFreeze)
+        monkeypatch.setattr(background.BackgroundCapture, "install", install_then_look)
+    finally:
+        model.release.set()
+    assert reg.wait_captured(timeout=30)
+    assert len(reg) == 1 and not reg.capturing(), f"{len(reg)} entries, still capturing {reg.capturing()}"
 
 
 def _hf():
