@@ -34,6 +34,9 @@ def run_blocks(page: Path, blocks: list[tuple[int, str]]) -> None:
         del sys.modules[module.__name__]
 
 
+# Pages whose blocks take seconds (torch.compile, a plugin's whole plan): in the slow set, which CI runs too.
+SLOW_PAGES = {"integration.md", "writing-plugins.md"}
+
 # Warnings a page's blocks raise on purpose (the page says so), by page.
 EXPECTED_WARNINGS = {
     "reliability.md": "ignore:.*with no graph captured or planned:RuntimeWarning",  # a run after clear()
@@ -41,7 +44,8 @@ EXPECTED_WARNINGS = {
 
 
 @pytest.mark.parametrize("page", [
-    pytest.param(p, marks=[pytest.mark.filterwarnings(EXPECTED_WARNINGS[p.name])] if p.name in EXPECTED_WARNINGS else [])
+    pytest.param(p, marks=([pytest.mark.filterwarnings(EXPECTED_WARNINGS[p.name])] if p.name in EXPECTED_WARNINGS else [])
+                 + ([pytest.mark.slow] if p.name in SLOW_PAGES else []))
     for p in PAGES
 ], ids=[p.name for p in PAGES])
 def test_code_blocks_run(page: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,8 +12,9 @@ import pytest
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 
 
-# Slow: the hf_ examples serve a Hugging Face model through every mode (tests/cli/test_hf_*.py cover them in the default run).
-SLOW = {"hf_llama.py", "hf_spec_decode.py"}
+# Slow: the hf_ examples serve a Hugging Face model through every mode (tests/cli/test_hf_*.py cover them in the default
+# run); piecewise.py and spec_decode.py take 3 s each (tests/strategies and the speculative-key tests cover what they show).
+SLOW = {"hf_llama.py", "hf_spec_decode.py", "piecewise.py", "spec_decode.py"}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.slow] if p.name in SLOW else []) for p in EXAMPLES],

@@ -100,6 +100,7 @@ class _Late:
         return self.fn(*args)  # type: ignore[operator]
 
 
+@pytest.mark.slow  # an Inductor compile on the CPU: about 15 s on two cores
 def test_a_plain_torch_compile_takes_the_marked_op_and_its_declared_write() -> None:
     """No registry: torch.compile (Inductor) of a model calling the marked op compiles it as the op it is, and the
     cache is written as eager writes it (the op's schema declares the write, so nothing is dropped)."""
