@@ -256,11 +256,15 @@ class BackgroundCapture:
         self._catalog.unplan(pairs)
         self._catalog.set_capturing(self.capturing())
 
-    def submit_task(self, task: Callable[[], Any], on_done: Callable[[Any, BaseException | None], None]) -> None:
-        """Run ``task()`` on the capture thread after what is queued; ``on_done(result, error)`` runs on the serving
-        thread when it is installed (never, if the task is cancelled)."""
+    def submit_task(self, task: Callable[[], Any], on_done: Callable[[Any, BaseException | None], None], *,
+                    first: bool = False) -> None:
+        """Run ``task()`` on the capture thread after what is queued (before it, ``first``); ``on_done(result, error)``
+        runs on the serving thread when it is installed (never, if the task is cancelled)."""
         with self._cond:
-            self._queue.append(_Task(task, on_done))
+            if first:
+                self._queue.appendleft(_Task(task, on_done))
+            else:
+                self._queue.append(_Task(task, on_done))
             self._start()
 
     def discard(self, pairs: Iterable[Pair]) -> None:
