@@ -3,9 +3,11 @@ reproduced a defect found in review (threads are joined with timeouts)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -47,20 +49,28 @@ def held_registry() -> tuple[cg.GraphRegistry, HeldModel]:
     return reg, model
 
 
-def test_a_capture_in_flight_during_a_weight_sync_is_never_installed() -> None:
-    """A weight replaced while its key is being captured, then ``refresh(background=True)``: the capture in flight read the
-    old weight and is never installed; the key is captured again and replays what the step computes with the new one."""
+@contextlib.contextmanager
+def weight_replaced_mid_capture(key: B) -> Iterator[tuple[cg.GraphRegistry, HeldModel]]:
+    """A registry whose capture of ``key`` on the capture thread is held after reading the weight; the weight is replaced
+    (a weight sync by assignment) and ``refresh(background=True)`` called; the capture goes on as the block ends."""
     reg, model = held_registry()
-    key = B.decode(8)
-    model.hold_tokens = 8
+    model.hold_tokens = key.num_tokens
     reg.capture([(key, "full")], background=True)
     try:
         assert model.holding.wait(30), "the capture thread reached the key's capture"
-        model.weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH))  # a weight sync that replaces the tensor
-        result = reg.refresh(background=True)
-        assert (key, "full") in result.recaptured
+        model.weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH))
+        assert (key, "full") in reg.refresh(background=True).recaptured
+        yield reg, model
     finally:
         model.release.set()
+
+
+def test_a_capture_in_flight_during_a_weight_sync_is_never_installed() -> None:
+    """A weight replaced while its key is being captured, then ``refresh(background=True)``: the capture in flight read the
+    old weight and is never installed; the key is captured again and replays what the step computes with the new one."""
+    key = B.decode(8)
+    with weight_replaced_mid_capture(key) as (reg, model):
+        pass
     assert reg.wait_captured(timeout=30)
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(1))
     got = reg.run(key, x=x).clone()
@@ -90,18 +100,9 @@ def test_the_wait_after_a_weight_sync_waits_for_the_key_captured_again(monkeypat
         install(self)
         taken.wait(5)  # the wait looks while the capture thread is held after taking the key
 
-    reg, model = held_registry()
-    key = B.decode(8)
-    model.hold_tokens = 8
-    reg.capture([(key, "full")], background=True)
-    try:
-        assert model.holding.wait(30), "the capture thread reached the key's capture"
-        model.weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH))
-        assert (key, "full") in reg.refresh(background=True).recaptured
+    with weight_replaced_mid_capture(B.decode(8)) as (reg, _):
         monkeypatch.setattr(background, "FrozenHeap", SlowFreeze)
         monkeypatch.setattr(background.BackgroundCapture, "install", install_then_look)
-    finally:
-        model.release.set()
     assert reg.wait_captured(timeout=30)
     assert len(reg) == 1 and not reg.capturing(), f"{len(reg)} entries, still capturing {reg.capturing()}"
 
