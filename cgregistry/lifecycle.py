@@ -129,14 +129,17 @@ class Lifecycle:
         held = list(removed)
         removed.clear()
 
+        background = self._background
+
         def drop() -> None:
             left = [weakref.ref(entry) for entry in held]
             while held:
                 held.pop()
-            if any(ref() is not None for ref in left):  # kept alive by a reference cycle, with its pool
-                gc.collect()
+            kept = [ref for ref in left if ref() is not None]  # by a reference cycle, with their pool
+            if kept:
+                background.collect_when_thawed(kept)
 
-        self._background.submit_task(drop, lambda result, error: None, first=True)
+        background.submit_task(drop, lambda result, error: None, first=True)
 
     # ---------------------------------------------------------------- weights
 

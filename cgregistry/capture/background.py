@@ -31,6 +31,7 @@ runs (``SWITCH_INTERVAL_S``) so the serving thread gets the GIL back quickly out
 from __future__ import annotations
 
 import atexit
+import gc
 import statistics
 import sys
 import threading
@@ -116,6 +117,7 @@ class TaskDone:
 class _Task:
     run: Callable[[], Any]
     on_done: Callable[[Any, BaseException | None], None]
+    first: bool = False  # ahead of every key, a step's own included, and run before the heap is frozen
 
 
 _instances: weakref.WeakSet[BackgroundCapture] = weakref.WeakSet()
@@ -176,6 +178,7 @@ class BackgroundCapture:
         self._ran: deque[tuple[Pair, float]] = deque(maxlen=32)  # the capture thread's own seconds for the keys it finished lately
         self._took: dict[Pair, float] = {}  # the capture thread's own seconds for each key, at its last capture of it
         self._frozen: FrozenHeap | None = None  # the heap frozen while the thread has work
+        self._unreached: list[weakref.ref[Any]] = []  # what a task dropped that a cycle keeps, under the frozen heap
         self.eager_s: float | None = None  # a recent eager step's seconds beside a capture (moving average)
         self.active = False  # work queued or in flight, or results not installed: run() installs between steps
         self._stopped = False  # the registry is gone: the capture thread takes nothing more
@@ -258,14 +261,31 @@ class BackgroundCapture:
 
     def submit_task(self, task: Callable[[], Any], on_done: Callable[[Any, BaseException | None], None], *,
                     first: bool = False) -> None:
-        """Run ``task()`` on the capture thread after what is queued (before it, ``first``); ``on_done(result, error)``
-        runs on the serving thread when it is installed (never, if the task is cancelled)."""
+        """Run ``task()`` on the capture thread after what is queued; ``on_done(result, error)`` runs on the serving
+        thread when it is installed (never, if the task is cancelled).  ``first``: before every key (a step's own key
+        moved to the front included) and, where the heap is not frozen yet, before it is (a ``gc.collect()`` in it
+        then reaches what the engine dropped)."""
         with self._cond:
             if first:
-                self._queue.appendleft(_Task(task, on_done))
+                self._queue.insert(self._first_tasks(), _Task(task, on_done, first=True))
             else:
                 self._queue.append(_Task(task, on_done))
             self._start()
+
+    def collect_when_thawed(self, refs: list[weakref.ref[Any]]) -> None:
+        """From a task on the capture thread: ``refs`` point at objects it dropped that a reference cycle keeps alive,
+        collected now, or once the heap frozen for this thread's work is thawed (a collection does not reach it)."""
+        if self._frozen is None:
+            gc.collect()
+        else:
+            self._unreached.extend(refs)
+
+    def _first_tasks(self) -> int:
+        """How many tasks queued with ``first`` lead the queue (under the condition's lock)."""
+        n = 0
+        while n < len(self._queue) and isinstance(self._queue[n], _Task) and self._queue[n].first:  # type: ignore[union-attr]
+            n += 1
+        return n
 
     def discard(self, pairs: Iterable[Pair]) -> None:
         """Forget these keys: unqueued, and the one in flight (if among them) never installed."""
@@ -407,7 +427,7 @@ class BackgroundCapture:
                 at = next(i for i, item in enumerate(self._queue) if isinstance(item, tuple) and item[0] == target)
                 item = self._queue[at]
                 del self._queue[at]
-                self._queue.appendleft(item)
+                self._queue.insert(self._first_tasks(), item)
             if self._finished != self._finished_seen:  # the capture got on since the last step that did not wait
                 self._finished_seen, self._unwaited = self._finished, 0
             limit = WAIT_LIMIT_S
@@ -497,7 +517,7 @@ class BackgroundCapture:
                         item = self._queue[0]  # in flight before it leaves the queue: no moment reads as neither
                         self._in_flight = item if isinstance(item, _Task) else item[0]
                         self._queue.popleft()
-                        if self._frozen is None:  # the heap is frozen while the thread has work (FrozenHeap)
+                        if self._frozen is None and not (isinstance(item, _Task) and item.first):  # (FrozenHeap)
                             self._frozen = FrozenHeap()
                             self._frozen.__enter__()
                         if isinstance(item, tuple) and self._job.context is not None:
@@ -509,6 +529,10 @@ class BackgroundCapture:
                 finally:
                     self.holding.pop()
                 self._finish(item, *self._run(item))
+                if self._unreached and self._frozen is None:  # thawed: a collection reaches them now
+                    unreached, self._unreached = self._unreached, []
+                    if any(ref() is not None for ref in unreached):
+                        gc.collect()
         finally:
             with self._cond:
                 self._thaw()

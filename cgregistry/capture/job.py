@@ -630,8 +630,8 @@ class PausedGC:
 
 
 _heap_lock = threading.Lock()
-# capture threads at work, whether the first froze the heap, how many objects it froze, and the collector's thresholds
-# before it put the full collection off (None: it did not)
+# capture threads at work, whether the first froze the heap, how many objects it froze, and the collector's third
+# threshold before it put the full collection off (None: it did not)
 _heap_holds: list[Any] = [0, False, 0, None]
 _NO_FULL = 2**30  # a third threshold no count of young collections reaches: the full collection waits
 
@@ -642,7 +642,7 @@ class FrozenHeap:
     loaded).  A heap nobody froze is frozen (``gc.freeze``: collections then look only at objects made since) and
     thawed when the last capture thread runs out of work, before a wait for it returns.  A heap frozen before (by the
     engine, or by the interpreter's start-up) is not the capture's to thaw: the full collection is put off instead
-    (the collector's third threshold) and the thresholds are restored then.  A heap the engine froze once the capture
+    (the collector's third threshold) and that threshold is restored then.  A heap the engine froze once the capture
     was waited for stays frozen; one it froze while the capture ran is thawed with it, unless that froze more objects
     than the capture had (nothing tells the two freezes apart)."""
 
@@ -654,8 +654,8 @@ class FrozenHeap:
                     gc.freeze()
                     _heap_holds[2] = gc.get_freeze_count()
                 else:
-                    first, second, third = _heap_holds[3] = gc.get_threshold()
-                    gc.set_threshold(first, second, max(third, _NO_FULL))
+                    first, second, _heap_holds[3] = gc.get_threshold()
+                    gc.set_threshold(first, second, max(_heap_holds[3], _NO_FULL))
             _heap_holds[0] += 1
 
     def __exit__(self, *exc: object) -> None:
@@ -666,9 +666,9 @@ class FrozenHeap:
                 if gc.get_freeze_count() <= _heap_holds[2]:  # frozen objects only die meanwhile, unless someone froze more
                     gc.unfreeze()
             elif _heap_holds[0] == 0 and _heap_holds[3] is not None:
-                first, second, third = _heap_holds[3]
-                if gc.get_threshold() == (first, second, max(third, _NO_FULL)):  # unless someone set them meanwhile
-                    gc.set_threshold(first, second, third)
+                first, second, third = gc.get_threshold()  # the first two as the engine may have set them meanwhile
+                if third == max(_heap_holds[3], _NO_FULL):  # unless someone set the third meanwhile
+                    gc.set_threshold(first, second, _heap_holds[3])
                 _heap_holds[3] = None
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import weakref
 import time
 from collections.abc import Iterator
 
@@ -115,8 +116,13 @@ class Tracked:
 
     def __init__(self) -> None:
         self.dropped_on: list[str] = []
+        self.made: list[weakref.ref] = []  # every graph it made
+        self.stale: list[weakref.ref] = []  # graphs the test calls stale
+        self.stale_alive_at_capture: list[int] = []  # of those, how many were alive as each later capture began
 
     def capture(self, body, backend, pool):  # type: ignore[no-untyped-def]
+        if self.stale:
+            self.stale_alive_at_capture.append(sum(ref() is not None for ref in self.stale))
         graph, out = backend.capture(body, pool)
         dropped_on = self.dropped_on
 
@@ -129,7 +135,9 @@ class Tracked:
             def __del__(self) -> None:
                 dropped_on.append(threading.current_thread().name)
 
-        return Graph(), out
+        made = Graph()
+        self.made.append(weakref.ref(made))
+        return made, out
 
     @cg.plugin.hookimpl
     def cgregistry_register_strategies(self, register):  # type: ignore[no-untyped-def]
@@ -158,6 +166,29 @@ def test_a_background_refresh_drops_the_stale_graphs_on_the_capture_thread_not_t
         want = model(B.decode(16), x)
     torch.testing.assert_close(reg.run(B.decode(16), x=x), want)
     assert len(reg) == 3 and reg.stats().hits == 1
+
+
+def test_a_step_whose_key_is_queued_after_a_background_refresh_does_not_get_it_captured_before_the_drop() -> None:
+    """A step whose key is queued moves it to the front of the queue, but not ahead of the stale graphs' drop: no key
+    is captured while the graphs it replaces still hold their memory."""
+    tracked = Tracked()
+    model = HeldModel()
+    reg = cg.GraphRegistry(model, {"x": cg.StaticInput((ROWS, WIDTH), torch.float32)}, backend="cpu",
+                           plugins=make_plugins(tracked), preference=("tracked",))
+    reg.capture([(B.decode(n), "tracked") for n in (8, 16)])
+    model.hold_tokens = 4
+    reg.capture([(B.decode(4), "tracked")], background=True)  # the capture thread busy with it, held
+    try:
+        assert model.holding.wait(30), "the capture thread reached the key's capture"
+        tracked.stale = list(tracked.made)
+        model.weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH))
+        reg.refresh(background=True)
+        reg.run(B.decode(7), x=torch.randn(7, WIDTH))  # its key (8 tokens) is queued: moved to the front
+    finally:
+        model.release.set()
+    assert reg.wait_captured(timeout=30)
+    assert tracked.stale_alive_at_capture and not any(tracked.stale_alive_at_capture), tracked.stale_alive_at_capture
+    assert len(reg) == 3 and not reg.capturing()
 
 
 def _hf():

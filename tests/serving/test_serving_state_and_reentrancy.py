@@ -156,7 +156,6 @@ def test_a_run_from_inside_run_on_the_same_thread_is_named_as_such() -> None:
     assert errors and "own registry" not in errors[0] and "inside" in errors[0], errors
 
 
-@pytest.mark.slow  # a fresh interpreter that imports torch
 def test_capture_from_a_capture_started_hook_on_the_serving_thread_does_not_hang() -> None:
     """capture() from a capture_started hook on the serving thread returns (refused), never deadlocks on the capture
     lock its own thread holds (run in a subprocess: a hang would leave the collector disabled)."""

@@ -387,7 +387,6 @@ def _warm_up_as(compiled: cg.PiecewiseModel, strategy: object, key: B, inputs: d
             var.reset(token)
 
 
-@pytest.mark.slow  # an Inductor compile on the CPU
 def test_one_inductor_compile_serves_full_and_piecewise_keys_of_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Full keys run the piecewise trace's compiled pieces, splits inline; size 1 runs the general kernels: one trace,
     one Inductor pass over the pieces, nothing compiled again for a full key or another size."""
