@@ -171,7 +171,7 @@ class Lifecycle:
             entry.weights, entry.generation = seen, generation
         entry = None  # the loops' last entry, perhaps a stale one: its last reference goes in _released
         again = list(dict.fromkeys([*stale, *queued]))
-        if background and again and self.asleep is None:
+        if background and removed and self.asleep is None:
             self._release_on_capture_thread(removed)
         else:
             self._released(removed)
