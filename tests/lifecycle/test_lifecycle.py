@@ -70,7 +70,8 @@ def test_an_in_place_update_keeps_every_graph_and_the_next_run_uses_the_new_weig
 def test_a_refresh_runs_no_full_garbage_collection_and_the_graphs_it_drops_die_at_once() -> None:
     """A weight sync is frequent (RL): a refresh must not pause the serving thread for a full collection (0.16 s on
     the tiny Llama's heap, 0.2-0.35 s with a 1B model loaded), whether it keeps every graph or drops them to capture
-    them again in the background; the graphs it drops die at once all the same (the pool holds only the new ones)."""
+    them again in the background; the graphs it drops die all the same, before their keys are captured again (the
+    pool holds only the new ones)."""
     reg, model = make("cpu")
     reg.capture(PLAN)
     full: list[int] = []
