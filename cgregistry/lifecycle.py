@@ -37,6 +37,15 @@ def _heat(entry: Entry) -> tuple[int, int]:
     return (entry.replays, entry.key.num_tokens)
 
 
+def _drop(entries: list[Entry]) -> list[weakref.ref[Entry]]:
+    """Drop ``entries`` (the list held their last references), one at a time; what a reference cycle keeps alive, with
+    its pool, is handed back."""
+    left = [weakref.ref(entry) for entry in entries]
+    while entries:
+        entries.pop()  # one graph at a time: a capture thread standing aside by its profile function can pause here
+    return [ref for ref in left if ref() is not None]
+
+
 class Lifecycle:
     """Removes, refreshes, puts to sleep and wakes a registry's graphs."""
 
@@ -115,9 +124,7 @@ class Lifecycle:
         its references, in a reference cycle that would keep its pool alive."""
         self._events.released(removed)
         self._job.renew_if_unused()  # drop the pool handle too when nothing holds the old pool
-        left = [weakref.ref(entry) for entry in removed]
-        removed.clear()
-        if any(ref() is not None for ref in left):
+        if _drop(removed):
             gc.collect()
 
     def _release_on_capture_thread(self, removed: list[Entry]) -> None:
@@ -132,10 +139,7 @@ class Lifecycle:
         background = self._background
 
         def drop() -> None:
-            left = [weakref.ref(entry) for entry in held]
-            while held:
-                held.pop()
-            kept = [ref for ref in left if ref() is not None]  # by a reference cycle, with their pool
+            kept = _drop(held)
             if kept:
                 background.collect_when_thawed(kept)
 
