@@ -111,6 +111,18 @@ class HostBatch:
     query_starts: list[int]
     query_lens: list[int]
     seq_lens: list[int]
+    _rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each live token's request and position, on the host, built once a step (every layer reads them) in plain
+        Python: a CPU tensor op such as ``repeat_interleave`` forks the intra-op thread pool, one thread per core,
+        and such a pool stalls at its barrier whenever another thread (a capture thread beside the step) holds a
+        core."""
+        if self._rows is None:
+            req = [i for i, n in enumerate(self.query_lens) for _ in range(n)]
+            pos = [length - n + k for n, length in zip(self.query_lens, self.seq_lens) for k in range(n)]
+            self._rows = (torch.tensor(req), torch.tensor(pos))
+        return self._rows
 
 
 def capture_context(mode: str) -> HostBatch | None:
@@ -211,10 +223,7 @@ def varlen_attention(
     k_cache, v_cache, block = caches
     out = torch.zeros_like(q)
     used = sum(host.query_lens)
-    req = torch.repeat_interleave(torch.arange(len(host.query_lens)), torch.tensor(host.query_lens)).to(q.device, non_blocking=True)
-    last = torch.tensor([length - n for n, length in zip(host.query_lens, host.seq_lens)])  # each request's first new position
-    offset = torch.cat([torch.arange(n) for n in host.query_lens])
-    pos = (torch.repeat_interleave(last, torch.tensor(host.query_lens)) + offset).to(q.device, non_blocking=True)
+    req, pos = (rows.to(q.device, non_blocking=True) for rows in host.token_rows())
     blocks = math.ceil(max(host.seq_lens) / block)
     j = torch.arange(blocks * block, device=q.device)
     slots = block_table[req][:, j // block] * block + j % block  # (tokens, context)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cgregistry as cg
 from tests.example_modules import load_example
@@ -227,3 +229,17 @@ def test_a_decoder_built_before_the_cache_is_resized_attends_with_the_new_block_
             layer.self_attn.k_cache.zero_()
             layer.self_attn.v_cache.zero_()
         torch.testing.assert_close(early(*inputs), want)
+
+
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(0, 7)), min_size=1, max_size=6))
+@settings(max_examples=60, deadline=None)
+def test_each_live_token_is_read_at_its_own_request_and_position(requests: list[tuple[int, int]]) -> None:
+    """``HostBatch.token_rows``, which the varlen attention reads in every layer, against the plain per-request walk:
+    a request of ``n`` new tokens after ``cached`` ones holds positions ``cached .. cached + n - 1``."""
+    lens = [n for n, _ in requests]
+    seq_lens = [n + cached for n, cached in requests]
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    req, pos = hf.HostBatch(starts, lens, seq_lens).token_rows()
+    expected = [(i, cached + k) for i, (n, cached) in enumerate(requests) for k in range(n)]
+    assert list(zip(req.tolist(), pos.tolist())) == expected
+    assert req.dtype == pos.dtype == torch.long
