@@ -431,7 +431,7 @@ class CaptureJob:
         skipped: list[Pair] = []
         backend = self.backend.name
         try:
-            with _FrozenGC():
+            with _FrozenGC(getattr(self.backend, "collects_before_capture", True)):
                 for pair in bar:
                     if pair[1] in failed:
                         skipped.append(pair)
@@ -673,13 +673,18 @@ class FrozenHeap:
 
 
 class _FrozenGC:
-    """No garbage collection (and no tensor finaliser) while graphs are being captured: one collection first, then
-    the heap frozen (a caller's own frozen heap is left alone) and the collector paused."""
+    """No garbage collection (and no tensor finaliser) while graphs are being captured: the heap frozen (a caller's
+    own frozen heap is left alone) and the collector paused; first one full collection where ``collect`` says
+    garbage may hold memory the capture could use (a backend's ``collects_before_capture``)."""
+
+    def __init__(self, collect: bool = True) -> None:
+        self._collect = collect
 
     def __enter__(self) -> None:
         self._freeze = gc.get_freeze_count() == 0
         if self._freeze:
-            gc.collect()
+            if self._collect:
+                gc.collect()
             gc.freeze()
         self._pause = PausedGC()
         self._pause.__enter__()
