@@ -222,7 +222,7 @@ def knob_settings(spec: str) -> tuple[str, dict[str, Any]]:
 def compare_windows(specs: list[str], model: Any, reg: Any, *, eng_factory: Any, requests: Any, new_weights: Any,
                     same: list[list[float]], foreground_s: float, rows: list[tuple[str, str]]) -> None:
     """The assign-sync recapture window once per spec, in this process: its steps' p99 against the same steps run
-    eagerly, its worst steps, and when every key was back (a serve that outlasts the recapture counts its later
+    eagerly, its worst steps, what the caching allocator holds more afterwards, and when every key was back (a serve that outlasts the recapture counts its later
     steps too, and says so)."""
     import cgregistry.capture.background as background
 
@@ -237,12 +237,16 @@ def compare_windows(specs: list[str], model: Any, reg: Any, *, eng_factory: Any,
         try:
             model.load_state_dict(new_weights(100 + i), assign=True)
             eng = eng_factory()
+            torch.cuda.synchronize()
+            reserved = torch.cuda.memory_reserved()
             t0 = time.perf_counter()
             reg.refresh(background=True)
             eng.serve(requests(5))
             beside = bool(reg.capturing())  # every step served beside the recapture
             reg.wait_captured()
             done = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            grown = (torch.cuda.memory_reserved() - reserved) / 2**20
         finally:
             for knob, value in defaults.items():
                 setattr(background, knob, value)
@@ -250,8 +254,10 @@ def compare_windows(specs: list[str], model: Any, reg: Any, *, eng_factory: Any,
         worst = sorted(window)[-4:]
         ratio = " and ".join(f"{percentile(window, 0.99) / p:.2f}" for p in eager_p99)
         print(f"window {name} {knobs}: all keys back {done:.2f} s ({done / foreground_s:.2f}x the foreground capture); "
-              f"{len(window)} steps{'' if beside else ' (the last ones after every key was back)'}, worst {', '.join(f'{ms:.1f}' for ms in worst)} ms; p99 / the same steps eager {ratio}")
+              f"{len(window)} steps{'' if beside else ' (the last ones after every key was back)'}, worst {', '.join(f'{ms:.1f}' for ms in worst)} ms; p99 / the same steps eager {ratio}; "
+              f"reserved memory {grown:+.0f} MiB")
         rows.append((f"window {name}: p99 / the same steps eager", ratio))
+        rows.append((f"window {name}: reserved memory afterwards", f"{grown:+.0f} MiB"))
 
 
 if __name__ == "__main__":
