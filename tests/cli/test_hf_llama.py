@@ -243,3 +243,11 @@ def test_each_live_token_is_read_at_its_own_request_and_position(requests: list[
     expected = [(i, cached + k) for i, (n, cached) in enumerate(requests) for k in range(n)]
     assert list(zip(req.tolist(), pos.tolist())) == expected
     assert req.dtype == pos.dtype == torch.long
+
+
+def test_the_token_rows_follow_lengths_changed_in_place() -> None:
+    """An engine that keeps one ``HostBatch`` and updates its lists each step gets the rows of the lengths it holds."""
+    host = hf.HostBatch([0, 2], [2, 1], [2, 5])
+    assert [t.tolist() for t in host.token_rows()] == [[0, 0, 1], [0, 1, 4]]
+    host.query_lens[1], host.seq_lens[1] = 2, 6
+    assert [t.tolist() for t in host.token_rows()] == [[0, 0, 1, 1], [0, 1, 4, 5]]
