@@ -109,7 +109,9 @@ class GraphRegistry:
                                      self.plugins, self.name)
         pacer = getattr(self.backend, "step_pacer", None)  # optional: the cuda backend bounds the serving thread's run-ahead
         self._background = background = BackgroundCapture(job, catalog, events, self.name, pacer() if pacer else None)
-        weakref.finalize(self, background.stop)  # nothing of the capture thread's holds the registry; once it goes, so does the thread
+        # Once the registry goes, so does its capture thread.  The finalizer reaches the capture only weakly: it would
+        # otherwise keep alive, for good, the step, whatever the step holds (an engine, and its registry) and all of it.
+        weakref.finalize(self, _stop_capture, weakref.ref(background))
         adapter = Adapter(adapt, catalog, job, background, events, self.name) if adapt is not None else None
         # The changes adaptation made, oldest first: the last 256 (stats().plan_changes counts them all).
         self.plan_changes: collections.deque[PlanChange] = (
@@ -483,3 +485,10 @@ def _naming(exc: BaseException, registry: str) -> BaseException:
         return type(exc)(f"registry {registry!r}: {exc}")
     except Exception:
         return exc
+
+
+def _stop_capture(background: weakref.ref[BackgroundCapture]) -> None:
+    """A collected registry's finalizer: its capture thread, if it still exists, takes nothing more."""
+    capture = background()
+    if capture is not None:
+        capture.stop()

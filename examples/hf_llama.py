@@ -117,13 +117,15 @@ class HostBatch:
         """Each live token's request and position, on the host, built once for the lengths the batch holds (every
         layer reads them) in plain Python: a CPU tensor op such as ``repeat_interleave`` forks the intra-op thread
         pool, one thread per core, and such a pool stalls at its barrier whenever another thread (a capture thread
-        beside the step) holds a core.  Lengths changed in place since are seen."""
+        beside the step) holds a core.  Lengths changed in place since are seen.  The tensors are shared by every call
+        for the same lengths (on a CPU device, ``.to`` returns them as they are): read them, never write them."""
         lengths = (tuple(self.query_lens), tuple(self.seq_lens))
-        if self._rows is None or self._rows[0] != lengths:
+        rows = self._rows
+        if rows is None or rows[0] != lengths:
             req = [i for i, n in enumerate(self.query_lens) for _ in range(n)]
             pos = [length - n + k for n, length in zip(self.query_lens, self.seq_lens) for k in range(n)]
-            self._rows = (lengths, torch.tensor(req, dtype=torch.long), torch.tensor(pos, dtype=torch.long))
-        return self._rows[1], self._rows[2]
+            rows = self._rows = (lengths, torch.tensor(req, dtype=torch.long), torch.tensor(pos, dtype=torch.long))
+        return rows[1], rows[2]
 
 
 def capture_context(mode: str) -> HostBatch | None:

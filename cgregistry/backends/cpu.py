@@ -448,8 +448,9 @@ class CpuBackend:
     """The emulator: runs anywhere, records and replays aten ops."""
 
     name = "cpu"
-    # A plan's capture collects garbage first on a device whose memory garbage may hold (cuda); the emulator has none,
-    # and a full collection of a large heap costs 0.1-0.4 s a capture() call.
+    # A plan's capture runs a full collection first where garbage may hold device memory that a graph would otherwise
+    # be captured beside (cuda); the emulator's graphs take host memory from the allocator like everything else, and a
+    # full collection of a large heap costs 0.1-0.4 s a capture() call: the young generations are collected instead.
     collects_before_capture = False
 
     def is_available(self) -> bool:

@@ -674,8 +674,10 @@ class FrozenHeap:
 
 class _FrozenGC:
     """No garbage collection (and no tensor finaliser) while graphs are being captured: the heap frozen (a caller's
-    own frozen heap is left alone) and the collector paused; first one full collection where ``collect`` says
-    garbage may hold memory the capture could use (a backend's ``collects_before_capture``)."""
+    own frozen heap is left alone) and the collector paused.  First a collection: a full one where ``collect`` says
+    garbage may hold device memory the capture could use (a backend's ``collects_before_capture``), else of the young
+    generations alone (their garbage would otherwise be frozen, and thawed into the oldest generation, where only a
+    full collection reaches it)."""
 
     def __init__(self, collect: bool = True) -> None:
         self._collect = collect
@@ -683,8 +685,7 @@ class _FrozenGC:
     def __enter__(self) -> None:
         self._freeze = gc.get_freeze_count() == 0
         if self._freeze:
-            if self._collect:
-                gc.collect()
+            gc.collect(2 if self._collect else 1)
             gc.freeze()
         self._pause = PausedGC()
         self._pause.__enter__()

@@ -69,8 +69,9 @@ class Backend(Protocol):
     # under which a capture beside a serving thread runs (the cuda backend: streams of that thread's own), and
     # ``step_pacer()``, an object whose ``step()`` is called at the start of each step while such a capture runs
     # (the cuda backend: it keeps the serving thread a few steps ahead of the device at most); and
-    # ``collects_before_capture``, whether a plan's capture runs one full collection before it freezes the heap, to free
-    # device memory that garbage holds (default True; the cpu emulator says False: it has no device memory).
+    # ``collects_before_capture``, whether a plan's capture runs a full collection before it freezes the heap, to free
+    # device memory that garbage holds (default True; the cpu emulator says False: only the young generations, whose
+    # garbage the freeze would otherwise move to the oldest).
 
 
 @runtime_checkable

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -356,3 +357,27 @@ def test_a_capture_asked_for_on_the_capture_thread_is_refused_before_it_installs
     reg.capture([(B(32), "full"), (B(16), "full"), (B(8), "full")], background=True)  # 32 first, then 8 and 16
     reg.wait_captured()
     assert seen == [(0, 0)] and len(reg) == 3
+
+
+def test_an_engine_whose_step_is_its_own_method_is_collected_with_its_registry() -> None:
+    """An engine that holds its registry and hands it its own bound method as the step (a cycle: engine, registry,
+    step, engine) is collected once dropped, after a background capture as after a foreground one: nothing the
+    registry leaves behind (its finalizer included) holds either."""
+
+    class Server:
+        def __init__(self, name: str) -> None:
+            self.reg = cg.GraphRegistry(self.step, {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu", name=name)
+
+        def step(self, batch: B, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    wait_for_no_capture_threads()
+    for background in (False, True):
+        server = Server(f"cycle-{background}")
+        server.reg.capture([(B(8), "full"), (B(4), "full")], background=background)
+        server.reg.wait_captured(timeout=30)
+        assert len(server.reg) == 2
+        refs = weakref.ref(server), weakref.ref(server.reg)
+        del server
+        gc.collect()
+        assert [ref() is None for ref in refs] == [True, True], f"background={background}: the engine outlived its last reference"
