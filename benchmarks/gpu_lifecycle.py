@@ -15,7 +15,9 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
+import threading
 import statistics
 import sys
 import time
@@ -56,6 +58,25 @@ class Counter:
         self.finished.append(time.perf_counter())
 
 
+class GcClock:
+    """The serving thread's time in garbage collections: a step's CPU time may hold one."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.ms = 0.0
+        self._began: float | None = None
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict[str, Any]) -> None:
+        if threading.get_ident() != self.thread:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.ms += (time.perf_counter() - self._began) * 1e3
+            self._began = None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=64)
@@ -76,6 +97,7 @@ def main() -> None:
     shape = hf.EngineShape(max_num_seqs=64, max_num_tokens=512, block_size=16, max_blocks_per_req=64)
     model = hf.build_model(args.config, device, shape)
     counter = Counter()
+    gc_clock = GcClock()
     rows: list[tuple[str, str]] = []
 
     class Timed(hf.Engine):
@@ -83,14 +105,18 @@ def main() -> None:
             super().__init__(*a, **k)
             self.steps: list[tuple[float, float, bool]] = []  # (ms, seconds since start, served by a graph)
             self.sizes: list[tuple[int, int]] = []  # (tokens, requests) of each step
+            self.cpu_ms: list[float] = []  # the serving thread's CPU time in each step
+            self.gc_ms: list[float] = []  # the serving thread's time in garbage collections in each step
             self.t0 = time.perf_counter()
 
         def run_step(self, batch: Any) -> torch.Tensor:
             misses = counter.misses
-            t = time.perf_counter()
+            t, cpu, collecting = time.perf_counter(), time.thread_time(), gc_clock.ms
             out = super().run_step(batch)
             torch.cuda.current_stream().synchronize()
             now = time.perf_counter()
+            self.cpu_ms.append((time.thread_time() - cpu) * 1e3)
+            self.gc_ms.append(gc_clock.ms - collecting)
             self.steps.append(((now - t) * 1e3, now - self.t0, self.reg is not None and counter.misses == misses))
             self.sizes.append((sum(n for _, n in batch), len(batch)))
             return out
@@ -197,7 +223,8 @@ def main() -> None:
     rows.append(("wake: max |logit - HF|", f"{err_wake:.3g}"))
     if args.windows:
         compare_windows(args.windows, model, reg, eng_factory=lambda: Timed(model, shape, reg, keep_logits=False),
-                        requests=requests, new_weights=new_weights, same=same, foreground_s=foreground_s, rows=rows)
+                        requests=requests, new_weights=new_weights, same=same, foreground_s=foreground_s, rows=rows,
+                        steps=args.steps)
     print("\nsummary")
     for name, value in rows:
         print(f"  {name:55s} {value}")
@@ -220,7 +247,7 @@ def knob_settings(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 def compare_windows(specs: list[str], model: Any, reg: Any, *, eng_factory: Any, requests: Any, new_weights: Any,
-                    same: list[list[float]], foreground_s: float, rows: list[tuple[str, str]]) -> None:
+                    same: list[list[float]], foreground_s: float, rows: list[tuple[str, str]], steps: bool = False) -> None:
     """The assign-sync recapture window once per spec, in this process: its steps' p99 against the same steps run
     eagerly, its worst steps, what the caching allocator holds more afterwards, and when every key was back (a serve that outlasts the recapture counts its later
     steps too, and says so)."""
@@ -228,6 +255,10 @@ def compare_windows(specs: list[str], model: Any, reg: Any, *, eng_factory: Any,
 
     defaults = {name: getattr(background, name) for name in background.__all__ if name.isupper()}
     eager_p99 = [percentile(steps, 0.99) for steps in same]
+    alone = eng_factory()
+    alone.reg = None
+    alone.serve(requests(5))
+    alone_wall, alone_cpu = statistics.median([ms for ms, _, _ in alone.steps]), statistics.median(alone.cpu_ms)
     for i, spec in enumerate(specs):
         name, knobs = knob_settings(spec)
         for knob, value in {**defaults, **knobs}.items():
@@ -251,11 +282,19 @@ def compare_windows(specs: list[str], model: Any, reg: Any, *, eng_factory: Any,
             for knob, value in defaults.items():
                 setattr(background, knob, value)
         window = [ms for ms, _, _ in eng.steps]
+        eager_steps = [i for i, (_, _, hit) in enumerate(eng.steps) if not hit]
+        eager_wall = statistics.median([window[i] for i in eager_steps]) if eager_steps else float("nan")
+        eager_cpu = statistics.median([eng.cpu_ms[i] for i in eager_steps]) if eager_steps else float("nan")
         worst = sorted(window)[-4:]
         ratio = " and ".join(f"{percentile(window, 0.99) / p:.2f}" for p in eager_p99)
         print(f"window {name} {knobs}: all keys back {done:.2f} s ({done / foreground_s:.2f}x the foreground capture); "
               f"{len(window)} steps{'' if beside else ' (the last ones after every key was back)'}, worst {', '.join(f'{ms:.1f}' for ms in worst)} ms; p99 / the same steps eager {ratio}; "
-              f"reserved memory {grown:+.0f} MiB")
+              f"reserved memory {grown:+.0f} MiB; {len(eager_steps)} eager-served steps, median {eager_wall:.1f} ms wall, "
+              f"{eager_cpu:.1f} ms serving-thread CPU (eager alone: {alone_wall:.1f} / {alone_cpu:.1f})")
+        if steps:
+            for (ms, at, hit), cpu, collecting, (tokens, reqs), ms_alone in zip(eng.steps, eng.cpu_ms, eng.gc_ms, eng.sizes, same[0]):
+                print(f"  {name} step at {at:6.3f} s: {ms:7.1f} ms, CPU {cpu:5.1f}, gc {collecting:4.1f} (eager alone {ms_alone:5.1f}), {tokens:3d} tokens "
+                      f"{reqs:2d} requests, {'graph' if hit else 'eager'}", file=sys.stderr)
         rows.append((f"window {name}: p99 / the same steps eager", ratio))
         rows.append((f"window {name}: reserved memory afterwards", f"{grown:+.0f} MiB"))
 
