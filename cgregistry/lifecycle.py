@@ -118,12 +118,13 @@ class Lifecycle:
         self._released(removed)
         return count + dropped
 
-    def _released(self, removed: list[Entry]) -> None:
+    def _released(self, removed: list[Entry], release: bool = True) -> None:
         """``removed`` (the caller's list, emptied here: it held the last references) went; their graphs with them.
         A full collection (0.1-0.3 s on a serving thread with a real model loaded) runs only when one of them outlived
-        its references, in a reference cycle that would keep its pool alive."""
+        its references, in a reference cycle that would keep its pool alive.  ``release``: the pool's memory goes back
+        too once nothing holds it (else keys captured again reuse it)."""
         self._events.released(removed)
-        self._job.renew_if_unused()  # drop the pool handle too when nothing holds the old pool
+        self._job.renew_if_unused(release)  # drop the pool handle too when nothing holds the old pool
         if _drop(removed):
             gc.collect()
 
@@ -178,7 +179,7 @@ class Lifecycle:
         if background and removed and self.asleep is None:
             self._release_on_capture_thread(removed)
         else:
-            self._released(removed)
+            self._released(removed, release=False)  # the keys captured again reuse the pool
         if again and self.asleep is None:
             if background:
                 self._job.renew_if_unused()

@@ -14,6 +14,7 @@ import threading
 import time
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -296,6 +297,7 @@ class CudaBackend:
     def __init__(self) -> None:
         self._streams = threading.local()  # each capturing thread's side stream (and a capture thread's own stream)
         self._poisoned: set[object] = set()
+        self._owned: weakref.WeakKeyDictionary[Any, types.SimpleNamespace] = weakref.WeakKeyDictionary()
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()
@@ -306,11 +308,45 @@ class CudaBackend:
     def new_pool(self) -> object:
         return torch.cuda.graph_pool_handle()
 
+    def new_kept_pool(self) -> tuple[object, Any]:
+        """A pool that takes captures for as long as the second item lives, whether or not a graph in it does: what
+        its dead graphs held is reused by the next captures into it (a pool whose graphs all died is only freed at
+        ``empty_cache()``, and takes no capture).  The keeper is a one-kernel graph captured into the pool: a graph
+        holds its pool in the device and the pinned host allocator alike (a ``torch.cuda.MemPool`` holds only the
+        device one, and the host one refuses the next capture)."""
+        pool = torch.cuda.graph_pool_handle()
+        keeper, cell = torch.cuda.CUDAGraph(), torch.zeros(1, device=self.device())
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            keeper.capture_begin(pool=pool, capture_error_mode="thread_local")
+            cell.add_(1)
+            keeper.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        return pool, (keeper, cell)
+
+    @contextlib.contextmanager
+    def streams_of(self, owner: Any) -> Iterator[None]:
+        """This thread warms up and captures on the streams kept for ``owner`` (a pool, whose lock lets one capture
+        at a time use them), made on first use: the caching allocator hands a capture only the free blocks of its
+        pool that came from the same stream, so captures on one thread's streams and then another's would not
+        reuse each other's memory."""
+        streams = self._owned.get(owner)
+        if streams is None:
+            streams = self._owned[owner] = types.SimpleNamespace()
+        before = getattr(self._streams, "bound", None)
+        self._streams.bound = streams
+        try:
+            yield
+        finally:
+            self._streams.bound = before
+
     def _side_stream(self, kind: str = "side", priority: int = 0) -> torch.cuda.Stream:
-        stream = getattr(self._streams, kind, None)
+        streams = getattr(self._streams, "bound", None) or self._streams
+        stream = getattr(streams, kind, None)
         if stream is None:
             stream = torch.cuda.Stream(priority=priority)
-            setattr(self._streams, kind, stream)
+            setattr(streams, kind, stream)
         return stream
 
     def step_pacer(self) -> StepPacer:

@@ -319,13 +319,13 @@ class CaptureJob:
         """Whether this registry holds graphs or has captures in flight (its pool is not to be renewed)."""
         return bool(self._catalog.entries or self._catalog.capturing)
 
-    def renew_if_unused(self) -> None:
-        """A fresh pool, and debug mode's addresses recorded again, when no graph holds or will hold the pool
-        (on CUDA a pool whose graphs all died takes no new capture); a pool shared with a registry that holds graphs
-        is kept."""
+    def renew_if_unused(self, release: bool = False) -> None:
+        """Debug mode's addresses recorded again, and a fresh pool (``GraphPool.renew_if_unused``: to ``release`` its
+        memory, or where the old one takes no more captures), when no graph holds or will hold the pool; a pool shared
+        with a registry that holds graphs is kept."""
         if not (self._catalog.entries or self._catalog.capturing):
             if self.pool.used:
-                self.pool.renew_if_unused()
+                self.pool.renew_if_unused(release)
             self.watch.rebase()
 
     # ---------------------------------------------------------------- capturing
@@ -377,7 +377,8 @@ class CaptureJob:
                     generation = self.watch.generation  # taken first: a move during the capture makes it older
                     weights = self.watch.seen()  # what the graph will read
                     try:
-                        entry = ctx.state.run(self.capture_entry, key, name, strategy, ctx.payload, mode)
+                        with self.pool_streams():  # the pool's own streams, whichever thread captures into it
+                            entry = ctx.state.run(self.capture_entry, key, name, strategy, ctx.payload, mode)
                         if self.watch.generation != generation:  # the step registered tensors while it warmed up
                             weights = self.watch.joined(weights)
                         entry.weights, entry.generation = weights, generation
@@ -412,6 +413,13 @@ class CaptureJob:
             "graph, and the host code that read the batch ran once, at capture. Mark such functions with "
             "@cgregistry.eager_break"
         )
+
+    def pool_streams(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the backend keeps streams per owner (cuda: ``streams_of``), a capture into this job's pool, or one
+        measured for it (``estimate_memory``), runs on the pool's streams: the pool's free blocks, and the warm-up's
+        cached ones, are reused only on the stream they came from."""
+        streams_of = getattr(self.backend, "streams_of", None)
+        return streams_of(self.pool) if streams_of is not None else contextlib.nullcontext()
 
     def capture_all(self, pairs: list[Pair], progress: bool | None, *, untried_lazily: bool = False) -> list[EntryInfo]:
         """Capture ``pairs`` in order, now.  A failure stops its strategy (its later keys are not tried) but not the

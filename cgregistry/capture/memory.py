@@ -389,7 +389,8 @@ def _capture_all(
                     shares = not background or _whole_graph(part, name)
                     before, live_before = (device_memory(), live()) if device_memory is not None else ((0, 0), 0)
                     mode = scratch(pool if shares else None, part_inputs, as_background=background)
-                    entry = run(part.job.capture_entry, key, name, strategy, payload, mode)
+                    with part.job.pool_streams():  # as the capture will run: its warm-up's cache is per stream
+                        entry = run(part.job.capture_entry, key, name, strategy, payload, mode)
                     entries.append(entry)
                     if device_memory is None:  # the emulator counts a graph's bytes, and nothing else
                         measured.append((Probe(key, name, 0, entry.memory_bytes, 0, 0, entry.capture_seconds), entry.memory_bytes))

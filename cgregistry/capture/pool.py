@@ -16,8 +16,12 @@ __all__ = ["GraphPool"]
 class GraphPool:
     """A pool shared by every registry given it (``GraphRegistry(..., pool=other.pool)``).
 
-    The pool is renewed (a fresh handle: on CUDA a pool whose graphs all died takes no new capture) only when no
-    graph of any registry sharing it is alive.  Registries sharing a pool capture on one backend object (its capture
+    On a backend that keeps pools usable (cuda: ``new_kept_pool``) the pool outlives its graphs: a key captured again
+    after a weight update or a wake reuses what the dropped graphs held, instead of taking new memory while theirs
+    stays cached.  It is renewed (a fresh pool; the old one's memory goes back at ``empty_cache()`` once its graphs
+    are gone) when memory is to be released (``clear()``, ``sleep()``), or, on a backend that does not keep pools
+    (whose pool takes no capture once its graphs all died), when none is alive; in both cases only while no graph of
+    any registry sharing it is alive.  Registries sharing a pool capture on one backend object (its capture
     streams: the caching allocator reuses a pool's free blocks only on the stream they came from), and an output of
     any of them is valid until the next replay of any of them (their graphs' memory overlaps).  ``lock`` is held for each capture into it, whichever registry and
     thread captures."""
@@ -26,7 +30,9 @@ class GraphPool:
         self.backend = backend
         self.device = backend.device()
         self.lock = threading.Lock()
-        self.handle: Any = backend.new_pool()
+        self.handle: Any = None
+        self._keeper: Any = None  # what keeps the handle's pool usable with no graph in it (None: nothing does)
+        self._fresh()
         self._graphs: weakref.WeakSet[Any] = weakref.WeakSet()  # entries alive whose graphs are in this handle
         self._used = False  # a graph was captured into this handle
         self._holder = threading.local()  # .name: the registry whose capture holds the lock on this thread
@@ -38,23 +44,31 @@ class GraphPool:
         return len(self._graphs)
 
     def for_capture(self) -> Any:
-        """The handle the next capture goes into: a fresh one if every graph captured into the current one died."""
-        if self._used and not self._graphs:
+        """The handle the next capture goes into: a fresh one if every graph captured into the current one died and
+        nothing keeps its pool usable."""
+        if self._used and not self._graphs and self._keeper is None:
             self.renew()
         return self.handle
 
     def renew(self) -> None:
-        self.handle = self.backend.new_pool()
+        self._fresh()
         self._graphs = weakref.WeakSet()
         self._used = False
+
+    def _fresh(self) -> None:
+        kept = getattr(self.backend, "new_kept_pool", None)
+        self.handle, self._keeper = kept() if kept is not None else (self.backend.new_pool(), None)
 
     def share(self, sharer: Any) -> None:
         """``sharer`` (a registry's capture job, which says whether it ``holds_graphs()``) captures into this pool."""
         self._sharers.add(sharer)
 
-    def renew_if_unused(self) -> bool:
+    def renew_if_unused(self, release: bool = False) -> bool:
         """A fresh handle (the old pool's memory goes back once its graphs are collected) when no registry sharing the
-        pool holds or is capturing a graph, and no capture holds the lock."""
+        pool holds or is capturing a graph, and no capture holds the lock; a pool kept usable only to ``release`` its
+        memory (else the next captures reuse it)."""
+        if self._keeper is not None and not release:
+            return False
         if any(sharer.holds_graphs() for sharer in list(self._sharers)) or not self.lock.acquire(blocking=False):
             return False
         try:
@@ -89,8 +103,14 @@ class GraphPool:
         self.lock.release()
 
     def recover(self) -> None:
-        """After a failed capture into the pool: what the backend says the pool can still be used as."""
-        self.handle = self.backend.recover_pool(self.handle)
+        """After a failed capture into the pool: what the backend says the pool can still be used as (a fresh pool,
+        kept like the old one, where the backend says the old one takes no more captures)."""
+        handle = self.backend.recover_pool(self.handle)
+        if handle is not self.handle:
+            if self._keeper is not None:
+                self._fresh()
+            else:
+                self.handle = handle
 
     def add(self, entry: Any) -> None:
         """``entry``'s graph was captured into the current handle."""

@@ -71,7 +71,10 @@ class Backend(Protocol):
     # (the cuda backend: it keeps the serving thread a few steps ahead of the device at most); and
     # ``collects_before_capture``, whether a plan's capture runs a full collection before it freezes the heap, to free
     # device memory that garbage holds (default True; the cpu emulator says False: only the young generations, whose
-    # garbage the freeze would otherwise move to the oldest).
+    # garbage the freeze would otherwise move to the oldest); ``new_kept_pool()``, a pool and what keeps it taking
+    # captures once its graphs died (the cuda backend: a one-kernel graph in it), so that keys captured again reuse
+    # the dropped graphs' memory; and ``streams_of(owner)``, a context manager under which a capture runs on the
+    # streams kept for ``owner`` (a registry's pool), whichever thread captures.
 
 
 @runtime_checkable
