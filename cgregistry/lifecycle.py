@@ -114,6 +114,7 @@ class Lifecycle:
         if self._adapter is not None:
             self._adapter.reset()  # a refit queued or running was dropped with the rest; adaptation keeps observing
         removed, count = self._catalog.clear()
+        self._job.handover.drop()
         self._job.forget()  # the next capture request records the capture context anew
         self._released(removed)
         return count + dropped
@@ -175,6 +176,7 @@ class Lifecycle:
             entry = self._catalog.entries[pair]
             entry.weights, entry.generation = seen, generation
         entry = None  # the loops' last entry, perhaps a stale one: its last reference goes in _released
+        self._job.handover.leave(removed, pools=background and self.asleep is None)
         again = list(dict.fromkeys([*stale, *queued]))
         if background and removed and self.asleep is None:
             self._release_on_capture_thread(removed)
@@ -185,7 +187,10 @@ class Lifecycle:
                 self._job.renew_if_unused()
                 self._background.submit(again, self._job.current())
             else:
-                self._job.capture_all(again, progress=None, untried_lazily=True)
+                try:
+                    self._job.capture_all(again, progress=None, untried_lazily=True)
+                finally:
+                    self._job.handover.drop()
         result = Refreshed(kept, tuple(again), moved, background)
         self._events.refreshed(result)
         return result
@@ -207,6 +212,7 @@ class Lifecycle:
         if self._adapter is not None:
             self._adapter.reset()
         removed, _ = self._catalog.clear()
+        self._job.handover.drop()
         self._catalog.set_asleep(True)
         self._released(removed)
         inputs = sum(buf.release() for buf in self._buffers.values())

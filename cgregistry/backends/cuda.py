@@ -295,9 +295,11 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self) -> None:
-        self._streams = threading.local()  # each capturing thread's side stream (and a capture thread's own stream)
+        self._streams = threading.local()  # .bound: the streams of the pool this thread captures into (streams_of)
         self._poisoned: set[object] = set()
         self._owned: weakref.WeakKeyDictionary[Any, types.SimpleNamespace] = weakref.WeakKeyDictionary()
+        self._keeper_lock = threading.Lock()
+        self._keeper_streams: dict[int, torch.cuda.Stream] = {}  # per device
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()
@@ -308,22 +310,41 @@ class CudaBackend:
     def new_pool(self) -> object:
         return torch.cuda.graph_pool_handle()
 
-    def new_kept_pool(self) -> tuple[object, Any]:
-        """A pool that takes captures for as long as the second item lives, whether or not a graph in it does: what
-        its dead graphs held is reused by the next captures into it (a pool whose graphs all died is only freed at
-        ``empty_cache()``, and takes no capture).  The keeper is a one-kernel graph captured into the pool: a graph
+    def keep_pool(self, pool: object, beside_serving: bool = False) -> Any:
+        """What keeps ``pool`` taking captures for as long as it lives, whether or not a graph in it does: what its dead
+        graphs held is reused by the next captures into it (a pool whose graphs all died takes no capture, and is only
+        freed at ``empty_cache()``).  A one-kernel graph captured into it, on this thread's current device (where the
+        capture that asks for it runs), counted as a background segment beside a serving thread: a graph
         holds its pool in the device and the pinned host allocator alike (a ``torch.cuda.MemPool`` holds only the
         device one, and the host one refuses the next capture)."""
-        pool = torch.cuda.graph_pool_handle()
-        keeper, cell = torch.cuda.CUDAGraph(), torch.zeros(1, device=self.device())
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            keeper.capture_begin(pool=pool, capture_error_mode="thread_local")
-            cell.add_(1)
-            keeper.capture_end()
-        torch.cuda.current_stream().wait_stream(stream)
-        return pool, (keeper, cell)
+        keeper, cell = torch.cuda.CUDAGraph(), torch.zeros(1, device="cuda")
+        with self._keeper_lock:  # one stream a device for every keeper (a new one each time would cycle through
+            device = torch.cuda.current_device()  # torch's stream pool onto streams other threads launch on)
+            stream = self._keeper_streams.get(device)
+            if stream is None:
+                stream = self._keeper_streams[device] = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            if beside_serving:  # another thread's device-wide sync waits for it, as for a segment
+                _background_segments.opened()
+            try:
+                with torch.cuda.stream(stream):
+                    keeper.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    try:
+                        cell.add_(1)
+                    finally:
+                        keeper.capture_end()
+            finally:
+                if beside_serving:
+                    _background_segments.closed()
+            torch.cuda.current_stream().wait_stream(stream)
+        return keeper, cell
+
+    def fence(self) -> Callable[[], None]:
+        """What waits, on any thread, for the work queued so far on this thread's current stream (a serving thread's
+        replays, before memory they read is handed to a capture on another stream)."""
+        event = torch.cuda.Event()
+        event.record()
+        return event.synchronize
 
     @contextlib.contextmanager
     def streams_of(self, owner: Any) -> Iterator[None]:
@@ -354,8 +375,9 @@ class CudaBackend:
         return StepPacer()
 
     def background_context(self) -> contextlib.AbstractContextManager[Any]:
-        """A background capture runs on streams of its own thread, made current here (its static inputs are filled
-        on it too): nothing it queues or waits for sits behind the serving thread's queued steps."""
+        """A background capture runs on a stream of the pool it captures into (``streams_of``), not the serving
+        thread's, made current here (its static inputs are filled on it too): nothing it queues or waits for sits
+        behind the serving thread's queued steps."""
         return torch.cuda.stream(self._side_stream("background"))
 
     def warmup(self, fn: Callable[[], Any], runs: int) -> Any:

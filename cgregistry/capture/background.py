@@ -353,6 +353,7 @@ class BackgroundCapture:
             task.on_done(task.result, task.error)
         if not self.busy and not self._ready:
             self.active = False
+            self._job.handover.drop()  # what no capture claimed
 
     def pace(self) -> None:
         """At the start of a step while the capture thread works: keep the serving thread at most a few steps ahead of

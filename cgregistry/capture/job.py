@@ -34,7 +34,7 @@ import attrs
 import torch
 
 from cgregistry.capture import phases
-from cgregistry.capture.pool import GraphPool
+from cgregistry.capture.pool import GraphPool, Handover
 from cgregistry.contracts.protocols import Backend
 from cgregistry.errors import CaptureError, PluginError, ServingStateError, WeightsMovedError
 from cgregistry.hooks.events import Events
@@ -61,9 +61,10 @@ class Mode:
     """Where a capture goes and what it runs on.
 
     ``foreground``: the shared pool and static inputs (reset to their fills), on the serving thread.  ``background``:
-    beside a serving thread, so static inputs of its own sized for the key (the shared ones hold the live batch), the
-    capturing thread's own streams where the backend has them, and a pool of its own for a strategy that runs eager
-    code during capture (that code really executes and could write memory a graph being replayed is using).
+    beside a serving thread, so static inputs of its own sized for the key (the shared ones hold the live batch), a
+    stream of the pool's made current where the backend has them (not the serving thread's), and a pool of its own
+    for a strategy that runs eager code during capture (that code really executes and could write memory a graph
+    being replayed is using).
     ``scratch``: measured and dropped (a memory estimate), never into the shared pool nor on the shared inputs.
     """
 
@@ -77,7 +78,7 @@ class Mode:
 
     @property
     def beside_serving(self) -> bool:
-        """Captured while a serving thread may run: on the capturing thread's own streams, as safe as the background."""
+        """Captured while a serving thread may run: on streams not the serving thread's, as safe as the background."""
         return self.name != "foreground"
 
 
@@ -119,6 +120,7 @@ class CaptureJob:
         self._warmup_runs = warmup_runs
         self.pool = pool  # its lock: one capture at a time into the pool, any thread's, any registry's sharing it
         self.pool.share(self)
+        self.handover = Handover(backend)  # what the entries a refresh() dropped leave to their keys' next captures
         self._catalog = catalog
         self._events = events
         self._plugins = plugins
@@ -324,7 +326,7 @@ class CaptureJob:
         memory, or where the old one takes no more captures), when no graph holds or will hold the pool; a pool shared
         with a registry that holds graphs is kept."""
         if not (self._catalog.entries or self._catalog.capturing):
-            if self.pool.used:
+            if self.pool.used or (release and self.pool.kept):
                 self.pool.renew_if_unused(release)
             self.watch.rebase()
 
@@ -370,7 +372,7 @@ class CaptureJob:
         here.depth = getattr(here, "depth", 0) + 1  # the hooks' calls back are refused until capture_finished has returned
         try:
             with PausedGC():
-                pool.begin(self.name, key, name)  # its lock, held for this capture (refused if this thread holds it)
+                pool.begin(self.name, key, name, mode.beside_serving)  # its lock, held for this capture (refused if this thread holds it)
                 entry = None
                 try:
                     self._events.capture_started(key, name)
@@ -474,7 +476,7 @@ class CaptureJob:
         """Warm up and capture ``step(key, **views)`` with ``strategy`` where ``mode`` says; ``payload`` is what eager
         breaks see.  Takes no lock and calls no hook (``capture_key`` does); a scratch capture is warmed up on the
         streams ``mode.as_background`` says, so that it takes what that capture would."""
-        if mode.beside_serving:  # on streams of the capturing thread's own where the backend has them (cuda)
+        if mode.beside_serving:  # on a stream of the pool's, not the serving thread's, where the backend has them (cuda)
             with getattr(self.backend, "background_context", contextlib.nullcontext)():
                 return self._capture_entry(key, strategy_name, strategy, payload, mode)
         return self._capture_entry(key, strategy_name, strategy, payload, mode)
@@ -485,12 +487,13 @@ class CaptureJob:
         used_before = device_memory()[0] if device_memory is not None else 0
         graph_pool = self.pool
         own_inputs = mode.name == "background" or (mode.name == "scratch" and mode.inputs is None)
+        keeper = None
         if mode.name == "scratch":
             pool = mode.pool if mode.pool is not None else backend.new_pool()
         elif _shares_pool(mode, strategy):
-            pool = graph_pool.handle  # renewed, if every graph in it died, as the capture began (GraphPool.begin)
+            pool = graph_pool.handle  # renewed (and kept, where the backend keeps pools) as the capture began
         else:
-            pool = backend.new_pool()
+            pool, keeper = self.handover.own_pool((key, strategy_name))
         buffers, views = capture_inputs(self.buffers if mode.inputs is None else mode.inputs, key, own_inputs)
         step = self.step
 
@@ -546,7 +549,11 @@ class CaptureJob:
                                      clock["instantiate"])
         if device_memory is not None:  # what the device gave this capture: pool, warm-up, driver objects, own inputs
             entry.device_bytes = max(0, device_memory()[0] - used_before)
+            if mode.name != "scratch":  # captured again into what its dropped entry held: it holds as much
+                entry.device_bytes = max(entry.device_bytes, self.handover.accounted_bytes((key, strategy_name)))
         entry.read_live_batch = recording.live_batch_reads > 0
+        if keeper is not None:
+            entry.own_pool = (pool, keeper)
         if own_inputs:
             entry.buffers = tuple(buffers.values())  # in the registry's input order, as routes copy them
         return entry

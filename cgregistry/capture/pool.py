@@ -1,6 +1,7 @@
 """GraphPool: the memory pool graphs are captured into, the graphs alive in it, and the lock that lets one capture at
 a time into it.  Registries given one GraphPool (a drafter beside its target) share their graphs' memory: their
-graphs never replay at once, so what one step's graph holds between kernels the other may reuse."""
+graphs never replay at once, so what one step's graph holds between kernels the other may reuse.  Handover: what
+the entries a weight sync drops leave to their keys' next captures (their memory, and what it is accounted as)."""
 
 from __future__ import annotations
 
@@ -9,30 +10,32 @@ import weakref
 from typing import Any
 
 from cgregistry.contracts.protocols import Backend
+from cgregistry.warn import warn
 
-__all__ = ["GraphPool"]
+__all__ = ["GraphPool", "Handover"]
 
 
 class GraphPool:
     """A pool shared by every registry given it (``GraphRegistry(..., pool=other.pool)``).
 
-    On a backend that keeps pools usable (cuda: ``new_kept_pool``) the pool outlives its graphs: a key captured again
-    after a weight update or a wake reuses what the dropped graphs held, instead of taking new memory while theirs
-    stays cached.  It is renewed (a fresh pool; the old one's memory goes back at ``empty_cache()`` once its graphs
-    are gone) when memory is to be released (``clear()``, ``sleep()``), or, on a backend that does not keep pools
-    (whose pool takes no capture once its graphs all died), when none is alive; in both cases only while no graph of
-    any registry sharing it is alive.  Registries sharing a pool capture on one backend object (its capture
-    streams: the caching allocator reuses a pool's free blocks only on the stream they came from), and an output of
-    any of them is valid until the next replay of any of them (their graphs' memory overlaps).  ``lock`` is held for each capture into it, whichever registry and
-    thread captures."""
+    On a backend that keeps pools usable (cuda: ``keep_pool``) the pool outlives its graphs: a keeper holds it, so a
+    key captured again after a weight update reuses what the dropped graphs held, instead of taking new memory while
+    theirs stays cached.  The keeper is let go, and the pool renewed (a fresh handle; the old pool's memory goes back
+    at ``empty_cache()`` once its graphs are gone), when memory is to be released (``clear()``, ``sleep()``,
+    ``release()`` of the last graph) while no registry sharing it holds a graph; a pool no keeper holds is renewed
+    when every graph in it died (it takes no capture then).  Registries sharing a pool capture into it on the pool's
+    own streams (the caching allocator reuses a pool's free blocks only on the stream they came from), and an output
+    of any of them is valid until the next replay of any of them (their graphs' memory overlaps).  ``lock`` is held
+    for each capture into it, whichever registry and thread captures."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.device = backend.device()
         self.lock = threading.Lock()
-        self.handle: Any = None
-        self._keeper: Any = None  # what keeps the handle's pool usable with no graph in it (None: nothing does)
-        self._fresh()
+        self.handle: Any = backend.new_pool()
+        # What keeps the handle's pool usable with no graph in it: made now (a memory estimate before the first capture
+        # then measures a process that holds it, as the capture will), and after a renewal at the next capture.
+        self._keeper: Any = keep_pool(backend, self.handle, beside_serving=False)
         self._graphs: weakref.WeakSet[Any] = weakref.WeakSet()  # entries alive whose graphs are in this handle
         self._used = False  # a graph was captured into this handle
         self._holder = threading.local()  # .name: the registry whose capture holds the lock on this thread
@@ -43,33 +46,38 @@ class GraphPool:
         """Graphs alive in the pool, of every registry sharing it."""
         return len(self._graphs)
 
+    @property
+    def kept(self) -> bool:
+        """Whether a keeper holds the pool (its memory stays for the next captures once its graphs died)."""
+        return self._keeper is not None
+
     def for_capture(self) -> Any:
-        """The handle the next capture goes into: a fresh one if every graph captured into the current one died and
-        nothing keeps its pool usable."""
+        """The handle the next capture goes into (under the lock): a fresh one if every graph captured into the
+        current one died and nothing kept it."""
         if self._used and not self._graphs and self._keeper is None:
             self.renew()
         return self.handle
 
     def renew(self) -> None:
-        self._fresh()
+        self.handle = self.backend.new_pool()
+        self._keeper = None
         self._graphs = weakref.WeakSet()
         self._used = False
-
-    def _fresh(self) -> None:
-        kept = getattr(self.backend, "new_kept_pool", None)
-        self.handle, self._keeper = kept() if kept is not None else (self.backend.new_pool(), None)
 
     def share(self, sharer: Any) -> None:
         """``sharer`` (a registry's capture job, which says whether it ``holds_graphs()``) captures into this pool."""
         self._sharers.add(sharer)
 
     def renew_if_unused(self, release: bool = False) -> bool:
-        """A fresh handle (the old pool's memory goes back once its graphs are collected) when no registry sharing the
-        pool holds or is capturing a graph, and no capture holds the lock; a pool kept usable only to ``release`` its
-        memory (else the next captures reuse it)."""
+        """When no registry sharing the pool holds or is capturing a graph: to ``release`` its memory, let its keeper
+        go (a capture in progress holds the pool itself); and, unless a keeper holds it or a capture holds the lock, a
+        fresh handle (the old pool's memory goes back once its graphs are collected)."""
         if self._keeper is not None and not release:
             return False
-        if any(sharer.holds_graphs() for sharer in list(self._sharers)) or not self.lock.acquire(blocking=False):
+        if any(sharer.holds_graphs() for sharer in list(self._sharers)):
+            return False
+        self._keeper = None
+        if not self.lock.acquire(blocking=False):
             return False
         try:
             self.renew()
@@ -82,14 +90,17 @@ class GraphPool:
         """Whether a graph was captured into the current handle (a pool never used has nothing to renew)."""
         return self._used
 
-    def begin(self, registry: str, key: Any, strategy: str) -> None:
+    def begin(self, registry: str, key: Any, strategy: str, beside_serving: bool = False) -> None:
         """Hold the lock for one capture of ``key`` [``strategy``] by ``registry`` on this thread, into ``handle`` (a fresh
-        one if every graph captured into the current one died); refused on a thread whose capture holds it already."""
+        one if every graph captured into the current one died; kept from now on, where the backend keeps pools, by a
+        keeper made on this thread, ``beside_serving`` or not); refused on a thread whose capture holds it already."""
         if self.holder() is not None:
             self.refuse_if_held(f"a capture of {key} [{strategy}]", registry)
         self.lock.acquire()
         try:
             self.for_capture()
+            if self._keeper is None:
+                self._keeper = keep_pool(self.backend, self.handle, beside_serving)
         except BaseException:
             self.lock.release()
             raise
@@ -103,14 +114,11 @@ class GraphPool:
         self.lock.release()
 
     def recover(self) -> None:
-        """After a failed capture into the pool: what the backend says the pool can still be used as (a fresh pool,
-        kept like the old one, where the backend says the old one takes no more captures)."""
+        """After a failed capture into the pool: what the backend says the pool can still be used as (a new handle,
+        kept at its first capture, where the old one takes no more captures; the old one's graphs hold it)."""
         handle = self.backend.recover_pool(self.handle)
         if handle is not self.handle:
-            if self._keeper is not None:
-                self._fresh()
-            else:
-                self.handle = handle
+            self.handle, self._keeper = handle, None
 
     def add(self, entry: Any) -> None:
         """``entry``'s graph was captured into the current handle."""
@@ -137,3 +145,68 @@ class GraphPool:
 
     def __repr__(self) -> str:
         return f"GraphPool({self.backend.name}, {self.live_graphs} live graphs)"
+
+
+class Handover:
+    """What the entries a ``refresh()`` drops hand to their keys' next captures: the device memory their keys account
+    for (captured again into a pool that kept what they held, a key takes little new memory, yet its graph holds as
+    much), and, where the backend keeps pools usable (``keep_pool``), a background entry's pool of its own (a
+    strategy that runs eager code while it captures takes one, which must not be memory a live graph reads), taken
+    again once the device has done the work queued before the drop (the dropped graph's last replay may still run).
+    Let go once the capture thread has nothing left, or at ``clear()`` and ``sleep()`` (``drop``)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._pools: dict[Any, tuple[Any, Any, Any]] = {}  # (key, strategy) -> (handle, keeper, fence)
+        self._bytes: dict[Any, int] = {}  # (key, strategy) -> the dropped entry's device_bytes
+
+    def leave(self, entries: list[Any], pools: bool) -> None:
+        """``entries`` go for good and their keys are captured again, in the background where ``pools``: what they
+        account for, and their kept pools, go to those captures.  On the serving thread, which queued their replays."""
+        self._bytes.update((e.pair, e.device_bytes) for e in entries)
+        kept = [e for e in entries if e.own_pool is not None] if pools else []
+        if kept:
+            fence = getattr(self._backend, "fence", None)
+            done = fence() if fence is not None else None
+            self._pools.update((e.pair, (*e.own_pool, done)) for e in kept)
+
+    def own_pool(self, pair: Any) -> tuple[Any, Any]:
+        """A pool of its own for ``pair``'s background capture and what keeps it (None where nothing does): its
+        dropped entry's, once the device has done the work queued before the drop, else a new one."""
+        spare = self._pools.pop(pair, None)
+        if spare is not None:
+            handle, keeper, fence = spare
+            if fence is not None:
+                fence()
+            return handle, keeper
+        handle = self._backend.new_pool()
+        return handle, keep_pool(self._backend, handle, beside_serving=True)
+
+    def accounted_bytes(self, pair: Any) -> int:
+        """The device memory ``pair``'s dropped entry accounted for (0 if none)."""
+        return self._bytes.get(pair, 0)
+
+    def drop(self) -> None:
+        self._pools.clear()
+        self._bytes.clear()
+
+
+_unkept: weakref.WeakSet[Any] = weakref.WeakSet()  # backends that failed to keep a pool (warned once each)
+
+
+def keep_pool(backend: Backend, handle: Any, beside_serving: bool) -> Any:
+    """What keeps ``handle``'s pool taking captures once its graphs died (``backend.keep_pool``; made on this thread,
+    ``beside_serving`` or not), or None where the backend keeps no pool, or failed to (warned once: keys captured
+    again then take new memory)."""
+    keep = getattr(backend, "keep_pool", None)
+    if keep is None:
+        return None
+    try:
+        return keep(handle, beside_serving)
+    except Exception as exc:
+        if backend not in _unkept:
+            _unkept.add(backend)
+            warn(f"cgregistry: the {backend.name} backend could not keep a graph pool usable ({exc}); keys captured "
+                 "again after a weight update take new memory while the dropped graphs' stays cached until "
+                 "empty_cache()")
+        return None

@@ -40,7 +40,7 @@ class Entry:
     __slots__ = (
         "key", "strategy", "graph", "replay", "slicer", "capture_seconds", "memory_bytes",
         "replays", "padded_tokens", "graph_tokens", "last_step", "_key_class", "has_breaks", "buffers", "weights",
-        "generation", "read_live_batch", "device_bytes", "phases", "__weakref__",
+        "generation", "read_live_batch", "device_bytes", "phases", "own_pool", "__weakref__",
     )
 
     def __init__(self, key: BatchDescriptor, strategy: str, graph: Any, slicer: OutputSlicer, seconds: float) -> None:
@@ -65,6 +65,7 @@ class Entry:
         # the graph's own count; what memory_budget sums.
         self.device_bytes = self.memory_bytes
         self.phases: CapturePhases | None = None  # where its capture seconds went (compile, warm-up, record, instantiate)
+        self.own_pool: tuple[Any, Any] | None = None  # a pool of its own and what keeps it usable (OwnPools), if kept
 
     @property
     def pair(self) -> Pair:

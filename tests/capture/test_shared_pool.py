@@ -3,17 +3,11 @@ eager computes, and the pool is renewed only when neither holds a graph."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import weakref
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.backends.cpu import CpuBackend
 from cgregistry.capture.pool import GraphPool
 from cgregistry.testing import make_plugins
 from tests.conftest import device_of
@@ -138,97 +132,3 @@ def test_a_pool_argument_is_checked() -> None:
         cg.GraphRegistry(lambda batch, x: x, spec, backend="cpu", pool=3)
     cpu = cg.GraphRegistry(lambda batch, x: x, spec, backend="cpu")
     assert isinstance(cpu.pool, GraphPool)
-
-
-class KeptPools(CpuBackend):
-    """The cpu emulator with pools kept usable by a keeper object and streams kept per owner, as the cuda backend
-    keeps them: what each capture was bound to is recorded."""
-
-    name = "cpu-kept"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.keepers: list[weakref.ref[object]] = []
-        self.bound: list[object] = []
-
-    def new_kept_pool(self) -> tuple[object, object]:
-        keeper = type("Keeper", (), {})()
-        self.keepers.append(weakref.ref(keeper))
-        return object(), keeper
-
-    @contextlib.contextmanager
-    def streams_of(self, owner: object) -> Iterator[None]:
-        self.bound.append(owner)
-        yield
-
-    @cg.plugin.hookimpl
-    def cgregistry_register_backends(self, register):  # type: ignore[no-untyped-def]
-        register(self)
-
-
-@pytest.mark.parametrize("background", [False, True])
-def test_keys_captured_again_after_a_weight_update_go_into_the_kept_pool_on_its_streams(background: bool) -> None:
-    """Where the backend keeps a pool usable with no graph in it, a weight update that makes every graph stale keeps
-    the pool (the keys captured again reuse what the old graphs held), and every capture, in the foreground or on the
-    capture thread, runs on the pool's streams; ``clear()`` renews the pool and lets the old one go."""
-    backend = KeptPools()
-    layer = torch.nn.Linear(16, 16)
-    reg = cg.GraphRegistry(lambda batch, x: layer(x) * 2, {"x": cg.StaticInput((8, 16), torch.float32)},
-                           backend="cpu-kept", plugins=make_plugins(backend))
-    with torch.inference_mode():
-        reg.capture(PLAN)
-        handle = reg.pool.handle
-        for seed in range(3):
-            torch.manual_seed(seed)
-            layer.load_state_dict({k: torch.randn_like(v) for k, v in layer.state_dict().items()}, assign=True)
-            assert len(reg.refresh(background=background).recaptured) == len(PLAN)
-            reg.wait_captured()
-            assert reg.pool.handle is handle, "the old graphs' memory is reused"
-            x = torch.randn(5, 16)
-            torch.testing.assert_close(reg.run(B.decode(5), x=x), layer(x) * 2)
-        assert len(backend.bound) == 4 * len(PLAN) and all(owner is reg.pool for owner in backend.bound)
-        reg.clear()
-        gc.collect()
-    assert reg.pool.handle is not handle, "clear() releases the pool"
-    assert [ref() is None for ref in backend.keepers] == [True, False], "the old pool's keeper is gone, the new one held"
-
-
-def test_a_pool_nothing_keeps_is_renewed_once_its_graphs_are_stale() -> None:
-    """On a backend that keeps no pool (a pool whose graphs all died takes no capture), the keys captured again after
-    every graph went stale go into a fresh pool."""
-    layer = torch.nn.Linear(16, 16)
-    reg = cg.GraphRegistry(lambda batch, x: layer(x) * 2, {"x": cg.StaticInput((8, 16), torch.float32)}, backend="cpu")
-    with torch.inference_mode():
-        reg.capture(PLAN)
-        handle = reg.pool.handle
-        layer.load_state_dict({k: torch.randn_like(v) for k, v in layer.state_dict().items()}, assign=True)
-        reg.refresh()
-        assert reg.pool.handle is not handle
-        x = torch.randn(5, 16)
-        torch.testing.assert_close(reg.run(B.decode(5), x=x), layer(x) * 2)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("background", [False, True])
-def test_cuda_weight_updates_captured_again_take_no_new_memory(background: bool) -> None:
-    """After an assign-style weight update the graphs captured again reuse the dropped graphs' memory: the caching
-    allocator's reserved bytes stay flat over rounds (a fresh pool each round would keep the old one's segments
-    cached until empty_cache())."""
-    layer = torch.nn.Linear(512, 512, device="cuda")
-    reg = cg.GraphRegistry(lambda batch, x: (layer(x).relu() * 2).sum(-1), {"x": cg.StaticInput((64, 512), torch.float32)},
-                           backend="cuda")
-    plan = cg.CapturePlan.build(max_num_seqs=64, max_num_tokens=64, mode="full")
-    reserved = []
-    with torch.inference_mode():
-        reg.capture(plan)
-        for seed in range(4):
-            torch.manual_seed(seed)
-            layer.load_state_dict({k: torch.randn_like(v) for k, v in layer.state_dict().items()}, assign=True)
-            reg.refresh(background=background)
-            reg.wait_captured()
-            x = torch.randn(5, 512, device="cuda")
-            torch.testing.assert_close(reg.run(B.decode(5), x=x), (layer(x).relu() * 2).sum(-1))
-            torch.cuda.synchronize()
-            reserved.append(torch.cuda.memory_reserved())
-    assert len(reg) == len(plan)
-    assert reserved[-1] - reserved[1] < 2**20, [r / 2**20 for r in reserved]
