@@ -187,10 +187,7 @@ class Lifecycle:
                 self._job.renew_if_unused()
                 self._background.submit(again, self._job.current())
             else:
-                try:
-                    self._job.capture_all(again, progress=None, untried_lazily=True)
-                finally:
-                    self._job.handover.drop()
+                self._job.capture_all(again, progress=None, untried_lazily=True)
         result = Refreshed(kept, tuple(again), moved, background)
         self._events.refreshed(result)
         return result

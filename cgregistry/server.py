@@ -203,6 +203,7 @@ class Server:
         if self._adapter is not None and type(actual) is BatchDescriptor:
             self._adapter.observe(actual)
         if background.active:
+            self._job.handover.arm()  # this run() ends the dropped graphs' outputs: their pools may be taken again
             background.runs += 1  # the capture thread stands aside for each run() anew
             background.serving_thread = threading.get_ident()
             background.install()

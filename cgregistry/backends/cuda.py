@@ -340,8 +340,8 @@ class CudaBackend:
         return keeper, cell
 
     def fence(self) -> Callable[[], None]:
-        """What waits, on any thread, for the work queued so far on this thread's current stream (a serving thread's
-        replays, before memory they read is handed to a capture on another stream)."""
+        """What waits, on any thread, for the work queued so far on this thread's current stream (called at the start
+        of a ``run()``: the stream it replays on, before memory a dropped graph read goes to a capture on another)."""
         event = torch.cuda.Event()
         event.record()
         return event.synchronize

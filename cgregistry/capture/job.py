@@ -120,7 +120,7 @@ class CaptureJob:
         self._warmup_runs = warmup_runs
         self.pool = pool  # its lock: one capture at a time into the pool, any thread's, any registry's sharing it
         self.pool.share(self)
-        self.handover = Handover(backend)  # what the entries a refresh() dropped leave to their keys' next captures
+        self.handover = Handover(backend, pool)  # pools of their own that dropped entries leave to their keys' captures
         self._catalog = catalog
         self._events = events
         self._plugins = plugins
@@ -487,13 +487,14 @@ class CaptureJob:
         used_before = device_memory()[0] if device_memory is not None else 0
         graph_pool = self.pool
         own_inputs = mode.name == "background" or (mode.name == "scratch" and mode.inputs is None)
-        keeper = None
+        keeper, held = None, (0, 0)  # held: what a dropped entry whose memory this capture goes into accounted for
         if mode.name == "scratch":
             pool = mode.pool if mode.pool is not None else backend.new_pool()
         elif _shares_pool(mode, strategy):
-            pool = graph_pool.handle  # renewed (and kept, where the backend keeps pools) as the capture began
+            pool = graph_pool.handle  # renewed (and kept, where the backend keeps pools) as the capture began (what
+            # dropped entries left in it is accounted for as it ends: GraphPool.end)
         else:
-            pool, keeper = self.handover.own_pool((key, strategy_name))
+            pool, keeper, held = self.handover.own_pool((key, strategy_name))
         buffers, views = capture_inputs(self.buffers if mode.inputs is None else mode.inputs, key, own_inputs)
         step = self.step
 
@@ -533,6 +534,7 @@ class CaptureJob:
         except BaseException as exc:  # a KeyboardInterrupt too leaves the pool to recover
             if pool is graph_pool.handle:
                 graph_pool.recover()
+            pool = keeper = None  # a pool of its own goes with the failed capture (the error's frames outlive it)
             if not isinstance(exc, Exception):
                 raise
             raise CaptureError(key, strategy_name, exc) from exc
@@ -543,14 +545,14 @@ class CaptureJob:
         seconds = time.perf_counter() - started
         _watch_compiles()  # again: the step may have loaded dynamo
         entry = Entry(key, strategy_name, graph, slicer, seconds)
+        if held[1] > entry.memory_bytes:  # captured again into what its dropped entry held: it holds as much
+            entry.memory_bytes = entry.device_bytes = held[1]
         # the rest of the warm-up once its compiling is taken out; record: the rest (recording, checking the outputs)
         warmup = max(0.0, warmed - compiled_warming)
         entry.phases = CapturePhases(clock["compile"], warmup, max(0.0, seconds - clock["compile"] - warmup - clock["instantiate"]),
                                      clock["instantiate"])
         if device_memory is not None:  # what the device gave this capture: pool, warm-up, driver objects, own inputs
-            entry.device_bytes = max(0, device_memory()[0] - used_before)
-            if mode.name != "scratch":  # captured again into what its dropped entry held: it holds as much
-                entry.device_bytes = max(entry.device_bytes, self.handover.accounted_bytes((key, strategy_name)))
+            entry.device_bytes = max(0, device_memory()[0] - used_before, held[0])
         entry.read_live_batch = recording.live_batch_reads > 0
         if keeper is not None:
             entry.own_pool = (pool, keeper)

@@ -1,7 +1,7 @@
 """GraphPool: the memory pool graphs are captured into, the graphs alive in it, and the lock that lets one capture at
 a time into it.  Registries given one GraphPool (a drafter beside its target) share their graphs' memory: their
-graphs never replay at once, so what one step's graph holds between kernels the other may reuse.  Handover: what
-the entries a weight sync drops leave to their keys' next captures (their memory, and what it is accounted as)."""
+graphs never replay at once, so what one step's graph holds between kernels the other may reuse.  Handover: the
+pools of their own that background entries a weight sync drops leave to their keys' next captures."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ class GraphPool:
         self._keeper: Any = keep_pool(backend, self.handle, beside_serving=False)
         self._graphs: weakref.WeakSet[Any] = weakref.WeakSet()  # entries alive whose graphs are in this handle
         self._used = False  # a graph was captured into this handle
+        self._left = (0, 0)  # (device_bytes, memory_bytes) of dropped entries whose memory the kept pool still holds
+        self._left_lock = threading.Lock()
         self._holder = threading.local()  # .name: the registry whose capture holds the lock on this thread
         self._sharers: weakref.WeakSet[Any] = weakref.WeakSet()  # each registry's capture job (its holds_graphs())
 
@@ -60,9 +62,35 @@ class GraphPool:
 
     def renew(self) -> None:
         self.handle = self.backend.new_pool()
-        self._keeper = None
+        self._let_go()
         self._graphs = weakref.WeakSet()
         self._used = False
+
+    def _let_go(self) -> None:
+        self._keeper = None
+        with self._left_lock:
+            self._left = (0, 0)
+
+    def left_by(self, entries: list[Any]) -> None:
+        """``entries`` in this pool were dropped to be captured again: while a keeper holds the pool, what they
+        accounted for stays in it, for the next capture into it to account for (``end``)."""
+        if self._keeper is None:
+            return
+        with self._left_lock:
+            device, memory = self._left
+            for entry in entries:
+                device, memory = device + entry.device_bytes, memory + entry.memory_bytes
+            self._left = (device, memory)
+
+    def _account_left(self, entry: Any) -> None:
+        """``entry``, captured into the kept pool, accounts for what dropped entries left in it (the first capture into
+        a pool accounts for the pool, whichever key it is): it took little new memory, yet holds as much."""
+        with self._left_lock:
+            (device, memory), self._left = self._left, (0, 0)
+        if memory > entry.memory_bytes:
+            entry.memory_bytes = memory
+        if device > entry.device_bytes:
+            entry.device_bytes = device
 
     def share(self, sharer: Any) -> None:
         """``sharer`` (a registry's capture job, which says whether it ``holds_graphs()``) captures into this pool."""
@@ -76,7 +104,7 @@ class GraphPool:
             return False
         if any(sharer.holds_graphs() for sharer in list(self._sharers)):
             return False
-        self._keeper = None
+        self._let_go()
         if not self.lock.acquire(blocking=False):
             return False
         try:
@@ -107,9 +135,11 @@ class GraphPool:
         self._holder.name = registry
 
     def end(self, entry: Any = None) -> None:
-        """The capture begun on this thread is over; ``entry``, if given, was captured into ``handle``."""
+        """The capture begun on this thread is over; ``entry``, if given, was captured into ``handle`` (and accounts
+        for what dropped entries left in it)."""
         if entry is not None:
             self.add(entry)
+            self._account_left(entry)
         self._holder.name = None
         self.lock.release()
 
@@ -118,7 +148,8 @@ class GraphPool:
         kept at its first capture, where the old one takes no more captures; the old one's graphs hold it)."""
         handle = self.backend.recover_pool(self.handle)
         if handle is not self.handle:
-            self.handle, self._keeper = handle, None
+            self.handle = handle
+            self._let_go()
 
     def add(self, entry: Any) -> None:
         """``entry``'s graph was captured into the current handle."""
@@ -148,47 +179,55 @@ class GraphPool:
 
 
 class Handover:
-    """What the entries a ``refresh()`` drops hand to their keys' next captures: the device memory their keys account
-    for (captured again into a pool that kept what they held, a key takes little new memory, yet its graph holds as
-    much), and, where the backend keeps pools usable (``keep_pool``), a background entry's pool of its own (a
-    strategy that runs eager code while it captures takes one, which must not be memory a live graph reads), taken
-    again once the device has done the work queued before the drop (the dropped graph's last replay may still run).
-    Let go once the capture thread has nothing left, or at ``clear()`` and ``sleep()`` (``drop``)."""
+    """The pools of their own that background entries a ``refresh()`` drops hand to their keys' next captures, where
+    the backend keeps pools usable (``keep_pool``): a strategy that runs eager code while it captures takes one (that
+    code really writes the pool).  Such a pool is taken again only once armed (``arm``) by the serving thread's next
+    ``run()``, which ends the validity of the dropped graph's outputs, and once the device has done the work queued
+    before that ``run()`` on its stream (the dropped graph's last replay); a key captured before takes a new pool.
+    Entries in the registry's pool leave what they accounted for in it (``GraphPool.left_by``).  Let go once the
+    capture thread has nothing left, and at ``clear()`` and ``sleep()`` (``drop``)."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, pool: GraphPool) -> None:
         self._backend = backend
-        self._pools: dict[Any, tuple[Any, Any, Any]] = {}  # (key, strategy) -> (handle, keeper, fence)
-        self._bytes: dict[Any, int] = {}  # (key, strategy) -> the dropped entry's device_bytes
+        self._pool = pool
+        self._left: dict[Any, tuple[Any, Any, tuple[int, int]]] = {}  # not armed: (handle, keeper, what it held)
+        self._armed: dict[Any, tuple[Any, Any, tuple[int, int], Any]] = {}  # ... and the fence to wait for
 
     def leave(self, entries: list[Any], pools: bool) -> None:
-        """``entries`` go for good and their keys are captured again, in the background where ``pools``: what they
-        account for, and their kept pools, go to those captures.  On the serving thread, which queued their replays."""
-        self._bytes.update((e.pair, e.device_bytes) for e in entries)
-        kept = [e for e in entries if e.own_pool is not None] if pools else []
-        if kept:
+        """``entries`` go for good and their keys are captured again (in the background where ``pools``): those in the
+        registry's pool leave what they accounted for in it; where ``pools``, the others leave their kept pools."""
+        self._pool.left_by([e for e in entries if e.own_pool is None])
+        if pools:
+            for entry in entries:
+                if entry.own_pool is not None:
+                    self._left[entry.pair] = (*entry.own_pool, (entry.device_bytes, entry.memory_bytes))
+
+    def arm(self) -> None:
+        """At the start of a ``run()`` (the serving thread, on the stream it replays on): the pools left so far may be
+        taken once the device has done what was queued before it."""
+        if self._left:
             fence = getattr(self._backend, "fence", None)
             done = fence() if fence is not None else None
-            self._pools.update((e.pair, (*e.own_pool, done)) for e in kept)
+            left, self._left = self._left, {}
+            for pair, (handle, keeper, held) in left.items():
+                self._armed[pair] = (handle, keeper, held, done)
 
-    def own_pool(self, pair: Any) -> tuple[Any, Any]:
-        """A pool of its own for ``pair``'s background capture and what keeps it (None where nothing does): its
-        dropped entry's, once the device has done the work queued before the drop, else a new one."""
-        spare = self._pools.pop(pair, None)
+    def own_pool(self, pair: Any) -> tuple[Any, Any, tuple[int, int]]:
+        """A pool of its own for ``pair``'s background capture, what keeps it (None where nothing does) and the memory
+        it accounts for, (device_bytes, memory_bytes): its dropped entry's if armed, once the fence is passed, else a
+        new one."""
+        spare = self._armed.pop(pair, None)
         if spare is not None:
-            handle, keeper, fence = spare
+            handle, keeper, held, fence = spare
             if fence is not None:
                 fence()
-            return handle, keeper
+            return handle, keeper, held
         handle = self._backend.new_pool()
-        return handle, keep_pool(self._backend, handle, beside_serving=True)
-
-    def accounted_bytes(self, pair: Any) -> int:
-        """The device memory ``pair``'s dropped entry accounted for (0 if none)."""
-        return self._bytes.get(pair, 0)
+        return handle, keep_pool(self._backend, handle, beside_serving=True), (0, 0)
 
     def drop(self) -> None:
-        self._pools.clear()
-        self._bytes.clear()
+        self._left.clear()
+        self._armed.clear()
 
 
 _unkept: weakref.WeakSet[Any] = weakref.WeakSet()  # backends that failed to keep a pool (warned once each)

@@ -65,7 +65,7 @@ class Entry:
         # the graph's own count; what memory_budget sums.
         self.device_bytes = self.memory_bytes
         self.phases: CapturePhases | None = None  # where its capture seconds went (compile, warm-up, record, instantiate)
-        self.own_pool: tuple[Any, Any] | None = None  # a pool of its own and what keeps it usable (OwnPools), if kept
+        self.own_pool: tuple[Any, Any] | None = None  # a pool of its own and what keeps it usable, if kept (Handover)
 
     @property
     def pair(self) -> Pair:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +25,21 @@ MIXED_PLAN = cg.CapturePlan.build(max_num_seqs=4, max_num_tokens=16, mode="full_
 POOL_BYTES = 1000  # what the first capture into a pool takes of the emulated device
 
 
+class PoolSegment:
+    """A cpu segment whose graph reports what its capture grew the pool by, as a cuda graph's ``memory_bytes`` does."""
+
+    def __init__(self, segment: Any, grew: int) -> None:
+        self._segment, self._grew = segment, grew
+
+    def end(self) -> Any:
+        graph = self._segment.end()
+        graph.memory_bytes = self._grew
+        return graph
+
+    def abort(self) -> None:
+        self._segment.abort()
+
+
 class KeptPools(CpuBackend):
     """The cpu emulator with pools kept usable by a keeper object, streams kept per owner, a fence and a device whose
     memory a pool takes at its first capture (later captures into it reuse it), as the cuda backend has them: the
@@ -37,6 +53,7 @@ class KeptPools(CpuBackend):
         self.captured_on: list[object] = []  # the owner of the streams each capture (segment) ran on
         self.owner: object = None
         self.waited = 0
+        self.fenced_on: list[int] = []  # the thread each fence was made on
         self.used = 0
         self.grown: set[int] = set()
         self.poisoned: set[int] = set()
@@ -59,10 +76,11 @@ class KeptPools(CpuBackend):
 
     def begin_capture(self, pool: object) -> Any:
         self.captured_on.append(self.owner)
-        if id(pool) not in self.grown:
+        grows = id(pool) not in self.grown
+        if grows:
             self.grown.add(id(pool))
             self.used += POOL_BYTES
-        return super().begin_capture(pool)
+        return PoolSegment(super().begin_capture(pool), POOL_BYTES if grows else 0)
 
     def device_memory(self) -> tuple[int, int]:
         return self.used, self.used
@@ -71,6 +89,8 @@ class KeptPools(CpuBackend):
         return object() if id(pool) in self.poisoned else pool
 
     def fence(self) -> Callable[[], None]:
+        self.fenced_on.append(threading.get_ident())
+
         def wait() -> None:
             self.waited += 1
         return wait
@@ -84,11 +104,25 @@ class KeptPools(CpuBackend):
         register(self)
 
 
-def kept_registry(step: Callable[..., torch.Tensor], rows: int = 8, refuse_to_keep: bool = False) -> tuple[cg.GraphRegistry, KeptPools]:
+class Gate:
+    """Holds the capture thread at the start of each capture while closed (the test then serves a step first)."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.open.set()
+
+    @cg.plugin.hookimpl
+    def cgregistry_capture_started(self, registry: Any, key: Any, strategy: str) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            assert self.open.wait(10), "the gate was never opened"
+
+
+def kept_registry(step: Callable[..., torch.Tensor], rows: int = 8, refuse_to_keep: bool = False,
+                  gate: Gate | None = None) -> tuple[cg.GraphRegistry, KeptPools]:
     backend = KeptPools()
     backend.refuse_to_keep = refuse_to_keep
     reg = cg.GraphRegistry(step, {"x": cg.StaticInput((rows, 16), torch.float32)}, backend="cpu-kept",
-                           plugins=make_plugins(backend))
+                           plugins=make_plugins(backend, *([gate] if gate else [])))
     return reg, backend
 
 
@@ -119,6 +153,7 @@ def test_keys_captured_again_after_a_weight_update_go_into_the_kept_pool_on_its_
             reg.wait_captured()
             assert reg.pool.handle is handle and backend.used == POOL_BYTES, "the old graphs' memory is reused"
             assert sum(e.device_bytes for e in reg.entries()) == held, "the keys still account for the pool"
+            assert reg.memory_bytes() == POOL_BYTES
             x = torch.randn(5, 16)
             torch.testing.assert_close(reg.run(B.decode(5), x=x), layer(x) * 2)
         assert len(backend.captured_on) == 4 * len(PLAN) and all(owner is reg.pool for owner in backend.captured_on)
@@ -142,13 +177,20 @@ def test_a_pool_nothing_keeps_is_renewed_once_its_graphs_are_stale() -> None:
         torch.testing.assert_close(reg.run(B.decode(5), x=x), layer(x) * 2)
 
 
-def test_background_keys_with_pools_of_their_own_take_their_dropped_graphs_pools_again() -> None:
-    """A key captured in the background by a strategy that runs eager code while it captures gets a pool of its own;
-    the next assign-style sync's background capture of that key takes the pool its dropped entry held (after the
-    fence on the work queued before the drop), not a new one, and what no capture claimed is let go."""
+MIXED = B(12, num_reqs=3, uniform=False)
+
+
+def mixed_registry(gate: Gate | None = None, fail: list[bool] | None = None) -> tuple[cg.GraphRegistry, KeptPools, torch.nn.Linear, int]:
+    """A registry of MIXED_PLAN captured in the foreground, then captured again in the background after one sync (its
+    breakable keys then hold pools of their own); how many breakable keys it has."""
     layer = torch.nn.Linear(16, 16)
-    reg, backend = kept_registry(lambda batch, x: doubled(layer(x)).relu(), rows=16)
-    mixed = B(12, num_reqs=3, uniform=False)
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        if fail and fail[0] and not batch.uniform and threading.current_thread() is not threading.main_thread():
+            raise ValueError("a breakable key's capture failed")
+        return doubled(layer(x)).relu()
+
+    reg, backend = kept_registry(step, rows=16, gate=gate)
     with torch.inference_mode():
         reg.capture(MIXED_PLAN)
         breakable = sum(e.strategy == "breakable" for e in reg.entries())
@@ -156,24 +198,81 @@ def test_background_keys_with_pools_of_their_own_take_their_dropped_graphs_pools
         new_weights(layer, 1)
         reg.refresh(background=True)
         reg.wait_captured()
-        x = torch.randn(12, 16)
-        torch.testing.assert_close(reg.run(mixed, x=x), (layer(x) * 2).relu())
-        assert len(backend.keepers) == 1 + breakable and backend.waited == 0, "a pool each, none to take yet"
-        used = backend.used
+    assert len(backend.keepers) == 1 + breakable and backend.alive() == 1 + breakable, "a pool each"
+    return reg, backend, layer, breakable
+
+
+def test_background_keys_with_pools_of_their_own_take_their_dropped_graphs_pools_again_after_the_next_run() -> None:
+    """After an assign-style sync, a breakable key's background capture takes the pool its dropped entry held, once
+    the serving thread's next run() armed it (the fence made there, on the serving thread, waited for first), and
+    the entry accounts for what the dropped one held."""
+    gate = Gate()
+    reg, backend, layer, breakable = mixed_registry(gate)
+    held = sum(e.device_bytes for e in reg.entries())
+    used = backend.used
+    with torch.inference_mode():
         for seed in (2, 3):
             new_weights(layer, seed)
+            gate.open.clear()
             reg.refresh(background=True)
-            reg.wait_captured()
             x = torch.randn(12, 16)
-            torch.testing.assert_close(reg.run(mixed, x=x), (layer(x) * 2).relu())
+            torch.testing.assert_close(reg.run(MIXED, x=x), (layer(x) * 2).relu())  # served eagerly: arms the pools
+            gate.open.set()
+            reg.wait_captured()
+            torch.testing.assert_close(reg.run(MIXED, x=x), (layer(x) * 2).relu())
             assert len(backend.keepers) == 1 + breakable and backend.used == used, "the dropped pools taken again"
-        assert backend.waited == 2 * breakable, "each taken after its fence"
-        assert len(reg) == len(MIXED_PLAN)
-        new_weights(layer, 4)
+            assert sum(e.device_bytes for e in reg.entries()) == held
+    assert backend.waited == 2 * breakable, "each taken after its fence"
+    assert backend.fenced_on == [threading.get_ident()] * 2, "fences made by run() on the serving thread"
+    assert len(reg) == len(MIXED_PLAN) and backend.alive() == 1 + breakable
+
+
+def test_pools_no_run_armed_are_not_taken_and_go_once_the_capture_thread_is_idle() -> None:
+    """A sync whose keys are captured again before any run() (``wait_captured()`` straight after ``refresh()``)
+    takes new pools: the dropped graphs' outputs are still valid; the pools left are let go once the thread is idle."""
+    reg, backend, layer, breakable = mixed_registry()
+    with torch.inference_mode():
+        new_weights(layer, 2)
         reg.refresh(background=True)
-        reg.clear()  # perhaps before the capture thread took the pools left to it: they go with the plan
         reg.wait_captured()
-    assert backend.alive() == 0, "nothing kept once cleared"
+    assert backend.waited == 0 and len(backend.keepers) == 1 + 2 * breakable
+    assert backend.alive() == 1 + breakable, "the old pools went"
+
+
+def test_a_failed_background_capture_does_not_keep_its_pool() -> None:
+    """A key whose background capture fails keeps its error in ``failures()``, not its pool: ``sleep()`` lets every
+    pool go."""
+    fail = [False]
+    gate = Gate()
+    reg, backend, layer, breakable = mixed_registry(gate, fail)
+    with torch.inference_mode():
+        new_weights(layer, 2)
+        fail[0] = True
+        gate.open.clear()
+        reg.refresh(background=True)
+        reg.run(MIXED, x=torch.randn(12, 16))
+        gate.open.set()
+        with pytest.warns(RuntimeWarning, match="a breakable key's capture failed"):
+            reg.wait_captured()
+        assert len(reg.failures()) >= 1
+        reg.sleep()
+    assert backend.alive() == 0
+
+
+def test_a_foreground_refresh_accounts_only_for_memory_its_captures_go_into() -> None:
+    """Keys captured in the background into pools of their own, captured again by a foreground ``refresh()``, go into
+    the registry's pool and account for that alone (as a foreground capture of the plan does: the first capture into
+    it accounts for the pool); a later capture of a released key accounts for what it took."""
+    reg, backend, layer, breakable = mixed_registry()
+    with torch.inference_mode():
+        new_weights(layer, 2)
+        reg.refresh(background=False)
+        assert sum(e.device_bytes for e in reg.entries()) == POOL_BYTES
+        first = reg.entries()[0]
+        assert first.device_bytes == POOL_BYTES
+        reg.release(first.key, first.strategy)
+        reg.capture([(first.key, first.strategy)])
+        assert [e.device_bytes for e in reg.entries() if e.key == first.key and e.strategy == first.strategy] == [0]
 
 
 def test_sleep_and_the_release_of_the_last_graph_let_the_pool_go_and_make_no_keeper() -> None:
