@@ -34,7 +34,7 @@ import attrs
 import torch
 
 from cgregistry.capture import phases
-from cgregistry.capture.pool import GraphPool, Handover
+from cgregistry.capture.pool import GraphPool, Handover, account_held
 from cgregistry.contracts.protocols import Backend
 from cgregistry.errors import CaptureError, PluginError, ServingStateError, WeightsMovedError
 from cgregistry.hooks.events import Events
@@ -487,7 +487,7 @@ class CaptureJob:
         used_before = device_memory()[0] if device_memory is not None else 0
         graph_pool = self.pool
         own_inputs = mode.name == "background" or (mode.name == "scratch" and mode.inputs is None)
-        keeper, held = None, (0, 0)  # held: what a dropped entry whose memory this capture goes into accounted for
+        keeper, held = None, (0, 0)  # a pool of its own: what keeps it, what its dropped entry accounted for
         if mode.name == "scratch":
             pool = mode.pool if mode.pool is not None else backend.new_pool()
         elif _shares_pool(mode, strategy):
@@ -545,17 +545,16 @@ class CaptureJob:
         seconds = time.perf_counter() - started
         _watch_compiles()  # again: the step may have loaded dynamo
         entry = Entry(key, strategy_name, graph, slicer, seconds)
-        if held[1] > entry.memory_bytes:  # captured again into what its dropped entry held: it holds as much
-            entry.memory_bytes = entry.device_bytes = held[1]
         # the rest of the warm-up once its compiling is taken out; record: the rest (recording, checking the outputs)
         warmup = max(0.0, warmed - compiled_warming)
         entry.phases = CapturePhases(clock["compile"], warmup, max(0.0, seconds - clock["compile"] - warmup - clock["instantiate"]),
                                      clock["instantiate"])
         if device_memory is not None:  # what the device gave this capture: pool, warm-up, driver objects, own inputs
-            entry.device_bytes = max(0, device_memory()[0] - used_before, held[0])
+            entry.device_bytes = max(0, device_memory()[0] - used_before)
         entry.read_live_batch = recording.live_batch_reads > 0
         if keeper is not None:
             entry.own_pool = (pool, keeper)
+            account_held(entry, held)  # its dropped entry's pool, taken again
         if own_inputs:
             entry.buffers = tuple(buffers.values())  # in the registry's input order, as routes copy them
         return entry

@@ -84,13 +84,10 @@ class GraphPool:
 
     def _account_left(self, entry: Any) -> None:
         """``entry``, captured into the kept pool, accounts for what dropped entries left in it (the first capture into
-        a pool accounts for the pool, whichever key it is): it took little new memory, yet holds as much."""
+        a pool accounts for the pool, whichever key it is)."""
         with self._left_lock:
-            (device, memory), self._left = self._left, (0, 0)
-        if memory > entry.memory_bytes:
-            entry.memory_bytes = memory
-        if device > entry.device_bytes:
-            entry.device_bytes = device
+            left, self._left = self._left, (0, 0)
+        account_held(entry, left)
 
     def share(self, sharer: Any) -> None:
         """``sharer`` (a registry's capture job, which says whether it ``holds_graphs()``) captures into this pool."""
@@ -190,7 +187,7 @@ class Handover:
     def __init__(self, backend: Backend, pool: GraphPool) -> None:
         self._backend = backend
         self._pool = pool
-        self._left: dict[Any, tuple[Any, Any, tuple[int, int]]] = {}  # not armed: (handle, keeper, what it held)
+        self._unarmed: dict[Any, tuple[Any, Any, tuple[int, int]]] = {}  # (handle, keeper, what it held)
         self._armed: dict[Any, tuple[Any, Any, tuple[int, int], Any]] = {}  # ... and the fence to wait for
 
     def leave(self, entries: list[Any], pools: bool) -> None:
@@ -200,15 +197,15 @@ class Handover:
         if pools:
             for entry in entries:
                 if entry.own_pool is not None:
-                    self._left[entry.pair] = (*entry.own_pool, (entry.device_bytes, entry.memory_bytes))
+                    self._unarmed[entry.pair] = (*entry.own_pool, (entry.device_bytes, entry.memory_bytes))
 
     def arm(self) -> None:
         """At the start of a ``run()`` (the serving thread, on the stream it replays on): the pools left so far may be
         taken once the device has done what was queued before it."""
-        if self._left:
+        if self._unarmed:
             fence = getattr(self._backend, "fence", None)
             done = fence() if fence is not None else None
-            left, self._left = self._left, {}
+            left, self._unarmed = self._unarmed, {}
             for pair, (handle, keeper, held) in left.items():
                 self._armed[pair] = (handle, keeper, held, done)
 
@@ -226,7 +223,7 @@ class Handover:
         return handle, keep_pool(self._backend, handle, beside_serving=True), (0, 0)
 
     def drop(self) -> None:
-        self._left.clear()
+        self._unarmed.clear()
         self._armed.clear()
 
 
@@ -249,3 +246,10 @@ def keep_pool(backend: Backend, handle: Any, beside_serving: bool) -> Any:
                  "again after a weight update take new memory while the dropped graphs' stays cached until "
                  "empty_cache()")
         return None
+
+
+def account_held(entry: Any, held: tuple[int, int]) -> None:
+    """``entry`` was captured into memory that dropped entries accounted for, ``held`` = (device_bytes, memory_bytes):
+    it took little new memory, yet holds as much."""
+    entry.device_bytes = max(entry.device_bytes, held[0])
+    entry.memory_bytes = max(entry.memory_bytes, held[1])
