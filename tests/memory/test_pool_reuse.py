@@ -95,8 +95,10 @@ class KeptPools(CpuBackend):
             self.waited += 1
         return wait
 
-    def alive(self) -> int:
-        gc.collect()
+    def alive(self, collect: bool = True) -> int:
+        """Keepers alive (after a full collection, unless ``collect`` is False: those a reference cycle holds count)."""
+        if collect:
+            gc.collect()
         return sum(ref() is not None for ref in self.keepers)
 
     @cg.plugin.hookimpl

@@ -1,7 +1,8 @@
 """A stateful oracle for what a graph was captured under: weight updates in place and by assignment (announced or not),
 watch() at any time, refresh() in the foreground and the background with injected capture failures, new keys, sleep,
-wake, clear and release, and autocast / inference mode around run().  Every output equals eager under the same state,
-or run() is refused with a named error; no key is ever lost."""
+wake, clear and release, and autocast / inference mode around run(), on the cpu emulator and on one that keeps its
+pool usable once the graphs in it died, as cuda does.  Every output equals eager under the same state, or run() is
+refused with a named error; no key is ever lost; nothing keeps a pool while asleep."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
+from cgregistry.testing import make_plugins
 from tests.lifecycle.test_keys import Flaky  # a model whose capture fails while fail_at names the key's size
+from tests.memory.test_pool_reuse import KeptPools  # the emulator with kept pools, streams per pool and a fence
 
 MAX_TOKENS = 16
 WIDTH = 8  # Flaky's
@@ -43,16 +46,22 @@ class CapturedUnder(RuleBasedStateMachine):
         self.net = Flaky()
         self.closure = False
         self.reg: cg.GraphRegistry | None = None
+        self.kept: KeptPools | None = None
         self.keys: set[tuple[B, str]] = set()  # every key asked for and not released or cleared since
         self.asleep = False
 
-    @rule(closure=st.booleans())
+    @rule(closure=st.booleans(), kept=st.booleans())
     @precondition(lambda self: self.reg is None)
-    def build(self, closure: bool) -> None:
+    def build(self, closure: bool, kept: bool) -> None:
         net = self.net
         self.closure = closure
         step = (lambda batch, x: net(batch, x)) if closure else net
-        self.reg = cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)}, backend="cpu")
+        inputs = {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)}
+        if kept:
+            self.kept = KeptPools()
+            self.reg = cg.GraphRegistry(step, inputs, backend=self.kept.name, plugins=make_plugins(self.kept))
+        else:
+            self.reg = cg.GraphRegistry(step, inputs, backend="cpu")
 
     @rule(sizes=st.sets(st.sampled_from(SIZES), min_size=1), lazy=st.booleans(), background=st.booleans(),
           autocast=st.booleans())
@@ -156,6 +165,11 @@ class CapturedUnder(RuleBasedStateMachine):
             held |= set(slept.keys) | set(slept.lazy)
         lost = self.keys - held
         assert not lost, f"keys lost: {sorted(map(str, lost))}"
+
+    @invariant()
+    def asleep_nothing_keeps_a_pool(self) -> None:
+        if self.asleep and self.kept is not None:
+            assert self.kept.alive(collect=False) == 0, "a pool is kept while asleep"
 
     def teardown(self) -> None:
         if self.reg is not None:
