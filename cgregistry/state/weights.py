@@ -72,16 +72,29 @@ class _ModuleSlot:
         self.table = table  # "_parameters" or "_buffers"
         self.name = name
 
-    def layout(self) -> Layout | None:
-        module = self.root()
-        if not isinstance(module, nn.Module):
-            return None
-        try:
-            module = module.get_submodule(self.path)
-        except AttributeError:  # the submodule was removed
+    def layout(self, modules: dict[tuple[int, str], Any] | None = None) -> Layout | None:
+        """Where the tensor is now; ``modules`` holds the submodules one read of every slot found (each looked up
+        once from its root)."""
+        root = self.root()
+        if modules is None:
+            module = _submodule(root, self.path)
+        else:
+            key = (id(root), self.path)
+            module = modules[key] if key in modules else modules.setdefault(key, _submodule(root, self.path))
+        if module is None:
             return None
         tensor = getattr(module, self.table).get(self.name)
         return None if tensor is None else _layout(tensor)
+
+
+def _submodule(module: Any, path: str) -> nn.Module | None:
+    """The submodule at ``path`` under ``module``, through the module tables ``named_modules`` walks (None: ``module``
+    is no module, or the submodule was removed)."""
+    for part in path.split(".") if path else ():
+        if not isinstance(module, nn.Module):
+            return None
+        module = module._modules.get(part)
+    return module if isinstance(module, nn.Module) else None
 
 
 class _Tensor:
@@ -92,7 +105,7 @@ class _Tensor:
     def __init__(self, read: Callable[[], Any]) -> None:
         self.read = read
 
-    def layout(self) -> Layout | None:
+    def layout(self, modules: dict[tuple[int, str], Any] | None = None) -> Layout | None:
         tensor = self.read()
         return _layout(tensor) if isinstance(tensor, torch.Tensor) else None
 
@@ -250,7 +263,8 @@ class WeightWatch:
     def now(self) -> dict[str, Layout | None]:
         """Every watched tensor's address now (None: removed), after ``sync``."""
         self.sync()
-        return {name: source.layout() for name, (source, _) in self._watched.items()}
+        modules: dict[tuple[int, str], Any] = {}  # each submodule looked up once
+        return {name: source.layout(modules) for name, (source, _) in self._watched.items()}
 
     def seen(self) -> Seen:
         """What a graph captured now reads (the same object as long as nothing moved, so entries share it)."""
@@ -520,14 +534,15 @@ def _package(name: object) -> str:
     return name.partition(".")[0] if isinstance(name, str) else ""
 
 
-def _loads(code: types.CodeType, ops: frozenset[str]) -> set[str]:
+@functools.lru_cache(maxsize=4096)
+def _loads(code: types.CodeType, ops: frozenset[str]) -> frozenset[str]:
     """The names ``code`` and the code nested in it load with ``ops`` (globals, or attributes; stores are bookkeeping,
-    not reads)."""
+    not reads); a code object's instructions never change, so each is read once."""
     names = {i.argval for i in dis.get_instructions(code) if i.opname in ops and isinstance(i.argval, str)}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= _loads(const, ops)
-    return names
+    return frozenset(names)
 
 
 def _item(container: Any, key: Any) -> Any:
