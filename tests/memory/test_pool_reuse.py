@@ -58,6 +58,7 @@ class KeptPools(CpuBackend):
         self.grown: set[int] = set()
         self.poisoned: set[int] = set()
         self.refuse_to_keep = False
+        self.per_capture = 0  # what every capture takes of the device besides a pool's first (its graph's own)
 
     def keep_pool(self, pool: object, beside_serving: bool = False) -> object:
         if self.refuse_to_keep:
@@ -80,7 +81,8 @@ class KeptPools(CpuBackend):
         if grows:
             self.grown.add(id(pool))
             self.used += POOL_BYTES
-        return PoolSegment(super().begin_capture(pool), POOL_BYTES if grows else 0)
+        self.used += self.per_capture
+        return PoolSegment(super().begin_capture(pool), (POOL_BYTES if grows else 0) + self.per_capture)
 
     def device_memory(self) -> tuple[int, int]:
         return self.used, self.used
@@ -305,6 +307,37 @@ def test_a_registry_whose_captures_all_failed_lets_its_kept_pool_go_at_sleep() -
     assert len(reg) == 0 and backend.alive() == 1, "kept from the registry's start"
     reg.sleep()
     assert backend.alive() == 0
+
+
+def test_what_dropped_entries_left_in_the_pool_goes_with_the_pool_when_it_is_let_go() -> None:
+    """Entries dropped by a weight sync leave what they accounted for in the kept pool, for its next capture; when
+    the sync's capture failed before any went into the pool and ``clear()`` lets the pool go, the registry's next
+    capture goes into a new pool and accounts only for what it takes there."""
+    layer = torch.nn.Linear(16, 16)
+    fail = [False]
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        if fail[0]:
+            raise ValueError("the step is broken")
+        return layer(x) * 2
+
+    reg, backend = kept_registry(step)
+    backend.per_capture = 10
+    with torch.inference_mode():
+        reg.capture(PLAN)
+        fresh = sorted(e.device_bytes for e in reg.entries())
+        assert fresh == sorted([POOL_BYTES + 10] + [10] * (len(PLAN) - 1))
+        new_weights(layer, 0)
+        fail[0] = True
+        with pytest.raises(cg.CaptureError, match="the step is broken"):
+            reg.refresh()
+        assert len(reg) == 0 and len(reg.failures()) == 1
+        reg.clear()
+        assert backend.alive() == 0
+        fail[0] = False
+        reg.capture(PLAN)
+    assert sorted(e.device_bytes for e in reg.entries()) == fresh
+    assert reg.memory_bytes() == sum(fresh)
 
 
 def test_a_capture_that_poisons_the_kept_pool_moves_the_registry_to_a_new_one_kept_at_its_next_capture() -> None:
