@@ -140,6 +140,7 @@ MISS_REASONS = {
     "no_graphs": "run() before any capture: nothing captured or planned",
     "no_key_for_class": "no key of the batch's kind (uniform or mixed, spec depth, LoRA count) at any size",
     "above_largest_key": "keys of its kind exist, all smaller than the batch",
+    "no_request_count": "every key of its kind bakes in a request count, and the batch gives none (num_reqs=None)",
     "above_capacity": "more tokens or requests than a static input holds",
     "failed": "the key that would serve it failed (at capture or replay) and was removed",
     "excluded": "every key covering it belongs to a strategy the call excluded (run(..., exclude=...))",

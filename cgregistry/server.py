@@ -39,7 +39,7 @@ from cgregistry.warn import warn
 
 __all__ = ["ConcurrentRunError", "DebugServer", "Server"]
 
-_WARN_ONCE = ("no_graphs", "above_capacity")  # misses that mean the engine is set up wrong, warned about once
+_WARN_ONCE = ("no_graphs", "above_capacity", "no_request_count")  # misses that mean the engine is set up wrong, warned about once
 # Misses of batches not marked uniform that uniform keys would serve, before the one warning about them.
 UNIFORM_HINT_AFTER = 16
 # Misses above the largest key of their kind before the one warning, if they are at least half of the steps so far.
@@ -296,6 +296,9 @@ class Server:
                 f"run({actual}) with no graph captured or planned (before any capture, after clear() or the release "
                 "of every key, or an empty plan): every batch runs eagerly until reg.capture(plan)"
             )
+        elif reason == "no_request_count":
+            what = (f"{actual} runs eagerly: every key of its kind needs a request count, and the batch gives none; "
+                    "pass num_reqs to its BatchDescriptor (BatchDescriptor.from_query_lens counts them)")
         else:
             why = self._routes.too_large(actual) or "another rank's batch does not fit a static input"
             what = f"{actual} runs eagerly: {why}; enlarge that StaticInput to serve such batches"

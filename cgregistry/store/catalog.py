@@ -263,7 +263,12 @@ class RouteTable:
             return "excluded"
         if any(key.covers(actual) for key, _ in self._failures):
             return "failed"
-        return "above_largest_key" if any(_same_kind(key, actual) for key, _ in pairs) else "no_key_for_class"
+        same_kind = [key for key, _ in pairs if _same_kind(key, actual)]
+        if not same_kind:
+            return "no_key_for_class"
+        if actual.num_reqs is None and all(key.num_reqs is not None for key in same_kind):
+            return "no_request_count"
+        return "above_largest_key"
 
     def explain(self, actual: BatchDescriptor, exclude: frozenset[str] = NO_EXCLUSION) -> Explanation:
         """The matcher's explanation, refused as a whole when no graph can take the batch."""

@@ -143,3 +143,20 @@ def test_a_decode_batch_not_marked_uniform_gets_a_hint_in_explain_and_one_warnin
     hinted = [w for w in caught if "uniform keys would serve them" in str(w.message)]
     assert len(hinted) == 1 and "16 batches ran eagerly as mixed batches" in str(hinted[0].message)
     assert reasons(reg) == {"no_key_for_class": 40}
+
+
+def test_a_batch_without_a_request_count_beside_keys_that_count_requests_is_its_own_reason() -> None:
+    """Keys that bake in a request count cannot serve a batch that gives none, however large they are: the miss says
+    so (and warns once, naming the field), rather than sending the engine to raise max_capture_size."""
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((256,), torch.float32)}, backend="cpu")
+    reg.capture(cg.CapturePlan.build(max_num_seqs=64, max_num_tokens=256, mode="full"))
+    with pytest.warns(RuntimeWarning, match=r"Batch\(tokens=97, reqs=any\) runs eagerly: every key of its kind needs a "
+                                            r"request count.*num_reqs"):
+        reg.run(B(97), x=torch.ones(97))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        for _ in range(20):
+            reg.run(B(97), x=torch.ones(97))
+    assert reasons(reg) == {"no_request_count": 21}
+    reg.run(B(97, 3), x=torch.ones(97))
+    assert reg.stats().hits == 1
