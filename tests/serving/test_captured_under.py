@@ -7,7 +7,12 @@ computes what eager computes now or is refused with a named error.  Eager is the
 from __future__ import annotations
 
 import functools
+import logging
+import sys
+import threading
+import types
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -280,3 +285,54 @@ def test_a_marked_function_reading_the_payload_is_not_warned_about_and_serves_th
         want = marked_attention(x) + 1
     torch.testing.assert_close(reg.run(batch, x=x, context=[1, 3, 2, 1]), want)
     assert reg.match(batch).strategy == "breakable"
+
+
+LOG = logging.getLogger("an-engine")
+W = torch.randn(WIDTH, WIDTH)
+
+
+def test_a_step_that_logs_or_waits_on_an_event_is_not_warned_about() -> None:
+    """A logger, a lock or an event the step uses holds no weight: the step reads a tensor (watched) and nothing that
+    was not looked into, so no warning."""
+    ready = threading.Event()
+    ready.set()
+
+    def step(batch: cg.BatchDescriptor, x: torch.Tensor) -> torch.Tensor:
+        LOG.debug("step %s", batch)
+        if not ready.is_set():
+            raise RuntimeError("served before the engine was ready")
+        return torch.tanh(x @ W)
+
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg.capture(PLAN)
+    assert "W" in reg.watched()
+
+
+def test_tensors_the_engine_names_silence_the_warning() -> None:
+    """``reg.watch((name, tensor))`` is the engine saying what the step reads: no warning about what was not looked
+    into, as after ``reg.watch(model)``."""
+    holder = Holder()
+    reg = cg.GraphRegistry(lambda batch, x: holder.table[7](x), INPUTS, backend="cpu")
+    reg.watch([(f"table7.{name}", t) for name, t in holder.table[7].named_parameters()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg.capture(PLAN)
+
+
+def test_a_step_in_an_engine_module_named_like_the_standard_librarys_is_read(monkeypatch: pytest.MonkeyPatch,
+                                                                              tmp_path: Any) -> None:
+    """An engine's own module named like one of the standard library's (its ``profile.py``, say) is not the standard
+    library's: the model its step reads is watched, so an assigned weight is found."""
+    module = types.ModuleType("profile")
+    module.__file__ = str(tmp_path / "profile.py")
+    monkeypatch.setitem(sys.modules, "profile", module)
+    exec("import torch\nMODEL = torch.nn.Linear(8, 8)\ndef step(batch, x):\n    return MODEL(x)\n", module.__dict__)
+    reg = cg.GraphRegistry(module.step, INPUTS, backend="cpu")
+    with torch.no_grad():
+        reg.capture(PLAN)
+        assert "MODEL.weight" in reg.watched()
+        module.MODEL.load_state_dict({k: torch.randn_like(v) for k, v in module.MODEL.state_dict().items()}, assign=True)
+        with pytest.raises(cg.WeightsMovedError):
+            reg.run(B.decode(4), x=torch.randn(4, WIDTH))
