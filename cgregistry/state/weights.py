@@ -74,15 +74,18 @@ class _ModuleSlot:
         self.table = table  # "_parameters" or "_buffers"
         self.name = name
 
-    def layout(self, modules: dict[tuple[int, str], Any] | None = None) -> Layout | None:
-        """Where the tensor is now; ``modules`` holds the submodules one read of every slot found (each looked up
-        once from its root)."""
+    def layout(self, modules: dict[tuple[int, str], tuple[Any, Any]] | None = None) -> Layout | None:
+        """Where the tensor is now; ``modules`` holds the submodules one read of every slot found, each looked up once
+        from its root (held there with it: a root made anew at each read, freed, would give its id to the next)."""
         root = self.root()
         if modules is None:
             module = _submodule(root, self.path)
         else:
             key = (id(root), self.path)
-            module = modules[key] if key in modules else modules.setdefault(key, _submodule(root, self.path))
+            found = modules.get(key)
+            if found is None or found[0] is not root:
+                found = modules[key] = (root, _submodule(root, self.path))
+            module = found[1]
         if module is None:
             return None
         tensor = getattr(module, self.table).get(self.name)
@@ -90,13 +93,18 @@ class _ModuleSlot:
 
 
 def _submodule(module: Any, path: str) -> nn.Module | None:
-    """The submodule at ``path`` under ``module``, through the module tables ``named_modules`` walks (None: ``module``
-    is no module, or the submodule was removed)."""
+    """The submodule at ``path`` under ``module`` where attribute lookup finds it (``forward`` reads it so): the
+    instance dict first (a submodule set past ``nn.Module.__setattr__``), then the module table ``named_modules``
+    walks (None: ``module`` is no module, or the submodule was removed)."""
     for part in path.split(".") if path else ():
         if not isinstance(module, nn.Module):
             return None
-        module = module._modules.get(part)
+        shadow = vars(module).get(part, _ABSENT)
+        module = module._modules.get(part) if shadow is _ABSENT else shadow
     return module if isinstance(module, nn.Module) else None
+
+
+_ABSENT = object()
 
 
 class _Tensor:
@@ -107,7 +115,7 @@ class _Tensor:
     def __init__(self, read: Callable[[], Any]) -> None:
         self.read = read
 
-    def layout(self, modules: dict[tuple[int, str], Any] | None = None) -> Layout | None:
+    def layout(self, modules: dict[tuple[int, str], tuple[Any, Any]] | None = None) -> Layout | None:
         tensor = self.read()
         return _layout(tensor) if isinstance(tensor, torch.Tensor) else None
 
@@ -265,7 +273,7 @@ class WeightWatch:
     def now(self) -> dict[str, Layout | None]:
         """Every watched tensor's address now (None: removed), after ``sync``."""
         self.sync()
-        modules: dict[tuple[int, str], Any] = {}  # each submodule looked up once
+        modules: dict[tuple[int, str], tuple[Any, Any]] = {}  # each submodule looked up once, with its root
         return {name: source.layout(modules) for name, (source, _) in self._watched.items()}
 
     def seen(self) -> Seen:
@@ -563,15 +571,25 @@ def _package(name: object) -> str:
     return name.partition(".")[0] if isinstance(name, str) else ""
 
 
-@functools.lru_cache(maxsize=4096)
 def _loads(code: types.CodeType, ops: frozenset[str]) -> frozenset[str]:
     """The names ``code`` and the code nested in it load with ``ops`` (globals, or attributes; stores are bookkeeping,
-    not reads); a code object's instructions never change, so each is read once."""
+    not reads); a code object's instructions never change, so each is read once (a code object that cannot be
+    hashed, holding a list constant, say, is read each time)."""
+    try:
+        return _cached_loads(code, ops)
+    except TypeError:
+        return _read_loads(code, ops)
+
+
+def _read_loads(code: types.CodeType, ops: frozenset[str]) -> frozenset[str]:
     names = {i.argval for i in dis.get_instructions(code) if i.opname in ops and isinstance(i.argval, str)}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= _loads(const, ops)
     return frozenset(names)
+
+
+_cached_loads = functools.lru_cache(maxsize=4096)(_read_loads)
 
 
 def _item(container: Any, key: Any) -> Any:

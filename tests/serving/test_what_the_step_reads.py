@@ -325,3 +325,63 @@ def test_an_engine_object_that_raises_when_looked_at_is_opaque_not_fatal() -> No
     reg = cg.GraphRegistry(lambda batch, x: hostile(x) * 2, INPUTS, backend="cpu")  # builds; capture warns what it missed
     with pytest.warns(RuntimeWarning, match="found no module the step reads, and it reads 'hostile'"):
         reg.capture(KEY)
+
+
+def test_watched_roots_read_as_new_modules_each_time_are_each_their_own() -> None:
+    """Two watched callables that build a new module at each read (a view of the adapters in use): a module freed
+    within one read of every address may give its id to the next, and each root's submodules must still be its own:
+    a replaced adapter behind the second is found."""
+    # more adapters than the walk looks into (MAX_ITEMS): the engine watches the ones in use itself
+    first, second = ([nn.Linear(WIDTH, WIDTH) for _ in range(300)] for _ in range(2))
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return second[0](first[0](x))
+
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    reg.watch(lambda: nn.ModuleList(first[:1]), prefix="a.")
+    reg.watch(lambda: nn.ModuleList(second[:1]), prefix="b.")
+    with torch.no_grad():
+        reg.capture(KEY)
+        second[0] = nn.Linear(WIDTH, WIDTH)
+        refreshed = reg.refresh()
+        assert not refreshed.kept and any(m.startswith("b.0.weight") for m in refreshed.moved), refreshed.moved
+        x = torch.randn(4, WIDTH)
+        torch.testing.assert_close(reg.run(B.decode(4), x=x), step(B.decode(4), x))
+
+
+def test_a_step_whose_code_holds_an_unhashable_constant_is_still_read() -> None:
+    """Code rewritten by a bytecode tool may hold an unhashable constant (a list): the model it reads is still found."""
+    model = nn.Linear(WIDTH, WIDTH)
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    step.__code__ = step.__code__.replace(co_consts=(*step.__code__.co_consts, []))
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg.capture(KEY)
+    assert "model.weight" in reg.watched()
+
+
+def test_a_submodule_shadowed_in_the_instance_dict_is_read_where_forward_reads_it() -> None:
+    """A submodule set past nn.Module.__setattr__ (into the instance dict) is what ``forward`` calls: its replacement
+    is found, as attribute lookup finds it."""
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(x)
+
+    model = Head()
+    reg = cg.GraphRegistry(lambda batch, x: model(x), INPUTS, backend="cpu")
+    with torch.no_grad():
+        reg.capture(KEY)
+        object.__setattr__(model, "head", nn.Linear(WIDTH, WIDTH))
+        refreshed = reg.refresh()
+        assert not refreshed.kept
+        x = torch.randn(4, WIDTH)
+        torch.testing.assert_close(reg.run(B.decode(4), x=x), model(x))
