@@ -410,14 +410,30 @@ class OutputAxes:
                 rows = request_slots + (axis == "reqs+1")
             if rows is None:
                 raise OutputError(
-                    f"output leaf {i} follows output_axis={axis!r}, but {key} has no request count and no static "
-                    "input is indexed by requests; give one (axis='reqs') or use keys with a request count"
+                    f"{leaf_paths(spec)[i]} (output leaf {i}) follows output_axis={axis!r}, but {key} has no request "
+                    "count and no static input is indexed by requests; give one (axis='reqs') or use keys with a "
+                    "request count"
                 )
             if leaf.dim() == 0 or leaf.shape[0] != rows:
+                per_request = axis == "tokens" and leaf.dim() > 0 and leaf.shape[0] in (key.num_reqs, request_slots)
                 raise OutputError(
-                    f"output leaf {i} has shape {tuple(leaf.shape)}; expected a leading dimension of "
-                    f"{rows} ({axis} of {key})"
+                    f"{leaf_paths(spec)[i]} (output leaf {i}) has shape {tuple(leaf.shape)}; expected a leading "
+                    f"dimension of {rows} ({axis} of {key})"
+                    + ("; an output with a row per request needs output_axis='reqs' for it (GraphRegistry(..., "
+                       "output_axis=...): one axis, or a tree of them shaped like the output)" if per_request else "")
                 )
+
+
+def leaf_paths(spec: Spec, path: str = "output") -> list[str]:
+    """Where each tensor leaf of an output ``flatten`` recorded as ``spec`` is, as the step's code would index it
+    (``output['logits']``, ``output[1]``), in leaf order."""
+    if spec is None:
+        return [path]
+    kind, keys, children = spec
+    if kind == "const":
+        return []
+    names = [f"{path}[{k!r}]" for k in keys] if keys is not None else [f"{path}[{i}]" for i in range(len(children))]
+    return [leaf for name, child in zip(names, children) for leaf in leaf_paths(child, name)]
 
 
 def _rebuildable_tuple(kind: type) -> bool:

@@ -171,8 +171,25 @@ def test_per_leaf_axis_checks_each_leaf() -> None:
     reg = cg.GraphRegistry(
         lambda b, x: (x, x), {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu", output_axis=("tokens", "reqs")
     )
-    with pytest.raises(cg.CaptureError, match=r"output leaf 1 has shape \(4,\); expected a leading dimension of 2 \(reqs of"):
+    with pytest.raises(cg.CaptureError, match=r"output\[1\] \(output leaf 1\) has shape \(4,\); expected a leading dimension of 2 \(reqs of"):
         reg.capture([(B(4, 2), "full")])
+
+
+def test_a_per_request_output_under_the_token_axis_is_named_with_the_setting_that_fixes_it() -> None:
+    """A step returning per-request logits beside per-token hidden states, with no output_axis: the error names the
+    output by its key and says which setting serves it."""
+    reg = cg.GraphRegistry(lambda b, x: {"hidden": x, "logits": x[: b.num_reqs] * 2},
+                           {"x": cg.StaticInput((32,), torch.float32)}, backend="cpu")
+    with pytest.raises(cg.CaptureError, match=r"output\['logits'\] \(output leaf 1\) has shape \(4,\); expected a leading "
+                                              r"dimension of 8 \(tokens of .*\); an output with a row per request needs "
+                                              r"output_axis='reqs' for it"):
+        reg.capture([(B(8, 4), "full")])
+    reg = cg.GraphRegistry(lambda b, x: {"hidden": x, "logits": x[: b.num_reqs] * 2},
+                           {"x": cg.StaticInput((32,), torch.float32)}, backend="cpu",
+                           output_axis={"hidden": "tokens", "logits": "reqs"})
+    reg.capture([(B(8, 4), "full")])
+    x = torch.randn(8)
+    torch.testing.assert_close(reg.run(B(8, 4), x=x)["logits"], x[:4] * 2)
 
 
 def test_per_request_logits_through_logits_indices(backend: str) -> None:

@@ -210,7 +210,7 @@ def test_bad_live_inputs_are_named(backend: str) -> None:
 
 def test_step_output_errors_name_the_leaf(backend: str) -> None:
     reg = cg.GraphRegistry(lambda b, x: (x, x[:1]), {"x": cg.StaticInput((8,), torch.float32)}, backend=backend)
-    with pytest.raises(cg.CaptureError, match=r"output leaf 1 has shape \(1,\); expected a leading dimension of 4"):
+    with pytest.raises(cg.CaptureError, match=r"output\[1\] \(output leaf 1\) has shape \(1,\); expected a leading dimension of 4"):
         reg.capture([(B(4), "full")])
     reg = cg.GraphRegistry(lambda b, x: {"a": 3}, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend)
     with pytest.raises(cg.CaptureError, match=r"output\['a'\] is a int"):
