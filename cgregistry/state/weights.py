@@ -30,6 +30,7 @@ from __future__ import annotations
 import dis
 import functools
 import inspect
+import logging
 import os
 import sys
 import sysconfig
@@ -377,10 +378,15 @@ MAX_VALUES = 4096  # values looked at in all; past that, what is left is opaque
 # Packages whose code and objects hold no engine weights: not followed.
 LIBRARIES = frozenset({"cgregistry", "torch", "functools", "typing", "builtins", "transformers", "numpy", "attrs", "pluggy",
                        "pytest", "_pytest"})
-# Standard-library packages whose objects hold no tensor a graph reads (a step's logger, its locks and events): neither
-# looked into nor reported as opaque.  The code of any standard-library function is not followed (it reads its own
-# module's globals); other standard-library objects (a deque, say) are looked into or reported as any object is.
-HOLDS_NO_TENSOR = frozenset({"logging", "threading", "_thread"})
+# Standard-library classes whose objects hold no tensor a graph reads (a step's logger, its locks and events), by exact
+# type (an engine's own Thread subclass, or its threading.local state, may hold its model): neither looked into nor
+# reported as opaque.  The code of standard-library functions is not followed (it reads its own module's globals);
+# other standard-library objects (a deque, say) are looked into or reported as any object is.
+HOLDS_NO_TENSOR = frozenset({
+    logging.Logger, logging.RootLogger, logging.PlaceHolder, logging.Handler, logging.StreamHandler, logging.FileHandler,
+    logging.NullHandler, logging.LoggerAdapter, threading.Event, threading.Condition, threading.Semaphore,
+    threading.BoundedSemaphore, threading.Barrier, type(threading.Lock()), type(threading.RLock()),
+})
 _STDLIB_ROOTS = tuple({os.path.realpath(sysconfig.get_paths()[kind]) for kind in ("stdlib", "platstdlib")})
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
@@ -471,7 +477,7 @@ class _Walk:
         elif isinstance(found, types.ModuleType):
             if not _not_followed(found.__name__):
                 self.objects.append((found, label, read, depth))
-        elif _package(getattr(type(found), "__module__", None)) not in LIBRARIES | HOLDS_NO_TENSOR:
+        elif type(found) not in HOLDS_NO_TENSOR and _package(getattr(type(found), "__module__", None)) not in LIBRARIES:
             call = getattr(type(found), "__call__", None)
             if isinstance(call, types.FunctionType):  # an object with __call__: its code and what it holds
                 self.function(call, depth + 1, label)

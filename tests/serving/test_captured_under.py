@@ -336,3 +336,25 @@ def test_a_step_in_an_engine_module_named_like_the_standard_librarys_is_read(mon
         module.MODEL.load_state_dict({k: torch.randn_like(v) for k, v in module.MODEL.state_dict().items()}, assign=True)
         with pytest.raises(cg.WeightsMovedError):
             reg.run(B.decode(4), x=torch.randn(4, WIDTH))
+
+
+def test_a_model_held_in_a_thread_local_or_an_engines_thread_object_is_watched() -> None:
+    """Objects of threading's own classes hold no weight; an engine's per-thread state (``threading.local``) or its
+    own Thread subclass may: the models in them are watched, so an assigned weight is refused."""
+
+    class Worker(threading.Thread):
+        def __init__(self) -> None:
+            super().__init__(daemon=True)
+            self.model = torch.nn.Linear(WIDTH, WIDTH)
+
+    state, worker = threading.local(), Worker()
+    state.model = torch.nn.Linear(WIDTH, WIDTH)
+    reg = cg.GraphRegistry(lambda batch, x: worker.model(state.model(x)), INPUTS, backend="cpu")
+    with torch.no_grad():
+        reg.capture(PLAN)
+        assert {"state.model.weight", "worker.model.weight"} <= set(reg.watched()), reg.watched()
+        for model in (state.model, worker.model):
+            model.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()}, assign=True)
+            with pytest.raises(cg.WeightsMovedError):
+                reg.run(B.decode(4), x=torch.randn(4, WIDTH))
+            reg.refresh()
