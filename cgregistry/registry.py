@@ -337,7 +337,7 @@ class GraphRegistry:
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module, prefix: str = "") -> None:
         """Tensors graphs read beside what the step reaches (found unnamed): ``(name, tensor)`` pairs, a module or a list
         of modules (tensors by name: a replaced one is caught); compared from their addresses now (no graph goes stale)."""
-        self._job.watch_named(named, prefix)
+        self._job.watch.watch(named, prefix)
 
     def watched(self) -> list[str]:
         """The names of the tensors replays check: static inputs, what the step reaches, what ``watch()`` named."""

@@ -136,7 +136,6 @@ class CaptureJob:
         self.watch = WeightWatch()  # the tensors graphs read: each entry keeps where they were at its capture
         self.watch.watch((f"static input {n!r}", buf.tensor) for n, buf in buffers.items())
         self._warned_unwatched = False
-        self._engine_named = False  # the engine named what the step reads (watch_named): nothing to warn about
         self._warned_no_break = False
         self._said_uncovered = False
         self._opaque: list[str] = []  # what the step reads without its contents being looked into
@@ -249,16 +248,10 @@ class CaptureJob:
             _log.info("registry %r: no key serves %s%s: they run eagerly (plan.uncovered() lists them)",
                       self.name, "; ".join(said), more)
 
-    def watch_named(self, named: Any, prefix: str = "") -> None:
-        """Watch what the engine names (``reg.watch``): tensors or modules beside what the step reaches; the engine has
-        said what the step reads, so what the walk could not look into is not warned about."""
-        self.watch.watch(named, prefix)
-        self._engine_named = True
-
     def warn_unwatched(self) -> None:
         """Once per registry: the step reads values not looked into and no module is watched, so a weight replaced by
         assignment inside them would go unseen."""
-        if self.watch.modules_watched or self._engine_named or not self._opaque or self._warned_unwatched:
+        if self.watch.modules_watched or not self._opaque or self._warned_unwatched:
             return
         self._warned_unwatched = True
         warn(

@@ -27,13 +27,13 @@ later comparison.
 
 from __future__ import annotations
 
+import collections
 import dis
 import functools
 import inspect
-import logging
-import os
+import io
+import re
 import sys
-import sysconfig
 import threading
 import types
 import weakref
@@ -376,18 +376,12 @@ MAX_DEPTH = 7  # functions and objects followed from the step (an engine's model
 MAX_ITEMS = 256  # a larger container is not looked into (reported as opaque)
 MAX_VALUES = 4096  # values looked at in all; past that, what is left is opaque
 # Packages whose code and objects hold no engine weights: not followed.
-LIBRARIES = frozenset({"cgregistry", "torch", "functools", "typing", "builtins", "transformers", "numpy", "attrs", "pluggy",
-                       "pytest", "_pytest"})
-# Standard-library classes whose objects hold no tensor a graph reads (a step's logger, its locks and events), by exact
-# type (an engine's own Thread subclass, or its threading.local state, may hold its model): neither looked into nor
-# reported as opaque.  The code of standard-library functions is not followed (it reads its own module's globals);
-# other standard-library objects (a deque, say) are looked into or reported as any object is.
-HOLDS_NO_TENSOR = frozenset({
-    logging.Logger, logging.RootLogger, logging.PlaceHolder, logging.Handler, logging.StreamHandler, logging.FileHandler,
-    logging.NullHandler, logging.LoggerAdapter, threading.Event, threading.Condition, threading.Semaphore,
-    threading.BoundedSemaphore, threading.Barrier, type(threading.Lock()), type(threading.RLock()),
-})
-_STDLIB_ROOTS = tuple({os.path.realpath(sysconfig.get_paths()[kind]) for kind in ("stdlib", "platstdlib")})
+LIBRARIES = frozenset({"cgregistry", "torch", "functools", "typing", "builtins", "transformers", "numpy", "attrs"})
+# Objects of these exact types hold no tensor (no attributes and no items of an engine's): locks, compiled patterns and
+# the io module's own streams, which a step's logger reaches: neither looked into nor reported as opaque.
+_HOLD_NOTHING = (type(threading.Lock()), type(threading.RLock()), re.Pattern, io.TextIOWrapper, io.BufferedWriter,
+                 io.BufferedReader, io.FileIO, io.StringIO, io.BytesIO)
+_CONTAINERS = (Mapping, list, tuple, collections.deque)  # looked into item by item
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 # Values that hold no tensor a graph reads.
@@ -442,7 +436,7 @@ class _Walk:
             self.opaque.append(label)
 
     def _value(self, found: Any, label: str, read: Callable[[], Any], depth: int) -> None:
-        if isinstance(found, _INERT):
+        if isinstance(found, _INERT) or type(found) in _HOLD_NOTHING:
             return
         self.values += 1
         if depth > MAX_DEPTH or self.values > MAX_VALUES:
@@ -472,12 +466,12 @@ class _Walk:
             self.function(found.__func__, depth + 1, label)
         elif isinstance(found, types.FunctionType):
             self.function(found, depth + 1, label)
-        elif isinstance(found, (Mapping, list, tuple)):
+        elif isinstance(found, _CONTAINERS):
             self.objects.append((found, label, read, depth))
         elif isinstance(found, types.ModuleType):
-            if not _not_followed(found.__name__):
+            if _package(found.__name__) not in LIBRARIES | sys.stdlib_module_names:
                 self.objects.append((found, label, read, depth))
-        elif type(found) not in HOLDS_NO_TENSOR and _package(getattr(type(found), "__module__", None)) not in LIBRARIES:
+        elif _package(getattr(type(found), "__module__", None)) not in LIBRARIES:
             call = getattr(type(found), "__call__", None)
             if isinstance(call, types.FunctionType):  # an object with __call__: its code and what it holds
                 self.function(call, depth + 1, label)
@@ -488,7 +482,7 @@ class _Walk:
         if wrapped is not None:
             self.value(wrapped, label, lambda: wrapped, depth - 1)
         code = fn.__code__
-        if depth > MAX_DEPTH or id(fn) in self.code or _not_followed(fn.__globals__.get("__name__")):
+        if depth > MAX_DEPTH or id(fn) in self.code or _package(fn.__globals__.get("__name__")) in LIBRARIES:
             return
         self.code.add(id(fn))  # by function, not code: closures of one code object hold different cells
         names, attributes = _loads(code, _GLOBAL_LOADS), _loads(code, _ATTRIBUTE_LOADS)
@@ -516,7 +510,7 @@ class _Walk:
             self.opaque.append(label)
 
     def _look_into(self, obj: Any, label: str, read: Callable[[], Any], depth: int) -> None:
-        if isinstance(obj, (Mapping, list, tuple)):
+        if isinstance(obj, _CONTAINERS):
             if (id(obj), "") in self.taken:
                 return
             self.taken.add((id(obj), ""))
@@ -549,27 +543,6 @@ class _Walk:
                 if isinstance(member, types.FunctionType):  # a method the code calls: its code too
                     self.taken.add((id(obj), name))
                     self.function(member, depth + 1, label)
-
-
-def _not_followed(module_name: object) -> bool:
-    """Whether code and objects of this module hold no engine weights: a library's, or the standard library's."""
-    package = _package(module_name)
-    return package in LIBRARIES or _in_stdlib(package)
-
-
-def _in_stdlib(package: str) -> bool:
-    """Whether ``package`` is the standard library's own: named as one of its modules and imported from the
-    interpreter's library (an engine's own ``test`` or ``code`` module is not)."""
-    if package not in sys.stdlib_module_names:
-        return False
-    if package in sys.builtin_module_names:
-        return True
-    file = getattr(sys.modules.get(package), "__file__", None)
-    if not isinstance(file, str):
-        return False
-    path = os.path.realpath(file)
-    return any(path.startswith(root + os.sep) and not {"site-packages", "dist-packages"} & set(path[len(root):].split(os.sep))
-               for root in _STDLIB_ROOTS)
 
 
 def _package(name: object) -> str:

@@ -6,6 +6,7 @@ computes what eager computes now or is refused with a named error.  Eager is the
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import sys
@@ -310,15 +311,38 @@ def test_a_step_that_logs_or_waits_on_an_event_is_not_warned_about() -> None:
     assert "W" in reg.watched()
 
 
-def test_tensors_the_engine_names_silence_the_warning() -> None:
-    """``reg.watch((name, tensor))`` is the engine saying what the step reads: no warning about what was not looked
-    into, as after ``reg.watch(model)``."""
+def test_a_tensor_the_engine_names_does_not_silence_the_warning_about_a_holder_not_looked_into() -> None:
+    """``reg.watch((name, tensor))`` pins that tensor object: a module replaced by assignment in a holder the walk
+    could not look into would still go unseen, so the warning stays until a module is watched."""
     holder = Holder()
     reg = cg.GraphRegistry(lambda batch, x: holder.table[7](x), INPUTS, backend="cpu")
     reg.watch([(f"table7.{name}", t) for name, t in holder.table[7].named_parameters()])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with pytest.warns(RuntimeWarning, match=r"found no module the step reads, and it reads 'holder.table'"):
         reg.capture(PLAN)
+
+
+def test_models_behind_standard_library_objects_are_watched() -> None:
+    """A model the step reaches through standard-library objects (a Future's result, an attribute of a Logger, a
+    LoggerAdapter's extra) is watched: an assigned weight is refused, then captured again by refresh()."""
+    future: concurrent.futures.Future[torch.nn.Module] = concurrent.futures.Future()
+    future.set_result(torch.nn.Linear(WIDTH, WIDTH))
+    logger = logging.getLogger("an-engine.models")
+    logger.model = torch.nn.Linear(WIDTH, WIDTH)  # type: ignore[attr-defined]
+    adapter = logging.LoggerAdapter(logger, {"model": torch.nn.Linear(WIDTH, WIDTH)})
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return adapter.extra["model"](logger.model(future.result()(x)))  # type: ignore[attr-defined,index]
+
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    with torch.no_grad():
+        reg.capture(PLAN)
+        for model in (future.result(), logger.model, adapter.extra["model"]):  # type: ignore[attr-defined,index]
+            model.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()}, assign=True)
+            with pytest.raises(cg.WeightsMovedError):
+                reg.run(B.decode(4), x=torch.randn(4, WIDTH))
+            assert reg.refresh().recaptured
+            x = torch.randn(4, WIDTH)
+            torch.testing.assert_close(reg.run(B.decode(4), x=x), step(B.decode(4), x))
 
 
 def test_a_step_in_an_engine_module_named_like_the_standard_librarys_is_read(monkeypatch: pytest.MonkeyPatch,
