@@ -17,9 +17,10 @@ debug mode.
 Which modules and tensors a step reads, without their being named (``reached(step)``): an engine's step is a module,
 a method of an engine object, a closure or ``functools.partial`` over the model, or a function reading module-level
 names.  The walk follows the code: the names each function loads (globals, attributes), its closure cells, defaults
-and ``partial`` arguments, the plain functions and methods it calls (a few levels deep), the ``forward`` of a module
-class of the engine's own, and, into containers and plain objects it reaches, the attributes its code loads by name
-(so an engine's bookkeeping tensors that the step never reads are not watched).  What it cannot look into (a
+and ``partial`` arguments, the plain functions and methods it calls (a few levels deep; through a library's wrapper,
+``functools.cache`` say, to what it wraps), the ``forward`` of a module class of the engine's own, and, into
+containers, plain objects and the engine's classes it reaches, the attributes its code loads by name (so an engine's
+bookkeeping tensors that the step never reads are not watched).  What it cannot look into (a
 container too large, objects nested deeper) is reported as opaque, so that a step whose weights were not found can be
 warned about.  Each value is reported with a callable that reads it anew, so a rebound global or cell is seen by a
 later comparison.
@@ -385,7 +386,7 @@ _CONTAINERS = (Mapping, list, tuple, collections.deque)  # looked into item by i
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 # Values that hold no tensor a graph reads.
-_INERT = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, type,
+_INERT = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device,
           types.BuiltinFunctionType, types.BuiltinMethodType, types.CodeType)
 
 
@@ -468,10 +469,15 @@ class _Walk:
             self.function(found, depth + 1, label)
         elif isinstance(found, _CONTAINERS):
             self.objects.append((found, label, read, depth))
-        elif isinstance(found, types.ModuleType):
-            if _package(found.__name__) not in LIBRARIES | sys.stdlib_module_names:
+        elif isinstance(found, (types.ModuleType, type)):  # a module, or a class: the engine's own hold what it set
+            if _package(getattr(found, "__module__" if isinstance(found, type) else "__name__", None)) not in (
+                    LIBRARIES | sys.stdlib_module_names):
                 self.objects.append((found, label, read, depth))
-        elif _package(getattr(type(found), "__module__", None)) not in LIBRARIES:
+        elif _package(getattr(type(found), "__module__", None)) in LIBRARIES:
+            wrapped = getattr(found, "__wrapped__", None)  # a library's wrapper (functools.cache): what it wraps
+            if wrapped is not None:
+                self.value(wrapped, label, lambda: wrapped, depth)
+        else:
             call = getattr(type(found), "__call__", None)
             if isinstance(call, types.FunctionType):  # an object with __call__: its code and what it holds
                 self.function(call, depth + 1, label)

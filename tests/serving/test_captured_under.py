@@ -382,3 +382,30 @@ def test_a_model_held_in_a_thread_local_or_an_engines_thread_object_is_watched()
             with pytest.raises(cg.WeightsMovedError):
                 reg.run(B.decode(4), x=torch.randn(4, WIDTH))
             reg.refresh()
+
+
+def test_models_behind_a_cached_getter_or_a_class_attribute_are_watched() -> None:
+    """A model the step reaches through a ``functools.cache`` getter (the walk follows what the cache wraps) or as an
+    attribute of an engine class (``Engine.model``): an assigned weight is refused, then captured again."""
+    cached, held = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+
+    @functools.cache
+    def get_model() -> torch.nn.Module:
+        return cached
+
+    class Engine:
+        model = held
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return Engine.model(get_model()(x))
+
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    with torch.no_grad():
+        reg.capture(PLAN)
+        for model in (cached, held):
+            model.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()}, assign=True)
+            with pytest.raises(cg.WeightsMovedError):
+                reg.run(B.decode(4), x=torch.randn(4, WIDTH))
+            assert reg.refresh().recaptured
+            x = torch.randn(4, WIDTH)
+            torch.testing.assert_close(reg.run(B.decode(4), x=x), step(B.decode(4), x))
