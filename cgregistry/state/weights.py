@@ -85,7 +85,7 @@ class _ModuleSlot:
         else:
             key = (id(root), self.path)
             found = modules.get(key)
-            if found is None or found[0] is not root:
+            if found is None:
                 found = modules[key] = (root, _submodule(root, self.path))
             module = found[1]
         if module is None:
