@@ -321,6 +321,18 @@ def test_a_tensor_the_engine_names_does_not_silence_the_warning_about_a_holder_n
         reg.capture(PLAN)
 
 
+def each_assign_is_refused_then_captured_again(reg: cg.GraphRegistry, step: Any, models: list[torch.nn.Module]) -> None:
+    """For each of ``models`` in turn, new weights by assignment: the next replay is refused, ``refresh()`` captures
+    again, and the graphs then equal eager (``step``)."""
+    for seed, model in enumerate(models):
+        model.load_state_dict(fresh_state(model, seed), assign=True)
+        with pytest.raises(cg.WeightsMovedError):
+            reg.run(B.decode(4), x=torch.randn(4, WIDTH))
+        assert reg.refresh().recaptured
+        x = torch.randn(4, WIDTH)
+        torch.testing.assert_close(reg.run(B.decode(4), x=x), step(B.decode(4), x))
+
+
 def test_models_behind_standard_library_objects_are_watched() -> None:
     """A model the step reaches through standard-library objects (a Future's result, an attribute of a Logger, a
     LoggerAdapter's extra) is watched: an assigned weight is refused, then captured again by refresh()."""
@@ -336,13 +348,8 @@ def test_models_behind_standard_library_objects_are_watched() -> None:
     reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
     with torch.no_grad():
         reg.capture(PLAN)
-        for model in (future.result(), logger.model, adapter.extra["model"]):  # type: ignore[attr-defined,index]
-            model.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()}, assign=True)
-            with pytest.raises(cg.WeightsMovedError):
-                reg.run(B.decode(4), x=torch.randn(4, WIDTH))
-            assert reg.refresh().recaptured
-            x = torch.randn(4, WIDTH)
-            torch.testing.assert_close(reg.run(B.decode(4), x=x), step(B.decode(4), x))
+        each_assign_is_refused_then_captured_again(reg, step, [future.result(), logger.model,  # type: ignore[attr-defined]
+                                                               adapter.extra["model"]])  # type: ignore[index]
 
 
 def test_a_step_in_an_engine_module_named_like_the_standard_librarys_is_read(monkeypatch: pytest.MonkeyPatch,
@@ -377,11 +384,8 @@ def test_a_model_held_in_a_thread_local_or_an_engines_thread_object_is_watched()
     with torch.no_grad():
         reg.capture(PLAN)
         assert {"state.model.weight", "worker.model.weight"} <= set(reg.watched()), reg.watched()
-        for model in (state.model, worker.model):
-            model.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()}, assign=True)
-            with pytest.raises(cg.WeightsMovedError):
-                reg.run(B.decode(4), x=torch.randn(4, WIDTH))
-            reg.refresh()
+        each_assign_is_refused_then_captured_again(reg, lambda batch, x: worker.model(state.model(x)),
+                                                   [state.model, worker.model])
 
 
 def test_models_behind_a_cached_getter_or_a_class_attribute_are_watched() -> None:
@@ -402,10 +406,4 @@ def test_models_behind_a_cached_getter_or_a_class_attribute_are_watched() -> Non
     reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
     with torch.no_grad():
         reg.capture(PLAN)
-        for model in (cached, held):
-            model.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()}, assign=True)
-            with pytest.raises(cg.WeightsMovedError):
-                reg.run(B.decode(4), x=torch.randn(4, WIDTH))
-            assert reg.refresh().recaptured
-            x = torch.randn(4, WIDTH)
-            torch.testing.assert_close(reg.run(B.decode(4), x=x), step(B.decode(4), x))
+        each_assign_is_refused_then_captured_again(reg, step, [cached, held])
