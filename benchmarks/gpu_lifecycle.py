@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 import cgregistry as cg
+from cgregistry.inspection import CapturePhases
 
 
 def _load_hf() -> Any:
@@ -156,6 +157,7 @@ def main() -> None:
     err = hf.check_against_hf(model, res.finished)
     print(f"{args.config} {args.mode}: {planned} graphs ({captured_bytes / 2**20:.0f} MiB); eager p99 {percentile(eager_ms, 0.99):.1f} ms, "
           f"graphs p99 {percentile(graph_ms, 0.99):.1f} ms; max |logit - HF| {err:.3g}")
+    print(f"  the first capture, {foreground_s:.2f} s: {CapturePhases.of(reg.entries()).summary()}")
 
     # 1a. an RL weight sync in place
     with torch.no_grad():
@@ -194,6 +196,7 @@ def main() -> None:
           f"every key back {done:.2f} s after refresh(); {eager_steps} of {len(eng.steps)} steps eager; steps meanwhile p99 "
           f"{percentile(window, 0.99):.1f} ms (eager p99 {percentile(eager_ms, 0.99):.1f}; the same {len(window)} steps eager, two runs: "
           f"p99 {percentile(same_a, 0.99):.1f} and {percentile(same_b, 0.99):.1f}); max |logit - HF(new weights)| {err_assign:.3g}")
+    print(f"  the keys captured again: {CapturePhases.of(reg.entries()).summary()}")
     if args.steps:
         for (ms, at, hit), (tokens, reqs), alone in zip(eng.steps, eng.sizes, same[0]):
             print(f"  step at {at:6.3f} s: {ms:7.1f} ms (eager alone {alone:5.1f}), {tokens:3d} tokens {reqs:2d} requests, "
@@ -205,6 +208,15 @@ def main() -> None:
     rows.append(("weight sync by assign: p99 meanwhile / the same steps eager", " and ".join(
         f"{percentile(window, 0.99) / percentile(steps, 0.99):.2f}" for steps in (same_a, same_b)) + " (against each eager run)"))
     rows.append(("weight sync by assign: max |logit - HF(new weights)|", f"{err_assign:.3g}"))
+
+    # 1c. by assign, captured again in the foreground: what capturing every key again costs with nothing beside it
+    model.load_state_dict(new_weights(12), assign=True)
+    t = time.perf_counter()
+    result = reg.refresh()
+    again_s = time.perf_counter() - t
+    print(f"by assign, refresh() in the foreground: {len(result.recaptured)} keys captured again in {again_s:.2f} s "
+          f"({again_s / foreground_s:.2f}x the first capture); {CapturePhases.of(reg.entries()).summary()}")
+    rows.append(("weight sync by assign: refresh() in the foreground", f"{again_s:.2f} s ({again_s / foreground_s:.2f}x the first capture)"))
 
     # 2. sleep and wake
     torch.cuda.synchronize()
@@ -286,6 +298,7 @@ def compare_windows(specs: list[str], model: Any, reg: Any, *, eng_factory: Any,
         finally:
             for knob, value in defaults.items():
                 setattr(background, knob, value)
+        print(f"  window {name}, the keys captured again: {CapturePhases.of(reg.entries()).summary()}")
         window = [ms for ms, _, _ in eng.steps]
         eager_steps = [i for i, (_, _, hit) in enumerate(eng.steps) if not hit]
         eager_wall = statistics.median([window[i] for i in eager_steps]) if eager_steps else float("nan")

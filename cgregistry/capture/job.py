@@ -8,7 +8,7 @@ hooks, under that context, one capture at a time into the pool.  A :class:`Mode`
 thread, on the capture thread; the entry is handed back to be installed) or :func:`scratch` (measured and dropped:
 the memory estimate).  A whole plan now is ``capture_plan``; a lazy key at its first use, ``capture_lazily``.
 
-Capture runs the engine's step (warm-up always; eager breaks and the cpu emulator run it for real), and a step writes
+Capture runs the engine's step (its warm-up, but for a key captured again; eager breaks and the cpu emulator run it for real), and a step writes
 engine state such as a KV cache at the slots it reads.  So every capture, whenever it happens, runs on buffers reset
 to their fills (a scratch slot for index inputs), never on the rows of a batch already served; a failure is a
 ``CaptureError`` and changes nothing but the pool handle.
@@ -54,6 +54,7 @@ from cgregistry.warn import warn
 __all__ = ["BACKGROUND", "FOREGROUND", "CaptureContext", "CaptureError", "CaptureJob", "FrozenHeap", "Mode", "PausedGC", "scratch"]
 
 _log = logging.getLogger("cgregistry")
+_UNKNOWN = object()  # no output spec known for a key: its capture warms up first
 
 
 @attrs.frozen(slots=True)
@@ -135,6 +136,9 @@ class CaptureJob:
         self.state_test = StateTest()  # the hot path's test of the caller's state against the context's (changed in place)
         self.watch = WeightWatch()  # the tensors graphs read: each entry keeps where they were at its capture
         self.watch.watch((f"static input {n!r}", buf.tensor) for n, buf in buffers.items())
+        # The output spec of each key captured with nothing compiled or compiling: a later capture of it on a thread
+        # that has warmed up a key before (its lazy per-thread state made) skips the warm-up (see capture_entry).
+        self._warm_specs: dict[Pair, Any] = {}
         self._warned_unwatched = False
         self._warned_no_break = False
         self._said_uncovered = False
@@ -261,9 +265,10 @@ class CaptureJob:
             "read the old memory: name what the step reads with reg.watch(model)")
 
     def forget(self) -> None:
-        """No context (after ``clear()``): the next capture request records one."""
+        """No context (after ``clear()``): the next capture request records one, and every key warms up again."""
         self.context = None
         self.state_test.passing()
+        self._warm_specs.clear()
 
     def refuse_other_state(self) -> None:
         """After ``state_test()`` said no: raise ``ServingStateError`` naming how the caller's state differs from the
@@ -478,10 +483,32 @@ class CaptureJob:
         streams ``mode.as_background`` says, so that it takes what that capture would."""
         if mode.beside_serving:  # on a stream of the pool's, not the serving thread's, where the backend has them (cuda)
             with getattr(self.backend, "background_context", contextlib.nullcontext)():
-                return self._capture_entry(key, strategy_name, strategy, payload, mode)
+                return self._capture_warm_or_not(key, strategy_name, strategy, payload, mode)
+        return self._capture_warm_or_not(key, strategy_name, strategy, payload, mode)
+
+    def _capture_warm_or_not(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, mode: Mode) -> Entry:
+        """A key captured again (a refresh, a wake) on a thread that has warmed up before skips its warm-up: the step ran
+        eagerly for that key already, and its output spec is known.  The warm-up is most of a capture's time (two
+        thirds on the 1B engine), and beside a serving thread it is what competes with the eager steps.  Should such a
+        capture fail (lazy state the step makes on a first run, such as a handle, cannot be made inside a capture),
+        the key is warmed up and captured again; a key whose capture compiled or ran compiled code always warms up
+        (a guard that fails after a weight update would compile inside the capture)."""
+        pair = (key, strategy_name)
+        spec = self._warm_specs.get(pair, _UNKNOWN) if mode.name != "scratch" and getattr(self._here, "warmed", False) else _UNKNOWN
+        if spec is _UNKNOWN:
+            return self._capture_entry(key, strategy_name, strategy, payload, mode)
+        try:
+            return self._capture_entry(key, strategy_name, strategy, payload, mode, spec)
+        except CaptureError as exc:
+            self._warm_specs.pop(pair, None)
+            _log.info("registry %r: %s [%s] captured without a warm-up failed (%s: %s); warming it up and capturing "
+                      "again", self.name, key, strategy_name, type(exc.__cause__).__name__, exc.__cause__)
         return self._capture_entry(key, strategy_name, strategy, payload, mode)
 
-    def _capture_entry(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, mode: Mode) -> Entry:
+    def _capture_entry(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, mode: Mode,
+                       spec: Any = _UNKNOWN) -> Entry:
+        """One capture; ``spec``: the key's output spec from an earlier capture, whose warm-up this one skips (a bare
+        tensor's spec is None itself: ``_UNKNOWN`` says there is none)."""
         backend = self.backend
         device_memory = getattr(backend, "device_memory", None)  # (used, reserved) bytes, where the backend measures them
         used_before = device_memory()[0] if device_memory is not None else 0
@@ -516,9 +543,13 @@ class CaptureJob:
         )
         try:
             with torch.inference_mode():
-                warm_leaves, spec = checked_outputs(backend.warmup(body, self._warmup_runs), axes, key, slots, self.device)
-                del warm_leaves
-                warmed, compiled_warming = time.perf_counter() - started, clock["compile"]
+                warmed = 0.0
+                if spec is _UNKNOWN:
+                    warm_leaves, spec = checked_outputs(backend.warmup(body, self._warmup_runs), axes, key, slots, self.device)
+                    del warm_leaves
+                    self._here.warmed = True
+                    warmed = time.perf_counter() - started
+                compiled_warming = clock["compile"]
                 recording_token = runtime.recording.set(recording)
                 try:
                     graph, out = strategy.capture(body, backend, pool)
@@ -544,6 +575,11 @@ class CaptureJob:
                 var.reset(token)
         seconds = time.perf_counter() - started
         _watch_compiles()  # again: the step may have loaded dynamo
+        if mode.name != "scratch":
+            if clock["compile"] or clock.get("compiled runs"):
+                self._warm_specs.pop((key, strategy_name), None)
+            else:
+                self._warm_specs[(key, strategy_name)] = spec
         entry = Entry(key, strategy_name, graph, slicer, seconds)
         # the rest of the warm-up once its compiling is taken out; record: the rest (recording, checking the outputs)
         warmup = max(0.0, warmed - compiled_warming)

@@ -93,6 +93,14 @@ def end_phase(name: str) -> None:
         clock[f"{name} depth"] = 0
 
 
+def ran_compiled() -> None:
+    """The capture in progress on this thread runs dynamo-compiled code: its key warms up at every capture (a guard
+    that fails after a weight update compiles again, which must happen in a warm-up, not inside a capture)."""
+    clock = phase_clock.get()
+    if clock is not None:
+        clock["compiled runs"] = clock.get("compiled runs", 0.0) + 1
+
+
 @contextlib.contextmanager
 def timed_phase(name: str) -> Iterator[None]:
     """Add the time of this block to phase ``name`` of the capture in progress on this thread (``begin_phase``)."""

@@ -622,6 +622,7 @@ class PiecewiseModel:
         args = tuple(_unviewed(a) for a in args)
         kwargs = {k: _unviewed(v) for k, v in kwargs.items()}
         if batch is not None and batch.key is not None:  # a warm-up or capture, where a trace may happen
+            runtime.ran_compiled()
             self._register_modules()
             if self._batch_axes is None:
                 self._batch_axes = _batch_axes(batch.key, runtime.axis_rows.get(), args, kwargs)

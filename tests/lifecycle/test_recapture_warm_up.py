@@ -1,0 +1,194 @@
+"""A key captured again (after a weight update, a wake) on a thread that has warmed up before skips its warm-up:
+the step runs once per such key instead of twice, and still equals eager under the new weights.  A capture that
+fails without its warm-up (lazy state the step cannot make while recorded) is warmed up and captured again; keys
+whose capture runs compiled code, the memory estimate, and every key after ``clear()`` always warm up."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+import cgregistry as cg
+from cgregistry import BatchDescriptor as B
+from cgregistry.backends.cpu import CpuBackend
+from cgregistry.state.runtime import RecordingBatch
+from cgregistry.testing import make_plugins
+
+WIDTH, MAX_TOKENS = 8, 32
+SIZES = (8, 16, 32)
+PLAN = [(B.decode(n), "full") for n in SIZES]
+
+
+class CountingModel(nn.Module):
+    """Counts its runs per token count; ``lazy``: state made on a thread's first run of a size, which cannot be made
+    while the step is recorded (as a cuBLAS handle cannot be created inside a CUDA capture)."""
+
+    def __init__(self, lazy: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(WIDTH, WIDTH)
+        self.second = nn.Linear(WIDTH, WIDTH)
+        self.runs: Counter[int] = Counter()
+        self.lazy = lazy
+        self.made = threading.local()
+
+    def forward(self, batch: B, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        self.runs[n] += 1
+        if self.lazy:
+            made = self.made.__dict__.setdefault("sizes", set())
+            if n not in made:
+                if isinstance(cg.current_batch(), RecordingBatch):
+                    raise RuntimeError(f"lazy state for {n} rows made while recorded")
+                made.add(n)
+        return self.second(torch.tanh(self.first(x)))
+
+
+class Measured(CpuBackend):
+    """The cpu emulator with a device whose memory reads as unused: memory estimates capture on it."""
+
+    name = "cpu-measured"
+
+    def device_memory(self) -> tuple[int, int]:
+        return 0, 0
+
+    @cg.plugin.hookimpl
+    def cgregistry_register_backends(self, register):  # type: ignore[no-untyped-def]
+        register(self)
+
+
+def registry(model: nn.Module, measured: bool = False) -> cg.GraphRegistry:
+    return cg.GraphRegistry(model, {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)},
+                            backend="cpu-measured" if measured else "cpu", plugins=make_plugins(Measured()))
+
+
+def new_weights(model: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    model.load_state_dict({k: torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}, assign=True)
+
+
+def each_size_equals_eager(reg: cg.GraphRegistry, model: nn.Module) -> None:
+    hits = reg.stats().hits
+    for n in SIZES:
+        x = torch.randn(n, WIDTH, generator=torch.Generator().manual_seed(n))
+        with torch.inference_mode():
+            want = model(B.decode(n), x)
+        torch.testing.assert_close(reg.run(B.decode(n), x=x), want, rtol=1e-5, atol=1e-5)
+    assert reg.stats().hits == hits + len(SIZES)
+
+
+def test_a_key_captured_again_after_an_assign_runs_the_step_once_and_equals_eager() -> None:
+    model = CountingModel()
+    reg = registry(model)
+    reg.capture(PLAN)
+    assert model.runs == {n: 2 for n in SIZES}, "a first capture warms up, then records"
+    new_weights(model, 1)
+    model.runs.clear()
+    assert len(reg.refresh().recaptured) == len(PLAN)
+    assert model.runs == {n: 1 for n in SIZES}, "captured again on the thread that warmed them up: recorded only"
+    assert all(e.phases.warmup == 0 for e in reg.entries())
+    each_size_equals_eager(reg, model)
+
+
+def test_a_background_capture_thread_warms_up_its_first_key_only() -> None:
+    model = CountingModel()
+    reg = registry(model)
+    reg.capture(PLAN)
+    for seed in (1, 2):  # each refresh starts a new capture thread
+        new_weights(model, seed)
+        model.runs.clear()
+        reg.refresh(background=True)
+        assert reg.wait_captured(timeout=60) and len(reg) == len(PLAN)
+        assert sorted(model.runs.values()) == [1, 1, 2], model.runs
+        each_size_equals_eager(reg, model)
+
+
+def test_a_capture_that_fails_without_its_warm_up_is_warmed_up_and_captured_again(caplog) -> None:  # noqa: ANN001
+    model = CountingModel(lazy=True)
+    reg = registry(model)
+    reg.capture(PLAN)
+    new_weights(model, 3)
+    model.runs.clear()
+    with caplog.at_level(logging.INFO, logger="cgregistry"):
+        reg.refresh(background=True)
+        assert reg.wait_captured(timeout=60)
+    assert len(reg) == len(PLAN) and reg.failures() == {}
+    retried = [r.getMessage() for r in caplog.records if "without a warm-up failed" in r.getMessage()]
+    assert len(retried) == 2 and all("made while recorded" in m for m in retried), retried
+    assert sorted(model.runs.values()) == [2, 3, 3], "the first key warmed up; the others failed once, then warmed up"
+    each_size_equals_eager(reg, model)
+    model.runs.clear()
+    reg.refresh(background=True)  # nothing moved: nothing captured
+    assert reg.wait_captured(timeout=60) and sum(model.runs.values()) == 0
+
+
+def test_the_memory_estimate_and_every_key_after_clear_warm_up() -> None:
+    model = CountingModel()
+    reg = registry(model, measured=True)
+    reg.capture(PLAN)
+    reg.release(B.decode(8))
+    model.runs.clear()
+    reg.estimate_memory(PLAN)
+    assert model.runs == {8: 2}, "an estimate measures what a first capture takes, its warm-up included"
+    reg.capture(PLAN)
+    assert model.runs == {8: 3}, "a released key captured again skips its warm-up"
+    reg.clear()
+    model.runs.clear()
+    reg.capture(PLAN)
+    assert model.runs == {n: 2 for n in SIZES}, "after clear() every key warms up again"
+
+
+@cg.eager_break
+def _doubled(h: torch.Tensor) -> torch.Tensor:
+    _doubled.calls += 1  # type: ignore[attr-defined]
+    return h * 2
+
+
+_doubled.calls = 0  # type: ignore[attr-defined]
+
+
+def test_keys_whose_capture_runs_compiled_code_always_warm_up() -> None:
+    """A guard that fails after a weight update compiles again: that must happen in a warm-up, not while recorded."""
+    lin = nn.Linear(WIDTH, WIDTH)
+    reg = cg.GraphRegistry(lambda batch, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)},
+                           backend="cpu")
+    compiled = reg.compile(lambda x: lin(_doubled(lin(x))))
+    reg.capture([(B(16), "piecewise"), (B(8), "piecewise")])  # the second size compiles nothing: one dynamic trace
+    assert compiled.compiler.traces and len(compiled.compiler.traces) == 1
+    new_weights(lin, 4)
+    _doubled.calls = 0
+    assert len(reg.refresh().recaptured) == 2
+    assert _doubled.calls == 4, "each split ran in a warm-up and again while the pieces were recorded"
+    for n in (16, 8):
+        x = torch.randn(n, WIDTH)
+        with torch.inference_mode():
+            torch.testing.assert_close(reg.run(B(n), x=x), lin(lin(x) * 2), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("background", [False, True])
+def test_cuda_keys_captured_again_after_each_assign_skip_their_warm_up_and_equal_eager(background: bool) -> None:
+    """On CUDA a capture thread is new at each background refresh: its first key warms up (cuBLAS's per-thread
+    state), the others are recorded only; every key comes back and computes with the new weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda().half()
+    reg = cg.GraphRegistry(lambda batch, x: model(x), {"x": cg.StaticInput((64, 256), torch.float16)}, backend="cuda")
+    sizes = (1, 8, 24, 64)
+    reg.capture([(B.decode(n), "full") for n in sizes])
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        model.load_state_dict({k: torch.randn_like(v) * 0.05 for k, v in model.state_dict().items()}, assign=True)
+        reg.refresh(background=background)
+        assert reg.wait_captured(timeout=120) and len(reg) == len(sizes) and reg.failures() == {}
+        warmed = [e for e in reg.entries() if e.phases.warmup > 0]
+        assert len(warmed) == (1 if background else 0), [(e.descriptor, e.phases) for e in reg.entries()]
+        for n in sizes:
+            x = torch.randn(n, 256, device="cuda", dtype=torch.float16)
+            with torch.inference_mode():
+                want = model(x)
+            torch.testing.assert_close(reg.run(B.decode(n), x=x), want, rtol=2e-2, atol=2e-2)
