@@ -38,6 +38,13 @@ def _load_hf() -> Any:
     return hf
 
 
+def phases_of(reg: Any) -> str:
+    """Where the capture seconds of the registry's entries went, and how many of its keys warmed up."""
+    entries = reg.entries()
+    warmed = sum(1 for e in entries if e.phases is not None and e.phases.warmup > 0)
+    return f"{CapturePhases.of(entries).summary()}; {warmed} of {len(entries)} keys warmed up"
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
@@ -157,7 +164,7 @@ def main() -> None:
     err = hf.check_against_hf(model, res.finished)
     print(f"{args.config} {args.mode}: {planned} graphs ({captured_bytes / 2**20:.0f} MiB); eager p99 {percentile(eager_ms, 0.99):.1f} ms, "
           f"graphs p99 {percentile(graph_ms, 0.99):.1f} ms; max |logit - HF| {err:.3g}")
-    print(f"  the first capture, {foreground_s:.2f} s: {CapturePhases.of(reg.entries()).summary()}")
+    print(f"  the first capture, {foreground_s:.2f} s: {phases_of(reg)}")
 
     # 1a. an RL weight sync in place
     with torch.no_grad():
@@ -196,7 +203,7 @@ def main() -> None:
           f"every key back {done:.2f} s after refresh(); {eager_steps} of {len(eng.steps)} steps eager; steps meanwhile p99 "
           f"{percentile(window, 0.99):.1f} ms (eager p99 {percentile(eager_ms, 0.99):.1f}; the same {len(window)} steps eager, two runs: "
           f"p99 {percentile(same_a, 0.99):.1f} and {percentile(same_b, 0.99):.1f}); max |logit - HF(new weights)| {err_assign:.3g}")
-    print(f"  the keys captured again: {CapturePhases.of(reg.entries()).summary()}")
+    print(f"  the keys captured again: {phases_of(reg)}")
     if args.steps:
         for (ms, at, hit), (tokens, reqs), alone in zip(eng.steps, eng.sizes, same[0]):
             print(f"  step at {at:6.3f} s: {ms:7.1f} ms (eager alone {alone:5.1f}), {tokens:3d} tokens {reqs:2d} requests, "
@@ -215,7 +222,7 @@ def main() -> None:
     result = reg.refresh()
     again_s = time.perf_counter() - t
     print(f"by assign, refresh() in the foreground: {len(result.recaptured)} keys captured again in {again_s:.2f} s "
-          f"({again_s / foreground_s:.2f}x the first capture); {CapturePhases.of(reg.entries()).summary()}")
+          f"({again_s / foreground_s:.2f}x the first capture); {phases_of(reg)}")
     rows.append(("weight sync by assign: refresh() in the foreground", f"{again_s:.2f} s ({again_s / foreground_s:.2f}x the first capture)"))
 
     # 2. sleep and wake
@@ -235,6 +242,7 @@ def main() -> None:
     reg.wait_captured()
     err_wake = hf.check_against_hf(model, res.finished)
     print(f"wake: first graph-served step {first * 1e3:.0f} ms after wake(); {len(reg)} graphs back; max |logit - HF| {err_wake:.3g}")
+    print(f"  the keys captured again: {phases_of(reg)}")
     rows.append(("sleep: released / capture took", f"{released / 2**20:.0f} / {captured_bytes / 2**20:.0f} MiB ({released / captured_bytes:.2f})"))
     rows.append(("wake: first graph-served step after wake()", f"{first * 1e3:.0f} ms"))
     rows.append(("wake: max |logit - HF|", f"{err_wake:.3g}"))
@@ -298,7 +306,7 @@ def compare_windows(specs: list[str], model: Any, reg: Any, *, eng_factory: Any,
         finally:
             for knob, value in defaults.items():
                 setattr(background, knob, value)
-        print(f"  window {name}, the keys captured again: {CapturePhases.of(reg.entries()).summary()}")
+        print(f"  window {name}, the keys captured again: {phases_of(reg)}")
         window = [ms for ms, _, _ in eng.steps]
         eager_steps = [i for i, (_, _, hit) in enumerate(eng.steps) if not hit]
         eager_wall = statistics.median([window[i] for i in eager_steps]) if eager_steps else float("nan")
