@@ -130,6 +130,10 @@ def test_a_capture_that_fails_without_its_warm_up_is_warmed_up_and_captured_agai
 def test_the_memory_estimate_and_every_key_after_clear_warm_up() -> None:
     model = CountingModel()
     reg = registry(model, measured=True)
+    reg.estimate_memory(PLAN)
+    reg.capture(PLAN)
+    assert model.runs == {n: 4 for n in SIZES}, "the estimate priced each capture with its warm-up: the capture has one"
+    reg.clear()
     reg.capture(PLAN)
     reg.release(B.decode(8))
     model.runs.clear()
