@@ -18,8 +18,9 @@ Which modules and tensors a step reads, without their being named (``reached(ste
 a method of an engine object, a closure or ``functools.partial`` over the model, or a function reading module-level
 names.  The walk follows the code: the names each function loads (globals, attributes), its closure cells, defaults
 and ``partial`` arguments, the plain functions and methods it calls (a few levels deep; through a library's wrapper,
-``functools.cache`` say, to what it wraps), the ``forward`` of a module class of the engine's own, and, into
-containers, plain objects and the engine's classes it reaches, the attributes its code loads by name (so an engine's
+``functools.cache`` say, to what it wraps), the ``forward`` of a module class of the engine's own, what a weak
+reference refers to, the items of containers (sets and a dict's views too), and, into plain objects and the engine's
+classes it reaches, the attributes its code loads by name (through a property's getter: an enum member's value) (so an engine's
 bookkeeping tensors that the step never reads are not watched).  What it cannot look into (a
 container too large, objects nested deeper) is reported as opaque, so that a step whose weights were not found can be
 warned about.  Each value is reported with a callable that reads it anew, so a rebound global or cell is seen by a
@@ -382,7 +383,9 @@ LIBRARIES = frozenset({"cgregistry", "torch", "functools", "typing", "builtins",
 # the io module's own streams, which a step's logger reaches: neither looked into nor reported as opaque.
 _HOLD_NOTHING = (type(threading.Lock()), type(threading.RLock()), re.Pattern, io.TextIOWrapper, io.BufferedWriter,
                  io.BufferedReader, io.FileIO, io.StringIO, io.BytesIO)
-_CONTAINERS = (Mapping, list, tuple, collections.deque)  # looked into item by item
+_CONTAINERS = (Mapping, list, tuple, collections.deque, collections.UserList)  # looked into item by item
+# Looked into item by item too, an item read anew while it is still a member: sets and a dict's views.
+_MEMBERSHIPS = (collections.abc.Set, collections.abc.ValuesView)
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 # Values that hold no tensor a graph reads.
@@ -467,8 +470,11 @@ class _Walk:
             self.function(found.__func__, depth + 1, label)
         elif isinstance(found, types.FunctionType):
             self.function(found, depth + 1, label)
-        elif isinstance(found, _CONTAINERS):
+        elif isinstance(found, _CONTAINERS) or (isinstance(found, _MEMBERSHIPS) and _package(type(found).__module__) in (
+                LIBRARIES | sys.stdlib_module_names)):
             self.objects.append((found, label, read, depth))
+        elif isinstance(found, weakref.ref) and type(found).__call__ is weakref.ref.__call__:  # what it refers to
+            self.value(found(), label, lambda: _referent(read()), depth)
         elif isinstance(found, (types.ModuleType, type)):  # a module, or a class: the engine's own hold what it set
             if _package(getattr(found, "__module__" if isinstance(found, type) else "__name__", None)) not in (
                     LIBRARIES | sys.stdlib_module_names):
@@ -516,7 +522,7 @@ class _Walk:
             self.opaque.append(label)
 
     def _look_into(self, obj: Any, label: str, read: Callable[[], Any], depth: int) -> None:
-        if isinstance(obj, _CONTAINERS):
+        if isinstance(obj, (_CONTAINERS, _MEMBERSHIPS)):
             if (id(obj), "") in self.taken:
                 return
             self.taken.add((id(obj), ""))
@@ -525,6 +531,8 @@ class _Walk:
                 return
             if isinstance(obj, Mapping):
                 items = [(f"{label}[{k!r}]", v, lambda r=read, k=k: _item(r(), k)) for k, v in list(obj.items())]
+            elif isinstance(obj, _MEMBERSHIPS):
+                items = [(f"{label}{{{i}}}", v, lambda r=read, v=v: _member(r(), v)) for i, v in enumerate(list(obj))]
             else:
                 items = [(f"{label}[{i}]", v, lambda r=read, i=i: _item(r(), i)) for i, v in enumerate(obj)]
             for name, item, item_read in items:
@@ -544,8 +552,8 @@ class _Walk:
                 self.value(found, f"{label}.{name}", lambda r=read, n=name: getattr(r(), n, None), depth + 1)
             elif not isinstance(obj, types.ModuleType):
                 member = inspect.getattr_static(type(obj), name, None)
-                if isinstance(member, property) and isinstance(member.fget, types.FunctionType):
-                    member = member.fget  # a property the code reads: its getter's code, and what that loads
+                if isinstance(member, (property, types.DynamicClassAttribute)) and isinstance(member.fget, types.FunctionType):
+                    member = member.fget  # a property the code reads (an enum member's value): its getter's code, and what that loads
                 if isinstance(member, types.FunctionType):  # a method the code calls: its code too
                     self.taken.add((id(obj), name))
                     self.function(member, depth + 1, label)
@@ -582,6 +590,19 @@ def _item(container: Any, key: Any) -> Any:
         return container[key]
     except (KeyError, IndexError, TypeError):
         return None
+
+
+def _member(collection: Any, value: Any) -> Any:
+    """``value`` while it is still a member of ``collection`` (a set, a dict's values), else None."""
+    try:
+        return value if any(item is value for item in collection) else None
+    except TypeError:
+        return None
+
+
+def _referent(ref: Any) -> Any:
+    """What a weak reference refers to (None once it died, or for what is no weak reference now)."""
+    return ref() if isinstance(ref, weakref.ref) else None
 
 
 def _cell(cell: Any) -> Any:

@@ -6,13 +6,16 @@ computes what eager computes now or is refused with a named error.  Eager is the
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import enum
 import functools
 import logging
 import sys
 import threading
 import types
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -407,3 +410,49 @@ def test_models_behind_a_cached_getter_or_a_class_attribute_are_watched() -> Non
     with torch.no_grad():
         reg.capture(PLAN)
         each_assign_is_refused_then_captured_again(reg, step, [cached, held])
+
+
+class _Models(enum.Enum):
+    """An engine's models as enum members (``Models.DRAFT.value``)."""
+
+    MAIN = (torch.nn.Linear(WIDTH, WIDTH),)
+
+
+def test_models_in_sets_dict_views_user_lists_enum_members_and_weak_references_are_watched() -> None:
+    """A model the step reaches through a set, a frozenset, a dict's values, a ``UserList``, an enum member's value
+    or a weak reference: an assigned weight is refused, then captured again by refresh()."""
+    in_set, in_frozenset, in_values, in_user_list, referred = (torch.nn.Linear(WIDTH, WIDTH) for _ in range(5))
+    models_set, models_frozen = {in_set}, frozenset({in_frozenset})
+    values, user_list, ref = {"m": in_values}.values(), collections.UserList([in_user_list]), weakref.ref(referred)
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        for model in (*models_set, *models_frozen, *values, user_list[0], _Models.MAIN.value[0], ref()):
+            x = model(x)
+        return x
+
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and no warning that the step reads something not looked into
+        reg.capture(PLAN)
+    with torch.no_grad():
+        each_assign_is_refused_then_captured_again(
+            reg, step, [in_set, in_frozenset, in_values, in_user_list, _Models.MAIN.value[0], referred])
+
+
+def test_a_model_taken_out_of_a_set_is_refused() -> None:
+    """A set's member replaced by another model: the old graphs are refused, and refresh() watches the new member."""
+    old, new = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+    models = {old}
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return next(iter(models))(x)
+
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    reg.capture(PLAN)
+    models.clear()
+    models.add(new)
+    assert reg.refresh().recaptured
+    with torch.no_grad():
+        x = torch.randn(4, WIDTH)
+        torch.testing.assert_close(reg.run(B.decode(4), x=x), new(x))
+        each_assign_is_refused_then_captured_again(reg, step, [new])
