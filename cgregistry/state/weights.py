@@ -593,11 +593,16 @@ def _item(container: Any, key: Any) -> Any:
 
 
 def _member(collection: Any, value: Any) -> Any:
-    """``value`` while it is still a member of ``collection`` (a set, a dict's values), else None."""
+    """``value`` while it is still a member of ``collection`` (a set, a dict's view), else None; a dict's items view
+    makes its (key, value) pairs anew at each read, so a pair of the same objects is the same member."""
     try:
-        return value if any(item is value for item in collection) else None
-    except TypeError:
+        for item in collection:
+            if item is value or (type(item) is tuple and type(value) is tuple and len(item) == len(value)
+                                 and all(a is b for a, b in zip(item, value))):
+                return item
+    except Exception:  # a collection changed while read, say: nothing to read
         return None
+    return None
 
 
 def _referent(ref: Any) -> Any:

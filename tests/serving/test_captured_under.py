@@ -419,14 +419,15 @@ class _Models(enum.Enum):
 
 
 def test_models_in_sets_dict_views_user_lists_enum_members_and_weak_references_are_watched() -> None:
-    """A model the step reaches through a set, a frozenset, a dict's values, a ``UserList``, an enum member's value
-    or a weak reference: an assigned weight is refused, then captured again by refresh()."""
-    in_set, in_frozenset, in_values, in_user_list, referred = (torch.nn.Linear(WIDTH, WIDTH) for _ in range(5))
+    """A model the step reaches through a set, a frozenset, a dict's values or items view, a ``UserList``, an enum
+    member's value or a weak reference: an assigned weight is refused, then captured again by refresh()."""
+    in_set, in_frozenset, in_values, in_items, in_user_list, referred = (torch.nn.Linear(WIDTH, WIDTH) for _ in range(6))
     models_set, models_frozen = {in_set}, frozenset({in_frozenset})
-    values, user_list, ref = {"m": in_values}.values(), collections.UserList([in_user_list]), weakref.ref(referred)
+    values, items = {"m": in_values}.values(), {"m": in_items}.items()  # views: their pairs are made anew at each read
+    user_list, ref = collections.UserList([in_user_list]), weakref.ref(referred)
 
     def step(batch: B, x: torch.Tensor) -> torch.Tensor:
-        for model in (*models_set, *models_frozen, *values, user_list[0], _Models.MAIN.value[0], ref()):
+        for model in (*models_set, *models_frozen, *values, *(m for _, m in items), user_list[0], _Models.MAIN.value[0], ref()):
             x = model(x)
         return x
 
@@ -436,7 +437,7 @@ def test_models_in_sets_dict_views_user_lists_enum_members_and_weak_references_a
         reg.capture(PLAN)
     with torch.no_grad():
         each_assign_is_refused_then_captured_again(
-            reg, step, [in_set, in_frozenset, in_values, in_user_list, _Models.MAIN.value[0], referred])
+            reg, step, [in_set, in_frozenset, in_values, in_items, in_user_list, _Models.MAIN.value[0], referred])
 
 
 def test_a_model_taken_out_of_a_set_is_refused() -> None:
