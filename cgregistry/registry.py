@@ -61,6 +61,10 @@ class GraphRegistry:
     the next ``run``, and only while the registry lives.  Not thread-safe: call ``run`` from one thread.
     ``pool``: another registry's ``pool`` (a :class:`~cgregistry.capture.pool.GraphPool`) to capture into, one capture at
     a time: a drafter's graphs beside its target's, which never replay at once, share their memory.
+    ``warm_up_again``: False to record a key captured again (``refresh()``, ``wake()``, after ``release()``) at once on a
+    thread that has warmed it up before, about half the capture time; only for a step that makes nothing lazily on a
+    first run that the engine may have freed since (a KV cache made by the first step and freed at ``sleep()`` would be
+    made inside the graph, and wiped at every replay) and that calls no ``torch.compile`` of its own (docs/lifecycle.md).
     """
 
     def __init__(
@@ -80,12 +84,14 @@ class GraphRegistry:
         max_padding_ratio: float | None = None,
         adapt: Adaptation | None = None,
         pool: GraphPool | None = None,
+        warm_up_again: bool = True,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable, got {step!r}")
         output_axes = OutputAxes(output_axis)
         if type(warmup_runs) is not int or warmup_runs < 1:
             raise ValueError(f"warmup_runs must be an int >= 1, got {warmup_runs!r}")
+        check_flag("GraphRegistry", "warm_up_again", warm_up_again)
         check_budget(memory_budget)
         cap = PaddingCap(max_padding_tokens, max_padding_ratio)
         check_inputs(inputs)
@@ -106,7 +112,7 @@ class GraphRegistry:
         self._catalog = catalog = Catalog(buffers, output_axes, preference, cap, memory_budget, chooser, chooser_names)
         self.pool = pool if pool is not None else GraphPool(self.backend)
         self._job = job = CaptureJob(step, buffers, self.backend, output_axes, warmup_runs, self.pool, catalog, events,
-                                     self.plugins, self.name)
+                                     self.plugins, self.name, warm_up_again=warm_up_again)
         pacer = getattr(self.backend, "step_pacer", None)  # optional: the cuda backend bounds the serving thread's run-ahead
         self._background = background = BackgroundCapture(job, catalog, events, self.name, pacer() if pacer else None)
         # Once the registry goes, so does its capture thread.  The finalizer reaches the capture only weakly: it would

@@ -550,12 +550,15 @@ def new_registry(
     those pieces: ``full`` keys with the attention inline in one graph, ``piecewise`` ones with it eager between them
     (CUDA only: the cpu emulator cannot record Inductor's kernels)."""
     preference = ("full", "piecewise", "breakable")
+    # The step makes nothing on a first run (the KV cache exists before capture): keys captured again after a weight
+    # sync or a wake are recorded without a warm-up (docs/lifecycle.md).
+    options: dict[str, Any] = {"preference": preference, "name": f"hf-{mode}", "plugins": plugins, "warm_up_again": False}
     reg: cg.GraphRegistry
     forward = decoder(model)
     if "piecewise" in mode or inductor:
         holder: dict[str, Any] = {}
         reg = cg.GraphRegistry(make_step(model, lambda *a: holder["compiled"](*a)), static_inputs(shape),
-                               backend=backend, output_axis=OUTPUT_AXES, preference=preference, name=f"hf-{mode}", plugins=plugins)
+                               backend=backend, output_axis=OUTPUT_AXES, **options)
         sharded = any(isinstance(m, RowParallelLinear) for m in model.modules())
         # A sharded model's all-reduces split the pieces too (they run eagerly between them): dynamo cannot trace the
         # cpu emulator's recorded collective, and a split keeps every backend the same.
@@ -563,7 +566,7 @@ def new_registry(
                               else reg.compile(forward, inductor=inductor))
     else:
         reg = cg.GraphRegistry(make_step(model, forward), static_inputs(shape), backend=backend,
-                               output_axis=OUTPUT_AXES, preference=preference, name=f"hf-{mode}", adapt=adapt, plugins=plugins)
+                               output_axis=OUTPUT_AXES, adapt=adapt, **options)
     plan = cg.CapturePlan.build(
         max_num_seqs=shape.max_num_seqs, max_num_tokens=shape.max_num_tokens, max_capture_size=shape.max_num_tokens, mode=mode
     )

@@ -8,10 +8,10 @@ hooks, under that context, one capture at a time into the pool.  A :class:`Mode`
 thread, on the capture thread; the entry is handed back to be installed) or :func:`scratch` (measured and dropped:
 the memory estimate).  A whole plan now is ``capture_plan``; a lazy key at its first use, ``capture_lazily``.
 
-Capture runs the engine's step (its warm-up, but for a key captured again; eager breaks and the cpu emulator run it for real), and a step writes
-engine state such as a KV cache at the slots it reads.  So every capture, whenever it happens, runs on buffers reset
-to their fills (a scratch slot for index inputs), never on the rows of a batch already served; a failure is a
-``CaptureError`` and changes nothing but the pool handle.
+Capture runs the engine's step (a warm-up first, which ``warm_up_again=False`` skips for a key captured again; eager
+breaks and the cpu emulator run it for real), and a step writes engine state such as a KV cache at the slots it reads.
+So every capture, whenever it happens, runs on buffers reset to their fills (a scratch slot for index inputs), never
+on the rows of a batch already served; a failure is a ``CaptureError`` and changes nothing but the pool handle.
 
 A hook or the step that calls back into the registry from inside a capture on the same thread, or from the
 registry's capture thread, is refused (``refuse_inside``): a ``clear()`` would drop the capture context mid-plan, and
@@ -111,7 +111,8 @@ class CaptureJob:
 
     def __init__(
         self, step: Callable[..., Any], buffers: Mapping[str, StaticBuffer], backend: Backend, output_axes: OutputAxes,
-        warmup_runs: int, pool: GraphPool, catalog: Catalog, events: Events, plugins: Plugins, name: str,
+        warmup_runs: int, pool: GraphPool, catalog: Catalog, events: Events, plugins: Plugins, name: str, *,
+        warm_up_again: bool = True,
     ) -> None:
         self.step = step  # the engine's step: what every capture runs
         self.buffers = buffers  # the shared static inputs (an entry captured in the background has its own)
@@ -136,8 +137,9 @@ class CaptureJob:
         self.state_test = StateTest()  # the hot path's test of the caller's state against the context's (changed in place)
         self.watch = WeightWatch()  # the tensors graphs read: each entry keeps where they were at its capture
         self.watch.watch((f"static input {n!r}", buf.tensor) for n, buf in buffers.items())
-        # The output spec of each key captured with nothing compiled or compiling: a later capture of it on a thread
-        # that has warmed up a key before (its lazy per-thread state made) skips the warm-up (see capture_entry).
+        # With warm_up_again off, the output spec of each key captured with nothing compiled or compiling: a later
+        # capture of it on a thread that has warmed up a key before (its lazy per-thread state made) skips the warm-up.
+        self._warm_up_again = warm_up_again
         self._warm_specs: dict[Pair, Any] = {}
         self._warned_unwatched = False
         self._warned_no_break = False
@@ -487,23 +489,32 @@ class CaptureJob:
         return self._capture_warm_or_not(key, strategy_name, strategy, payload, mode)
 
     def _capture_warm_or_not(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, mode: Mode) -> Entry:
-        """A key captured again (a refresh, a wake) on a thread that has warmed up before skips its warm-up: the step ran
-        eagerly for that key already, and its output spec is known.  The warm-up is most of a capture's time (two
-        thirds on the 1B engine), and beside a serving thread it is what competes with the eager steps.  Should such a
-        capture fail (lazy state the step makes on a first run, such as a handle, cannot be made inside a capture),
-        the key is warmed up and captured again; a key whose capture compiled or ran compiled code always warms up
-        (a guard that fails after a weight update would compile inside the capture)."""
+        """With ``warm_up_again`` off, a key captured again (a refresh, a wake) on a thread that has warmed up before
+        skips its warm-up: the step ran eagerly for that key already, and its output spec is known.  The warm-up is
+        about half a capture's time on the 1B engine.  Should such a capture fail (state the step makes on a first run,
+        a handle say, cannot be made inside a capture), the key is warmed up and captured again, unless ranks of a
+        process group would then run collectives the others do not; a key whose capture compiled or ran compiled code
+        always warms up (a guard that fails after a weight update would compile inside the capture)."""
         pair = (key, strategy_name)
-        spec = self._warm_specs.get(pair, _UNKNOWN) if mode.name != "scratch" and getattr(self._here, "warmed", False) else _UNKNOWN
+        spec = (self._warm_specs.get(pair, _UNKNOWN) if not self._warm_up_again and mode.name != "scratch"
+                and getattr(self._here, "warmed", False) else _UNKNOWN)
         if spec is _UNKNOWN:
             return self._capture_entry(key, strategy_name, strategy, payload, mode)
+        started = time.perf_counter()
         try:
             return self._capture_entry(key, strategy_name, strategy, payload, mode, spec)
         except CaptureError as exc:
             self._warm_specs.pop(pair, None)
+            if _in_process_group():  # a warm-up on this rank alone would pair its collectives with other steps'
+                raise
             _log.info("registry %r: %s [%s] captured without a warm-up failed (%s: %s); warming it up and capturing "
                       "again", self.name, key, strategy_name, type(exc.__cause__).__name__, exc.__cause__)
-        return self._capture_entry(key, strategy_name, strategy, payload, mode)
+        failed_s = time.perf_counter() - started
+        entry = self._capture_entry(key, strategy_name, strategy, payload, mode)
+        entry.capture_seconds += failed_s  # the failed recording is part of what capturing the key took
+        if entry.phases is not None:
+            entry.phases = attrs.evolve(entry.phases, record=entry.phases.record + failed_s)
+        return entry
 
     def _capture_entry(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, mode: Mode,
                        spec: Any = _UNKNOWN) -> Entry:
@@ -594,6 +605,12 @@ class CaptureJob:
         if own_inputs:
             entry.buffers = tuple(buffers.values())  # in the registry's input order, as routes copy them
         return entry
+
+
+def _in_process_group() -> bool:
+    """Whether torch.distributed runs with more than one rank (a rank's own retry would desynchronise collectives)."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def _watch_compiles() -> None:

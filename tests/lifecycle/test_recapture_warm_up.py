@@ -1,5 +1,7 @@
-"""A key captured again (after a weight update, a wake) on a thread that has warmed up before skips its warm-up:
-the step runs once per such key instead of twice, and still equals eager under the new weights.  A capture that
+"""By default every capture warms up, so state the step makes lazily on a first run is made again after the engine
+freed it.  With ``warm_up_again=False`` a key captured again (after a weight update, a wake) on a thread that has
+warmed up before skips its warm-up: the step runs once per such key instead of twice, and still equals eager under
+the new weights.  A capture that
 fails without its warm-up (lazy state the step cannot make while recorded) is warmed up and captured again; keys
 whose capture runs compiled code, the memory estimate, and every key after ``clear()`` always warm up."""
 
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -28,18 +31,20 @@ class CountingModel(nn.Module):
     """Counts its runs per token count; ``lazy``: state made on a thread's first run of a size, which cannot be made
     while the step is recorded (as a cuBLAS handle cannot be created inside a CUDA capture)."""
 
-    def __init__(self, lazy: bool = False) -> None:
+    def __init__(self, lazy: bool = False, delay_s: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.first = nn.Linear(WIDTH, WIDTH)
         self.second = nn.Linear(WIDTH, WIDTH)
         self.runs: Counter[int] = Counter()
         self.lazy = lazy
+        self.delay_s = delay_s
         self.made = threading.local()
 
     def forward(self, batch: B, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         self.runs[n] += 1
+        time.sleep(self.delay_s)
         if self.lazy:
             made = self.made.__dict__.setdefault("sizes", set())
             if n not in made:
@@ -62,9 +67,10 @@ class Measured(CpuBackend):
         register(self)
 
 
-def registry(model: nn.Module, measured: bool = False) -> cg.GraphRegistry:
+def registry(model: nn.Module, measured: bool = False, warm_up_again: bool = False) -> cg.GraphRegistry:
     return cg.GraphRegistry(model, {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)},
-                            backend="cpu-measured" if measured else "cpu", plugins=make_plugins(Measured()))
+                            backend="cpu-measured" if measured else "cpu", plugins=make_plugins(Measured()),
+                            warm_up_again=warm_up_again)
 
 
 def new_weights(model: nn.Module, seed: int) -> None:
@@ -108,8 +114,49 @@ def test_a_background_capture_thread_warms_up_its_first_key_only() -> None:
         each_size_equals_eager(reg, model)
 
 
+class LazyCache(nn.Module):
+    """A step that makes its cache on its first run (as a lazily initialised KV cache is), writes this step's values
+    at their slots and reads every live slot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(1, 1)
+        self.cache: torch.Tensor | None = None
+
+    def forward(self, batch: B, slots: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        if self.cache is None:
+            self.cache = torch.zeros(9)
+        self.cache.index_put_((slots,), k)
+        return self.proj(k.unsqueeze(-1)).squeeze(-1) * 0 + self.cache[:8].sum()
+
+
+def test_by_default_every_capture_warms_up_so_a_cache_freed_while_asleep_is_made_again_eagerly() -> None:
+    engine = LazyCache()
+    reg = cg.GraphRegistry(engine, {"slots": cg.StaticInput((4,), torch.long, fill=8),
+                                    "k": cg.StaticInput((4,), torch.float32)}, backend="cpu")
+    reg.capture([(B.decode(n), "full") for n in (1, 2, 4)])
+
+    def serve() -> list[list[float]]:
+        with torch.inference_mode():  # made under capture's inference mode
+            engine.cache.zero_()  # type: ignore[union-attr]
+        steps = (([0], [1.0]), ([1, 2], [2.0, 3.0]), ([3, 4, 5], [4.0, 5.0, 6.0]))
+        return [reg.run(B.decode(len(s)), slots=torch.tensor(s), k=torch.tensor(k)).tolist() for s, k in steps]
+
+    assert serve() == [[1.0], [6.0, 6.0], [21.0, 21.0, 21.0]]
+    reg.sleep()
+    engine.cache = None  # freed while asleep: the next first run makes it
+    reg.wake(background=False)
+    assert serve() == [[1.0], [6.0, 6.0], [21.0, 21.0, 21.0]], "no graph made the cache: it is the engine's"
+
+
+def test_warm_up_again_is_a_flag() -> None:
+    with pytest.raises(TypeError, match=r"warm_up_again=\.\.\.\) takes a bool, got 0"):
+        cg.GraphRegistry(CountingModel(), {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)}, backend="cpu",
+                         warm_up_again=0)  # type: ignore[arg-type]
+
+
 def test_a_capture_that_fails_without_its_warm_up_is_warmed_up_and_captured_again(caplog) -> None:  # noqa: ANN001
-    model = CountingModel(lazy=True)
+    model = CountingModel(lazy=True, delay_s=0.02)
     reg = registry(model)
     reg.capture(PLAN)
     new_weights(model, 3)
@@ -121,6 +168,9 @@ def test_a_capture_that_fails_without_its_warm_up_is_warmed_up_and_captured_agai
     retried = [r.getMessage() for r in caplog.records if "without a warm-up failed" in r.getMessage()]
     assert len(retried) == 2 and all("made while recorded" in m for m in retried), retried
     assert sorted(model.runs.values()) == [2, 3, 3], "the first key warmed up; the others failed once, then warmed up"
+    twice = [e for e in reg.entries() if model.runs[e.key.num_tokens] == 3]
+    assert len(twice) == 2 and all(e.capture_seconds >= 3 * 0.02 and e.phases.record >= 2 * 0.02 for e in twice), \
+        "the failed recording counts in the key's capture seconds"
     each_size_equals_eager(reg, model)
     model.runs.clear()
     reg.refresh(background=True)  # nothing moved: nothing captured
@@ -160,7 +210,7 @@ def test_keys_whose_capture_runs_compiled_code_always_warm_up() -> None:
     """A guard that fails after a weight update compiles again: that must happen in a warm-up, not while recorded."""
     lin = nn.Linear(WIDTH, WIDTH)
     reg = cg.GraphRegistry(lambda batch, x: compiled(x), {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)},
-                           backend="cpu")
+                           backend="cpu", warm_up_again=False)
     compiled = reg.compile(lambda x: lin(_doubled(lin(x))))
     reg.capture([(B(16), "piecewise"), (B(8), "piecewise")])  # the second size compiles nothing: one dynamic trace
     assert compiled.compiler.traces and len(compiled.compiler.traces) == 1
@@ -181,7 +231,8 @@ def test_cuda_keys_captured_again_after_each_assign_skip_their_warm_up_and_equal
     state), the others are recorded only; every key comes back and computes with the new weights."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda().half()
-    reg = cg.GraphRegistry(lambda batch, x: model(x), {"x": cg.StaticInput((64, 256), torch.float16)}, backend="cuda")
+    reg = cg.GraphRegistry(lambda batch, x: model(x), {"x": cg.StaticInput((64, 256), torch.float16)}, backend="cuda",
+                           warm_up_again=False)
     sizes = (1, 8, 24, 64)
     reg.capture([(B.decode(n), "full") for n in sizes])
     for seed in (1, 2):
