@@ -18,9 +18,11 @@ Which modules and tensors a step reads, without their being named (``reached(ste
 a method of an engine object, a closure or ``functools.partial`` over the model, or a function reading module-level
 names.  The walk follows the code: the names each function loads (globals, attributes), its closure cells, defaults
 and ``partial`` arguments, the plain functions and methods it calls (a few levels deep; through a library's wrapper,
-``functools.cache`` say, to what it wraps), the ``forward`` of a module class of the engine's own, what a weak
-reference refers to, the items of containers (sets and a dict's views too), and, into plain objects and the engine's
-classes it reaches, the attributes its code loads by name (through a property's getter: an enum member's value) (so an engine's
+``functools.cache`` say, to what it wraps; static, class and partial methods; ``singledispatch`` implementations),
+the ``forward`` of a module class of the engine's own, what a weak reference or a ``ContextVar`` holds, the items of
+containers (a set's members by identity, a dict's keys, a view's dict), an engine enum's members, and, into plain
+objects and the engine's classes it reaches, the attributes its code loads by name (through a property's getter: an
+enum member's value) and the code that calling, iterating or indexing them runs (so an engine's
 bookkeeping tensors that the step never reads are not watched).  What it cannot look into (a
 container too large, objects nested deeper) is reported as opaque, so that a step whose weights were not found can be
 warned about.  Each value is reported with a callable that reads it anew, so a rebound global or cell is seen by a
@@ -30,7 +32,10 @@ later comparison.
 from __future__ import annotations
 
 import collections
+import contextvars
 import dis
+import enum
+import itertools
 import functools
 import inspect
 import io
@@ -213,7 +218,7 @@ class WeightWatch:
             root = _Root(read, prefix)
             self._roots.append(root)
             taken.append(root)
-            self.modules_watched = True
+            self.modules_watched = self.modules_watched or isinstance(module, nn.Module)
             for name, slot in _module_slots(read, prefix):
                 self._watched.setdefault(name, (slot, None if added else slot.layout()))
             self._listen(module)
@@ -384,8 +389,12 @@ LIBRARIES = frozenset({"cgregistry", "torch", "functools", "typing", "builtins",
 _HOLD_NOTHING = (type(threading.Lock()), type(threading.RLock()), re.Pattern, io.TextIOWrapper, io.BufferedWriter,
                  io.BufferedReader, io.FileIO, io.StringIO, io.BytesIO)
 _CONTAINERS = (Mapping, list, tuple, collections.deque, collections.UserList)  # looked into item by item
-# Looked into item by item too, an item read anew while it is still a member: sets and a dict's views.
-_MEMBERSHIPS = (collections.abc.Set, collections.abc.ValuesView)
+_VIEWS = (collections.abc.KeysView, collections.abc.ValuesView, collections.abc.ItemsView)  # a dict's: looked into as it
+_SETS = (collections.abc.Set,)  # looked into member by member (a member read anew while it is still one)
+# The methods of an engine's object that the step runs without loading them by name: calling it, iterating it,
+# indexing it; their code is followed as the step's own.
+_IMPLICIT = ("__call__", "__iter__", "__next__", "__getitem__")
+MAX_INERT_ITEMS = 4096  # a container larger than MAX_ITEMS is looked over this far for anything but inert values
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 # Values that hold no tensor a graph reads.
@@ -470,11 +479,16 @@ class _Walk:
             self.function(found.__func__, depth + 1, label)
         elif isinstance(found, types.FunctionType):
             self.function(found, depth + 1, label)
-        elif isinstance(found, _CONTAINERS) or (isinstance(found, _MEMBERSHIPS) and _package(type(found).__module__) in (
-                LIBRARIES | sys.stdlib_module_names)):
+        elif isinstance(found, _VIEWS) and _standard(found) and isinstance(_mapping_of(found), Mapping):
+            self.value(_mapping_of(found), f"{label}.mapping", lambda: _mapping_of(read()), depth)  # its dict, by key
+        elif isinstance(found, _CONTAINERS) or _iterated_set(found):
             self.objects.append((found, label, read, depth))
-        elif isinstance(found, weakref.ref) and type(found).__call__ is weakref.ref.__call__:  # what it refers to
+        elif isinstance(found, weakref.ref) and _standard(found):  # what it refers to (a WeakMethod: the bound method)
             self.value(found(), label, lambda: _referent(read()), depth)
+        elif isinstance(found, contextvars.ContextVar):  # its value in this context (the thread that walks: capture's)
+            self.value(found.get(None), f"{label}.get()", lambda: _context_value(read()), depth)
+        elif isinstance(found, (types.GeneratorType, collections.abc.Iterator)) and _standard(found):
+            self.opaque.append(label)  # what it yields is not looked into (that would consume it)
         elif isinstance(found, (types.ModuleType, type)):  # a module, or a class: the engine's own hold what it set
             if _package(getattr(found, "__module__" if isinstance(found, type) else "__name__", None)) not in (
                     LIBRARIES | sys.stdlib_module_names):
@@ -484,15 +498,21 @@ class _Walk:
             if wrapped is not None:
                 self.value(wrapped, label, lambda: wrapped, depth)
         else:
-            call = getattr(type(found), "__call__", None)
-            if isinstance(call, types.FunctionType):  # an object with __call__: its code and what it holds
-                self.function(call, depth + 1, label)
+            for method in _IMPLICIT:  # what calling it, iterating it or indexing it runs: its code and what it holds
+                code = getattr(type(found), method, None)
+                if isinstance(code, types.FunctionType):
+                    self.function(code, depth + 1, label)
             self.objects.append((found, label, read, depth))
 
     def function(self, fn: types.FunctionType, depth: int, label: str) -> None:
         wrapped = getattr(fn, "__wrapped__", None)  # functools.wraps: what a decorator (eager_break) wraps
         if wrapped is not None:
             self.value(wrapped, label, lambda: wrapped, depth - 1)
+        registry = getattr(fn, "registry", None)  # functools.singledispatch: every function registered for a type
+        if isinstance(registry, Mapping) and hasattr(fn, "dispatch"):
+            for impl in list(registry.values()):
+                if isinstance(impl, types.FunctionType) and impl is not wrapped:
+                    self.function(impl, depth, label)
         code = fn.__code__
         if depth > MAX_DEPTH or id(fn) in self.code or _package(fn.__globals__.get("__name__")) in LIBRARIES:
             return
@@ -522,41 +542,61 @@ class _Walk:
             self.opaque.append(label)
 
     def _look_into(self, obj: Any, label: str, read: Callable[[], Any], depth: int) -> None:
-        if isinstance(obj, (_CONTAINERS, _MEMBERSHIPS)):
+        members = _iterated_set(obj)
+        if isinstance(obj, _CONTAINERS) or members:
             if (id(obj), "") in self.taken:
                 return
             self.taken.add((id(obj), ""))
             if len(obj) > MAX_ITEMS:
-                self.opaque.append(label)
+                if len(obj) > MAX_INERT_ITEMS or not all(isinstance(v, _INERT) for v in _values_and_keys(obj)):
+                    self.opaque.append(label)  # (ids, names, a vocabulary's strings: nothing a graph reads)
                 return
             if isinstance(obj, Mapping):
                 items = [(f"{label}[{k!r}]", v, lambda r=read, k=k: _item(r(), k)) for k, v in list(obj.items())]
-            elif isinstance(obj, _MEMBERSHIPS):
-                items = [(f"{label}{{{i}}}", v, lambda r=read, v=v: _member(r(), v)) for i, v in enumerate(list(obj))]
+                items += [(f"{label}.keys{{{_tag(k)}}}", k, _member_read(read, k)) for k in list(obj.keys())
+                          if not isinstance(k, _INERT)]  # a model as a key
+            elif members:  # each under its identity: a set's order is no name
+                items = [(f"{label}{{{_tag(v)}}}", v, _member_read(read, v)) for v in list(obj)]
             else:
                 items = [(f"{label}[{i}]", v, lambda r=read, i=i: _item(r(), i)) for i, v in enumerate(obj)]
             for name, item, item_read in items:
                 self.value(item, name, item_read, depth + 1)
             return
+        if isinstance(obj, enum.EnumMeta) and (id(obj), "members") not in self.taken:  # an engine's enum: its members
+            self.taken.add((id(obj), "members"))
+            for name in list(obj.__members__):
+                self.value(obj.__members__[name], f"{label}.{name}", lambda r=read, n=name: _enum_member(r(), n), depth + 1)
         attributes = getattr(obj, "__dict__", None)
         if not isinstance(attributes, Mapping):
             attributes = {}
         slots = {n for klass in type(obj).__mro__ for n in getattr(klass, "__slots__", ()) if isinstance(n, str)}
-        if not attributes and not slots:
-            self.opaque.append(label)
-            return
+        followed = False
         for name in [n for n in self.loads if (id(obj), n) not in self.taken]:
             if name in attributes or name in slots:
                 self.taken.add((id(obj), name))
                 found = attributes[name] if name in attributes else getattr(obj, name, None)
                 self.value(found, f"{label}.{name}", lambda r=read, n=name: getattr(r(), n, None), depth + 1)
+                followed = True
             elif not isinstance(obj, types.ModuleType):
                 member = inspect.getattr_static(type(obj), name, None)
                 if isinstance(member, (property, types.DynamicClassAttribute)) and isinstance(member.fget, types.FunctionType):
                     member = member.fget  # a property the code reads (an enum member's value): its getter's code, and what that loads
+                elif isinstance(member, (staticmethod, classmethod)):
+                    member = member.__func__
+                elif isinstance(member, functools.partialmethod):  # its function, and the arguments it was given
+                    for i, arg in enumerate(member.args):
+                        self.value(arg, f"{label}.{name}.args[{i}]", lambda a=arg: a, depth + 1)
+                    member = member.func
                 if isinstance(member, types.FunctionType):  # a method the code calls: its code too
                     self.taken.add((id(obj), name))
                     self.function(member, depth + 1, label)
+                    followed = True
+                elif member is not None and not hasattr(type(member), "__get__"):  # its class's attribute, read through it
+                    self.taken.add((id(obj), name))
+                    self.value(member, f"{label}.{name}", lambda r=read, n=name: getattr(r(), n, None), depth + 1)
+                    followed = True
+        if not attributes and not slots and not followed:
+            self.opaque.append(label)
 
 
 def _package(name: object) -> str:
@@ -592,17 +632,68 @@ def _item(container: Any, key: Any) -> Any:
         return None
 
 
-def _member(collection: Any, value: Any) -> Any:
-    """``value`` while it is still a member of ``collection`` (a set, a dict's view), else None; a dict's items view
-    makes its (key, value) pairs anew at each read, so a pair of the same objects is the same member."""
-    try:
-        for item in collection:
-            if item is value or (type(item) is tuple and type(value) is tuple and len(item) == len(value)
-                                 and all(a is b for a, b in zip(item, value))):
-                return item
-    except Exception:  # a collection changed while read, say: nothing to read
-        return None
-    return None
+def _iterated_set(obj: Any) -> bool:
+    """Whether ``obj`` is a set looked into member by member: Python's own, or one whose iteration is a set's (an
+    engine's subclass of set); an engine's own Set class is followed through its code instead (``_IMPLICIT``)."""
+    return isinstance(obj, _SETS) and (_standard(obj) or not isinstance(getattr(type(obj), "__iter__", None), types.FunctionType))
+
+
+def _standard(obj: Any) -> bool:
+    """Whether ``obj``'s type is Python's own or a library's (looked into by what it is, never by running its code)."""
+    return _package(getattr(type(obj), "__module__", None)) in LIBRARIES or type(obj).__module__ in sys.stdlib_module_names
+
+
+def _mapping_of(view: Any) -> Any:
+    """The mapping a dict's view (or a ``collections.abc`` view over a mapping) shows, else None."""
+    found = getattr(view, "mapping", None)
+    return found if found is not None else getattr(view, "_mapping", None)
+
+
+def _values_and_keys(container: Any) -> Iterable[Any]:
+    """A container's items (a mapping's values and keys), at most ``MAX_INERT_ITEMS``."""
+    if isinstance(container, Mapping):
+        return itertools.islice(itertools.chain(container.values(), container.keys()), MAX_INERT_ITEMS)
+    return itertools.islice(container, MAX_INERT_ITEMS)
+
+
+def _tag(value: Any) -> str:
+    """A member's name in a set (or a mapping's keys): its type and identity, the same wherever it is iterated."""
+    return f"{type(value).__name__}@{id(value):#x}"
+
+
+def _member_read(read: Callable[[], Any], value: Any) -> Callable[[], Any]:
+    """What reads ``value`` anew while it is still a member of the set (or a key of the mapping) ``read()`` returns,
+    else None; held weakly, so a member the engine drops is freed (a tuple: its items weakly)."""
+    def weak(item: Any) -> Callable[[], Any]:
+        try:
+            return weakref.ref(item)
+        except TypeError:
+            return lambda: item  # an int, a string: nothing to free
+    if type(value) is tuple:
+        parts = [weak(item) for item in value]
+
+        def target() -> Any:
+            items = tuple(part() for part in parts)
+            return None if any(i is None for i in items) else items
+    else:
+        target = weak(value)
+
+    def member() -> Any:
+        found, collection = target(), read()
+        try:
+            return found if found is not None and found in collection else None  # by hash: a set's, or a dict's keys
+        except Exception:  # not there in a form we can ask: nothing to read
+            return None
+    return member
+
+
+def _context_value(var: Any) -> Any:
+    return var.get(None) if isinstance(var, contextvars.ContextVar) else None
+
+
+def _enum_member(cls: Any, name: str) -> Any:
+    members = getattr(cls, "__members__", None)
+    return members.get(name) if isinstance(members, Mapping) else None
 
 
 def _referent(ref: Any) -> Any:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextvars
 import enum
 import functools
+import gc
 import logging
 import sys
 import threading
@@ -457,3 +459,142 @@ def test_a_model_taken_out_of_a_set_is_refused() -> None:
         x = torch.randn(4, WIDTH)
         torch.testing.assert_close(reg.run(B.decode(4), x=x), new(x))
         each_assign_is_refused_then_captured_again(reg, step, [new])
+
+
+def _reached_through(way: str) -> tuple[Any, torch.nn.Module]:
+    """A step that reads its model ``way``, and the model."""
+    model = torch.nn.Linear(WIDTH, WIDTH)
+    if way == "an engine Set whose iteration makes handles":
+        class Handle:
+            def __init__(self, held: torch.nn.Module) -> None:
+                self.model = held
+
+        class Models(collections.abc.Set):  # type: ignore[type-arg]
+            def __init__(self, *held: torch.nn.Module) -> None:
+                self._models = list(held)
+
+            def __iter__(self):  # type: ignore[no-untyped-def]
+                return (Handle(m) for m in self._models)
+
+            def __len__(self) -> int:
+                return len(self._models)
+
+            def __contains__(self, item: object) -> bool:
+                return any(item is m for m in self._models)
+
+        models = Models(model)
+        return (lambda batch, x: next(iter(models)).model(x)), model
+    if way == "an engine's subclass of set":
+        class ModelSet(set):  # type: ignore[type-arg]
+            pass
+
+        held = ModelSet([model])
+        return (lambda batch, x: next(iter(held))(x)), model
+    if way in ("an enum iterated", "an enum member by name"):
+        Models = enum.Enum("Models", {"MAIN": (model,)})  # noqa: N806
+        if way == "an enum iterated":
+            return (lambda batch, x: [m.value[0] for m in Models][0](x)), model
+        return (lambda batch, x: Models["MAIN"].value[0](x)), model
+    if way == "a dict's key":
+        counts = collections.Counter([model])
+        return (lambda batch, x: next(iter(counts))(x)), model
+    if way == "a WeakSet":
+        weak = weakref.WeakSet([model])
+        return (lambda batch, x: next(iter(weak))(x)), model
+    if way == "a WeakMethod":
+        method = weakref.WeakMethod(model.forward)
+        return (lambda batch, x: method()(x)), model  # type: ignore[misc]
+    if way == "a ContextVar":
+        var: contextvars.ContextVar[torch.nn.Module] = contextvars.ContextVar("model")
+        var.set(model)
+        return (lambda batch, x: var.get()(x)), model
+    if way == "functools.singledispatch":
+        held = {"m": model}
+
+        @functools.singledispatch
+        def apply(x: object) -> torch.Tensor:
+            raise NotImplementedError
+
+        @apply.register(torch.Tensor)
+        def _(x: torch.Tensor) -> torch.Tensor:
+            return held["m"](x)
+
+        return (lambda batch, x: apply(x)), model
+
+    class Engine:  # an object with no attributes of its own: its class holds the model and the helpers
+        main = model
+
+        @staticmethod
+        def by_static(x: torch.Tensor) -> torch.Tensor:
+            return Engine.main(x)
+
+        @classmethod
+        def by_class(cls, x: torch.Tensor) -> torch.Tensor:
+            return cls.main(x)
+
+        def _run(self, which: str, x: torch.Tensor) -> torch.Tensor:
+            return self.main(x)
+
+        run_main = functools.partialmethod(_run, "main")
+
+    engine = Engine()
+    return {"a staticmethod": lambda batch, x: engine.by_static(x), "a classmethod": lambda batch, x: engine.by_class(x),
+            "a partialmethod": lambda batch, x: engine.run_main(x),
+            "a class attribute read through an object": lambda batch, x: engine.main(x)}[way], model
+
+
+@pytest.mark.parametrize("way", [
+    "an engine Set whose iteration makes handles", "an engine's subclass of set", "an enum iterated",
+    "an enum member by name", "a dict's key", "a WeakSet", "a WeakMethod", "a ContextVar", "functools.singledispatch",
+    "a staticmethod", "a classmethod", "a partialmethod", "a class attribute read through an object",
+])
+def test_a_model_reached_this_way_is_watched(way: str) -> None:
+    step, model = _reached_through(way)
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg.capture(PLAN)
+    with torch.no_grad():
+        each_assign_is_refused_then_captured_again(reg, step, [model])
+
+
+def test_a_set_reordered_or_a_dict_moved_to_end_refuses_nothing_and_frees_what_leaves() -> None:
+    """Members are named by what they are, not where iteration met them: a set grown and shrunk back, or an LRU's
+    move_to_end, changes no watched name; a model taken out of a set is not kept alive by the watch."""
+    kept, other, lru = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH), collections.OrderedDict()
+    models = {kept, other}
+    lru["a"], lru["b"] = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+    adapters = lru.values()
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return sum(m(x) for m in (*models, *adapters))  # in any order (a graph keeps the order it was captured in)
+
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    with torch.no_grad():
+        reg.capture(PLAN)
+        for _ in range(20):
+            models.add(torch.nn.Linear(WIDTH, WIDTH))
+        models.intersection_update({kept, other})
+        lru.move_to_end("a")
+        assert reg.refresh().recaptured == ()
+        x = torch.randn(4, WIDTH)
+        torch.testing.assert_close(reg.run(B.decode(4), x=x), step(B.decode(4), x))
+        gone = weakref.ref(other)
+        models.discard(other)
+        del other
+        reg.refresh()
+        gc.collect()
+        assert gone() is None, "the watch holds no model the engine let go of"
+
+
+def test_a_large_set_of_ids_is_no_reason_to_warn() -> None:
+    """Stop-token ids, a vocabulary: a container larger than the walk looks into, of values that hold no tensor."""
+    weight, stop_ids = torch.randn(WIDTH, WIDTH), set(range(1000))  # no module: the warning's case
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return x @ weight * (0 in stop_ids)
+
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg.capture(PLAN)
