@@ -384,13 +384,10 @@ class CaptureJob:
                 try:
                     self._events.capture_started(key, name)
                     generation = self.watch.generation  # taken first: a move during the capture makes it older
-                    weights = self.watch.seen()  # what the graph will read
                     try:
                         with self.pool_streams():  # the pool's own streams, whichever thread captures into it
-                            entry = ctx.state.run(self.capture_entry, key, name, strategy, ctx.payload, mode)
-                        if self.watch.generation != generation:  # the step registered tensors while it warmed up
-                            weights = self.watch.joined(weights)
-                        entry.weights, entry.generation = weights, generation
+                            entry = ctx.state.run(self._capture_read, key, name, strategy, ctx.payload, mode, generation)
+                        entry.generation = generation
                     except BaseException as exc:
                         error = exc if isinstance(exc, CaptureError) else CaptureError(key, name, exc)
                         self._events.capture_finished(key, name, None, error)
@@ -410,6 +407,17 @@ class CaptureJob:
                 self._events.evicted(evicted)
         finally:
             here.depth -= 1
+        return entry
+
+    def _capture_read(self, key: BatchDescriptor, name: str, strategy: Any, payload: Any, mode: Mode,
+                      generation: int) -> Entry:
+        """``capture_entry``, with what its graph reads (``entry.weights``) read in the capture context, where the
+        step's context variables are the engine's (a model in a ContextVar, read from the capture thread)."""
+        weights = self.watch.seen()
+        entry = self.capture_entry(key, name, strategy, payload, mode)
+        if self.watch.generation != generation:  # the step registered tensors while it was captured
+            weights = self.watch.joined(weights)
+        entry.weights = weights
         return entry
 
     def _warn_no_break(self, entry: Entry) -> None:

@@ -547,16 +547,19 @@ class _Walk:
             if (id(obj), "") in self.taken:
                 return
             self.taken.add((id(obj), ""))
-            if len(obj) > MAX_ITEMS:
-                if len(obj) > MAX_INERT_ITEMS or not all(isinstance(v, _INERT) for v in _values_and_keys(obj)):
+            size = (set.__len__(obj) if isinstance(obj, set) else frozenset.__len__(obj) if isinstance(obj, frozenset)
+                    else len(obj))
+            if size > MAX_ITEMS:
+                if size > MAX_INERT_ITEMS or not all(isinstance(v, _INERT) for v in _values_and_keys(obj)):
                     self.opaque.append(label)  # (ids, names, a vocabulary's strings: nothing a graph reads)
                 return
             if isinstance(obj, Mapping):
-                items = [(f"{label}[{k!r}]", v, lambda r=read, k=k: _item(r(), k)) for k, v in list(obj.items())]
+                items = [(f"{label}[{k!r}]" if isinstance(k, _INERT) else f"{label}[{_tag(k)}]", v,
+                          lambda r=read, k=_weak(k): _item(r(), k())) for k, v in list(obj.items())]  # a key held weakly
                 items += [(f"{label}.keys{{{_tag(k)}}}", k, _member_read(read, k)) for k in list(obj.keys())
                           if not isinstance(k, _INERT)]  # a model as a key
             elif members:  # each under its identity: a set's order is no name
-                items = [(f"{label}{{{_tag(v)}}}", v, _member_read(read, v)) for v in list(obj)]
+                items = [(f"{label}{{{_tag(v)}}}", v, _member_read(read, v)) for v in _members(obj)]
             else:
                 items = [(f"{label}[{i}]", v, lambda r=read, i=i: _item(r(), i)) for i, v in enumerate(obj)]
             for name, item, item_read in items:
@@ -564,8 +567,13 @@ class _Walk:
             return
         if isinstance(obj, enum.EnumMeta) and (id(obj), "members") not in self.taken:  # an engine's enum: its members
             self.taken.add((id(obj), "members"))
-            for name in list(obj.__members__):
-                self.value(obj.__members__[name], f"{label}.{name}", lambda r=read, n=name: _enum_member(r(), n), depth + 1)
+            members = dict(obj.__members__)
+            if not all(isinstance(getattr(m, "_value_", None), _INERT) for m in members.values()):  # (flags, codes: none)
+                if len(members) > MAX_ITEMS:
+                    self.opaque.append(label)
+                else:
+                    for name, member in members.items():
+                        self.value(member, f"{label}.{name}", lambda r=read, n=name: _enum_member(r(), n), depth + 1)
         attributes = getattr(obj, "__dict__", None)
         if not isinstance(attributes, Mapping):
             attributes = {}
@@ -633,14 +641,35 @@ def _item(container: Any, key: Any) -> Any:
 
 
 def _iterated_set(obj: Any) -> bool:
-    """Whether ``obj`` is a set looked into member by member: Python's own, or one whose iteration is a set's (an
-    engine's subclass of set); an engine's own Set class is followed through its code instead (``_IMPLICIT``)."""
-    return isinstance(obj, _SETS) and (_standard(obj) or not isinstance(getattr(type(obj), "__iter__", None), types.FunctionType))
+    """Whether ``obj`` is a set looked into member by member: a set or frozenset (an engine's subclass too, read from
+    the set itself, never through its own methods), or another set of Python's own; an engine's own Set class is
+    followed through its code instead (``_IMPLICIT``)."""
+    return isinstance(obj, (set, frozenset)) or (isinstance(obj, _SETS) and _standard(obj))
+
+
+def _members(obj: Any) -> list[Any]:
+    """A set's members, without running an engine's code: a set's (or frozenset's) own iteration for its subclasses."""
+    if isinstance(obj, set):
+        return list(set.__iter__(obj))
+    if isinstance(obj, frozenset):
+        return list(frozenset.__iter__(obj))
+    return list(obj)
+
+
+def _contains(collection: Any, item: Any) -> bool:
+    """``item in collection``, by a set's own test for its subclasses (an engine's ``__contains__`` is not run)."""
+    if isinstance(collection, set):
+        return set.__contains__(collection, item)
+    if isinstance(collection, frozenset):
+        return frozenset.__contains__(collection, item)
+    if isinstance(collection, dict):
+        return dict.__contains__(collection, item)
+    return item in collection if isinstance(collection, Mapping) or (isinstance(collection, _SETS) and _standard(collection)) else False
 
 
 def _standard(obj: Any) -> bool:
     """Whether ``obj``'s type is Python's own or a library's (looked into by what it is, never by running its code)."""
-    return _package(getattr(type(obj), "__module__", None)) in LIBRARIES or type(obj).__module__ in sys.stdlib_module_names
+    return _package(getattr(type(obj), "__module__", None)) in LIBRARIES | sys.stdlib_module_names
 
 
 def _mapping_of(view: Any) -> Any:
@@ -653,6 +682,9 @@ def _values_and_keys(container: Any) -> Iterable[Any]:
     """A container's items (a mapping's values and keys), at most ``MAX_INERT_ITEMS``."""
     if isinstance(container, Mapping):
         return itertools.islice(itertools.chain(container.values(), container.keys()), MAX_INERT_ITEMS)
+    if isinstance(container, (set, frozenset)):
+        return itertools.islice(set.__iter__(container) if isinstance(container, set) else frozenset.__iter__(container),
+                                MAX_INERT_ITEMS)
     return itertools.islice(container, MAX_INERT_ITEMS)
 
 
@@ -661,27 +693,31 @@ def _tag(value: Any) -> str:
     return f"{type(value).__name__}@{id(value):#x}"
 
 
+def _weak(item: Any) -> Callable[[], Any]:
+    """What reads ``item`` without keeping it alive where it can be weakly referenced (an int, a string: held)."""
+    try:
+        return weakref.ref(item)
+    except TypeError:
+        return lambda: item
+
+
 def _member_read(read: Callable[[], Any], value: Any) -> Callable[[], Any]:
     """What reads ``value`` anew while it is still a member of the set (or a key of the mapping) ``read()`` returns,
-    else None; held weakly, so a member the engine drops is freed (a tuple: its items weakly)."""
-    def weak(item: Any) -> Callable[[], Any]:
-        try:
-            return weakref.ref(item)
-        except TypeError:
-            return lambda: item  # an int, a string: nothing to free
-    if type(value) is tuple:
-        parts = [weak(item) for item in value]
+    else None; held weakly, so a member the engine drops is freed (a tuple, a named one too: its items weakly, and
+    asked for as a plain tuple, which hashes and compares as it does)."""
+    if isinstance(value, tuple):
+        parts = [_weak(item) for item in value]
 
         def target() -> Any:
             items = tuple(part() for part in parts)
             return None if any(i is None for i in items) else items
     else:
-        target = weak(value)
+        target = _weak(value)
 
     def member() -> Any:
         found, collection = target(), read()
         try:
-            return found if found is not None and found in collection else None  # by hash: a set's, or a dict's keys
+            return found if found is not None and _contains(collection, found) else None  # by hash
         except Exception:  # not there in a form we can ask: nothing to read
             return None
     return member

@@ -486,10 +486,20 @@ def _reached_through(way: str) -> tuple[Any, torch.nn.Module]:
         return (lambda batch, x: next(iter(models)).model(x)), model
     if way == "an engine's subclass of set":
         class ModelSet(set):  # type: ignore[type-arg]
-            pass
+            def __iter__(self):  # type: ignore[no-untyped-def]  # code of its own, which the walk does not run
+                yield from super().__iter__()
 
         held = ModelSet([model])
         return (lambda batch, x: next(iter(held))(x)), model
+    if way == "a member of a big enum's neighbour":
+        Op = enum.Enum("Op", {f"OP{i}": object() for i in range(5000)})  # noqa: N806  # more members than the walk reads
+
+        class Holder:
+            model = None
+
+        holder = Holder()
+        holder.model = model
+        return (lambda batch, x: holder.model(x) if Op.OP0 else x), model
     if way in ("an enum iterated", "an enum member by name"):
         Models = enum.Enum("Models", {"MAIN": (model,)})  # noqa: N806
         if way == "an enum iterated":
@@ -544,7 +554,8 @@ def _reached_through(way: str) -> tuple[Any, torch.nn.Module]:
 
 
 @pytest.mark.parametrize("way", [
-    "an engine Set whose iteration makes handles", "an engine's subclass of set", "an enum iterated",
+    "an engine Set whose iteration makes handles", "an engine's subclass of set", "a member of a big enum's neighbour",
+    "an enum iterated",
     "an enum member by name", "a dict's key", "a WeakSet", "a WeakMethod", "a ContextVar", "functools.singledispatch",
     "a staticmethod", "a classmethod", "a partialmethod", "a class attribute read through an object",
 ])
@@ -598,3 +609,49 @@ def test_a_large_set_of_ids_is_no_reason_to_warn() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         reg.capture(PLAN)
+
+
+def test_a_model_in_a_context_variable_is_watched_from_the_capture_thread() -> None:
+    """The capture thread reads the engine's context variables as the step saw them (its own context has none): a
+    background capture of a step reading a ContextVar's model is installed, replays, and refuses an assign."""
+    model = torch.nn.Linear(WIDTH, WIDTH)
+    var: contextvars.ContextVar[torch.nn.Module] = contextvars.ContextVar("engine-model")
+    var.set(model)
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return var.get()(x)
+
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    with torch.no_grad():
+        reg.capture(PLAN, background=True)
+        assert reg.wait_captured(timeout=30) and len(reg) == len(PLAN), reg.stats()
+        assert reg.refresh().recaptured == ()
+        x = torch.randn(4, WIDTH)
+        torch.testing.assert_close(reg.run(B.decode(4), x=x), model(x))
+        assert reg.stats().hits == 1
+        each_assign_is_refused_then_captured_again(reg, step, [model])
+
+
+def test_the_watch_keeps_no_model_alive_that_a_named_tuple_or_a_weak_dictionary_held() -> None:
+    """A set of named tuples over models, and a WeakKeyDictionary from a model to its adapter: once the engine lets
+    the model go (and refresh() has looked again), nothing of the registry's holds it."""
+    Pair = collections.namedtuple("Pair", "name model")  # noqa: PYI024
+    pairs, adapters = {Pair("main", torch.nn.Linear(WIDTH, WIDTH))}, weakref.WeakKeyDictionary()
+    base = torch.nn.Linear(WIDTH, WIDTH)
+    adapters[base] = torch.nn.Linear(WIDTH, WIDTH)
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return sum(p.model(x) for p in pairs) + sum(a(x) for a in adapters.values())
+
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+    with torch.no_grad():
+        reg.capture(PLAN)
+        gone = [weakref.ref(next(iter(pairs)).model), weakref.ref(base)]
+        pairs.clear()
+        pairs.add(Pair("main", torch.nn.Linear(WIDTH, WIDTH)))
+        del base
+        reg.refresh()
+        gc.collect()
+        assert [ref() for ref in gone] == [None, None]
+        x = torch.randn(4, WIDTH)
+        torch.testing.assert_close(reg.run(B.decode(4), x=x), step(B.decode(4), x))
