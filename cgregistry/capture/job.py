@@ -594,7 +594,7 @@ class CaptureJob:
                 var.reset(token)
         seconds = time.perf_counter() - started
         _watch_compiles()  # again: the step may have loaded dynamo
-        if mode.name != "scratch":
+        if mode.name != "scratch" and not self._warm_up_again:
             if clock["compile"] or clock.get("compiled runs"):
                 self._warm_specs.pop((key, strategy_name), None)
             else:
