@@ -394,6 +394,7 @@ _SETS = (collections.abc.Set,)  # looked into member by member (a member read an
 # The methods of an engine's object that the step runs without loading them by name: calling it, iterating it,
 # indexing it; their code is followed as the step's own.
 _IMPLICIT = ("__call__", "__iter__", "__next__", "__getitem__")
+_ENUM_OWN = frozenset({"_value_", "_name_", "__objclass__", "_sort_order_"})  # what every enum member has
 MAX_INERT_ITEMS = 4096  # a container larger than MAX_ITEMS is looked over this far for anything but inert values
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
@@ -482,6 +483,8 @@ class _Walk:
         elif isinstance(found, _VIEWS) and _standard(found) and isinstance(_mapping_of(found), Mapping):
             self.value(_mapping_of(found), f"{label}.mapping", lambda: _mapping_of(read()), depth)  # its dict, by key
         elif isinstance(found, _CONTAINERS) or _iterated_set(found):
+            if not _standard(found):  # an engine's subclass: the code it runs when iterated or indexed too
+                self.implicit(found, label, depth)
             self.objects.append((found, label, read, depth))
         elif isinstance(found, weakref.ref) and _standard(found):  # what it refers to (a WeakMethod: the bound method)
             self.value(found(), label, lambda: _referent(read()), depth)
@@ -498,11 +501,15 @@ class _Walk:
             if wrapped is not None:
                 self.value(wrapped, label, lambda: wrapped, depth)
         else:
-            for method in _IMPLICIT:  # what calling it, iterating it or indexing it runs: its code and what it holds
-                code = getattr(type(found), method, None)
-                if isinstance(code, types.FunctionType):
-                    self.function(code, depth + 1, label)
+            self.implicit(found, label, depth)
             self.objects.append((found, label, read, depth))
+
+    def implicit(self, found: Any, label: str, depth: int) -> None:
+        """Follow the code calling, iterating or indexing an engine's object runs (``_IMPLICIT``)."""
+        for method in _IMPLICIT:
+            code = getattr(type(found), method, None)
+            if isinstance(code, types.FunctionType):
+                self.function(code, depth + 1, label)
 
     def function(self, fn: types.FunctionType, depth: int, label: str) -> None:
         wrapped = getattr(fn, "__wrapped__", None)  # functools.wraps: what a decorator (eager_break) wraps
@@ -554,26 +561,32 @@ class _Walk:
                     self.opaque.append(label)  # (ids, names, a vocabulary's strings: nothing a graph reads)
                 return
             if isinstance(obj, Mapping):
-                items = [(f"{label}[{k!r}]" if isinstance(k, _INERT) else f"{label}[{_tag(k)}]", v,
-                          lambda r=read, k=_weak(k): _item(r(), k())) for k, v in list(obj.items())]  # a key held weakly
-                items += [(f"{label}.keys{{{_tag(k)}}}", k, _member_read(read, k)) for k in list(obj.keys())
-                          if not isinstance(k, _INERT)]  # a model as a key
+                items = []
+                for k, v in list(obj.items()):
+                    tag, key = _key_read(k)
+                    items.append((f"{label}[{k!r}]" if tag is None else f"{label}[{tag}]", v,
+                                  lambda r=read, key=key: _item(r(), _alive(key()))))
+                    if not isinstance(k, _INERT):  # a model as a key
+                        items.append((f"{label}.keys{{{k!r}}}" if tag is None else f"{label}.keys{{{tag}}}", k,
+                                      _member_read(read, k)))
             elif members:  # each under its identity: a set's order is no name
                 items = [(f"{label}{{{_tag(v)}}}", v, _member_read(read, v)) for v in _members(obj)]
             else:
                 items = [(f"{label}[{i}]", v, lambda r=read, i=i: _item(r(), i)) for i, v in enumerate(obj)]
             for name, item, item_read in items:
                 self.value(item, name, item_read, depth + 1)
-            return
+            if _standard(obj):
+                return
+            # an engine's subclass of a container: what it holds besides its items, below
         if isinstance(obj, enum.EnumMeta) and (id(obj), "members") not in self.taken:  # an engine's enum: its members
             self.taken.add((id(obj), "members"))
             members = dict(obj.__members__)
-            if not all(isinstance(getattr(m, "_value_", None), _INERT) for m in members.values()):  # (flags, codes: none)
-                if len(members) > MAX_ITEMS:
-                    self.opaque.append(label)
-                else:
-                    for name, member in members.items():
-                        self.value(member, f"{label}.{name}", lambda r=read, n=name: _enum_member(r(), n), depth + 1)
+            if len(members) <= MAX_ITEMS:
+                for name, member in members.items():
+                    self.value(member, f"{label}.{name}", lambda r=read, n=name: _enum_member(r(), n), depth + 1)
+            elif not all(isinstance(getattr(m, "_value_", None), _INERT) and not set(vars(m)) - _ENUM_OWN
+                         for m in members.values()):  # (a large enum of codes and flags holds nothing)
+                self.opaque.append(label)
         attributes = getattr(obj, "__dict__", None)
         if not isinstance(attributes, Mapping):
             attributes = {}
@@ -634,10 +647,28 @@ _cached_loads = functools.lru_cache(maxsize=4096)(_read_loads)
 
 
 def _item(container: Any, key: Any) -> Any:
+    """``container[key]``, or None where it holds none; a dict's own lookup for a dict (a ``defaultdict`` is never
+    made to insert the key), and nothing an engine's container raises escapes."""
     try:
-        return container[key]
-    except (KeyError, IndexError, TypeError):
+        return dict.get(container, key) if isinstance(container, dict) else container[key]
+    except Exception:
         return None
+
+
+def _key_read(key: Any) -> tuple[str | None, Callable[[], Any]]:
+    """A mapping key's name in labels and what reads it: an object equal only to itself (a module) by its identity,
+    held weakly; anything else (a string, a tuple, a frozen dataclass) by its value (``None``: its repr), held, so that
+    an equal key made anew names and finds the same item."""
+    if type(key).__eq__ is not object.__eq__ or type(key).__hash__ is not object.__hash__:
+        return None, lambda: key  # equal by value (a frozen dataclass): an equal key made anew is the same key
+    try:
+        ref = weakref.ref(key)
+    except TypeError:
+        return None, lambda: key
+    return _tag(key), ref
+
+
+_DEAD = object()  # a weakly held key that died: its item reads as None
 
 
 def _iterated_set(obj: Any) -> bool:
@@ -693,6 +724,10 @@ def _tag(value: Any) -> str:
     return f"{type(value).__name__}@{id(value):#x}"
 
 
+def _alive(key: Any) -> Any:
+    return _DEAD if key is None else key
+
+
 def _weak(item: Any) -> Callable[[], Any]:
     """What reads ``item`` without keeping it alive where it can be weakly referenced (an int, a string: held)."""
     try:
@@ -704,8 +739,8 @@ def _weak(item: Any) -> Callable[[], Any]:
 def _member_read(read: Callable[[], Any], value: Any) -> Callable[[], Any]:
     """What reads ``value`` anew while it is still a member of the set (or a key of the mapping) ``read()`` returns,
     else None; held weakly, so a member the engine drops is freed (a tuple, a named one too: its items weakly, and
-    asked for as a plain tuple, which hashes and compares as it does)."""
-    if isinstance(value, tuple):
+    asked for as a plain tuple, which hashes and compares as it does; a tuple class of its own hashing is held)."""
+    if isinstance(value, tuple) and type(value).__hash__ is tuple.__hash__ and type(value).__eq__ is tuple.__eq__:
         parts = [_weak(item) for item in value]
 
         def target() -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextvars
+import dataclasses
 import enum
 import functools
 import gc
@@ -491,6 +492,30 @@ def _reached_through(way: str) -> tuple[Any, torch.nn.Module]:
 
         held = ModelSet([model])
         return (lambda batch, x: next(iter(held))(x)), model
+    if way == "an attribute of a set subclass":
+        class Named(set):  # type: ignore[type-arg]
+            def __iter__(self):  # type: ignore[no-untyped-def]
+                return iter(self.models)
+
+        named = Named({"main"})
+        named.models = [model]  # type: ignore[attr-defined]
+        return (lambda batch, x: next(iter(named))(x)), model
+    if way == "a tuple class of its own hashing, in a set":
+        class Slot(tuple):  # type: ignore[type-arg]
+            def __hash__(self) -> int:
+                return hash(self[0])
+
+            def __eq__(self, other: object) -> bool:
+                return isinstance(other, Slot) and self[0] == other[0]
+
+        slots = {Slot(("main", model))}
+        return (lambda batch, x: next(iter(slots))[1](x)), model
+    if way == "an attribute of an enum member whose value is a code":
+        class Layer(enum.Enum):
+            FIRST = 1
+
+        Layer.FIRST.model = model  # type: ignore[attr-defined]
+        return (lambda batch, x: [layer.model for layer in Layer][0](x)), model
     if way == "a member of a big enum's neighbour":
         Op = enum.Enum("Op", {f"OP{i}": object() for i in range(5000)})  # noqa: N806  # more members than the walk reads
 
@@ -555,6 +580,8 @@ def _reached_through(way: str) -> tuple[Any, torch.nn.Module]:
 
 @pytest.mark.parametrize("way", [
     "an engine Set whose iteration makes handles", "an engine's subclass of set", "a member of a big enum's neighbour",
+    "an attribute of a set subclass", "a tuple class of its own hashing, in a set",
+    "an attribute of an enum member whose value is a code",
     "an enum iterated",
     "an enum member by name", "a dict's key", "a WeakSet", "a WeakMethod", "a ContextVar", "functools.singledispatch",
     "a staticmethod", "a classmethod", "a partialmethod", "a class attribute read through an object",
@@ -654,4 +681,33 @@ def test_the_watch_keeps_no_model_alive_that_a_named_tuple_or_a_weak_dictionary_
         gc.collect()
         assert [ref() for ref in gone] == [None, None]
         x = torch.randn(4, WIDTH)
+        torch.testing.assert_close(reg.run(B.decode(4), x=x), step(B.decode(4), x))
+
+
+def test_keys_made_anew_equal_refuse_nothing_and_a_removed_key_is_not_put_back() -> None:
+    """An engine that rebuilds its table under equal new keys (frozen dataclasses) changes no watched name; one that
+    deletes a layer's entry from a defaultdict does not get it put back (nor a None key) by refresh()."""
+    @dataclasses.dataclass(frozen=True)
+    class Key:
+        name: str
+
+    first, second = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+    table: dict[Key, torch.nn.Module] = {Key("first"): first}
+    extra: collections.defaultdict[torch.nn.Module, list[torch.nn.Module]] = collections.defaultdict(list)
+    extra[first].append(second)
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return table[Key("first")](x) + sum((m(x) for ms in extra.values() for m in ms), torch.zeros_like(x))
+
+    reg = cg.GraphRegistry(step, INPUTS, backend="cpu", debug=True)
+    with torch.no_grad():
+        reg.capture(PLAN)
+        table.clear()
+        table[Key("first")] = first
+        x = torch.randn(4, WIDTH)
+        torch.testing.assert_close(reg.run(B.decode(4), x=x), step(B.decode(4), x))
+        assert reg.refresh().recaptured == ()
+        del extra[first]
+        reg.refresh()
+        assert list(extra) == [], "refresh() wrote into the engine's defaultdict"
         torch.testing.assert_close(reg.run(B.decode(4), x=x), step(B.decode(4), x))
