@@ -554,8 +554,8 @@ class _Walk:
             if (id(obj), "") in self.taken:
                 return
             self.taken.add((id(obj), ""))
-            size = (set.__len__(obj) if isinstance(obj, set) else frozenset.__len__(obj) if isinstance(obj, frozenset)
-                    else len(obj))
+            base = _set_type(obj)
+            size = len(obj) if base is None else base.__len__(obj)
             if size > MAX_ITEMS:
                 if size > MAX_INERT_ITEMS or not all(isinstance(v, _INERT) for v in _values_and_keys(obj)):
                     self.opaque.append(label)  # (ids, names, a vocabulary's strings: nothing a graph reads)
@@ -563,12 +563,10 @@ class _Walk:
             if isinstance(obj, Mapping):
                 items = []
                 for k, v in list(obj.items()):
-                    tag, key = _key_read(k)
-                    items.append((f"{label}[{k!r}]" if tag is None else f"{label}[{tag}]", v,
-                                  lambda r=read, key=key: _item(r(), _alive(key()))))
+                    name, item_read = _keyed_read(read, k)
+                    items.append((f"{label}[{name}]", v, item_read))
                     if not isinstance(k, _INERT):  # a model as a key
-                        items.append((f"{label}.keys{{{k!r}}}" if tag is None else f"{label}.keys{{{tag}}}", k,
-                                      _member_read(read, k)))
+                        items.append((f"{label}.keys{{{name}}}", k, _member_read(read, k)))
             elif members:  # each under its identity: a set's order is no name
                 items = [(f"{label}{{{_tag(v)}}}", v, _member_read(read, v)) for v in _members(obj)]
             else:
@@ -655,20 +653,18 @@ def _item(container: Any, key: Any) -> Any:
         return None
 
 
-def _key_read(key: Any) -> tuple[str | None, Callable[[], Any]]:
-    """A mapping key's name in labels and what reads it: an object equal only to itself (a module) by its identity,
-    held weakly; anything else (a string, a tuple, a frozen dataclass) by its value (``None``: its repr), held, so that
-    an equal key made anew names and finds the same item."""
-    if type(key).__eq__ is not object.__eq__ or type(key).__hash__ is not object.__hash__:
-        return None, lambda: key  # equal by value (a frozen dataclass): an equal key made anew is the same key
-    try:
-        ref = weakref.ref(key)
-    except TypeError:
-        return None, lambda: key
-    return _tag(key), ref
-
-
-_DEAD = object()  # a weakly held key that died: its item reads as None
+def _keyed_read(read: Callable[[], Any], key: Any) -> tuple[str, Callable[[], Any]]:
+    """A mapping key's name in labels, and what reads its item anew from the mapping ``read()`` returns: a key equal
+    only to itself (a module) by its identity, held weakly (None once it died); any other (a string, a tuple, a frozen
+    dataclass) by its value, its repr, held, so that an equal key made anew names and finds the same item."""
+    if type(key).__eq__ is object.__eq__ and type(key).__hash__ is object.__hash__:
+        try:
+            ref = weakref.ref(key)
+        except TypeError:
+            pass
+        else:
+            return _tag(key), lambda: None if (alive := ref()) is None else _item(read(), alive)
+    return repr(key), lambda: _item(read(), key)
 
 
 def _iterated_set(obj: Any) -> bool:
@@ -678,21 +674,22 @@ def _iterated_set(obj: Any) -> bool:
     return isinstance(obj, (set, frozenset)) or (isinstance(obj, _SETS) and _standard(obj))
 
 
+def _set_type(obj: Any) -> type | None:
+    """``set`` or ``frozenset`` for one of them (a subclass too), whose own methods read it without an engine's code."""
+    return set if isinstance(obj, set) else frozenset if isinstance(obj, frozenset) else None
+
+
 def _members(obj: Any) -> list[Any]:
     """A set's members, without running an engine's code: a set's (or frozenset's) own iteration for its subclasses."""
-    if isinstance(obj, set):
-        return list(set.__iter__(obj))
-    if isinstance(obj, frozenset):
-        return list(frozenset.__iter__(obj))
-    return list(obj)
+    base = _set_type(obj)
+    return list(obj) if base is None else list(base.__iter__(obj))
 
 
 def _contains(collection: Any, item: Any) -> bool:
     """``item in collection``, by a set's own test for its subclasses (an engine's ``__contains__`` is not run)."""
-    if isinstance(collection, set):
-        return set.__contains__(collection, item)
-    if isinstance(collection, frozenset):
-        return frozenset.__contains__(collection, item)
+    base = _set_type(collection)
+    if base is not None:
+        return base.__contains__(collection, item)
     if isinstance(collection, dict):
         return dict.__contains__(collection, item)
     return item in collection if isinstance(collection, Mapping) or (isinstance(collection, _SETS) and _standard(collection)) else False
@@ -710,22 +707,15 @@ def _mapping_of(view: Any) -> Any:
 
 
 def _values_and_keys(container: Any) -> Iterable[Any]:
-    """A container's items (a mapping's values and keys), at most ``MAX_INERT_ITEMS``."""
+    """A container's items (a mapping's values and keys; a set's members read as ``_members`` reads them)."""
     if isinstance(container, Mapping):
-        return itertools.islice(itertools.chain(container.values(), container.keys()), MAX_INERT_ITEMS)
-    if isinstance(container, (set, frozenset)):
-        return itertools.islice(set.__iter__(container) if isinstance(container, set) else frozenset.__iter__(container),
-                                MAX_INERT_ITEMS)
-    return itertools.islice(container, MAX_INERT_ITEMS)
+        return itertools.chain(container.values(), container.keys())
+    return _members(container) if _iterated_set(container) else container
 
 
 def _tag(value: Any) -> str:
     """A member's name in a set (or a mapping's keys): its type and identity, the same wherever it is iterated."""
     return f"{type(value).__name__}@{id(value):#x}"
-
-
-def _alive(key: Any) -> Any:
-    return _DEAD if key is None else key
 
 
 def _weak(item: Any) -> Callable[[], Any]:
