@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -38,3 +40,10 @@ def plugins() -> cg.Plugins:
 
 def device_of(backend: str) -> torch.device:
     return torch.device("cuda") if backend == "cuda" else torch.device("cpu")
+
+
+def capture_quietly(reg: cg.GraphRegistry, plan: object) -> None:
+    """``reg.capture(plan)``, failing the test on any warning it gives (a false alarm is a defect too)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reg.capture(plan)  # type: ignore[arg-type]

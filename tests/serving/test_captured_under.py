@@ -17,7 +17,6 @@ import logging
 import sys
 import threading
 import types
-import warnings
 import weakref
 from typing import Any
 
@@ -26,7 +25,7 @@ import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from tests.conftest import device_of
+from tests.conftest import capture_quietly, device_of
 
 WIDTH, MAX_TOKENS = 8, 16
 PLAN = cg.CapturePlan.build(max_num_seqs=MAX_TOKENS, max_num_tokens=MAX_TOKENS, mode="full", capture_sizes=[4, 8])
@@ -143,9 +142,7 @@ class Holder:
 def test_modules_held_a_few_levels_down_in_an_engine_object_are_watched() -> None:
     holder = Holder()
     reg = cg.GraphRegistry(lambda batch, x: holder.parts["model"]["lin"](x), INPUTS, backend="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        reg.capture(PLAN)
+    capture_quietly(reg, PLAN)
     assert "holder.parts['model']['lin'].weight" in reg.watched()
 
 
@@ -155,16 +152,12 @@ def test_a_step_whose_modules_cannot_be_found_is_warned_about_at_capture() -> No
     with pytest.warns(RuntimeWarning, match=r"found no module the step reads, and it reads 'holder.table' .*reg\.watch\(model\)"):
         reg.capture(PLAN)
     reg.watch(holder.table[7])  # the engine says what it reads: no more warning
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        reg.capture(cg.CapturePlan.build(max_num_seqs=MAX_TOKENS, max_num_tokens=MAX_TOKENS, mode="full", capture_sizes=[2]))
+    capture_quietly(reg, cg.CapturePlan.build(max_num_seqs=MAX_TOKENS, max_num_tokens=MAX_TOKENS, mode="full", capture_sizes=[2]))
 
 
 def test_a_step_that_reads_no_state_is_not_warned_about() -> None:
     reg = cg.GraphRegistry(lambda batch, x: torch.tanh(x) + 1, INPUTS, backend="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        reg.capture(PLAN)
+    capture_quietly(reg, PLAN)
 
 
 def test_a_tensor_in_a_closure_moved_by_data_assignment_is_found_by_refresh() -> None:
@@ -266,12 +259,8 @@ def test_a_mixed_key_captured_with_no_eager_break_while_the_step_reads_the_batch
     assert len(no_break) == 1 and no_break[0].filename == __file__, "once, pointing at the engine's capture() call"
     keyed = cg.GraphRegistry(lambda batch, x: x * cg.current_batch().key.num_tokens, INPUTS, backend="cpu")
     quiet = cg.GraphRegistry(lambda batch, x: torch.tanh(x), INPUTS, backend="cpu")  # no host code: nothing to say
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        keyed.capture(plan)  # the key is what the graph is captured for: reading it is not a frozen read
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        quiet.capture(plan)
+    capture_quietly(keyed, plan)  # the key is what the graph is captured for: reading it is not a frozen read
+    capture_quietly(quiet, plan)
 
 
 def test_reading_the_actual_batch_outside_an_eager_break_while_recording_is_warned() -> None:
@@ -283,9 +272,7 @@ def test_reading_the_actual_batch_outside_an_eager_break_while_recording_is_warn
 def test_a_marked_function_reading_the_payload_is_not_warned_about_and_serves_the_live_lengths() -> None:
     reg = cg.GraphRegistry(lambda batch, x: marked_attention(x) + 1, INPUTS, backend="cpu")
     plan = cg.CapturePlan.build(max_num_seqs=4, max_num_tokens=MAX_TOKENS)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        reg.capture(plan)
+    capture_quietly(reg, plan)
     batch = B(7, 4, uniform=False)
     x = torch.randn(7, WIDTH)
     with torch.inference_mode(), cg.eager_batch(batch, [1, 3, 2, 1]):
@@ -311,9 +298,7 @@ def test_a_step_that_logs_or_waits_on_an_event_is_not_warned_about() -> None:
         return torch.tanh(x @ W)
 
     reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        reg.capture(PLAN)
+    capture_quietly(reg, PLAN)
     assert "W" in reg.watched()
 
 
@@ -435,9 +420,7 @@ def test_models_in_sets_dict_views_user_lists_enum_members_and_weak_references_a
         return x
 
     reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # and no warning that the step reads something not looked into
-        reg.capture(PLAN)
+    capture_quietly(reg, PLAN)  # and no warning that the step reads something not looked into
     with torch.no_grad():
         each_assign_is_refused_then_captured_again(
             reg, step, [in_set, in_frozenset, in_values, in_items, in_user_list, _Models.MAIN.value[0], referred])
@@ -589,9 +572,7 @@ def _reached_through(way: str) -> tuple[Any, torch.nn.Module]:
 def test_a_model_reached_this_way_is_watched(way: str) -> None:
     step, model = _reached_through(way)
     reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        reg.capture(PLAN)
+    capture_quietly(reg, PLAN)
     with torch.no_grad():
         each_assign_is_refused_then_captured_again(reg, step, [model])
 
@@ -633,9 +614,7 @@ def test_a_large_set_of_ids_is_no_reason_to_warn() -> None:
         return x @ weight * (0 in stop_ids)
 
     reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        reg.capture(PLAN)
+    capture_quietly(reg, PLAN)
 
 
 def test_a_model_in_a_context_variable_is_watched_from_the_capture_thread() -> None:

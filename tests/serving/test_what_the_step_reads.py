@@ -16,6 +16,7 @@ from torch import nn
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
+from tests.conftest import capture_quietly
 
 WIDTH = 8
 INPUTS = {"x": cg.StaticInput((8, WIDTH), torch.float32)}
@@ -102,9 +103,7 @@ def test_an_assigned_model_is_refused_then_refreshed_however_the_engine_holds_it
     step, model = LAYOUTS[layout]()
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        reg.capture(KEY)
+    capture_quietly(reg, KEY)
     try:
         assign_new(model)
         with pytest.raises(cg.WeightsMovedError):
@@ -358,9 +357,7 @@ def test_a_step_whose_code_holds_an_unhashable_constant_is_still_read() -> None:
 
     step.__code__ = step.__code__.replace(co_consts=(*step.__code__.co_consts, []))
     reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        reg.capture(KEY)
+    capture_quietly(reg, KEY)
     assert "model.weight" in reg.watched()
 
 
