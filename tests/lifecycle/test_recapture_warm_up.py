@@ -247,3 +247,65 @@ def test_cuda_keys_captured_again_after_each_assign_skip_their_warm_up_and_equal
             with torch.inference_mode():
                 want = model(x)
             torch.testing.assert_close(reg.run(B.decode(n), x=x), want, rtol=2e-2, atol=2e-2)
+
+
+class CacheWriter(nn.Module):
+    """A step that writes its rows into a persistent cache at ``slots`` (the scratch row is the fill) and reads them
+    back, as a paged attention writes its KV cache."""
+
+    ROWS = 40  # rows 0..38 belong to requests; row 39 is the scratch slot the fill points at
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("cache", torch.zeros(self.ROWS, WIDTH))
+
+    def forward(self, batch: B, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        self.cache.index_copy_(0, slots, x.to(self.cache.dtype))
+        return self.lin(x) + self.cache[slots].to(x.dtype)
+
+
+def test_keys_captured_again_without_a_warm_up_write_only_the_scratch_slot_and_serve_back_to_back_as_eager() -> None:
+    """warm_up_again=False, a weight sync by assign captured again in the background while run() is called back to
+    back under autocast and inference mode: every output equals eager, the recaptures write no request's cache row,
+    and a replay outside the autocast the graphs were captured under is refused by name, after a later capture() and
+    refresh() as well."""
+    engine = CacheWriter()
+    scratch = CacheWriter.ROWS - 1
+    reg = cg.GraphRegistry(engine, {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32),
+                                    "slots": cg.StaticInput((MAX_TOKENS,), torch.long, fill=scratch)},
+                           backend="cpu", warm_up_again=False)
+    expected = torch.zeros(CacheWriter.ROWS - 1, WIDTH)  # what the served steps wrote, row by row
+    g = torch.Generator().manual_seed(1)
+
+    def serve(n: int, step: int) -> None:
+        x = torch.randn(n, WIDTH, generator=g)
+        slots = torch.arange(n) + (step * n) % (scratch - n)
+        out = reg.run(B.decode(n), x=x, slots=slots)
+        want = engine.lin(x) + x  # what eager computes, under the same autocast
+        assert out.dtype == want.dtype
+        torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+        expected[slots] = x
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+        reg.capture([(B.decode(n), "full") for n in SIZES])
+        for step in range(6):
+            serve(SIZES[step % 3], step)
+        new_weights(engine.lin, 5)
+        reg.refresh(background=True)
+        step = 6
+        while (reg.capturing() or step < 9) and step < 400:  # nothing between steps
+            serve(SIZES[step % 3], step)
+            step += 1
+        assert reg.wait_captured(timeout=60) and len(reg) == len(SIZES) and reg.failures() == {}
+        assert sum(e.phases.warmup > 0 for e in reg.entries()) == 1, "the capture thread warmed up its first key only"
+        torch.testing.assert_close(engine.cache[:scratch].float(), expected, rtol=0, atol=0)
+        for n in SIZES:
+            serve(n, step)
+            step += 1
+        reg.capture([(B.decode(4), "full")])
+        assert reg.refresh().recaptured == ()
+        serve(4, step)
+    with torch.inference_mode(), pytest.raises(cg.ServingStateError, match="autocast"):
+        reg.run(B.decode(8), x=torch.randn(8, WIDTH), slots=torch.arange(8))
