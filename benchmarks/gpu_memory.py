@@ -16,6 +16,11 @@ alone: what the estimate adds to an engine's start-up.
 
     PYTHONPATH=. python3 benchmarks/gpu_memory.py [--sample]            # every configuration, a table at the end
     PYTHONPATH=. python3 benchmarks/gpu_memory.py --one NAME [--sample]  # one, printing a JSON line
+    PYTHONPATH=. python3 benchmarks/gpu_memory.py --capture-first       # no estimate: capture, then back the KV cache
+
+``--capture-first`` is the other way to size a KV cache: its addresses reserved before capture
+(``cgregistry.backends.ReservedMemory``), the plan captured with no estimate, the cache backed with what the
+device has left after it.  It reports that start-up against the capture alone and what stayed unbacked.
 """
 
 from __future__ import annotations
@@ -104,6 +109,36 @@ def capture_alone(name: str) -> dict[str, Any]:
         return {"name": name, "capture_alone_s": time.perf_counter() - t}
 
 
+def capture_first(name: str) -> dict[str, Any]:
+    """No estimate: a stand-in KV cache's address range reserved for the whole device with one granule backed, the
+    configuration captured, then the range backed with everything the device has left (``ReservedMemory``); the
+    seconds of each part and what was left unbacked (target: within 64 MiB)."""
+    from cgregistry.backends import ReservedMemory
+
+    reg, plan, background = _configuration(name)
+    device = torch.device("cuda")
+    with torch.inference_mode():
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        kv = ReservedMemory(torch.cuda.mem_get_info(device)[1], device=device)
+        reserve_s = time.perf_counter() - t
+        reg.capture(plan, background=background)
+        if background and not reg.wait_captured(timeout=300):
+            raise SystemExit(f"{name}: the background capture did not finish")
+        torch.cuda.synchronize()
+        capture_s = time.perf_counter() - t - reserve_s
+        torch.cuda.empty_cache()
+        t2 = time.perf_counter()
+        backed = kv.back_free()
+        torch.cuda.synchronize()
+        back_s = time.perf_counter() - t2
+        left = torch.cuda.mem_get_info(device)[0]
+        kv.tensor[backed - (1 << 20): backed].fill_(1)  # the last backed MiB is memory the device can write
+        torch.cuda.synchronize()
+    return {"name": name, "keys": len(plan), "reserve_s": reserve_s, "capture_s": capture_s, "back_s": back_s,
+            "kv_bytes": backed, "left": left, "graphs": reg.memory_bytes()}
+
+
 def one(name: str, sample: bool = False) -> dict[str, Any]:
     reg, plan, background = _configuration(name)
     with torch.inference_mode():
@@ -148,28 +183,60 @@ def one(name: str, sample: bool = False) -> dict[str, Any]:
     }
 
 
+def _each(name: str, extras: list[list[str]]) -> list[dict[str, Any]] | None:
+    """``--one name`` with each of ``extras``, a fresh process each; None (and the error shown) when one fails."""
+    found = []
+    for extra in extras:
+        done = subprocess.run([sys.executable, __file__, "--one", name, *extra], capture_output=True, text=True, timeout=600)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode or not lines:
+            print(f"{name} {extra}: failed\n{done.stderr[-2000:]}")
+            return None
+        found.append(json.loads(lines[-1]))
+    return found
+
+
+def report_capture_first(names: list[str]) -> None:
+    """Capture-first sizing against the capture alone, each in a fresh process, interleaved."""
+    mib, rows = 2**20, []
+    for name in names:
+        found = _each(name, [["--capture-alone"], ["--capture-first"]])
+        if found:
+            rows.append({**found[0], **found[1]})
+            print(rows[-1], flush=True)
+    print(f"\n{'configuration':48} {'keys':>4} {'alone s':>7} {'reserve s':>9} {'capture s':>9} {'back s':>6} {'start-up':>8} "
+          f"{'KV cache':>9} {'left':>7}")
+    for r in rows:
+        startup = (r["reserve_s"] + r["capture_s"] + r["back_s"]) / r["capture_alone_s"]
+        print(f"{r['name']:48} {r['keys']:4d} {r['capture_alone_s']:7.2f} {r['reserve_s']:9.3f} {r['capture_s']:9.2f} "
+              f"{r['back_s']:6.3f} {startup:7.2f}x {r['kv_bytes'] / 2**30:7.2f}Gi {r['left'] / mib:5.0f}Mi")
+    print("alone s: the capture with nothing before it; reserve, capture, back: the capture-first start-up's parts (a fresh "
+          "process); start-up: their sum / alone s; KV cache: what back_free() backed after the capture; left: the device's "
+          "free memory after it (target: within 64 MiB)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--one", default=None, choices=sorted(CONFIGS))
     parser.add_argument("--only", default=None, help="names separated by ';' (default: all)")
     parser.add_argument("--sample", action="store_true", help="estimate_memory(sample=True): a sample of the whole-graph keys captured")
     parser.add_argument("--capture-alone", action="store_true", help="with --one: time the capture alone")
+    parser.add_argument("--capture-first", action="store_true",
+                        help="no estimate: capture, then back a reserved KV cache with what is left (ReservedMemory)")
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(capture_alone(args.one) if args.capture_alone else one(args.one, args.sample)))
+        result = (capture_alone(args.one) if args.capture_alone else capture_first(args.one) if args.capture_first
+                  else one(args.one, args.sample))
+        print(json.dumps(result))
         return
     names = args.only.split(";") if args.only else list(CONFIGS)
+    if args.capture_first:
+        report_capture_first(names)
+        return
     rows = []
     for name in names:
-        found = []
-        for extra in (["--sample"] if args.sample else [], ["--capture-alone"]):
-            done = subprocess.run([sys.executable, __file__, "--one", name, *extra], capture_output=True, text=True, timeout=600)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            if done.returncode or not lines:
-                print(f"{name} {extra}: failed\n{done.stderr[-2000:]}")
-                break
-            found.append(json.loads(lines[-1]))
-        else:
+        found = _each(name, [["--sample"] if args.sample else [], ["--capture-alone"]])
+        if found:
             rows.append({**found[0], **found[1]})
             print(rows[-1], flush=True)
     mib = 2**20

@@ -26,11 +26,14 @@ checked against HF's forward of the full model (TP=1).  Background capture is si
 (``--background`` is refused with ``--tp``); see docs/distributed.md.
 
 ``--gpu-memory-utilization F`` follows docs/integration.md's recipe: the model on its smallest cache, the plan
-estimated (``reg.estimate_memory``), the KV cache given what is left of F of the GPU, then the capture.
+estimated (``reg.estimate_memory``), the KV cache given what is left of F of the GPU, then the capture.  With
+``--capture-first`` there is no estimate: the cache's addresses are reserved with only its scratch block backed
+(``ReservedMemory``), the plan captured, and the cache backed with what is left of F after the capture.
 
     python examples/hf_llama.py                          # tiny config on CPU, every strategy
     python examples/hf_llama.py --config llama-3.2-1b --mode full_and_piecewise --requests 64   # on a GPU
     python examples/hf_llama.py --config llama-3.2-1b --mode full --gpu-memory-utilization 0.5  # KV cache sized last
+    python examples/hf_llama.py --config llama-3.2-1b --mode full --gpu-memory-utilization 0.9 --capture-first
     python examples/hf_llama.py --config llama-3.2-1b --mode full_and_piecewise --inductor       # one Inductor compile
     torchrun --standalone --nproc-per-node 2 examples/hf_llama.py --tp 2          # TP=2: gloo on CPU, NCCL on GPUs
 
@@ -60,6 +63,7 @@ from torch import nn
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 import cgregistry as cg
+from cgregistry.backends import ReservedMemory
 from cgregistry.distributed import HostAgreement
 from cgregistry.plan.workload import read_trace
 
@@ -337,6 +341,44 @@ def size_kv_cache(model: LlamaForCausalLM, shape: EngineShape, budget_bytes: int
     sized = EngineShape(shape.max_num_seqs, shape.max_num_tokens, shape.block_size, shape.max_blocks_per_req, kv_blocks=int(blocks))
     resize_kv_cache(model, sized)
     return sized
+
+
+def reserve_kv_cache(model: LlamaForCausalLM, shape: EngineShape) -> list[ReservedMemory]:
+    """Every attention layer's K/V cache over an address range reserved for the most blocks the engine can use
+    (every request at full context, plus the scratch block), with only the first granule backed and zeroed: the
+    scratch block, which capture writes.  Capture next, then ``back_kv_cache``: the graphs keep the addresses."""
+    reservations = []
+    blocks = 1 + shape.max_num_seqs * shape.max_blocks_per_req
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        weight = attn.o_proj.weight
+        attn.block_size = shape.block_size
+        heads = attn.k_proj.weight.shape[0] // attn.head_dim
+        kv_shape = (blocks * shape.block_size, heads, attn.head_dim)
+        for name in ("k_cache", "v_cache"):
+            setattr(attn, name, None)
+            memory = ReservedMemory(math.prod(kv_shape) * weight.element_size(), device=weight.device)
+            memory.tensor[: memory.backed_bytes].zero_()
+            attn.register_buffer(name, memory.view(weight.dtype, kv_shape), persistent=False)
+            reservations.append(memory)
+    return reservations
+
+
+def back_kv_cache(model: LlamaForCausalLM, shape: EngineShape, reservations: list[ReservedMemory], kv_bytes: int) -> EngineShape:
+    """After capture: back (and zero) as many blocks of every reserved cache as ``kv_bytes`` (what is left for the
+    KV cache, the part backed already included) holds, at most what every request at full context needs; returns the
+    engine's shape with that many blocks."""
+    per_block = kv_block_bytes(model, shape)
+    share = kv_bytes // len(reservations) // reservations[0].granularity * reservations[0].granularity
+    blocks = min(share // (per_block // len(reservations)), 1 + shape.max_num_seqs * shape.max_blocks_per_req)
+    if blocks < shape.min_blocks:
+        raise ValueError(f"{kv_bytes / 2**20:.0f} MiB left for the KV cache after capture holds {max(blocks, 0)} blocks of "
+                         f"{per_block / 2**20:.3f} MiB; the engine needs at least {shape.min_blocks}")
+    for memory in reservations:
+        before = memory.backed_bytes
+        memory.back(blocks * (per_block // len(reservations)))
+        memory.tensor[before: memory.backed_bytes].zero_()
+    return EngineShape(shape.max_num_seqs, shape.max_num_tokens, shape.block_size, shape.max_blocks_per_req, kv_blocks=int(blocks))
 
 
 # --------------------------------------------------------------------------- tensor parallel
@@ -748,7 +790,7 @@ def check_against_hf(model: LlamaForCausalLM, sequences: list[Sequence]) -> floa
 def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, requests: int, max_prompt: int,
           max_new: int, backend: str = "auto", check: bool = True, progress: Progress | None = None,
           group: Any = None, background: bool = False, gpu_memory_utilization: float | None = None,
-          graph_and_kv_bytes: int | None = None, inductor: bool = False,
+          graph_and_kv_bytes: int | None = None, inductor: bool = False, capture_first: bool = False,
           ) -> tuple[EngineResult, cg.GraphRegistry | None]:
     """Build, capture and serve ``requests`` trace requests in ``mode``; with ``check``, compare with HF.
 
@@ -760,9 +802,14 @@ def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, r
     ``gpu_memory_utilization``: the KV cache sized after the model and the plan's estimated graphs, so that they take
     this share of the GPU's memory (``size_kv_cache``); ``graph_and_kv_bytes``: the same with the bytes given.
     ``inductor``: the decoder compiled once by Inductor, in pieces around the attention, for every key (``new_registry``).
+    ``capture_first`` (with a budget): no estimate; the KV cache's addresses reserved (``reserve_kv_cache``), the plan
+    captured, then the cache backed with what the budget has left (``back_kv_cache``).
     """
     report = progress or Progress(mode, after=float("inf"))
     sizing = gpu_memory_utilization is not None or graph_and_kv_bytes is not None
+    if capture_first and (not sizing or background):
+        raise ValueError("capture_first sizes the KV cache after a foreground capture: give gpu_memory_utilization or "
+                         f"graph_and_kv_bytes, without background (got background={background})")
     if sizing:
         shape = EngineShape(shape.max_num_seqs, shape.max_num_tokens, shape.block_size, shape.max_blocks_per_req, kv_blocks=shape.min_blocks)
     report.begin(f"building {config} on {device}")
@@ -773,7 +820,23 @@ def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, r
     report.update(f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} billion parameters")
     report.begin("capturing")
     bar = None if config == "tiny" else group is None or torch.distributed.get_rank(group) == 0  # a bar for long captures
-    if sizing:
+    if capture_first:
+        reservations = reserve_kv_cache(model, shape)
+        reg, plan = new_registry(model, shape, mode, backend, inductor=inductor) if mode != "none" else (None, None)
+        if reg is not None:
+            with torch.inference_mode():
+                reg.capture(plan, progress=bar, context=capture_context(mode))
+        backed = sum(memory.backed_bytes for memory in reservations)
+        if graph_and_kv_bytes is not None:
+            kv_bytes = graph_and_kv_bytes - (reg.memory_bytes() if reg is not None else 0)
+        else:
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(device)
+            kv_bytes = int(gpu_memory_utilization * total) - (total - free) + backed  # type: ignore[operator]
+        shape = back_kv_cache(model, shape, reservations, kv_bytes)
+        report.update(f"KV cache {shape.num_blocks} blocks ({shape.num_blocks * kv_block_bytes(model, shape) / 2**20:.0f} MiB), "
+                      f"backed after the capture")
+    elif sizing:
         reg, plan = new_registry(model, shape, mode, backend, inductor=inductor) if mode != "none" else (None, None)
         if graph_and_kv_bytes is None:
             torch.cuda.empty_cache()
@@ -874,6 +937,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, metavar="F",
                         help="size the KV cache after the model and the plan's estimated graphs, so that everything takes "
                              "this share of the GPU's memory (0 < F <= 1; cuda, one process)")
+    parser.add_argument("--capture-first", action="store_true",
+                        help="with --gpu-memory-utilization: no estimate; reserve the KV cache's addresses, capture, then "
+                             "back the cache with what is left")
     parser.add_argument("--inductor", action="store_true",
                         help="compile the decoder once with Inductor, in pieces around the attention op, for every key "
                              "(full keys: the pieces and the attention in one graph); cuda only")
@@ -890,6 +956,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.tp > 1:
             parser.error(f"argument --gpu-memory-utilization: not with --tp {args.tp}: each rank would size its own cache "
                          "and the ranks' schedulers could admit different batches")
+    if args.capture_first and (utilization is None or args.background):
+        parser.error("argument --capture-first: sizes the KV cache after a foreground capture: needs "
+                     "--gpu-memory-utilization, and not --background")
     if args.inductor and device.type != "cuda":
         parser.error(f"argument --inductor: needs a CUDA device (the cpu emulator cannot record Inductor's kernels), got {str(device)!r}")
     rank = 0
@@ -921,7 +990,7 @@ def main(argv: list[str] | None = None) -> None:
             result, reg = serve(args.config, mode, device=device, shape=shape, requests=args.requests, max_prompt=max_prompt,
                                 max_new=max_new, backend=backend, progress=Progress(mode if rank == 0 else "", after=5.0 if rank == 0 else math.inf),
                                 group=group, background=args.background, gpu_memory_utilization=utilization,
-                                inductor=args.inductor)
+                                inductor=args.inductor, capture_first=args.capture_first)
             stats = reg.stats() if reg is not None else None
             served = f"{stats.hits} graph steps, {stats.misses} eager" if stats else "eager"
             if rank == 0:

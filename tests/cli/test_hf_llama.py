@@ -147,6 +147,32 @@ def test_an_engine_on_a_cache_sized_by_the_estimate_serves_like_hugging_face() -
     assert max(b for s in result.finished for b in s.blocks) == 8, "only the nine blocks the budget left were used"
 
 
+@pytest.mark.parametrize("mode", ["full", "full_and_breakable"])
+def test_an_engine_that_captures_first_and_backs_its_cache_after_serves_like_hugging_face(
+        mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve(..., capture_first=True): no estimate; every layer's cache reserved with its scratch block backed, the
+    plan captured, then the cache backed with what the budget leaves after the graphs (two requests at a time): every
+    request finishes at the addresses the graphs baked in, every logit equals HF's forward."""
+    import cgregistry.backends.reserved as reserved
+
+    monkeypatch.setattr(reserved, "CPU_GRANULARITY", 64)  # the tiny model's blocks are a few KiB
+    model = hf.build_model("tiny", CPU, SHAPE)
+    per_block = hf.kv_block_bytes(model, SHAPE)
+    reg = hf.build_registry(model, SHAPE, mode, "cpu")
+    budget = reg.memory_bytes() + 9 * per_block + per_block // 2  # the scratch block and two requests of four blocks
+    estimated: list[object] = []
+    monkeypatch.setattr(cg.GraphRegistry, "estimate_memory", lambda *a, **k: estimated.append(a))
+    result, reg = hf.serve("tiny", mode, device=CPU, shape=SHAPE, requests=6, max_prompt=12, max_new=4, backend="cpu",
+                           graph_and_kv_bytes=budget, capture_first=True)
+    assert estimated == [] and reg is not None and reg.stats().hits > 0 and reg.failures() == {}
+    assert len(result.finished) == 6 and all(s.generated == s.max_new for s in result.finished)
+    assert result.max_abs_error < 1e-4
+    assert max(b for s in result.finished for b in s.blocks) == 8, "only the nine blocks the budget left were used"
+    with pytest.raises(ValueError, match=r"capture_first sizes the KV cache after a foreground capture"):
+        hf.serve("tiny", mode, device=CPU, shape=SHAPE, requests=1, max_prompt=4, max_new=1, backend="cpu",
+                 graph_and_kv_bytes=budget, capture_first=True, background=True)
+
+
 @pytest.mark.parametrize("mode", ["full", "full_and_breakable", "full_and_piecewise"])
 def test_background_capture_while_serving_then_the_hf_check(mode: str) -> None:
     """Capture on the capture thread while the engine serves, piecewise-compiled steps included, every key of the plan

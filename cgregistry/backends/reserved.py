@@ -1,0 +1,317 @@
+"""Device memory whose address is fixed before it is backed: capture first, size the KV cache after.
+
+Graphs bake in the addresses of what they read, so an engine allocates its KV cache before it captures and
+has to know beforehand what the graphs will take (``reg.estimate_memory``, which captures the plan once more).
+``ReservedMemory`` takes the other way round: it reserves the cache's whole address range up front with
+only a small head backed by memory (where capture's padded rows write: the scratch block), the engine
+captures, and then backs as much of the range as the device has left (``back_free``).  The addresses never
+move, so the graphs stay valid; on CUDA this is the driver's virtual memory management (``cuMemAddressReserve``,
+``cuMemCreate``, ``cuMemMap``), the calls vLLM's sleep mode makes.  On the ``cpu`` backend the range is one host
+allocation and backing is bookkeeping, so the same engine code runs in tests.
+
+What is not backed must not be touched: a kernel that reads or writes past ``backed_bytes`` faults on CUDA
+(the CUDA context is lost).  Memory newly backed holds whatever it held (on CPU a fill byte, ``UNSET_BYTE``,
+so that a test catches a read of a cell nobody wrote); zero what is read before it is written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["CHUNK_BYTES", "CPU_GRANULARITY", "UNSET_BYTE", "ReservedMemory"]
+
+# Physical memory is created in chunks of at most this many bytes, so that backing less gives whole chunks back.
+CHUNK_BYTES = 1 << 30
+# The granularity on the cpu backend: CUDA's usual one, so that rounding is exercised the same way in tests.
+CPU_GRANULARITY = 2 << 20
+# What newly backed host memory holds on the cpu backend (CUDA's is unspecified): 0xFF makes every float NaN.
+UNSET_BYTE = 0xFF
+
+_CU_MEM_ALLOCATION_TYPE_PINNED = 1
+_CU_MEM_LOCATION_TYPE_DEVICE = 1
+_CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+_CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
+_CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _AllocationProp(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
+
+
+class _AccessDesc(ctypes.Structure):
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+class _Driver:
+    """The few CUDA driver calls a reservation makes, through ctypes (torch links the runtime, not these)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        u64, size_t, p = ctypes.c_uint64, ctypes.c_size_t, ctypes.POINTER
+        signatures: dict[str, list[Any]] = {
+            "cuMemGetAllocationGranularity": [p(size_t), p(_AllocationProp), ctypes.c_int],
+            "cuMemAddressReserve": [p(u64), size_t, size_t, u64, u64],
+            "cuMemAddressFree": [u64, size_t],
+            "cuMemCreate": [p(u64), size_t, p(_AllocationProp), u64],
+            "cuMemRelease": [u64],
+            "cuMemMap": [u64, size_t, size_t, u64, u64],
+            "cuMemUnmap": [u64, size_t],
+            "cuMemSetAccess": [u64, size_t, p(_AccessDesc), size_t],
+            "cuGetErrorName": [ctypes.c_int, p(ctypes.c_char_p)],
+        }
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            setattr(self, name, fn)
+
+    def check(self, result: int, call: str) -> None:
+        if result == 0:
+            return
+        name = ctypes.c_char_p()
+        self.cuGetErrorName(result, ctypes.byref(name))  # type: ignore[attr-defined]
+        text = f"{call} failed: {name.value.decode() if name.value else result}"
+        if result == _CUDA_ERROR_OUT_OF_MEMORY:
+            raise torch.OutOfMemoryError(text)
+        raise RuntimeError(text)
+
+
+@functools.cache
+def _driver() -> _Driver:
+    return _Driver()
+
+
+class _Span:
+    """A bare device address range, offered to torch through ``__cuda_array_interface__``; the tensors over it keep
+    it alive, and the range is given back to the driver when the last of them and the reservation are gone."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2,
+                                         "strides": None}
+
+
+def _int_arg(name: str, value: object, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (bytes), got {value!r}")
+    if value < least:
+        raise ValueError(f"{name} must be at least {least} bytes, got {value}")
+    return value
+
+
+class ReservedMemory:
+    """``max_bytes`` of address space on ``device`` whose first ``backed_bytes`` are backed by memory; ``back()``
+    and ``back_free()`` change how much is backed without moving anything.  ``view(dtype, shape)`` gives a tensor
+    over the range from its start: hand it to the step before capture, back the rest after."""
+
+    def __init__(self, max_bytes: int, device: torch.device | str | int = "cuda", backed_bytes: int = 0) -> None:
+        self._max = _int_arg("max_bytes", max_bytes, 1)
+        backed = _int_arg("backed_bytes", backed_bytes, 0)
+        self.device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"device must be a cuda or cpu device, got {str(self.device)!r}")
+        self._lock = threading.Lock()
+        self._chunks: list[tuple[int, int, int]] = []  # (offset, bytes, driver handle; 0 on cpu), in address order
+        if self.device.type == "cuda":
+            self._prop = _AllocationProp()
+            self._prop.type = _CU_MEM_ALLOCATION_TYPE_PINNED
+            self._prop.location = _Location(_CU_MEM_LOCATION_TYPE_DEVICE, self.device.index)
+            with torch.cuda.device(self.device):  # the device's primary context, current on this thread
+                torch.cuda.mem_get_info(self.device)
+                drv = _driver()
+                granule = ctypes.c_size_t()
+                drv.check(drv.cuMemGetAllocationGranularity(ctypes.byref(granule), ctypes.byref(self._prop),  # type: ignore[attr-defined]
+                                                            _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity")
+                self.granularity = granule.value
+                self._size = -(-self._max // self.granularity) * self.granularity
+                ptr = ctypes.c_uint64()
+                drv.check(drv.cuMemAddressReserve(ctypes.byref(ptr), self._size, self.granularity, 0, 0),  # type: ignore[attr-defined]
+                          f"cuMemAddressReserve({self._size} bytes)")
+                self._ptr = ptr.value
+                self._release = weakref.finalize(self, _free_range, self._ptr, self._size, self._chunks, self.device)
+                self._map_to(max(backed, 1))  # torch looks the pointer up: its first granule is backed
+            self._span = _Span(self._ptr, self._max)
+            self._tensor = torch.as_tensor(self._span, device=self.device)
+            self._release.detach()
+            self._finalizer = weakref.finalize(self._span, _free_range, self._ptr, self._size, self._chunks, self.device)
+        else:
+            self.granularity = CPU_GRANULARITY
+            self._size = -(-self._max // self.granularity) * self.granularity
+            self._tensor = torch.empty(self._max, dtype=torch.uint8)
+            self._ptr = self._tensor.data_ptr()
+            self._map_to(max(backed, 1))
+
+    # ------------------------------------------------------------------ what it is
+
+    @property
+    def max_bytes(self) -> int:
+        """The bytes the address range spans (``view`` may cover them all)."""
+        return self._max
+
+    @property
+    def backed_bytes(self) -> int:
+        """The bytes from the start backed by memory: a whole number of granules, at most ``max_bytes`` rounded up."""
+        return self._chunks[-1][0] + self._chunks[-1][1] if self._chunks else 0
+
+    @property
+    def data_ptr(self) -> int:
+        """The range's first address: it never changes."""
+        return self._ptr
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The whole range as bytes (uint8, ``max_bytes`` long)."""
+        return self._tensor
+
+    def view(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """A tensor of ``dtype`` and ``shape`` over the range from its start (its bytes at most ``max_bytes``)."""
+        shape = tuple(shape)
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
+            raise ValueError(f"shape must be non-negative ints, got {shape}")
+        count = 1
+        for n in shape:
+            count *= n
+        need = count * torch.empty((), dtype=dtype).element_size()
+        if need > self._max:
+            raise ValueError(f"a {dtype} tensor of shape {shape} takes {need} bytes; the range is max_bytes={self._max}")
+        return self._tensor[:need].view(dtype).view(shape)
+
+    def __repr__(self) -> str:
+        return (f"ReservedMemory({self.device}, {self.backed_bytes / 2**20:.1f} of {self._max / 2**20:.1f} MiB backed, "
+                f"address {self._ptr:#x})")
+
+    # ------------------------------------------------------------------ backing
+
+    def back(self, nbytes: int) -> int:
+        """Back the first ``nbytes`` (rounded up to the granularity, at most the whole range; at least one granule
+        stays backed) and return ``backed_bytes``.  Less than now gives back the chunks wholly past ``nbytes`` (what
+        they held is lost); a chunk holds at most ``CHUNK_BYTES``, one ``back()`` that grew the range may make several.
+        Make sure nothing in flight on the device reads what is given back (``torch.cuda.synchronize()``).  A failure
+        (out of memory) leaves the backing as it was."""
+        _int_arg("nbytes", nbytes, 0)
+        if nbytes > self._size:
+            raise ValueError(f"nbytes={nbytes} is past the reserved range (max_bytes={self._max})")
+        with self._lock:
+            self._map_to(max(nbytes, 1))
+            return self.backed_bytes
+
+    def back_free(self, leave_bytes: int = 0) -> int:
+        """Back as much more of the range as the device has free, less ``leave_bytes`` (for what else the engine
+        will allocate: an eager step's activations past the captured sizes), and return ``backed_bytes``; where the
+        driver refuses part of it, as much as it gives.  On CUDA what is free is ``torch.cuda.mem_get_info`` (the caching allocator's cached blocks are not free: call
+        ``torch.cuda.empty_cache()`` first to hand them over); on CPU the host's available memory."""
+        _int_arg("leave_bytes", leave_bytes, 0)
+        with self._lock:
+            if self.device.type == "cuda":
+                free = torch.cuda.mem_get_info(self.device)[0]
+            else:
+                try:
+                    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+                except (ValueError, OSError):  # a host that does not say: the whole range
+                    free = self._size
+            more = (max(free - leave_bytes, 0) // self.granularity) * self.granularity
+            target = min(self.backed_bytes + more, self._size)
+            if target > self.backed_bytes:
+                self._grow(target, as_far_as_it_goes=True)
+            return self.backed_bytes
+
+    def _map_to(self, nbytes: int) -> None:
+        """Back exactly the chunks that cover the first ``nbytes`` (rounded up to the granularity)."""
+        target = -(-nbytes // self.granularity) * self.granularity
+        if target > self.backed_bytes:
+            self._grow(target)
+        else:
+            while self._chunks and self._chunks[-1][0] >= target:
+                offset, size, handle = self._chunks.pop()
+                _unmap(self._ptr, offset, size, handle, self.device)
+
+    def _grow(self, target: int, as_far_as_it_goes: bool = False) -> None:
+        """Back up to ``target``.  Out of memory: undo and raise, or (``as_far_as_it_goes``) try halves of the chunk
+        down to one granule and keep what was backed (the driver refuses the last bytes ``mem_get_info`` calls free)."""
+        start = self.backed_bytes
+        made: list[tuple[int, int, int]] = []
+        try:
+            offset = start
+            while offset < target:
+                size = min(CHUNK_BYTES, target - offset)
+                while True:
+                    try:
+                        made.append((offset, size, self._map_chunk(offset, size)))
+                        break
+                    except torch.OutOfMemoryError:
+                        if not as_far_as_it_goes:
+                            raise
+                        size = size // 2 // self.granularity * self.granularity
+                        if size == 0:
+                            break
+                if size == 0:
+                    break
+                offset += size
+        except BaseException:
+            for offset, size, handle in reversed(made):
+                _unmap(self._ptr, offset, size, handle, self.device)
+            raise
+        self._chunks.extend(made)
+        if self.device.type == "cpu":
+            self._tensor[start:self.backed_bytes].fill_(UNSET_BYTE)
+
+    def _map_chunk(self, offset: int, size: int) -> int:
+        if self.device.type == "cpu":
+            return 0
+        drv = _driver()
+        handle = ctypes.c_uint64()
+        with torch.cuda.device(self.device):
+            drv.check(drv.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(self._prop), 0),  # type: ignore[attr-defined]
+                      f"cuMemCreate({size} bytes)")
+            try:
+                drv.check(drv.cuMemMap(self._ptr + offset, size, 0, handle.value, 0), "cuMemMap")  # type: ignore[attr-defined]
+                try:
+                    access = _AccessDesc(_Location(_CU_MEM_LOCATION_TYPE_DEVICE, self.device.index), _CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+                    drv.check(drv.cuMemSetAccess(self._ptr + offset, size, ctypes.byref(access), 1), "cuMemSetAccess")  # type: ignore[attr-defined]
+                except BaseException:
+                    drv.cuMemUnmap(self._ptr + offset, size)  # type: ignore[attr-defined]
+                    raise
+            except BaseException:
+                drv.cuMemRelease(handle.value)  # type: ignore[attr-defined]
+                raise
+        return handle.value
+
+
+def _unmap(ptr: int, offset: int, size: int, handle: int, device: torch.device) -> None:
+    if device.type == "cpu":
+        return
+    drv = _driver()
+    with torch.cuda.device(device):
+        drv.check(drv.cuMemUnmap(ptr + offset, size), "cuMemUnmap")  # type: ignore[attr-defined]
+        drv.check(drv.cuMemRelease(handle), "cuMemRelease")  # type: ignore[attr-defined]
+
+
+def _free_range(ptr: int, size: int, chunks: list[tuple[int, int, int]], device: torch.device) -> None:
+    """Unmap every chunk and give the address range back (no tensor over it is left)."""
+    try:
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize(device)  # nothing in flight reads it
+        while chunks:
+            offset, chunk, handle = chunks.pop()
+            _unmap(ptr, offset, chunk, handle, device)
+        _driver().check(_driver().cuMemAddressFree(ptr, size), "cuMemAddressFree")  # type: ignore[attr-defined]
+    except Exception:  # at interpreter exit the driver may be gone before us
+        pass

@@ -1,0 +1,163 @@
+"""Capture first, size the KV cache after: an address range reserved before capture and backed after it keeps
+the graphs valid, on the cpu backend and on CUDA."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import cgregistry as cg
+import cgregistry.backends.reserved as reserved
+from cgregistry.backends import ReservedMemory
+from tests.conftest import BACKENDS, device_of
+
+MiB = 1 << 20
+
+
+def test_backing_rounds_to_the_granularity_and_never_moves_the_address() -> None:
+    memory = ReservedMemory(64 * MiB, device="cpu")
+    start, view = memory.data_ptr, memory.view(torch.float32, (16 * MiB // 4, 4))
+    assert memory.backed_bytes == memory.granularity == reserved.CPU_GRANULARITY, "one granule is backed from the start"
+    assert memory.back(5 * MiB + 1) == 6 * MiB
+    assert memory.back_free() == 64 * MiB, "what the host has free, at most the whole range"
+    assert memory.data_ptr == start == view.data_ptr() == memory.tensor.data_ptr()
+    assert view.shape == (4 * MiB, 4) and memory.view(torch.bfloat16, (32 * MiB,)).data_ptr() == start
+
+
+def test_giving_back_keeps_the_chunks_that_cover_what_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reserved, "CHUNK_BYTES", 4 * MiB)
+    memory = ReservedMemory(32 * MiB, device="cpu")
+    assert memory.back(10 * MiB) == 10 * MiB  # chunks of 2 (the first granule), 4, 4 MiB
+    assert memory.back(5 * MiB) == 6 * MiB, "the chunk holding byte 5 MiB stays whole"
+    assert memory.back(0) == 2 * MiB, "the first granule stays backed"
+    assert memory.back(30 * MiB) == 30 * MiB
+
+
+def test_newly_backed_memory_holds_no_zeros_on_cpu() -> None:
+    """CUDA gives no promise about what new memory holds; the cpu backend fills it with NaN bytes, so a step that reads
+    a cache cell nobody wrote fails its test instead of reading a lucky zero."""
+    memory = ReservedMemory(8 * MiB, device="cpu")
+    cache = memory.view(torch.float32, (2 * MiB,))
+    cache[: memory.backed_bytes // 4].zero_()
+    before = memory.backed_bytes
+    memory.back(8 * MiB)
+    assert cache[: before // 4].eq(0).all(), "what was backed keeps its contents"
+    assert cache[before // 4:].isnan().all()
+
+
+@pytest.mark.parametrize(("call", "error", "message"), [
+    (lambda: ReservedMemory(True, device="cpu"), TypeError, r"max_bytes must be an int \(bytes\), got True"),
+    (lambda: ReservedMemory(0, device="cpu"), ValueError, r"max_bytes must be at least 1 bytes, got 0"),
+    (lambda: ReservedMemory(MiB, device="cpu", backed_bytes=-1), ValueError, r"backed_bytes must be at least 0 bytes, got -1"),
+    (lambda: ReservedMemory(MiB, device="meta"), ValueError, r"device must be a cuda or cpu device, got 'meta'"),
+    (lambda: ReservedMemory(4 * MiB, device="cpu").back(5 * MiB), ValueError, r"nbytes=5242880 is past the reserved range"),
+    (lambda: ReservedMemory(4 * MiB, device="cpu").back(1.5), TypeError, r"nbytes must be an int \(bytes\), got 1.5"),
+    (lambda: ReservedMemory(4 * MiB, device="cpu").back_free(-1), ValueError, r"leave_bytes must be at least 0 bytes"),
+    (lambda: ReservedMemory(4 * MiB, device="cpu").view(torch.float32, (MiB + 1,)), ValueError,
+     r"takes 4194308 bytes; the range is max_bytes=4194304"),
+    (lambda: ReservedMemory(4 * MiB, device="cpu").view(torch.float32, (2, -1)), ValueError, r"shape must be non-negative ints"),
+])
+def test_bad_arguments_name_themselves(call, error, message) -> None:
+    with pytest.raises(error, match=message):
+        call()
+
+
+def _paged_step(cache: torch.Tensor):
+    """An engine's step over a paged cache: write each token's row at its slot, read back every row of its request's
+    slots (a toy attention), so a cell written at the wrong address or never backed shows in the output."""
+
+    def step(batch: cg.BatchDescriptor, x: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(0, slots, x * 2.0)
+        return cache[ctx].sum(1) + x
+
+    return step
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graphs_captured_before_the_cache_was_backed_serve_it_after(backend: str) -> None:
+    """The engine recipe: the cache reserved for its most rows with only the scratch row's granule backed, the plan
+    captured, then the rest backed (and zeroed) and requests served at rows far past what was backed at capture:
+    every step equals the same step run eagerly on a cache allocated whole."""
+    device, width = device_of(backend), 256
+    rows = 8192  # 8 MiB of float32 rows: four granules past the first
+    memory = ReservedMemory(rows * width * 4, device=device)
+    cache = memory.view(torch.float32, (rows, width))
+    cache[: memory.backed_bytes // (width * 4)].zero_()  # row 0: the scratch row padded tokens write
+    inputs = {"x": cg.StaticInput((8, width), torch.float32, axis="tokens"),
+              "slots": cg.StaticInput((8,), torch.int64, axis="tokens", fill=0),
+              "ctx": cg.StaticInput((8, 4), torch.int64, axis="tokens", fill=0)}
+    reg = cg.GraphRegistry(_paged_step(cache), inputs, backend=backend)
+    reg.capture(cg.CapturePlan.build(max_num_seqs=8, max_num_tokens=8, mode="full"))
+    first = memory.backed_bytes
+    assert memory.back_free() == memory.max_bytes > first
+    cache[first // (width * 4):].zero_()
+    oracle = torch.zeros(rows, width, device=device)
+    eager = _paged_step(oracle)
+    gen = torch.Generator().manual_seed(0)
+    for n in (3, 5, 8, 1):
+        slots = torch.randperm(rows - 1, generator=gen)[:n].add(1).to(device)
+        ctx = torch.cat([slots[:, None], torch.randint(0, rows, (n, 3), generator=gen).to(device)], 1)
+        x = torch.randn(n, width, generator=gen).to(device)
+        got = reg.run(cg.BatchDescriptor.decode(n), x=x, slots=slots, ctx=ctx).clone()
+        want = eager(cg.BatchDescriptor.decode(n), x, slots, ctx)
+        torch.testing.assert_close(got, want)
+    assert reg.stats().hits == 4 and reg.stats().misses == 0
+    torch.testing.assert_close(cache, oracle)
+
+
+def _free(device: torch.device) -> int:
+    """The device's free bytes, the caching allocator's idle blocks handed back first."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
+@pytest.mark.cuda
+def test_device_memory_follows_the_backing_and_comes_back_when_the_last_view_goes() -> None:
+    device = torch.device("cuda")
+    free = _free(device)
+    memory = ReservedMemory(1 << 30, device=device)
+    view = memory.view(torch.uint8, (1 << 30,))
+    memory.back(512 * MiB)
+    taken = free - _free(device)
+    assert 512 * MiB <= taken <= 512 * MiB + 64 * MiB, taken
+    memory.back(0)
+    assert free - _free(device) <= memory.granularity + 64 * MiB
+    memory.back(256 * MiB)
+    view[: 256 * MiB].fill_(3)
+    assert int(view[: 256 * MiB].sum(dtype=torch.int64)) == 3 * 256 * MiB
+    del memory
+    assert free - _free(device) >= 256 * MiB, "a view keeps the memory it reads"
+    del view
+    assert free - _free(device) <= 64 * MiB, "the last view gone, the range goes back"
+
+
+@pytest.mark.cuda
+def test_back_free_takes_what_the_device_has_left_to_the_granule() -> None:
+    device = torch.device("cuda")
+    free, total = _free(device), torch.cuda.mem_get_info(device)[1]
+    for leave in (1 << 30, 0):
+        memory = ReservedMemory(total, device=device)
+        memory.back_free(leave_bytes=leave)
+        left = _free(device)
+        assert leave <= left <= leave + 64 * MiB, f"{left / MiB:.0f} MiB left, asked to leave {leave / MiB:.0f}"
+        memory.tensor[memory.backed_bytes - MiB: memory.backed_bytes].fill_(1)  # the last backed bytes are memory
+        torch.cuda.synchronize(device)
+        del memory
+        assert _free(device) >= free - 64 * MiB
+
+
+
+@pytest.mark.cuda
+def test_back_refuses_more_than_the_device_has_and_backs_nothing_more() -> None:
+    device = torch.device("cuda")
+    free, total = _free(device), torch.cuda.mem_get_info(device)[1]
+    memory = ReservedMemory(2 * total, device=device)
+    with pytest.raises(torch.OutOfMemoryError, match="cuMemCreat"):
+        memory.back(total + (1 << 30))
+    assert memory.backed_bytes == memory.granularity and free - _free(device) <= 64 * MiB, "a failed back() keeps nothing"
+    assert memory.back_free() <= free, "back_free backs what the driver gives, and keeps it"
+    assert _free(device) <= 64 * MiB
