@@ -345,8 +345,8 @@ def size_kv_cache(model: LlamaForCausalLM, shape: EngineShape, budget_bytes: int
 
 def reserve_kv_cache(model: LlamaForCausalLM, shape: EngineShape) -> list[ReservedMemory]:
     """Every attention layer's K/V cache over an address range reserved for the most blocks the engine can use
-    (every request at full context, plus the scratch block), with only the first granule backed and zeroed: the
-    scratch block, which capture writes.  Capture next, then ``back_kv_cache``: the graphs keep the addresses."""
+    (every request at full context, plus the scratch block), with only the scratch block (which capture writes and
+    reads) backed and zeroed.  Capture next, then ``back_kv_cache``: the graphs keep the addresses."""
     reservations = []
     blocks = 1 + shape.max_num_seqs * shape.max_blocks_per_req
     for layer in model.model.layers:
@@ -357,7 +357,8 @@ def reserve_kv_cache(model: LlamaForCausalLM, shape: EngineShape) -> list[Reserv
         kv_shape = (blocks * shape.block_size, heads, attn.head_dim)
         for name in ("k_cache", "v_cache"):
             setattr(attn, name, None)
-            memory = ReservedMemory(math.prod(kv_shape) * weight.element_size(), device=weight.device)
+            block_bytes = math.prod(kv_shape[1:]) * shape.block_size * weight.element_size()
+            memory = ReservedMemory(math.prod(kv_shape) * weight.element_size(), device=weight.device, backed_bytes=block_bytes)
             memory.tensor[: memory.backed_bytes].zero_()
             attn.register_buffer(name, memory.view(weight.dtype, kv_shape), persistent=False)
             reservations.append(memory)
@@ -639,6 +640,7 @@ class EngineResult:
     seconds: float
     finished: list[Sequence]
     max_abs_error: float = float("nan")
+    kv_reserved: list[ReservedMemory] = field(default_factory=list)  # the cache's ranges, with capture_first
 
 
 class Engine:
@@ -855,6 +857,8 @@ def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, r
     engine = Engine(model, shape, reg, keep_logits=check, group=group)
     report.begin(f"serving {requests} requests")
     result = engine.serve(trace_requests(requests, shape, model.config.vocab_size, max_prompt, max_new), progress=report.update)
+    if capture_first:
+        result.kv_reserved = reservations
     if check:
         if reg is not None:
             reg.wait_captured()  # the check switches the model's attention to SDPA: never while a capture runs the model

@@ -10,15 +10,19 @@ move, so the graphs stay valid; on CUDA this is the driver's virtual memory mana
 allocation and backing is bookkeeping, so the same engine code runs in tests.
 
 What is not backed must not be touched: a kernel that reads or writes past ``backed_bytes`` faults on CUDA
-(the CUDA context is lost).  Memory newly backed holds whatever it held (on CPU a fill byte, ``UNSET_BYTE``,
-so that a test catches a read of a cell nobody wrote); zero what is read before it is written.
+(the CUDA context is lost).  Memory newly backed holds whatever it held; zero what is read before it is written.
+On CPU what is not backed holds a fill byte, ``UNSET_BYTE`` (NaN in every float dtype), so that a test catches a
+read of a cell nobody wrote, and ``check_unbacked()`` a write where CUDA would fault.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import os
+import sys
+import warnings
 import threading
 import weakref
 from collections.abc import Sequence
@@ -26,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_BYTES", "CPU_GRANULARITY", "UNSET_BYTE", "ReservedMemory"]
+__all__ = ["CHUNK_BYTES", "CPU_GRANULARITY", "CPU_MARKED_MAX", "UNSET_BYTE", "ReservedMemory"]
 
 # Physical memory is created in chunks of at most this many bytes, so that backing less gives whole chunks back.
 CHUNK_BYTES = 1 << 30
@@ -34,6 +38,10 @@ CHUNK_BYTES = 1 << 30
 CPU_GRANULARITY = 2 << 20
 # What newly backed host memory holds on the cpu backend (CUDA's is unspecified): 0xFF makes every float NaN.
 UNSET_BYTE = 0xFF
+# On the cpu backend, ranges up to this size also hold UNSET_BYTE where they are not backed, so that a write there (a
+# fault on CUDA) is found by ``check_unbacked()`` and by the next ``back()``; a larger one is left untouched (filling
+# it would make the whole host range resident).
+CPU_MARKED_MAX = 1 << 30
 
 _CU_MEM_ALLOCATION_TYPE_PINNED = 1
 _CU_MEM_LOCATION_TYPE_DEVICE = 1
@@ -108,8 +116,12 @@ class _Span:
 
 
 def _int_arg(name: str, value: object, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool):
         raise TypeError(f"{name} must be an int (bytes), got {value!r}")
+    try:
+        value = operator.index(value)  # an int, or one of NumPy's
+    except TypeError:
+        raise TypeError(f"{name} must be an int (bytes), got {value!r}") from None
     if value < least:
         raise ValueError(f"{name} must be at least {least} bytes, got {value}")
     return value
@@ -123,6 +135,8 @@ class ReservedMemory:
     def __init__(self, max_bytes: int, device: torch.device | str | int = "cuda", backed_bytes: int = 0) -> None:
         self._max = _int_arg("max_bytes", max_bytes, 1)
         backed = _int_arg("backed_bytes", backed_bytes, 0)
+        if backed > self._max:
+            raise ValueError(f"backed_bytes={backed} is past the reserved range (max_bytes={self._max})")
         self.device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -157,6 +171,9 @@ class ReservedMemory:
             self._size = -(-self._max // self.granularity) * self.granularity
             self._tensor = torch.empty(self._max, dtype=torch.uint8)
             self._ptr = self._tensor.data_ptr()
+            self._marked = self._max <= CPU_MARKED_MAX  # what is not backed holds UNSET_BYTE, so a write there is seen
+            if self._marked:
+                self._tensor.fill_(UNSET_BYTE)
             self._map_to(max(backed, 1))
 
     # ------------------------------------------------------------------ what it is
@@ -168,8 +185,25 @@ class ReservedMemory:
 
     @property
     def backed_bytes(self) -> int:
-        """The bytes from the start backed by memory: a whole number of granules, at most ``max_bytes`` rounded up."""
+        """The bytes of the range, from its start, backed by memory (at most ``max_bytes``; the driver backs whole
+        granules, so past ``max_bytes`` there may be more, outside the range)."""
+        return min(self._mapped(), self._max)
+
+    def _mapped(self) -> int:
         return self._chunks[-1][0] + self._chunks[-1][1] if self._chunks else 0
+
+    def check_unbacked(self) -> None:
+        """On the cpu backend: raise ``RuntimeError`` naming the first byte past ``backed_bytes`` something wrote (a
+        kernel doing that faults on CUDA, and the context is lost).  Ranges over ``CPU_MARKED_MAX`` and CUDA ranges
+        are not checked."""
+        if self.device.type != "cpu" or not self._marked:
+            return
+        tail = self._tensor[self.backed_bytes:]
+        written = (tail != UNSET_BYTE).nonzero()
+        if written.numel():
+            at = self.backed_bytes + int(written[0])
+            raise RuntimeError(f"byte {at} of the reserved range was written, past backed_bytes={self.backed_bytes}: on "
+                               "CUDA that write faults (back the memory first, and hand out only what is backed)")
 
     @property
     def data_ptr(self) -> int:
@@ -204,10 +238,10 @@ class ReservedMemory:
         """Back the first ``nbytes`` (rounded up to the granularity, at most the whole range; at least one granule
         stays backed) and return ``backed_bytes``.  Less than now gives back the chunks wholly past ``nbytes`` (what
         they held is lost); a chunk holds at most ``CHUNK_BYTES``, one ``back()`` that grew the range may make several.
-        Make sure nothing in flight on the device reads what is given back (``torch.cuda.synchronize()``).  A failure
-        (out of memory) leaves the backing as it was."""
-        _int_arg("nbytes", nbytes, 0)
-        if nbytes > self._size:
+        Giving back synchronizes the device first (nothing in flight may read it).  A failure (out of memory) leaves
+        the backing as it was."""
+        nbytes = _int_arg("nbytes", nbytes, 0)
+        if nbytes > self._max:
             raise ValueError(f"nbytes={nbytes} is past the reserved range (max_bytes={self._max})")
         with self._lock:
             self._map_to(max(nbytes, 1))
@@ -218,7 +252,7 @@ class ReservedMemory:
         will allocate: an eager step's activations past the captured sizes), and return ``backed_bytes``; where the
         driver refuses part of it, as much as it gives.  On CUDA what is free is ``torch.cuda.mem_get_info`` (the caching allocator's cached blocks are not free: call
         ``torch.cuda.empty_cache()`` first to hand them over); on CPU the host's available memory."""
-        _int_arg("leave_bytes", leave_bytes, 0)
+        leave_bytes = _int_arg("leave_bytes", leave_bytes, 0)
         with self._lock:
             if self.device.type == "cuda":
                 free = torch.cuda.mem_get_info(self.device)[0]
@@ -228,25 +262,31 @@ class ReservedMemory:
                 except (ValueError, OSError):  # a host that does not say: the whole range
                     free = self._size
             more = (max(free - leave_bytes, 0) // self.granularity) * self.granularity
-            target = min(self.backed_bytes + more, self._size)
-            if target > self.backed_bytes:
+            target = min(self._mapped() + more, self._size)
+            if target > self._mapped():
                 self._grow(target, as_far_as_it_goes=True)
             return self.backed_bytes
 
     def _map_to(self, nbytes: int) -> None:
         """Back exactly the chunks that cover the first ``nbytes`` (rounded up to the granularity)."""
         target = -(-nbytes // self.granularity) * self.granularity
-        if target > self.backed_bytes:
+        if target > self._mapped():
             self._grow(target)
-        else:
+        elif self._chunks and self._chunks[-1][0] >= target:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # nothing in flight reads what is given back
             while self._chunks and self._chunks[-1][0] >= target:
                 offset, size, handle = self._chunks.pop()
                 _unmap(self._ptr, offset, size, handle, self.device)
+            if self.device.type == "cpu" and self._marked:
+                self._tensor[self.backed_bytes:].fill_(UNSET_BYTE)
 
     def _grow(self, target: int, as_far_as_it_goes: bool = False) -> None:
         """Back up to ``target``.  Out of memory: undo and raise, or (``as_far_as_it_goes``) try halves of the chunk
         down to one granule and keep what was backed (the driver refuses the last bytes ``mem_get_info`` calls free)."""
-        start = self.backed_bytes
+        if self.device.type == "cpu":
+            self.check_unbacked()  # what is about to be backed must not have been written while it was not
+        start = self._mapped()
         made: list[tuple[int, int, int]] = []
         try:
             offset = start
@@ -270,7 +310,7 @@ class ReservedMemory:
                 _unmap(self._ptr, offset, size, handle, self.device)
             raise
         self._chunks.extend(made)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not self._marked:
             self._tensor[start:self.backed_bytes].fill_(UNSET_BYTE)
 
     def _map_chunk(self, offset: int, size: int) -> int:
@@ -305,13 +345,19 @@ def _unmap(ptr: int, offset: int, size: int, handle: int, device: torch.device) 
 
 
 def _free_range(ptr: int, size: int, chunks: list[tuple[int, int, int]], device: torch.device) -> None:
-    """Unmap every chunk and give the address range back (no tensor over it is left)."""
+    """Unmap every chunk and give the address range back (no tensor over it is left).  Where that cannot be done
+    safely (a capture in progress on this thread, which a device sync would break) or fails, the range is kept and a
+    warning says so: memory lost, not memory freed under a running kernel."""
     try:
-        if not torch.cuda.is_current_stream_capturing():
+        with torch.cuda.device(device):
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("a CUDA graph capture is in progress on this thread")
             torch.cuda.synchronize(device)  # nothing in flight reads it
         while chunks:
             offset, chunk, handle = chunks.pop()
             _unmap(ptr, offset, chunk, handle, device)
         _driver().check(_driver().cuMemAddressFree(ptr, size), "cuMemAddressFree")  # type: ignore[attr-defined]
-    except Exception:  # at interpreter exit the driver may be gone before us
-        pass
+    except Exception as e:
+        if not sys.is_finalizing():  # at interpreter exit the driver goes with the process
+            warnings.warn(f"cgregistry: a ReservedMemory range at {ptr:#x} on {device} was not given back ({e}); its "
+                          f"{sum(c[1] for c in chunks)} backed bytes stay taken", RuntimeWarning, stacklevel=2)

@@ -168,6 +168,10 @@ def test_an_engine_that_captures_first_and_backs_its_cache_after_serves_like_hug
     assert len(result.finished) == 6 and all(s.generated == s.max_new for s in result.finished)
     assert result.max_abs_error < 1e-4
     assert max(b for s in result.finished for b in s.blocks) == 8, "only the nine blocks the budget left were used"
+    assert len(result.kv_reserved) == 2 * len(hf.build_model("tiny", CPU, SHAPE).model.layers)
+    for memory in result.kv_reserved:
+        assert memory.backed_bytes >= 9 * per_block // len(result.kv_reserved)
+        memory.check_unbacked()  # nothing written past what was backed (on CUDA, a fault)
     with pytest.raises(ValueError, match=r"capture_first sizes the KV cache after a foreground capture"):
         hf.serve("tiny", mode, device=CPU, shape=SHAPE, requests=1, max_prompt=4, max_new=1, backend="cpu",
                  graph_and_kv_bytes=budget, capture_first=True, background=True)

@@ -4,6 +4,7 @@ the graphs valid, on the cpu backend and on CUDA."""
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -47,10 +48,49 @@ def test_newly_backed_memory_holds_no_zeros_on_cpu() -> None:
     assert cache[before // 4:].isnan().all()
 
 
+def test_a_write_past_what_is_backed_is_found_on_cpu_as_cuda_would_fault_on_it() -> None:
+    """On CUDA a kernel touching memory not backed faults; on the cpu backend the unbacked bytes hold a mark, so
+    ``check_unbacked()`` and the next ``back()`` name the first byte written there, and memory given back is marked
+    again."""
+    memory = ReservedMemory(8 * MiB, device="cpu")
+    memory.check_unbacked()
+    memory.tensor[memory.backed_bytes + 10] = 0
+    with pytest.raises(RuntimeError, match=rf"byte {2 * MiB + 10} of the reserved range was written, past backed_bytes="):
+        memory.check_unbacked()
+    with pytest.raises(RuntimeError, match=rf"byte {2 * MiB + 10} "):
+        memory.back(4 * MiB)
+    memory.tensor[memory.backed_bytes + 10] = reserved.UNSET_BYTE
+    memory.back(6 * MiB)
+    memory.tensor[: memory.backed_bytes].zero_()
+    memory.back(2 * MiB)  # chunks of 2 and 4 MiB: the second is given back, and marked again
+    memory.check_unbacked()
+    assert memory.view(torch.float32, (2 * MiB,))[MiB // 2:].isnan().all(), "what was given back reads as unset"
+
+
+def test_backed_bytes_never_counts_past_the_range_and_leave_bytes_is_kept_free() -> None:
+    """A range that is no whole number of granules reports the bytes of it backed, not the granule past its end (a
+    row count taken from it would index past the tensor); back_free() leaves what it is asked to."""
+    memory = ReservedMemory(1000 * 256, device="cpu")
+    assert memory.back_free() == memory.max_bytes == 256_000
+    rows = memory.view(torch.float32, (1000, 64))
+    assert memory.backed_bytes // (64 * 4) == rows.shape[0]
+
+    class Size:  # an integer type of another library (NumPy's int64, say)
+        def __index__(self) -> int:
+            return 4 * MiB
+
+    host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    large = ReservedMemory(64 * MiB, device="cpu")
+    assert 2 * MiB <= large.back_free(leave_bytes=host - 16 * MiB) < 64 * MiB, "what the host has, less what it keeps"
+    assert large.back(Size()) == 4 * MiB
+
+
 @pytest.mark.parametrize(("call", "error", "message"), [
     (lambda: ReservedMemory(True, device="cpu"), TypeError, r"max_bytes must be an int \(bytes\), got True"),
     (lambda: ReservedMemory(0, device="cpu"), ValueError, r"max_bytes must be at least 1 bytes, got 0"),
     (lambda: ReservedMemory(MiB, device="cpu", backed_bytes=-1), ValueError, r"backed_bytes must be at least 0 bytes, got -1"),
+    (lambda: ReservedMemory(MiB, device="cpu", backed_bytes=MiB + 1), ValueError,
+     r"backed_bytes=1048577 is past the reserved range \(max_bytes=1048576\)"),
     (lambda: ReservedMemory(MiB, device="meta"), ValueError, r"device must be a cuda or cpu device, got 'meta'"),
     (lambda: ReservedMemory(4 * MiB, device="cpu").back(5 * MiB), ValueError, r"nbytes=5242880 is past the reserved range"),
     (lambda: ReservedMemory(4 * MiB, device="cpu").back(1.5), TypeError, r"nbytes must be an int \(bytes\), got 1.5"),
