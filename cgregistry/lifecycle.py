@@ -152,10 +152,15 @@ class Lifecycle:
     def refresh(self, background: bool) -> Refreshed:
         """After a weight update: keep the graphs that read the weights where they are, capture the others again."""
         self._job.refuse_inside("refresh()")
+        self._job.refuse_rebound("refresh()")
         self._background.install()
-        self._job.watch_step()  # a module the step reaches through a global or a container since
         watch = self._job.watch
-        now = watch.now()  # one read of every address (what was added to a watched module since included)
+
+        def read() -> dict[str, Any]:
+            self._job.watch_step()  # a module the step reaches through a global or a container since
+            return watch.now()  # one read of every address (what was added to a watched module since included)
+
+        now = self._job.in_recorded_context(read)  # a context variable read as every capture reads it
         moved = tuple(watch.moved(now))
         verdicts: dict[int, bool] = {}  # entries captured in one generation share what they read: compared once
         stale = []

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import attrs
 import torch
@@ -52,6 +52,8 @@ from cgregistry.store.io import OutputAxes, StaticBuffer, capture_inputs, check_
 from cgregistry.warn import warn
 
 __all__ = ["BACKGROUND", "FOREGROUND", "CaptureContext", "CaptureError", "CaptureJob", "FrozenHeap", "Mode", "PausedGC", "scratch"]
+
+_T = TypeVar("_T")
 
 _log = logging.getLogger("cgregistry")
 _UNKNOWN = object()  # no output spec known for a key: its capture warms up first
@@ -200,7 +202,7 @@ class CaptureJob:
         ``recorded_at`` says where (``capture()``, or a refit): what a replay refused for its state is told to do."""
         held = self.context
         if held is not None and (self._catalog.entries or self._catalog.pending or self._catalog.capturing):
-            found = held.state.differences()
+            found = held.state.differences(list(self.watch.context_vars.items()))
             if found:
                 raise ServingStateError(
                     f"capture() on registry {self.name!r} under another state than the graphs it holds were captured "
@@ -233,6 +235,8 @@ class CaptureJob:
         since is seen.  ``rebase``: where no graph is held, every watched address is taken anew as its baseline."""
         held = bool(self._catalog.entries or self._catalog.capturing)  # what is new to the step now, its graphs miss
         self._opaque = self.watch.watch_step(self.step, added=held, rebase=rebase and not held)
+        if self.context is not None:  # a replay where one of them is bound otherwise is refused
+            self.state_test.bind(list(self.watch.context_vars.items()), self.context.state)
 
     def say_uncovered(self, plan: object) -> None:
         """Once per registry, in the ``cgregistry`` log (INFO): the token ranges a plan leaves to eager steps (a default
@@ -272,12 +276,29 @@ class CaptureJob:
         self.state_test.passing()
         self._warm_specs.clear()
 
+    def in_recorded_context(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` in a copy of the context variables capture() recorded (as every capture of this registry runs):
+        a refresh from a thread that binds none of them reads what the graphs read."""
+        return self.context.state.context.copy().run(fn) if self.context is not None else fn()
+
+    def refuse_rebound(self, what: str) -> None:
+        """Raise ``ServingStateError`` where the calling context binds a context variable the step reaches a module
+        through to another object than capture() saw (``what``, a refresh, would capture again under the old one)."""
+        if self.context is None:
+            return
+        found = self.context.state.rebound(list(self.watch.context_vars.items()), bound_only=True)
+        if found:
+            raise ServingStateError(
+                f"{what} on registry {self.name!r} in a context that binds another object than capture() saw: "
+                f"{'; '.join(found)}. Its graphs, and every capture it makes, read what capture() saw through it; "
+                "reg.clear() and capture() again under the new binding")
+
     def refuse_other_state(self) -> None:
         """After ``state_test()`` said no: raise ``ServingStateError`` naming how the caller's state differs from the
         capture context's in what a replay computes; a difference that changes no result (grad mode) becomes the state
         ``state_test`` compares with from now on."""
         if self.context is not None:
-            self.context.state.check(self.name)
+            self.context.state.check(self.name, list(self.watch.context_vars.items()))
         self.state_test.take(self.device.type)
 
     def check_weights(self, entry: Entry) -> None:

@@ -10,7 +10,8 @@ registry records one ``ServingState`` (at ``capture()``, or at the first refit o
 only adapts), every capture path runs the step under it, and a replay under a state whose results
 would differ (autocast, the default dtype, the TF32 and reduced-precision matmul flags) is refused
 with :class:`ServingStateError`, at a cost of two C calls per replay (dynamo's global state guard,
-and the one recorded flag it does not compare, cuDNN's TF32).  The default dtype and the matmul
+and the one recorded flag it does not compare, cuDNN's TF32), and so is a replay in a context that binds a
+context variable the step reaches a module through to another object (a Python frame per replay, for such steps only).  The default dtype and the matmul
 flags are process-wide, so a capture cannot set them on its thread: a capture (on the capture
 thread, say) that starts or ends while they differ from the record fails with the same error, and
 its graph is never installed.  Grad mode is not part of it:
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -89,6 +90,17 @@ def _matmul_flags() -> tuple[bool, ...]:
 
 def _describe(autocast: tuple[tuple[str, torch.dtype], ...]) -> str:
     return ", ".join(f"autocast({d}, {dtype})" for d, dtype in autocast) or "no autocast"
+
+
+_UNBOUND = object()  # what a context variable's get() gives where it is not set (and has no default)
+
+ContextVars = Sequence[tuple[str, "contextvars.ContextVar[Any]"]]  # (the name the step reads it by, the variable)
+
+
+def _bound(value: object) -> str:
+    if value is _UNBOUND:
+        return "nothing (unset)"
+    return f"{type(value).__name__} at {id(value):#x}"
 
 
 @attrs.frozen(slots=True)
@@ -186,23 +198,41 @@ class ServingState:
                 "reg.clear() and capture again under the new ones"
             )
 
-    def differences(self) -> list[str]:
-        """How the calling thread's state differs from this one in what a replay computes (empty: it does not)."""
+    def differences(self, context_vars: ContextVars = ()) -> list[str]:
+        """How the calling thread's state differs from this one in what a replay computes (empty: it does not):
+        autocast, the process-wide flags, and each of ``context_vars`` (those the step reaches a module through)
+        bound to another object than in this record's context."""
         found = []
         now = _autocast_now(self.device_types)
         if now != self.autocast:
             found.append(f"{_describe(now)} now, {_describe(self.autocast)} at capture")
-        return found + self._process_wide_differences("at capture")
+        return found + self._process_wide_differences("at capture") + self.rebound(context_vars)
 
-    def check(self, registry: str) -> None:
+    def rebound(self, context_vars: ContextVars, bound_only: bool = False) -> list[str]:
+        """Each of ``context_vars`` the calling context binds to another object than this record's context did
+        (``bound_only``: not counting one the calling context leaves unset, as another thread's does)."""
+        found = []
+        for name, var in context_vars:
+            was, now = self.context.get(var, _UNBOUND), var.get(_UNBOUND)
+            if now is not was and not (bound_only and now is _UNBOUND):
+                found.append(f"ContextVar {var.name!r} (the step reads {name}) holds {_bound(now)} now, {_bound(was)} "
+                             "at capture")
+        return found
+
+    def check(self, registry: str, context_vars: ContextVars = ()) -> None:
         """Raise ``ServingStateError`` naming what differs, if the calling thread's state differs from this one; the
         advice depends on where the record was taken (``capture()``, or the refit of a registry that only adapts)."""
-        found = self.differences()
+        found = self.differences(context_vars)
         if found:
+            rebound = self.rebound(context_vars)
+            why = ("A graph reads the modules capture() reached through a context variable, so it would compute with "
+                   "those where eager uses the ones bound now; reg.clear() and capture() again under the new binding, "
+                   "or serve in the context capture() ran in") if rebound else (
+                   "A graph keeps the precision it was captured with, so it would return what eager does not; "
+                   f"{_ADVICE.get(self.recorded_at, _ADVICE[RECORDED_AT_CAPTURE])}")
             raise ServingStateError(
                 f"run() on registry {registry!r} under another state than its graphs were captured under: "
-                f"{'; '.join(found)}. A graph keeps the precision it was captured with, so it would return what eager "
-                f"does not; {_ADVICE.get(self.recorded_at, _ADVICE[RECORDED_AT_CAPTURE])}"
+                f"{'; '.join(found)}. {why}"
             )
 
 
@@ -220,7 +250,7 @@ class StateTest:
     ``ServingState.differences()`` of the record, and ``take``s the state again if there is none.
     """
 
-    __slots__ = ("parts",)
+    __slots__ = ("parts", "_base", "_bindings")
 
     def __init__(self) -> None:
         self.passing()
@@ -231,7 +261,26 @@ class StateTest:
 
     def passing(self) -> None:
         """Pass whatever the state (nothing recorded to compare with)."""
-        self.parts = (_TRUE, _TRUE, True)
+        self._bindings: tuple[tuple[contextvars.ContextVar[Any], object], ...] = ()
+        self._set((_TRUE, _TRUE, True))
+
+    def bind(self, context_vars: ContextVars, state: ServingState) -> None:
+        """Also fail while one of ``context_vars`` is bound to another object than in ``state``'s context (a Python
+        frame per replay, only for a step that reaches a module through a context variable)."""
+        self._bindings = tuple((var, state.context.get(var, _UNBOUND)) for _, var in context_vars)
+        self._set(self._base)
+
+    def _set(self, base: tuple[Callable[[], Any], Callable[[], Any], Any]) -> None:
+        self._base = base
+        if not self._bindings:
+            self.parts = base
+            return
+        flag, flag_was, bindings = base[1], base[2], self._bindings
+
+        def flag_and_bindings() -> bool:
+            return flag() == flag_was and all(var.get(_UNBOUND) is was for var, was in bindings)
+
+        self.parts = (base[0], flag_and_bindings, True)
 
     def take(self, device_type: str = "cpu", recorded_at: str = RECORDED_AT_CAPTURE) -> ServingState:
         """Pass while the calling thread's state is what it is now, in every field ``ServingState.differences()``
@@ -239,7 +288,7 @@ class StateTest:
         Call it on the thread it will check."""
         now = ServingState.current(device_type, recorded_at)
         if GlobalStateGuard is None:
-            self.parts = ((lambda: not now.differences()), _TRUE, True)
+            self._set(((lambda: not now.differences()), _TRUE, True))
             return now
         guard = GlobalStateGuard().check
         rest = [(read, was) for (name, read), was in zip(_MATMUL_FLAGS, now.matmul_flags) if name not in _GUARDED_FLAGS]
@@ -249,7 +298,7 @@ class StateTest:
         ]
         if len(rest) == 1:  # the usual case: cuDNN's TF32 flag alone
             ((read, was),) = rest
-            self.parts = (guard, read, was)
+            self._set((guard, read, was))
         else:
-            self.parts = ((lambda: guard() and all(read() == was for read, was in rest)), _TRUE, True)
+            self._set(((lambda: guard() and all(read() == was for read, was in rest)), _TRUE, True))
         return now

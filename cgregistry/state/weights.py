@@ -197,6 +197,7 @@ class WeightWatch:
         self.generation = 0  # moves when a watched module registers something, or rebase() finds a move
         self._walked: tuple[int, tuple[int, ...]] = (-1, ())  # (generation, the roots' objects) at the last walk
         self.modules_watched = False  # whether any module is watched (a step reading none is warned about)
+        self.context_vars: dict[str, contextvars.ContextVar[Any]] = {}  # those the step reaches a module through, by name
         self._last_seen: dict[str, Layout | None] = {}
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | nn.Module | Callable[[], Any], prefix: str = "",
@@ -253,6 +254,8 @@ class WeightWatch:
         ``watch``; with ``rebase``, every baseline taken anew after (no graph holds the old ones).  What the step reads
         without its contents being looked into."""
         found = reached(step)
+        for name, var in found.context_vars:
+            self.context_vars.setdefault(name, var)
         for name, read in found.modules:
             self.watch(read, prefix=f"{name}.", added=added)
         for name, read in found.tensors:
@@ -411,6 +414,9 @@ class Reached:
     modules: list[tuple[str, Callable[[], Any]]]
     tensors: list[tuple[str, Callable[[], Any]]]
     opaque: list[str]
+    # The context variables through which it reached a module or tensor, each under the name it is read by: a replay
+    # in a context that binds one otherwise reads what capture() saw (``ServingState.differences``).
+    context_vars: list[tuple[str, contextvars.ContextVar[Any]]] = attrs.field(factory=list)
 
 
 def reached(step: Callable[..., Any]) -> Reached:
@@ -430,6 +436,7 @@ class _Walk:
         self.code: set[int] = set()  # functions followed
         self.taken: set[tuple[int, str]] = set()  # (object, attribute) pairs already followed
         self.values = 0  # values looked at so far (MAX_VALUES)
+        self.context_vars: list[tuple[str, contextvars.ContextVar[Any]]] = []  # each followed, by its value's label
 
     def run(self, step: Callable[..., Any]) -> Reached:
         self.value(step, "step", lambda: step, -1)
@@ -440,7 +447,10 @@ class _Walk:
             if (len(self.loads), len(self.taken)) == (before, count):
                 break
         modules = [(name, read) for (name, _), read in self.modules.items()]
-        return Reached(modules, list(self.tensors.items()), list(dict.fromkeys(self.opaque)))
+        names = [name for name, _ in modules] + list(self.tensors)
+        through = [(label, var) for label, var in dict.fromkeys(self.context_vars)
+                   if any(name == label or name.startswith((f"{label}.", f"{label}[")) for name in names)]
+        return Reached(modules, list(self.tensors.items()), list(dict.fromkeys(self.opaque)), through)
 
     def value(self, found: Any, label: str, read: Callable[[], Any], depth: int) -> None:
         """Look at one value the code reaches; one that cannot be looked at (a proxy that raises, say) is opaque."""
@@ -489,6 +499,7 @@ class _Walk:
         elif isinstance(found, weakref.ref) and _standard(found):  # what it refers to (a WeakMethod: the bound method)
             self.value(found(), label, lambda: _referent(read()), depth)
         elif isinstance(found, contextvars.ContextVar):  # its value in this context (the thread that walks: capture's)
+            self.context_vars.append((f"{label}.get()", found))
             self.value(found.get(None), f"{label}.get()", lambda: _context_value(read()), depth)
         elif isinstance(found, (types.GeneratorType, collections.abc.Iterator)) and _standard(found):
             self.opaque.append(label)  # what it yields is not looked into (that would consume it)

@@ -638,6 +638,61 @@ def test_a_model_in_a_context_variable_is_watched_from_the_capture_thread() -> N
         each_assign_is_refused_then_captured_again(reg, step, [model])
 
 
+def test_a_context_variable_rebound_to_another_model_after_capture_is_refused_not_served_stale() -> None:
+    """The engine binds its model in a ContextVar, captures, then binds another model (a sync that builds a new one)
+    or serves from a thread where nothing is bound: a replay would compute with the model capture() saw, so run()
+    refuses, naming the variable, before and after refresh(); back on the binding of capture() it serves again, and
+    clear() and capture() under the new binding serve the new model as eager does."""
+    old, new = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+    var: contextvars.ContextVar[torch.nn.Module] = contextvars.ContextVar("engine-model")
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return var.get()(x)
+
+    def serve() -> None:
+        reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+        x = torch.randn(4, WIDTH)
+        with torch.no_grad():
+            token = var.set(old)
+            capture_quietly(reg, PLAN)
+            torch.testing.assert_close(reg.run(B.decode(4), x=x), old(x))
+            var.set(new)
+            captured = [(e.key, e.capture_seconds) for e in reg.entries()]
+            for call in (lambda: reg.run(B.decode(4), x=x), reg.refresh, lambda: reg.run(B.decode(4), x=x)):
+                with pytest.raises(cg.ServingStateError, match=r"ContextVar 'engine-model' \(the step reads var.get\(\)\) "
+                                   r"holds Linear at 0x[0-9a-f]+ now, Linear at 0x[0-9a-f]+ at capture.*clear\(\) and "
+                                   r"capture\(\) again under the new binding"):
+                    call()
+            assert [(e.key, e.capture_seconds) for e in reg.entries()] == captured, "refresh() captured nothing again"
+            elsewhere: list[BaseException] = []
+            thread = threading.Thread(target=lambda: _refused_on(reg, x, elsewhere))
+            thread.start()
+            thread.join(30)
+            assert elsewhere and "holds nothing (unset) now" in str(elsewhere[0]), elsewhere
+            synced: list[object] = []
+            thread = threading.Thread(target=lambda: synced.append(reg.refresh()))  # a weight-sync thread binds nothing
+            thread.start()
+            thread.join(30)
+            assert len(synced) == 1 and synced[0].recaptured == (), "refresh() from a thread binding nothing goes on"
+            var.reset(token)
+            var.set(old)
+            torch.testing.assert_close(reg.run(B.decode(4), x=x), old(x))
+            var.set(new)
+            reg.clear()
+            capture_quietly(reg, PLAN)
+            torch.testing.assert_close(reg.run(B.decode(4), x=x), new(x))
+            assert reg.stats().hits == 3
+
+    contextvars.copy_context().run(serve)
+
+
+def _refused_on(reg: cg.GraphRegistry, x: torch.Tensor, errors: list[BaseException]) -> None:
+    try:
+        reg.run(B.decode(4), x=x)
+    except cg.ServingStateError as e:
+        errors.append(e)
+
+
 def test_the_watch_keeps_no_model_alive_that_a_named_tuple_or_a_weak_dictionary_held() -> None:
     """A set of named tuples over models, and a WeakKeyDictionary from a model to its adapter: once the engine lets
     the model go (and refresh() has looked again), nothing of the registry's holds it."""
