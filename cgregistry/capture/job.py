@@ -235,7 +235,7 @@ class CaptureJob:
         since is seen.  ``rebase``: where no graph is held, every watched address is taken anew as its baseline."""
         held = bool(self._catalog.entries or self._catalog.capturing)  # what is new to the step now, its graphs miss
         self._opaque = self.watch.watch_step(self.step, added=held, rebase=rebase and not held)
-        if self.context is not None:  # a replay where one of them is bound otherwise is refused
+        if self.context is not None and self.watch.context_vars:  # a replay where one is bound otherwise is refused
             self.state_test.bind(list(self.watch.context_vars.items()), self.context.state)
 
     def say_uncovered(self, plan: object) -> None:
