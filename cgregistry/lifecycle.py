@@ -231,6 +231,7 @@ class Lifecycle:
         slept = self.asleep
         if slept is None:
             return ()
+        self._job.refuse_rebound("wake()")  # its captures would read what capture() saw
         for buf in self._buffers.values():
             buf.restore()
         self.asleep = None

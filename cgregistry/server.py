@@ -421,6 +421,8 @@ class DebugServer(Server):
             raise self._busy()
         try:
             if self._catalog.entries:  # with no graph, nothing reads the watched addresses yet
+                if not self._state():  # the serving state first: a model rebound in a context variable is named so
+                    self._job.refuse_other_state()
                 check_addresses(self._watch)
             inputs = {name: plain(value) for name, value in inputs.items()}  # outputs of earlier runs: read while still fresh
             eager_before = self._counters.eager_fallbacks

@@ -328,7 +328,8 @@ class BackgroundCapture:
         stale: list[Pair] = []
         context = self._job.context
         watch = self._job.watch
-        current = watch.seen() if self._ready else {}  # read once: entries captured since the last change share it
+        # read once (entries captured since the last change share it), in the context every capture reads it in
+        current = self._job.in_recorded_context(watch.seen) if self._ready else {}
         while self._ready:
             done = self._ready.popleft()
             if isinstance(done, TaskDone):

@@ -147,6 +147,7 @@ class CaptureJob:
         self._warned_no_break = False
         self._said_uncovered = False
         self._opaque: list[str] = []  # what the step reads without its contents being looked into
+        self._bound: tuple[Any, ...] = ()  # what the state test compares through context variables
         self.watch_step()
 
     # ---------------------------------------------------------------- checks
@@ -202,7 +203,7 @@ class CaptureJob:
         ``recorded_at`` says where (``capture()``, or a refit): what a replay refused for its state is told to do."""
         held = self.context
         if held is not None and (self._catalog.entries or self._catalog.pending or self._catalog.capturing):
-            found = held.state.differences(list(self.watch.context_vars.items()))
+            found = held.state.differences(self.watch.through)
             if found:
                 raise ServingStateError(
                     f"capture() on registry {self.name!r} under another state than the graphs it holds were captured "
@@ -235,8 +236,9 @@ class CaptureJob:
         since is seen.  ``rebase``: where no graph is held, every watched address is taken anew as its baseline."""
         held = bool(self._catalog.entries or self._catalog.capturing)  # what is new to the step now, its graphs miss
         self._opaque = self.watch.watch_step(self.step, added=held, rebase=rebase and not held)
-        if self.context is not None and self.watch.context_vars:  # a replay where one is bound otherwise is refused
-            self.state_test.bind(list(self.watch.context_vars.items()), self.context.state)
+        if self.context is not None and self.watch.through != self._bound:  # a replay reaching another module there
+            self._bound = self.watch.through                               # is refused
+            self.state_test.bind(self._bound)
 
     def say_uncovered(self, plan: object) -> None:
         """Once per registry, in the ``cgregistry`` log (INFO): the token ranges a plan leaves to eager steps (a default
@@ -274,6 +276,7 @@ class CaptureJob:
         """No context (after ``clear()``): the next capture request records one, and every key warms up again."""
         self.context = None
         self.state_test.passing()
+        self._bound = ()
         self._warm_specs.clear()
 
     def in_recorded_context(self, fn: Callable[[], _T]) -> _T:
@@ -286,7 +289,7 @@ class CaptureJob:
         through to another object than capture() saw (``what``, a refresh, would capture again under the old one)."""
         if self.context is None:
             return
-        found = self.context.state.rebound(list(self.watch.context_vars.items()), bound_only=True)
+        found = self.context.state.rebound(self.watch.through, bound_only=True)
         if found:
             raise ServingStateError(
                 f"{what} on registry {self.name!r} in a context that binds another object than capture() saw: "
@@ -298,7 +301,7 @@ class CaptureJob:
         capture context's in what a replay computes; a difference that changes no result (grad mode) becomes the state
         ``state_test`` compares with from now on."""
         if self.context is not None:
-            self.context.state.check(self.name, list(self.watch.context_vars.items()))
+            self.context.state.check(self.name, self.watch.through)
         self.state_test.take(self.device.type)
 
     def check_weights(self, entry: Entry) -> None:

@@ -10,8 +10,8 @@ registry records one ``ServingState`` (at ``capture()``, or at the first refit o
 only adapts), every capture path runs the step under it, and a replay under a state whose results
 would differ (autocast, the default dtype, the TF32 and reduced-precision matmul flags) is refused
 with :class:`ServingStateError`, at a cost of two C calls per replay (dynamo's global state guard,
-and the one recorded flag it does not compare, cuDNN's TF32), and so is a replay in a context that binds a
-context variable the step reaches a module through to another object (a Python frame per replay, for such steps only).  The default dtype and the matmul
+and the one recorded flag it does not compare, cuDNN's TF32), and so is a replay in a context where what the step
+reaches through a context variable is another module (a Python frame per replay, for such steps only).  The default dtype and the matmul
 flags are process-wide, so a capture cannot set them on its thread: a capture (on the capture
 thread, say) that starts or ends while they differ from the record fails with the same error, and
 its graph is never installed.  Grad mode is not part of it:
@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -92,14 +92,23 @@ def _describe(autocast: tuple[tuple[str, torch.dtype], ...]) -> str:
     return ", ".join(f"autocast({d}, {dtype})" for d, dtype in autocast) or "no autocast"
 
 
-_UNBOUND = object()  # what a context variable's get() gives where it is not set (and has no default)
+class Reached(Protocol):
+    """What the step reaches through a context variable (``cgregistry.state.weights.Through``)."""
 
-ContextVars = Sequence[tuple[str, "contextvars.ContextVar[Any]"]]  # (the name the step reads it by, the variable)
+    name: str
+    var: contextvars.ContextVar[Any]
+    seen: Any
+
+    def now(self) -> Any: ...
+
+    def differs(self) -> bool: ...
 
 
-def _bound(value: object) -> str:
-    if value is _UNBOUND:
-        return "nothing (unset)"
+def _what(value: object) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, tuple):  # a tensor's layout
+        return f"a tensor at {value[0]:#x}, shape {tuple(value[1])}"
     return f"{type(value).__name__} at {id(value):#x}"
 
 
@@ -198,36 +207,40 @@ class ServingState:
                 "reg.clear() and capture again under the new ones"
             )
 
-    def differences(self, context_vars: ContextVars = ()) -> list[str]:
+    def differences(self, through: Sequence[Reached] = ()) -> list[str]:
         """How the calling thread's state differs from this one in what a replay computes (empty: it does not):
-        autocast, the process-wide flags, and each of ``context_vars`` (those the step reaches a module through)
-        bound to another object than in this record's context."""
+        autocast, the process-wide flags, and each module or tensor the step reaches through a context variable
+        (``through``) that the calling context reaches otherwise."""
         found = []
         now = _autocast_now(self.device_types)
         if now != self.autocast:
             found.append(f"{_describe(now)} now, {_describe(self.autocast)} at capture")
-        return found + self._process_wide_differences("at capture") + self.rebound(context_vars)
+        return found + self._process_wide_differences("at capture") + self.rebound(through)
 
-    def rebound(self, context_vars: ContextVars, bound_only: bool = False) -> list[str]:
-        """Each of ``context_vars`` the calling context binds to another object than this record's context did
-        (``bound_only``: not counting one the calling context leaves unset, as another thread's does)."""
+    @staticmethod
+    def rebound(through: Sequence[Reached], bound_only: bool = False) -> list[str]:
+        """Each of ``through`` the calling context reaches otherwise than capture() did (``bound_only``: not counting
+        one it reaches nothing at, as a thread that binds none of the variables)."""
         found = []
-        for name, var in context_vars:
-            was, now = self.context.get(var, _UNBOUND), var.get(_UNBOUND)
-            if now is not was and not (bound_only and now is _UNBOUND):
-                found.append(f"ContextVar {var.name!r} (the step reads {name}) holds {_bound(now)} now, {_bound(was)} "
-                             "at capture")
+        for reached in through:
+            if reached.differs():
+                now = reached.now()
+                if bound_only and now is None:
+                    continue
+                found.append(f"{reached.name} (read through ContextVar {reached.var.name!r}) is {_what(now)} now, "
+                             f"{_what(reached.seen)} at capture")
         return found
 
-    def check(self, registry: str, context_vars: ContextVars = ()) -> None:
+    def check(self, registry: str, through: Sequence[Reached] = ()) -> None:
         """Raise ``ServingStateError`` naming what differs, if the calling thread's state differs from this one; the
         advice depends on where the record was taken (``capture()``, or the refit of a registry that only adapts)."""
-        found = self.differences(context_vars)
+        found = self.differences(through)
         if found:
-            rebound = self.rebound(context_vars)
-            why = ("A graph reads the modules capture() reached through a context variable, so it would compute with "
-                   "those where eager uses the ones bound now; reg.clear() and capture() again under the new binding, "
-                   "or serve in the context capture() ran in") if rebound else (
+            rebound = self.rebound(through)
+            why = ("A graph reads what capture() reached through a context variable, so it would compute with that "
+                   "where eager uses what is bound now; reg.clear() and capture() again under the new binding, or serve "
+                   "in a context that binds what capture() saw (a graph cannot select a model per request through a "
+                   "context variable: capture one registry per model)") if rebound else (
                    "A graph keeps the precision it was captured with, so it would return what eager does not; "
                    f"{_ADVICE.get(self.recorded_at, _ADVICE[RECORDED_AT_CAPTURE])}")
             raise ServingStateError(
@@ -250,7 +263,7 @@ class StateTest:
     ``ServingState.differences()`` of the record, and ``take``s the state again if there is none.
     """
 
-    __slots__ = ("parts", "_base", "_bindings")
+    __slots__ = ("parts", "_base", "_through")
 
     def __init__(self) -> None:
         self.passing()
@@ -261,26 +274,26 @@ class StateTest:
 
     def passing(self) -> None:
         """Pass whatever the state (nothing recorded to compare with)."""
-        self._bindings: tuple[tuple[contextvars.ContextVar[Any], object], ...] = ()
+        self._through: tuple[Reached, ...] = ()
         self._set((_TRUE, _TRUE, True))
 
-    def bind(self, context_vars: ContextVars, state: ServingState) -> None:
-        """Also fail while one of ``context_vars`` is bound to another object than in ``state``'s context (a Python
-        frame per replay, only for a step that reaches a module through a context variable)."""
-        self._bindings = tuple((var, state.context.get(var, _UNBOUND)) for _, var in context_vars)
+    def bind(self, through: Sequence[Reached]) -> None:
+        """Also fail while the calling context reaches one of ``through`` otherwise than capture() did (a Python frame
+        per replay, only for a step that reaches a module or tensor through a context variable)."""
+        self._through = tuple(through)
         self._set(self._base)
 
     def _set(self, base: tuple[Callable[[], Any], Callable[[], Any], Any]) -> None:
         self._base = base
-        if not self._bindings:
+        if not self._through:
             self.parts = base
             return
-        flag, flag_was, bindings = base[1], base[2], self._bindings
+        flag, flag_was, through = base[1], base[2], self._through
 
-        def flag_and_bindings() -> bool:
-            return flag() == flag_was and all(var.get(_UNBOUND) is was for var, was in bindings)
+        def flag_and_through() -> bool:
+            return flag() == flag_was and not any(reached.differs() for reached in through)
 
-        self.parts = (base[0], flag_and_bindings, True)
+        self.parts = (base[0], flag_and_through, True)
 
     def take(self, device_type: str = "cpu", recorded_at: str = RECORDED_AT_CAPTURE) -> ServingState:
         """Pass while the calling thread's state is what it is now, in every field ``ServingState.differences()``

@@ -53,7 +53,7 @@ from torch import nn
 
 from cgregistry.errors import WeightsMovedError
 
-__all__ = ["Reached", "WeightWatch", "WeightsMovedError", "reached"]
+__all__ = ["Reached", "Through", "WeightWatch", "WeightsMovedError", "reached"]
 
 
 # Where a tensor's memory is and how a kernel reads it: (address, shape, strides, dtype).  A replacement at the same
@@ -197,7 +197,7 @@ class WeightWatch:
         self.generation = 0  # moves when a watched module registers something, or rebase() finds a move
         self._walked: tuple[int, tuple[int, ...]] = (-1, ())  # (generation, the roots' objects) at the last walk
         self.modules_watched = False  # whether any module is watched (a step reading none is warned about)
-        self.context_vars: dict[str, contextvars.ContextVar[Any]] = {}  # those the step reaches a module through, by name
+        self.through: tuple[Through, ...] = ()  # what the last walk reached through a context variable
         self._last_seen: dict[str, Layout | None] = {}
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | nn.Module | Callable[[], Any], prefix: str = "",
@@ -254,8 +254,7 @@ class WeightWatch:
         ``watch``; with ``rebase``, every baseline taken anew after (no graph holds the old ones).  What the step reads
         without its contents being looked into."""
         found = reached(step)
-        for name, var in found.context_vars:
-            self.context_vars.setdefault(name, var)
+        self.through = tuple(found.through)
         for name, read in found.modules:
             self.watch(read, prefix=f"{name}.", added=added)
         for name, read in found.tensors:
@@ -414,9 +413,56 @@ class Reached:
     modules: list[tuple[str, Callable[[], Any]]]
     tensors: list[tuple[str, Callable[[], Any]]]
     opaque: list[str]
-    # The context variables through which it reached a module or tensor, each under the name it is read by: a replay
-    # in a context that binds one otherwise reads what capture() saw (``ServingState.differences``).
-    context_vars: list[tuple[str, contextvars.ContextVar[Any]]] = attrs.field(factory=list)
+    # What it reached through a context variable: a replay in a context where one of these reads otherwise would
+    # compute with what capture() saw (``ServingState.differences``).
+    through: list[Through] = attrs.field(factory=list)
+
+
+@attrs.frozen(eq=False)
+class Through:
+    """A module or tensor the step reaches through a context variable: its name, how to read it anew in the calling
+    context, and what it was where the walk ran (the module itself; a tensor's layout, so a new view of the same
+    memory is the same)."""
+
+    name: str
+    var: contextvars.ContextVar[Any]
+    read: Callable[[], Any]
+    seen: Any
+
+    def now(self) -> Any:
+        """What the calling context reaches there (None where it reaches nothing)."""
+        try:
+            found = self.read()
+        except Exception:  # an engine's object raising on the way: it reaches nothing we can compare
+            return None
+        return _layout(found) if isinstance(found, torch.Tensor) else found
+
+    def differs(self) -> bool:
+        return not _same(self.now(), self.seen)
+
+
+def _same(now: Any, seen: Any, depth: int = 0) -> bool:
+    """Whether what a context now reaches is what capture() reached, for what a graph reads: the same object; a
+    tensor's layout; a bound method of the same object and function; a partial or a closure of the same function
+    over the same values (one made anew each step over the same model is the same)."""
+    if now is seen:
+        return True
+    if depth > 3 or type(now) is not type(seen):
+        return False
+    if isinstance(now, tuple):  # a tensor's layout
+        return now == seen
+    if isinstance(now, types.MethodType):
+        return now.__self__ is seen.__self__ and now.__func__ is seen.__func__
+    if isinstance(now, functools.partial):
+        return (_same(now.func, seen.func, depth + 1) and len(now.args) == len(seen.args)
+                and all(_same(a, b, depth + 1) for a, b in zip(now.args, seen.args))
+                and now.keywords.keys() == seen.keywords.keys()
+                and all(_same(now.keywords[k], seen.keywords[k], depth + 1) for k in now.keywords))
+    if isinstance(now, types.FunctionType):
+        cells, were = now.__closure__ or (), seen.__closure__ or ()
+        return (now.__code__ is seen.__code__ and now.__defaults__ == seen.__defaults__ and len(cells) == len(were)
+                and all(_same(_cell(a), _cell(b), depth + 1) for a, b in zip(cells, were)))
+    return False
 
 
 def reached(step: Callable[..., Any]) -> Reached:
@@ -436,21 +482,30 @@ class _Walk:
         self.code: set[int] = set()  # functions followed
         self.taken: set[tuple[int, str]] = set()  # (object, attribute) pairs already followed
         self.values = 0  # values looked at so far (MAX_VALUES)
-        self.context_vars: list[tuple[str, contextvars.ContextVar[Any]]] = []  # each followed, by its value's label
+        self.via: list[contextvars.ContextVar[Any]] = []  # the context variables the value looked at now came through
+        self.through: dict[tuple[str, int, int], Through] = {}
 
     def run(self, step: Callable[..., Any]) -> Reached:
         self.value(step, "step", lambda: step, -1)
         while True:  # objects are looked into by the names the code loads; following them may load more
             before, count = len(self.loads), len(self.taken)
-            for obj, label, read, depth in list(self.objects):
+            for obj, label, read, depth, via in list(self.objects):
+                self.via = list(via)
                 self.look_into(obj, label, read, depth)
+            self.via = []
             if (len(self.loads), len(self.taken)) == (before, count):
                 break
         modules = [(name, read) for (name, _), read in self.modules.items()]
-        names = [name for name, _ in modules] + list(self.tensors)
-        through = [(label, var) for label, var in dict.fromkeys(self.context_vars)
-                   if any(name == label or name.startswith((f"{label}.", f"{label}[")) for name in names)]
-        return Reached(modules, list(self.tensors.items()), list(dict.fromkeys(self.opaque)), through)
+        return Reached(modules, list(self.tensors.items()), list(dict.fromkeys(self.opaque)), list(self.through.values()))
+
+    def reached_through(self, found: Any, label: str, read: Callable[[], Any]) -> None:
+        """A module or tensor found while following a context variable's value: kept to compare at each replay."""
+        key = (label, id(self.via[-1]) if self.via else 0, id(found))  # two closures may each read their own ``var``
+        if self.via and key not in self.through:
+            self.through[key] = Through(label, self.via[-1], read, _layout(found) if isinstance(found, torch.Tensor) else found)
+
+    def add_object(self, found: Any, label: str, read: Callable[[], Any], depth: int) -> None:
+        self.objects.append((found, label, read, depth, tuple(self.via)))
 
     def value(self, found: Any, label: str, read: Callable[[], Any], depth: int) -> None:
         """Look at one value the code reaches; one that cannot be looked at (a proxy that raises, say) is opaque."""
@@ -468,6 +523,7 @@ class _Walk:
                 self.opaque.append(label)  # too deep or too many to look into: the engine can watch() it
             return
         if isinstance(found, nn.Module):
+            self.reached_through(found, label, read)
             if (label, id(found)) not in self.modules:  # two closures may each call their own model ``m``
                 self.modules[(label, id(found))] = read
                 if id(found) not in self.module_ids:
@@ -475,45 +531,52 @@ class _Walk:
                     forward = getattr(type(found), "forward", None)
                     if isinstance(forward, types.FunctionType) and _package(forward.__module__) not in LIBRARIES:
                         self.function(forward, depth + 1, label)  # a module class of the engine's own: its code too,
-                        self.objects.append((found, label, read, depth))  # and what it holds outside its tables
+                        self.add_object(found, label, read, depth)  # and what it holds outside its tables
         elif isinstance(found, torch.Tensor):
+            self.reached_through(found, label, read)
             self.tensors.setdefault(label, read)
         elif isinstance(found, functools.partial):
+            self.reached_through(found, label, read)  # (a partial of another model is another partial)
             self.value(found.func, label, lambda: found.func, depth)
             for i, arg in enumerate(found.args):
                 self.value(arg, f"{label}.args[{i}]", lambda a=arg: a, depth + 1)
             for key, arg in found.keywords.items():
                 self.value(arg, f"{label}.{key}", lambda a=arg: a, depth + 1)
         elif isinstance(found, types.MethodType):
+            self.reached_through(found, label, read)
             owner = found.__self__
             self.value(owner, label, lambda: owner, depth)
             self.function(found.__func__, depth + 1, label)
         elif isinstance(found, types.FunctionType):
+            self.reached_through(found, label, read)
             self.function(found, depth + 1, label)
         elif isinstance(found, _VIEWS) and _standard(found) and isinstance(_mapping_of(found), Mapping):
             self.value(_mapping_of(found), f"{label}.mapping", lambda: _mapping_of(read()), depth)  # its dict, by key
         elif isinstance(found, _CONTAINERS) or _iterated_set(found):
             if not _standard(found):  # an engine's subclass: the code it runs when iterated or indexed too
                 self.implicit(found, label, depth)
-            self.objects.append((found, label, read, depth))
+            self.add_object(found, label, read, depth)
         elif isinstance(found, weakref.ref) and _standard(found):  # what it refers to (a WeakMethod: the bound method)
             self.value(found(), label, lambda: _referent(read()), depth)
         elif isinstance(found, contextvars.ContextVar):  # its value in this context (the thread that walks: capture's)
-            self.context_vars.append((f"{label}.get()", found))
-            self.value(found.get(None), f"{label}.get()", lambda: _context_value(read()), depth)
+            self.via.append(found)
+            try:
+                self.value(_context_value(found), f"{label}.get()", lambda: _context_value(read()), depth)
+            finally:
+                self.via.pop()
         elif isinstance(found, (types.GeneratorType, collections.abc.Iterator)) and _standard(found):
             self.opaque.append(label)  # what it yields is not looked into (that would consume it)
         elif isinstance(found, (types.ModuleType, type)):  # a module, or a class: the engine's own hold what it set
             if _package(getattr(found, "__module__" if isinstance(found, type) else "__name__", None)) not in (
                     LIBRARIES | sys.stdlib_module_names):
-                self.objects.append((found, label, read, depth))
+                self.add_object(found, label, read, depth)
         elif _package(getattr(type(found), "__module__", None)) in LIBRARIES:
             wrapped = getattr(found, "__wrapped__", None)  # a library's wrapper (functools.cache): what it wraps
             if wrapped is not None:
                 self.value(wrapped, label, lambda: wrapped, depth)
         else:
             self.implicit(found, label, depth)
-            self.objects.append((found, label, read, depth))
+            self.add_object(found, label, read, depth)
 
     def implicit(self, found: Any, label: str, depth: int) -> None:
         """Follow the code calling, iterating or indexing an engine's object runs (``_IMPLICIT``)."""
@@ -760,7 +823,13 @@ def _member_read(read: Callable[[], Any], value: Any) -> Callable[[], Any]:
 
 
 def _context_value(var: Any) -> Any:
-    return var.get(None) if isinstance(var, contextvars.ContextVar) else None
+    """What ``var`` holds in the calling context, its default included (None: unset, or no context variable)."""
+    if not isinstance(var, contextvars.ContextVar):
+        return None
+    try:
+        return var.get()
+    except LookupError:
+        return None
 
 
 def _enum_member(cls: Any, name: str) -> Any:

@@ -659,8 +659,8 @@ def test_a_context_variable_rebound_to_another_model_after_capture_is_refused_no
             var.set(new)
             captured = [(e.key, e.capture_seconds) for e in reg.entries()]
             for call in (lambda: reg.run(B.decode(4), x=x), reg.refresh, lambda: reg.run(B.decode(4), x=x)):
-                with pytest.raises(cg.ServingStateError, match=r"ContextVar 'engine-model' \(the step reads var.get\(\)\) "
-                                   r"holds Linear at 0x[0-9a-f]+ now, Linear at 0x[0-9a-f]+ at capture.*clear\(\) and "
+                with pytest.raises(cg.ServingStateError, match=r"var.get\(\) \(read through ContextVar 'engine-model'\) "
+                                   r"is Linear at 0x[0-9a-f]+ now, Linear at 0x[0-9a-f]+ at capture.*clear\(\) and "
                                    r"capture\(\) again under the new binding"):
                     call()
             assert [(e.key, e.capture_seconds) for e in reg.entries()] == captured, "refresh() captured nothing again"
@@ -668,7 +668,7 @@ def test_a_context_variable_rebound_to_another_model_after_capture_is_refused_no
             thread = threading.Thread(target=lambda: _refused_on(reg, x, elsewhere))
             thread.start()
             thread.join(30)
-            assert elsewhere and "holds nothing (unset) now" in str(elsewhere[0]), elsewhere
+            assert elsewhere and "is nothing now" in str(elsewhere[0]), elsewhere
             synced: list[object] = []
             thread = threading.Thread(target=lambda: synced.append(reg.refresh()))  # a weight-sync thread binds nothing
             thread.start()
@@ -682,6 +682,128 @@ def test_a_context_variable_rebound_to_another_model_after_capture_is_refused_no
             capture_quietly(reg, PLAN)
             torch.testing.assert_close(reg.run(B.decode(4), x=x), new(x))
             assert reg.stats().hits == 3
+
+    contextvars.copy_context().run(serve)
+
+
+class _Holder:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+_GLOBAL_MODELS = {"first": torch.nn.Linear(WIDTH, WIDTH), "second": torch.nn.Linear(WIDTH, WIDTH)}
+
+
+def _first(x: torch.Tensor) -> torch.Tensor:
+    return _GLOBAL_MODELS["first"](x)
+
+
+def _second(x: torch.Tensor) -> torch.Tensor:
+    return _GLOBAL_MODELS["second"](x)
+
+
+def _closure_over(model: torch.nn.Module) -> Any:
+    return lambda x: model(x)
+
+
+# How an engine may put its model behind a context variable: what to bind for a model, and how the step calls it.
+_BEHIND_A_VAR = {
+    "the model": (lambda m: m, lambda v, x: v(x)),
+    "a set of one model": (lambda m: {m}, lambda v, x: next(iter(v))(x)),
+    "an object's attribute": (_Holder, lambda v, x: v.model(x)),
+    "a partial": (lambda m: functools.partial(m), lambda v, x: v(x)),
+    "a closure": (_closure_over, lambda v, x: v(x)),
+    "a bound method": (lambda m: _Holder(m).forward, lambda v, x: v(x)),
+}
+
+
+@pytest.mark.parametrize("way", [*_BEHIND_A_VAR, "a function reading a global model", "a variable whose default is it",
+                                 "two closures each reading a variable named var"])
+def test_every_way_a_rebound_context_variable_reaches_another_model_is_refused(way: str) -> None:
+    """Whatever the variable holds on the way to the model, a replay in a context where it leads to another model
+    is refused; where it leads to the one capture() saw, it serves as eager."""
+    old, new = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+    if way == "a function reading a global model":
+        bind, call, old_value, new_value = None, lambda v, x: v(x), _first, _second
+    elif way == "a variable whose default is it":
+        bind, call, old_value, new_value = None, lambda v, x: v(x), old, new
+    elif way == "two closures each reading a variable named var":
+        bind, call, old_value, new_value = None, None, old, new
+    else:
+        bind, call = _BEHIND_A_VAR[way]
+        old_value, new_value = bind(old), bind(new)
+    var: contextvars.ContextVar[Any] = (contextvars.ContextVar("engine-model", default=old)
+                                        if way == "a variable whose default is it" else contextvars.ContextVar("engine-model"))
+    if way == "two closures each reading a variable named var":
+        other: contextvars.ContextVar[Any] = contextvars.ContextVar("draft-model")
+        first_call, second_call = (lambda var: lambda x: var.get()(x))(other), (lambda var: lambda x: var.get()(x))(var)
+
+        def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+            return first_call(x) + second_call(x)
+    else:
+        def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+            return call(var.get(), x)
+
+    def serve() -> None:
+        if way == "two closures each reading a variable named var":
+            other.set(torch.nn.Linear(WIDTH, WIDTH))
+        if way != "a variable whose default is it":
+            var.set(old_value)
+        reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+        x = torch.randn(4, WIDTH)
+        with torch.no_grad():
+            capture_quietly(reg, PLAN)
+            torch.testing.assert_close(reg.run(B.decode(4), x=x), step(B.decode(4), x))
+            token = var.set(new_value)
+            with pytest.raises(cg.ServingStateError, match=r"read through ContextVar 'engine-model'"):
+                reg.run(B.decode(4), x=x)
+            var.reset(token)
+            if way in _BEHIND_A_VAR and way not in ("the model", "a bound method"):  # (a method of a new object: refused)
+                var.set(bind(old))  # made anew, leading to the same model: the same to a graph
+            torch.testing.assert_close(reg.run(B.decode(4), x=x), step(B.decode(4), x))
+
+    contextvars.copy_context().run(serve)
+
+
+def test_a_per_step_context_leading_to_the_same_model_serves_and_a_background_capture_under_a_rebound_one_ends() -> None:
+    """An engine that binds a fresh forward context each step (the same model and cache in it) replays every step;
+    a background capture whose variable is rebound meanwhile finishes (it captures under the recorded context, and is
+    installed as such) and run() is refused instead of capturing again forever; wake() under it is refused."""
+
+    class ForwardContext:
+        def __init__(self, model: torch.nn.Module, cache: torch.Tensor, step: int) -> None:
+            self.model, self.cache, self.step = model, cache, step
+
+    model, cache = torch.nn.Linear(WIDTH, WIDTH), torch.zeros(MAX_TOKENS, WIDTH)
+    var: contextvars.ContextVar[ForwardContext] = contextvars.ContextVar("forward-context")
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        ctx = var.get()
+        return ctx.model(x) + ctx.cache[: x.shape[0]]
+
+    def serve() -> None:
+        var.set(ForwardContext(model, cache, 0))
+        reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+        with torch.no_grad():
+            capture_quietly(reg, PLAN)
+            for i in range(1, 4):
+                var.set(ForwardContext(model, cache[:], i))  # a new object, and a new view of the same cache
+                x = torch.randn(4, WIDTH)
+                torch.testing.assert_close(reg.run(B.decode(4), x=x), step(B.decode(4), x))
+            assert reg.stats().hits == 3
+            reg.clear()
+            reg.capture(PLAN, background=True)
+            var.set(ForwardContext(torch.nn.Linear(WIDTH, WIDTH), cache, 9))
+            assert reg.wait_captured(timeout=30) and len(reg) == len(PLAN)
+            with pytest.raises(cg.ServingStateError, match=r"var.get\(\).model \(read through ContextVar 'forward-context'\)"):
+                reg.run(B.decode(4), x=torch.randn(4, WIDTH))
+            assert reg.stats().stale_captures == 0
+            reg.sleep()
+            with pytest.raises(cg.ServingStateError, match=r"wake\(\) on registry"):
+                reg.wake()
 
     contextvars.copy_context().run(serve)
 
