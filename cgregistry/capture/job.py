@@ -147,7 +147,7 @@ class CaptureJob:
         self._warned_no_break = False
         self._said_uncovered = False
         self._opaque: list[str] = []  # what the step reads without its contents being looked into
-        self._bound: tuple[Any, ...] = ()  # what the state test compares through context variables
+        self._bound: Any = None  # what the state test compares through context variables
         self.watch_step()
 
     # ---------------------------------------------------------------- checks
@@ -236,9 +236,10 @@ class CaptureJob:
         since is seen.  ``rebase``: where no graph is held, every watched address is taken anew as its baseline."""
         held = bool(self._catalog.entries or self._catalog.capturing)  # what is new to the step now, its graphs miss
         self._opaque = self.watch.watch_step(self.step, added=held, rebase=rebase and not held)
-        if self.context is not None and self.watch.through != self._bound:  # a replay reaching another module there
-            self._bound = self.watch.through                               # is refused
-            self.state_test.bind(self._bound)
+        through = self.watch.through  # a replay reaching another module through a context variable is refused
+        if self.context is not None and through is not self._bound and (through.groups or self._bound is not None):
+            self._bound = through
+            self.state_test.bind(through)
 
     def say_uncovered(self, plan: object) -> None:
         """Once per registry, in the ``cgregistry`` log (INFO): the token ranges a plan leaves to eager steps (a default
@@ -276,7 +277,8 @@ class CaptureJob:
         """No context (after ``clear()``): the next capture request records one, and every key warms up again."""
         self.context = None
         self.state_test.passing()
-        self._bound = ()
+        self._bound = None
+        self.watch.forget_through()  # nothing of the old binding is held once no graph reads it
         self._warm_specs.clear()
 
     def in_recorded_context(self, fn: Callable[[], _T]) -> _T:

@@ -93,23 +93,13 @@ def _describe(autocast: tuple[tuple[str, torch.dtype], ...]) -> str:
 
 
 class Reached(Protocol):
-    """What the step reaches through a context variable (``cgregistry.state.weights.Through``)."""
+    """The test of what the step reaches through context variables (``cgregistry.state.weights.ThroughCheck``)."""
 
-    name: str
-    var: contextvars.ContextVar[Any]
-    seen: Any
+    def __bool__(self) -> bool: ...
 
-    def now(self) -> Any: ...
+    def passes(self) -> bool: ...
 
-    def differs(self) -> bool: ...
-
-
-def _what(value: object) -> str:
-    if value is None:
-        return "nothing"
-    if isinstance(value, tuple):  # a tensor's layout
-        return f"a tensor at {value[0]:#x}, shape {tuple(value[1])}"
-    return f"{type(value).__name__} at {id(value):#x}"
+    def differences(self, bound_only: bool = False) -> list[str]: ...
 
 
 @attrs.frozen(slots=True)
@@ -207,7 +197,7 @@ class ServingState:
                 "reg.clear() and capture again under the new ones"
             )
 
-    def differences(self, through: Sequence[Reached] = ()) -> list[str]:
+    def differences(self, through: Reached | None = None) -> list[str]:
         """How the calling thread's state differs from this one in what a replay computes (empty: it does not):
         autocast, the process-wide flags, and each module or tensor the step reaches through a context variable
         (``through``) that the calling context reaches otherwise."""
@@ -218,20 +208,12 @@ class ServingState:
         return found + self._process_wide_differences("at capture") + self.rebound(through)
 
     @staticmethod
-    def rebound(through: Sequence[Reached], bound_only: bool = False) -> list[str]:
-        """Each of ``through`` the calling context reaches otherwise than capture() did (``bound_only``: not counting
-        one it reaches nothing at, as a thread that binds none of the variables)."""
-        found = []
-        for reached in through:
-            if reached.differs():
-                now = reached.now()
-                if bound_only and now is None:
-                    continue
-                found.append(f"{reached.name} (read through ContextVar {reached.var.name!r}) is {_what(now)} now, "
-                             f"{_what(reached.seen)} at capture")
-        return found
+    def rebound(through: Reached | None, bound_only: bool = False) -> list[str]:
+        """What the calling context reaches through context variables otherwise than capture() did (``bound_only``:
+        not counting a variable it leaves unset, as a thread that binds none of them)."""
+        return through.differences(bound_only) if through else []
 
-    def check(self, registry: str, through: Sequence[Reached] = ()) -> None:
+    def check(self, registry: str, through: Reached | None = None) -> None:
         """Raise ``ServingStateError`` naming what differs, if the calling thread's state differs from this one; the
         advice depends on where the record was taken (``capture()``, or the refit of a registry that only adapts)."""
         found = self.differences(through)
@@ -274,13 +256,13 @@ class StateTest:
 
     def passing(self) -> None:
         """Pass whatever the state (nothing recorded to compare with)."""
-        self._through: tuple[Reached, ...] = ()
+        self._through: Reached | None = None
         self._set((_TRUE, _TRUE, True))
 
-    def bind(self, through: Sequence[Reached]) -> None:
-        """Also fail while the calling context reaches one of ``through`` otherwise than capture() did (a Python frame
-        per replay, only for a step that reaches a module or tensor through a context variable)."""
-        self._through = tuple(through)
+    def bind(self, through: Reached) -> None:
+        """Also fail while the calling context reaches, through a context variable, otherwise than capture() did (a
+        Python frame per replay, only for a step that reads a context variable)."""
+        self._through = through if through else None
         self._set(self._base)
 
     def _set(self, base: tuple[Callable[[], Any], Callable[[], Any], Any]) -> None:
@@ -288,10 +270,10 @@ class StateTest:
         if not self._through:
             self.parts = base
             return
-        flag, flag_was, through = base[1], base[2], self._through
+        flag, flag_was, passes = base[1], base[2], self._through.passes
 
         def flag_and_through() -> bool:
-            return flag() == flag_was and not any(reached.differs() for reached in through)
+            return flag() == flag_was and passes()
 
         self.parts = (base[0], flag_and_through, True)
 

@@ -53,7 +53,7 @@ from torch import nn
 
 from cgregistry.errors import WeightsMovedError
 
-__all__ = ["Reached", "Through", "WeightWatch", "WeightsMovedError", "reached"]
+__all__ = ["Reached", "Through", "ThroughCheck", "WeightWatch", "WeightsMovedError", "reached"]
 
 
 # Where a tensor's memory is and how a kernel reads it: (address, shape, strides, dtype).  A replacement at the same
@@ -197,7 +197,7 @@ class WeightWatch:
         self.generation = 0  # moves when a watched module registers something, or rebase() finds a move
         self._walked: tuple[int, tuple[int, ...]] = (-1, ())  # (generation, the roots' objects) at the last walk
         self.modules_watched = False  # whether any module is watched (a step reading none is warned about)
-        self.through: tuple[Through, ...] = ()  # what the last walk reached through a context variable
+        self.through = ThroughCheck({}, ())  # what the last walk reached through context variables
         self._last_seen: dict[str, Layout | None] = {}
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | nn.Module | Callable[[], Any], prefix: str = "",
@@ -254,7 +254,7 @@ class WeightWatch:
         ``watch``; with ``rebase``, every baseline taken anew after (no graph holds the old ones).  What the step reads
         without its contents being looked into."""
         found = reached(step)
-        self.through = tuple(found.through)
+        self.through = found.through
         for name, read in found.modules:
             self.watch(read, prefix=f"{name}.", added=added)
         for name, read in found.tensors:
@@ -262,6 +262,10 @@ class WeightWatch:
         if rebase:
             self.rebase()
         return found.opaque
+
+    def forget_through(self) -> None:
+        """Drop what the last walk reached through context variables (after ``clear()``: it held the old models)."""
+        self.through = ThroughCheck({}, ())
 
     def changed(self, what: str) -> None:
         """A watched module registered a parameter, buffer or submodule (called by torch's hooks)."""
@@ -415,7 +419,7 @@ class Reached:
     opaque: list[str]
     # What it reached through a context variable: a replay in a context where one of these reads otherwise would
     # compute with what capture() saw (``ServingState.differences``).
-    through: list[Through] = attrs.field(factory=list)
+    through: ThroughCheck = attrs.field(factory=lambda: ThroughCheck({}, ()))
 
 
 @attrs.frozen(eq=False)
@@ -438,7 +442,61 @@ class Through:
         return _layout(found) if isinstance(found, torch.Tensor) else found
 
     def differs(self) -> bool:
-        return not _same(self.now(), self.seen)
+        try:
+            return not _same(self.now(), self.seen)
+        except Exception:  # an engine's object raising on the way: not what capture() saw
+            return True
+
+
+def _what(value: object) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, tuple):  # a tensor's layout
+        return f"a tensor at {value[0]:#x}, shape {tuple(value[1])}"
+    return f"{type(value).__name__} at {id(value):#x}"
+
+
+class ThroughCheck:
+    """The replay's test of what the step reaches through context variables: per variable, what it held where the
+    walk ran (the context capture() recorded) and what was reached through it.  A variable holding that same object
+    passes at the cost of one read; one holding another is compared item by item (a forward context made anew each
+    step over the same model passes); one that held nothing then and holds something now, or the reverse, fails."""
+
+    def __init__(self, origins: Mapping[contextvars.ContextVar[Any], Any], items: Iterable[Through]) -> None:
+        groups: dict[int, tuple[contextvars.ContextVar[Any], Any, list[Through]]] = {
+            id(var): (var, origin, []) for var, origin in origins.items()}
+        for item in items:
+            groups[id(item.var)][2].append(item)
+        self.groups = tuple((var, origin, tuple(found)) for var, origin, found in groups.values())
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def passes(self) -> bool:
+        for var, origin, items in self.groups:
+            now = _context_value(var)
+            if now is origin:
+                continue
+            if origin is None or now is None or any(item.differs() for item in items):
+                return False
+        return True
+
+    def differences(self, bound_only: bool = False) -> list[str]:
+        """What the calling context reaches otherwise, named (``bound_only``: not counting a variable it leaves
+        unset, as a thread that binds none of them)."""
+        found = []
+        for var, origin, items in self.groups:
+            now = _context_value(var)
+            if now is origin or (bound_only and now is None):
+                continue
+            if origin is None or now is None:
+                found.append(f"ContextVar {var.name!r} holds {_what(now)} now, {_what(origin)} at capture")
+                continue
+            for item in items:
+                if item.differs():
+                    found.append(f"{item.name} (read through ContextVar {var.name!r}) is {_what(item.now())} now, "
+                                 f"{_what(item.seen)} at capture")
+        return found
 
 
 def _same(now: Any, seen: Any, depth: int = 0) -> bool:
@@ -447,8 +505,12 @@ def _same(now: Any, seen: Any, depth: int = 0) -> bool:
     over the same values (one made anew each step over the same model is the same)."""
     if now is seen:
         return True
+    if isinstance(now, torch.Tensor) and isinstance(seen, torch.Tensor):  # held by a closure or a partial
+        return _layout(now) == _layout(seen)
     if depth > 3 or type(now) is not type(seen):
         return False
+    if isinstance(now, _INERT):  # a number or a string made anew
+        return bool(now == seen)
     if isinstance(now, tuple):  # a tensor's layout
         return now == seen
     if isinstance(now, types.MethodType):
@@ -460,7 +522,11 @@ def _same(now: Any, seen: Any, depth: int = 0) -> bool:
                 and all(_same(now.keywords[k], seen.keywords[k], depth + 1) for k in now.keywords))
     if isinstance(now, types.FunctionType):
         cells, were = now.__closure__ or (), seen.__closure__ or ()
-        return (now.__code__ is seen.__code__ and now.__defaults__ == seen.__defaults__ and len(cells) == len(were)
+        defaults, had = now.__defaults__ or (), seen.__defaults__ or ()
+        keywords, kept = now.__kwdefaults__ or {}, seen.__kwdefaults__ or {}
+        return (now.__code__ is seen.__code__ and len(defaults) == len(had) and len(cells) == len(were)
+                and all(_same(a, b, depth + 1) for a, b in zip(defaults, had))
+                and keywords.keys() == kept.keys() and all(_same(keywords[k], kept[k], depth + 1) for k in keywords)
                 and all(_same(_cell(a), _cell(b), depth + 1) for a, b in zip(cells, were)))
     return False
 
@@ -484,6 +550,7 @@ class _Walk:
         self.values = 0  # values looked at so far (MAX_VALUES)
         self.via: list[contextvars.ContextVar[Any]] = []  # the context variables the value looked at now came through
         self.through: dict[tuple[str, int, int], Through] = {}
+        self.origins: dict[contextvars.ContextVar[Any], Any] = {}  # each variable followed, and what it held
 
     def run(self, step: Callable[..., Any]) -> Reached:
         self.value(step, "step", lambda: step, -1)
@@ -496,13 +563,19 @@ class _Walk:
             if (len(self.loads), len(self.taken)) == (before, count):
                 break
         modules = [(name, read) for (name, _), read in self.modules.items()]
-        return Reached(modules, list(self.tensors.items()), list(dict.fromkeys(self.opaque)), list(self.through.values()))
+        return Reached(modules, list(self.tensors.items()), list(dict.fromkeys(self.opaque)),
+                       ThroughCheck(self.origins, self.through.values()))
 
     def reached_through(self, found: Any, label: str, read: Callable[[], Any]) -> None:
         """A module or tensor found while following a context variable's value: kept to compare at each replay."""
         key = (label, id(self.via[-1]) if self.via else 0, id(found))  # two closures may each read their own ``var``
         if self.via and key not in self.through:
             self.through[key] = Through(label, self.via[-1], read, _layout(found) if isinstance(found, torch.Tensor) else found)
+
+    def _path(self, name: str) -> str:
+        """``name`` as a key of ``taken``: an object reached outside a context variable and through one is looked into
+        on each path (what it holds is then compared at replay on the second)."""
+        return f"{name}@{','.join(str(id(var)) for var in self.via)}" if self.via else name
 
     def add_object(self, found: Any, label: str, read: Callable[[], Any], depth: int) -> None:
         self.objects.append((found, label, read, depth, tuple(self.via)))
@@ -559,9 +632,11 @@ class _Walk:
         elif isinstance(found, weakref.ref) and _standard(found):  # what it refers to (a WeakMethod: the bound method)
             self.value(found(), label, lambda: _referent(read()), depth)
         elif isinstance(found, contextvars.ContextVar):  # its value in this context (the thread that walks: capture's)
+            held = _context_value(found)
+            self.origins.setdefault(found, held)
             self.via.append(found)
             try:
-                self.value(_context_value(found), f"{label}.get()", lambda: _context_value(read()), depth)
+                self.value(held, f"{label}.get()", lambda: _context_value(read()), depth)
             finally:
                 self.via.pop()
         elif isinstance(found, (types.GeneratorType, collections.abc.Iterator)) and _standard(found):
@@ -625,9 +700,9 @@ class _Walk:
     def _look_into(self, obj: Any, label: str, read: Callable[[], Any], depth: int) -> None:
         members = _iterated_set(obj)
         if isinstance(obj, _CONTAINERS) or members:
-            if (id(obj), "") in self.taken:
+            if (id(obj), self._path("")) in self.taken:
                 return
-            self.taken.add((id(obj), ""))
+            self.taken.add((id(obj), self._path("")))
             base = _set_type(obj)
             size = len(obj) if base is None else base.__len__(obj)
             if size > MAX_ITEMS:
@@ -664,9 +739,9 @@ class _Walk:
             attributes = {}
         slots = {n for klass in type(obj).__mro__ for n in getattr(klass, "__slots__", ()) if isinstance(n, str)}
         followed = False
-        for name in [n for n in self.loads if (id(obj), n) not in self.taken]:
+        for name in [n for n in self.loads if (id(obj), self._path(n)) not in self.taken]:
             if name in attributes or name in slots:
-                self.taken.add((id(obj), name))
+                self.taken.add((id(obj), self._path(name)))
                 found = attributes[name] if name in attributes else getattr(obj, name, None)
                 self.value(found, f"{label}.{name}", lambda r=read, n=name: getattr(r(), n, None), depth + 1)
                 followed = True
@@ -681,11 +756,11 @@ class _Walk:
                         self.value(arg, f"{label}.{name}.args[{i}]", lambda a=arg: a, depth + 1)
                     member = member.func
                 if isinstance(member, types.FunctionType):  # a method the code calls: its code too
-                    self.taken.add((id(obj), name))
+                    self.taken.add((id(obj), self._path(name)))
                     self.function(member, depth + 1, label)
                     followed = True
                 elif member is not None and not hasattr(type(member), "__get__"):  # its class's attribute, read through it
-                    self.taken.add((id(obj), name))
+                    self.taken.add((id(obj), self._path(name)))
                     self.value(member, f"{label}.{name}", lambda r=read, n=name: getattr(r(), n, None), depth + 1)
                     followed = True
         if not attributes and not slots and not followed:

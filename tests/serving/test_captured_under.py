@@ -668,7 +668,7 @@ def test_a_context_variable_rebound_to_another_model_after_capture_is_refused_no
             thread = threading.Thread(target=lambda: _refused_on(reg, x, elsewhere))
             thread.start()
             thread.join(30)
-            assert elsewhere and "is nothing now" in str(elsewhere[0]), elsewhere
+            assert elsewhere and "ContextVar 'engine-model' holds nothing now" in str(elsewhere[0]), elsewhere
             synced: list[object] = []
             thread = threading.Thread(target=lambda: synced.append(reg.refresh()))  # a weight-sync thread binds nothing
             thread.start()
@@ -804,6 +804,90 @@ def test_a_per_step_context_leading_to_the_same_model_serves_and_a_background_ca
             reg.sleep()
             with pytest.raises(cg.ServingStateError, match=r"wake\(\) on registry"):
                 reg.wake()
+
+    contextvars.copy_context().run(serve)
+
+
+def test_what_a_context_variable_held_at_capture_decides_and_clear_lets_it_go() -> None:
+    """An adapter variable unset at capture and bound later is refused (the graph has no adapter in it); a model
+    reached both through a closure's default and through the variable is still tied to the variable; a keyword
+    default and a partial made anew each step over equal values are the same."""
+    base, adapter = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+    adapters: contextvars.ContextVar[Any] = contextvars.ContextVar("adapter")
+
+    def with_adapter(batch: B, x: torch.Tensor) -> torch.Tensor:
+        a = adapters.get(None)
+        return base(x) + a(x) if a is not None else base(x)
+
+    old, new = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+    forward: contextvars.ContextVar[Any] = contextvars.ContextVar("forward")
+    fallback = types.SimpleNamespace(model=old)
+
+    def both_ways(batch: B, x: torch.Tensor, default: Any = fallback) -> torch.Tensor:
+        return (forward.get(None) or default).model(x) + default.model(x) * 0
+
+    def keyword(x: torch.Tensor, *, model: torch.nn.Module = old, scale: float = 1.0) -> torch.Tensor:
+        return model(x) * scale
+
+    def by_keyword(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return forward.get()(x)
+
+    def serve() -> None:
+        x = torch.randn(4, WIDTH)
+        with torch.no_grad():
+            reg = cg.GraphRegistry(with_adapter, INPUTS, backend="cpu")
+            capture_quietly(reg, PLAN)
+            adapters.set(adapter)
+            with pytest.raises(cg.ServingStateError, match=r"ContextVar 'adapter' holds Linear at 0x[0-9a-f]+ now, nothing at capture"):
+                reg.run(B.decode(4), x=x)
+            adapters.set(None)
+            torch.testing.assert_close(reg.run(B.decode(4), x=x), base(x))
+
+            forward.set(fallback)
+            reg = cg.GraphRegistry(both_ways, INPUTS, backend="cpu")
+            capture_quietly(reg, PLAN)
+            forward.set(types.SimpleNamespace(model=new))
+            with pytest.raises(cg.ServingStateError, match=r"forward.get\(\).model \(read through ContextVar 'forward'\)"):
+                reg.run(B.decode(4), x=x)
+            forward.set(types.SimpleNamespace(model=old))  # made anew over the same model: served
+            torch.testing.assert_close(reg.run(B.decode(4), x=x), both_ways(B.decode(4), x))
+
+            forward.set(functools.partial(keyword, scale=float("0.5")))
+            reg = cg.GraphRegistry(by_keyword, INPUTS, backend="cpu")
+            capture_quietly(reg, PLAN)
+            forward.set(functools.partial(keyword, scale=float("0.5")))  # equal values made anew
+            torch.testing.assert_close(reg.run(B.decode(4), x=x), old(x) * 0.5)
+
+            def keyword_new(x: torch.Tensor, *, model: torch.nn.Module = new, scale: float = 1.0) -> torch.Tensor:
+                return model(x) * scale
+
+            keyword_new.__code__ = keyword.__code__  # the same code, another model as its default
+            forward.set(functools.partial(keyword_new, scale=float("0.5")))
+            with pytest.raises(cg.ServingStateError, match=r"read through ContextVar 'forward'"):
+                reg.run(B.decode(4), x=x)
+
+    contextvars.copy_context().run(serve)
+
+
+def test_clear_lets_go_of_a_model_a_context_variable_held_at_capture() -> None:
+    var: contextvars.ContextVar[Any] = contextvars.ContextVar("model")
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return var.get()(x)
+
+    def serve() -> None:
+        model = torch.nn.Linear(WIDTH, WIDTH)
+        var.set(model)
+        reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+        with torch.no_grad():
+            capture_quietly(reg, PLAN)
+            reg.run(B.decode(4), x=torch.randn(4, WIDTH))
+        gone = weakref.ref(model)
+        var.set(torch.nn.Linear(WIDTH, WIDTH))
+        del model
+        reg.clear()
+        gc.collect()
+        assert gone() is None, [type(r).__name__ for r in gc.get_referrers(gone())] if gone() is not None else ""
 
     contextvars.copy_context().run(serve)
 
