@@ -10,9 +10,9 @@ registry records one ``ServingState`` (at ``capture()``, or at the first refit o
 only adapts), every capture path runs the step under it, and a replay under a state whose results
 would differ (autocast, the default dtype, the TF32 and reduced-precision matmul flags) is refused
 with :class:`ServingStateError`, at a cost of two C calls per replay (dynamo's global state guard,
-and the one recorded flag it does not compare, cuDNN's TF32), and so is a replay in a context where what the step
-reaches through a context variable is another module (a Python frame per replay, for such steps only).  The default dtype and the matmul
-flags are process-wide, so a capture cannot set them on its thread: a capture (on the capture
+and the one recorded flag it does not compare, cuDNN's TF32), and so is a replay in a context where
+what the step reaches through a context variable is another module (a Python frame per replay, for
+such steps only).  The default dtype and the matmul flags are process-wide, so a capture cannot set them on its thread: a capture (on the capture
 thread, say) that starts or ends while they differ from the record fails with the same error, and
 its graph is never installed.  Grad mode is not part of it:
 captures always run under ``torch.inference_mode()`` (a replay records no autograd graph), and grad
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import attrs
