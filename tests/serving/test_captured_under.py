@@ -842,6 +842,16 @@ def test_what_a_context_variable_held_at_capture_decides_and_clear_lets_it_go() 
                 reg.run(B.decode(4), x=x)
             adapters.set(None)
             torch.testing.assert_close(reg.run(B.decode(4), x=x), base(x))
+            request = contextvars.ContextVar("request-id")
+
+            def logged(batch: B, x: torch.Tensor) -> torch.Tensor:
+                request.get(None)  # read for the engine's logs: nothing a graph reads comes through it
+                return base(x)
+
+            reg = cg.GraphRegistry(logged, INPUTS, backend="cpu")
+            capture_quietly(reg, PLAN)
+            request.set("req-17")  # unset at capture, a string now: served
+            torch.testing.assert_close(reg.run(B.decode(4), x=x), base(x))
 
             forward.set(fallback)
             reg = cg.GraphRegistry(both_ways, INPUTS, backend="cpu")
