@@ -26,7 +26,7 @@ from cgregistry.contracts.markers import hookimpl
 if TYPE_CHECKING:
     from cgregistry.contracts.registrars import BackendRegistrar
 
-__all__ = ["CudaBackend", "CudaGraph", "CudaSegment", "StepPacer", "clear_cublas_workspaces", "direct_replay", "non_owning_alias"]
+__all__ = ["CudaBackend", "CudaGraph", "CudaSegment", "DeviceSpan", "StepPacer", "clear_cublas_workspaces", "direct_replay", "non_owning_alias"]
 
 
 def _reserved_bytes() -> int:
@@ -34,8 +34,9 @@ def _reserved_bytes() -> int:
     return int(torch._C._cuda_memoryStats(torch.cuda.current_device())["reserved_bytes"]["all"]["current"])
 
 
-class _DeviceSpan:
-    """A bare device address range, exposed through __cuda_array_interface__ and owning nothing."""
+class DeviceSpan:
+    """A bare device address range, exposed through __cuda_array_interface__ and owning nothing (the tensors torch makes
+    over it keep it alive, so a finalizer on it runs once the last of them is gone)."""
 
     def __init__(self, ptr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {
@@ -52,7 +53,7 @@ def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
     storage = t.untyped_storage()
     if storage.nbytes() == 0:
         return t
-    raw = torch.as_tensor(_DeviceSpan(storage.data_ptr(), storage.nbytes()), device=t.device)
+    raw = torch.as_tensor(DeviceSpan(storage.data_ptr(), storage.nbytes()), device=t.device)
     return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import operator
 import os
 import sys
@@ -29,6 +30,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from cgregistry.backends.cuda import DeviceSpan
 
 __all__ = ["CHUNK_BYTES", "CPU_GRANULARITY", "CPU_MARKED_MAX", "UNSET_BYTE", "ReservedMemory"]
 
@@ -106,13 +109,8 @@ def _driver() -> _Driver:
     return _Driver()
 
 
-class _Span:
-    """A bare device address range, offered to torch through ``__cuda_array_interface__``; the tensors over it keep
-    it alive, and the range is given back to the driver when the last of them and the reservation are gone."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2,
-                                         "strides": None}
+def _round_up(nbytes: int, granularity: int) -> int:
+    return -(-nbytes // granularity) * granularity
 
 
 def _int_arg(name: str, value: object, least: int) -> int:
@@ -155,20 +153,20 @@ class ReservedMemory:
                 drv.check(drv.cuMemGetAllocationGranularity(ctypes.byref(granule), ctypes.byref(self._prop),  # type: ignore[attr-defined]
                                                             _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity")
                 self.granularity = granule.value
-                self._size = -(-self._max // self.granularity) * self.granularity
+                self._size = _round_up(self._max, self.granularity)
                 ptr = ctypes.c_uint64()
                 drv.check(drv.cuMemAddressReserve(ctypes.byref(ptr), self._size, self.granularity, 0, 0),  # type: ignore[attr-defined]
                           f"cuMemAddressReserve({self._size} bytes)")
                 self._ptr = ptr.value
                 self._release = weakref.finalize(self, _free_range, self._ptr, self._size, self._chunks, self.device)
                 self._map_to(max(backed, 1))  # torch looks the pointer up: its first granule is backed
-            self._span = _Span(self._ptr, self._max)
+            self._span = DeviceSpan(self._ptr, self._max)
             self._tensor = torch.as_tensor(self._span, device=self.device)
             self._release.detach()
             self._finalizer = weakref.finalize(self._span, _free_range, self._ptr, self._size, self._chunks, self.device)
         else:
             self.granularity = CPU_GRANULARITY
-            self._size = -(-self._max // self.granularity) * self.granularity
+            self._size = _round_up(self._max, self.granularity)
             self._tensor = torch.empty(self._max, dtype=torch.uint8)
             self._ptr = self._tensor.data_ptr()
             self._marked = self._max <= CPU_MARKED_MAX  # what is not backed holds UNSET_BYTE, so a write there is seen
@@ -220,10 +218,7 @@ class ReservedMemory:
         shape = tuple(shape)
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
             raise ValueError(f"shape must be non-negative ints, got {shape}")
-        count = 1
-        for n in shape:
-            count *= n
-        need = count * torch.empty((), dtype=dtype).element_size()
+        need = math.prod(shape) * dtype.itemsize
         if need > self._max:
             raise ValueError(f"a {dtype} tensor of shape {shape} takes {need} bytes; the range is max_bytes={self._max}")
         return self._tensor[:need].view(dtype).view(shape)
@@ -250,8 +245,9 @@ class ReservedMemory:
     def back_free(self, leave_bytes: int = 0) -> int:
         """Back as much more of the range as the device has free, less ``leave_bytes`` (for what else the engine
         will allocate: an eager step's activations past the captured sizes), and return ``backed_bytes``; where the
-        driver refuses part of it, as much as it gives.  On CUDA what is free is ``torch.cuda.mem_get_info`` (the caching allocator's cached blocks are not free: call
-        ``torch.cuda.empty_cache()`` first to hand them over); on CPU the host's available memory."""
+        driver refuses part of it, as much as it gives.  On CUDA what is free is ``torch.cuda.mem_get_info`` (the
+        caching allocator's cached blocks are not free: call ``torch.cuda.empty_cache()`` first to hand them over);
+        on CPU the host's available memory."""
         leave_bytes = _int_arg("leave_bytes", leave_bytes, 0)
         with self._lock:
             if self.device.type == "cuda":
@@ -269,7 +265,7 @@ class ReservedMemory:
 
     def _map_to(self, nbytes: int) -> None:
         """Back exactly the chunks that cover the first ``nbytes`` (rounded up to the granularity)."""
-        target = -(-nbytes // self.granularity) * self.granularity
+        target = _round_up(nbytes, self.granularity)
         if target > self._mapped():
             self._grow(target)
         elif self._chunks and self._chunks[-1][0] >= target:

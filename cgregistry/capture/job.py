@@ -237,7 +237,7 @@ class CaptureJob:
         held = bool(self._catalog.entries or self._catalog.capturing)  # what is new to the step now, its graphs miss
         self._opaque = self.watch.watch_step(self.step, added=held, rebase=rebase and not held)
         through = self.watch.through  # a replay reaching another module through a context variable is refused
-        if self.context is not None and through is not self._bound and (through.groups or self._bound is not None):
+        if self.context is not None and (through.groups or self._bound is not None):  # (each walk makes a new check)
             self._bound = through
             self.state_test.bind(through)
 

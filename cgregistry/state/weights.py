@@ -573,8 +573,10 @@ class _Walk:
 
     def reached_through(self, found: Any, label: str, read: Callable[[], Any]) -> None:
         """A module or tensor found while following a context variable's value: kept to compare at each replay."""
-        key = (label, id(self.via[-1]) if self.via else 0, id(found))  # two closures may each read their own ``var``
-        if self.via and key not in self.through:
+        if not self.via:
+            return
+        key = (label, id(self.via[-1]), id(found))  # two closures may each read their own ``var``
+        if key not in self.through:
             self.through[key] = Through(label, self.via[-1], read, _layout(found) if isinstance(found, torch.Tensor) else found)
 
     def _path(self, name: str) -> str:
