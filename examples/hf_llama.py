@@ -306,16 +306,23 @@ def build_model(config: str, device: torch.device, shape: EngineShape, seed: int
 def resize_kv_cache(model: LlamaForCausalLM, shape: EngineShape) -> None:
     """Every attention layer's K/V cache allocated anew for ``shape.num_blocks`` blocks (zeros).  Before any capture:
     graphs read the cache at the address it had when they were captured."""
+    _set_kv_caches(model, shape, shape.num_blocks, lambda kv_shape, weight: torch.zeros(kv_shape, dtype=weight.dtype,
+                                                                                         device=weight.device))
+
+
+def _set_kv_caches(model: LlamaForCausalLM, shape: EngineShape, blocks: int, make: Any) -> None:
+    """Every attention layer's K and V cache made anew by ``make(kv_shape, weight)`` for ``blocks`` blocks (the old
+    ones go before the new ones are made)."""
     for layer in model.model.layers:
         attn = layer.self_attn
         weight = attn.o_proj.weight
         attn.block_size = shape.block_size
         heads = attn.k_proj.weight.shape[0] // attn.head_dim  # this rank's KV heads where the model is sharded
-        kv_shape = (shape.num_blocks * shape.block_size, heads, attn.head_dim)
+        kv_shape = (blocks * shape.block_size, heads, attn.head_dim)
         for name in ("k_cache", "v_cache"):
             if getattr(attn, name, None) is not None:
-                setattr(attn, name, None)  # the old cache goes before the new one is allocated
-            attn.register_buffer(name, torch.zeros(kv_shape, dtype=weight.dtype, device=weight.device), persistent=False)
+                setattr(attn, name, None)
+            attn.register_buffer(name, make(kv_shape, weight), persistent=False)
 
 
 def kv_block_bytes(model: LlamaForCausalLM, shape: EngineShape) -> int:
@@ -348,20 +355,15 @@ def reserve_kv_cache(model: LlamaForCausalLM, shape: EngineShape) -> list[Reserv
     (every request at full context, plus the scratch block), with only the scratch block (which capture writes and
     reads) backed and zeroed.  Capture next, then ``back_kv_cache``: the graphs keep the addresses."""
     reservations = []
-    blocks = 1 + shape.max_num_seqs * shape.max_blocks_per_req
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        weight = attn.o_proj.weight
-        attn.block_size = shape.block_size
-        heads = attn.k_proj.weight.shape[0] // attn.head_dim
-        kv_shape = (blocks * shape.block_size, heads, attn.head_dim)
-        for name in ("k_cache", "v_cache"):
-            setattr(attn, name, None)
-            block_bytes = math.prod(kv_shape[1:]) * shape.block_size * weight.element_size()
-            memory = ReservedMemory(math.prod(kv_shape) * weight.element_size(), device=weight.device, backed_bytes=block_bytes)
-            memory.tensor[: memory.backed_bytes].zero_()
-            attn.register_buffer(name, memory.view(weight.dtype, kv_shape), persistent=False)
-            reservations.append(memory)
+
+    def reserve(kv_shape: tuple[int, int, int], weight: torch.Tensor) -> torch.Tensor:
+        block_bytes = math.prod(kv_shape[1:]) * shape.block_size * weight.element_size()
+        memory = ReservedMemory(math.prod(kv_shape) * weight.element_size(), device=weight.device, backed_bytes=block_bytes)
+        memory.tensor[: memory.backed_bytes].zero_()
+        reservations.append(memory)
+        return memory.view(weight.dtype, kv_shape)
+
+    _set_kv_caches(model, shape, 1 + shape.max_num_seqs * shape.max_blocks_per_req, reserve)
     return reservations
 
 
