@@ -674,8 +674,16 @@ def test_a_context_variable_rebound_to_another_model_after_capture_is_refused_no
             thread.start()
             thread.join(30)
             assert len(synced) == 1 and synced[0].recaptured == (), "refresh() from a thread binding nothing goes on"
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # another autocast and the rebound variable: both named
+                with pytest.raises(cg.ServingStateError, match=r"autocast\(cpu, torch.bfloat16\) now, no autocast at "
+                                   r"capture; var.get\(\) \(read through ContextVar 'engine-model'\)"):
+                    reg.run(B.decode(4), x=x)
             var.reset(token)
             var.set(old)
+            with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(cg.ServingStateError, match="autocast"):
+                reg.run(B.decode(4), x=x)
+            old.weight.mul_(2)  # an in-place sync: refresh() keeps every graph, the replay reads the new values
+            assert reg.refresh().recaptured == ()
             torch.testing.assert_close(reg.run(B.decode(4), x=x), old(x))
             var.set(new)
             reg.clear()
