@@ -8,8 +8,11 @@
    ``capture(plan)`` took, and the time from ``wake()`` to the first graph-served step.
 3. ``--windows``: the by-assign recapture window again, once per setting of the capture thread's knobs
    (``cgregistry.capture.background``), in this process, against the same steps run eagerly.
+4. ``--in-place-refresh``: a registry with ``in_place_refresh=True``; syncs by assign copied back by ``refresh()``,
+   the next steps' p99 against the same steps eager, and the memory the sync leaves allocated.
 
     PYTHONPATH=. python3 benchmarks/gpu_lifecycle.py [--requests 64] [--config llama-3.2-1b] [--windows NAME=KNOB:VALUE,...]
+        [--in-place-refresh]
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ def main() -> None:
     parser.add_argument("--eager-runs", type=int, default=2, help="eager runs of the window's requests, the reference "
                         "each window's p99 is held against (and, pooled, the pooled windows')")
     parser.add_argument("--steps", action="store_true", help="print every step of the background recapture window on stderr")
+    parser.add_argument("--in-place-refresh", action="store_true", help="after the rest, a registry with "
+                        "in_place_refresh=True: three syncs by assign, each copied back by refresh(background=True)")
     parser.add_argument("--windows", nargs="*", default=[], metavar="NAME=KNOB:VALUE,...",
                         help="after the rest, serve the recapture window again once per spec, in this process, with "
                              "cgregistry.capture.background's knobs set as given (e.g. share0=CAPTURE_SHARE:0,"
@@ -252,10 +257,61 @@ def main() -> None:
         compare_windows(args.windows, model, reg, eng_factory=lambda: Timed(model, shape, reg, keep_logits=False),
                         requests=requests, new_weights=new_weights, same=same, foreground_s=foreground_s, rows=rows,
                         steps=args.steps)
+    if args.in_place_refresh:
+        reg.clear()
+        del reg, eng, res
+        in_place(hf, model, shape, args.mode, timed=Timed, requests=requests, new_weights=new_weights, same=same, rows=rows)
     print("\nsummary")
     for name, value in rows:
         print(f"  {name:55s} {value}")
     print(f"  median eager step {statistics.median(eager_ms):.1f} ms")
+
+
+def in_place(hf: Any, model: Any, shape: Any, mode: str, *, timed: Any, requests: Any, new_weights: Any,
+             same: list[list[float]], rows: list[tuple[str, str]]) -> None:
+    """Syncs by assign under ``in_place_refresh``: refresh()'s time, what it copied and captured again, the next steps'
+    p99 against the same steps eager, every logit against HF with the new weights, and the device memory the sync
+    leaves allocated once the handed-over tensors are dropped."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    reg = hf.build_registry(model, shape, mode, in_place_refresh=True)
+    planned = len(reg)
+    eager_p99 = [percentile(steps, 0.99) for steps in same[:2]]
+    for i in range(3):
+        eng = res = None
+        gc.collect()
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        model.load_state_dict(sharing_kept(model, new_weights(200 + i)), assign=True)  # the dict is dropped at once
+        t = time.perf_counter()
+        result = reg.refresh(background=True)
+        refresh_ms = (time.perf_counter() - t) * 1e3
+        torch.cuda.synchronize()
+        grown = (torch.cuda.memory_allocated() - allocated) / 2**20  # the new weights' memory, freed once copied back
+        eng = timed(model, shape, reg, keep_logits=True)
+        res = eng.serve(requests(5))
+        reg.wait_captured()
+        err = hf.check_against_hf(model, res.finished)
+        steps = [ms for ms, _, _ in eng.steps]
+        eager_steps = sum(1 for _, _, hit in eng.steps if not hit)
+        ratio = " and ".join(f"{percentile(steps, 0.99) / p:.2f}" for p in eager_p99)
+        print(f"by assign, in place: refresh(background=True) {refresh_ms:.1f} ms; {len(result.moved)} moved, "
+              f"{len(result.copied)} copied back, {len(result.kept)} of {planned} keys kept, {len(result.recaptured)} "
+              f"captured again{f' ({result.not_copied[0]})' if result.not_copied else ''}; the next {len(steps)} steps: "
+              f"{eager_steps} eager, p99 {percentile(steps, 0.99):.1f} ms, p99 / the same steps eager {ratio}; "
+              f"allocated {grown:+.0f} MiB; max |logit - HF(new weights)| {err:.3g}")
+        rows.append((f"sync by assign, in place {i + 1}: refresh / kept / again", f"{refresh_ms:.1f} ms / {len(result.kept)} / {len(result.recaptured)}"))
+        rows.append((f"sync by assign, in place {i + 1}: next steps p99 / eager", ratio))
+        rows.append((f"sync by assign, in place {i + 1}: max |logit - HF|, allocated", f"{err:.3g}, {grown:+.0f} MiB"))
+
+
+def sharing_kept(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with one tensor for the names whose tensors share memory in ``model`` now (tied embeddings), as a
+    trainer's sync of a tied model sends one."""
+    first: dict[tuple[int, int], str] = {}
+    for name, tensor in model.state_dict().items():
+        state[name] = state[first.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset()), name)]
+    return state
 
 
 def knob_settings(spec: str) -> tuple[str, dict[str, Any]]:

@@ -26,6 +26,7 @@ from cgregistry.capture.background import BackgroundCapture
 from cgregistry.store.io import StaticBuffer
 from cgregistry.capture.job import CaptureJob
 from cgregistry.store.catalog import Catalog, Entry, Pair
+from cgregistry.state.copy_back import copy_back
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.hooks.events import Events
 from cgregistry.inspection import Refreshed, Slept
@@ -162,6 +163,9 @@ class Lifecycle:
 
         now = self._job.in_recorded_context(read)  # a context variable read as every capture reads it
         moved = tuple(watch.moved(now))
+        copied, not_copied = self._copy_back(now) if moved and watch.hold else ((), ())
+        if copied:
+            now = self._job.in_recorded_context(read)
         verdicts: dict[int, bool] = {}  # entries captured in one generation share what they read: compared once
         stale = []
         for pair, entry in self._catalog.entries.items():
@@ -193,9 +197,16 @@ class Lifecycle:
                 self._background.submit(again, self._job.current())
             else:
                 self._job.capture_all(again, progress=None, untried_lazily=True)
-        result = Refreshed(kept, tuple(again), moved, background)
+        result = Refreshed(kept, tuple(again), moved, background, copied, not_copied)
         self._events.refreshed(result)
         return result
+
+    def _copy_back(self, now: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``in_place_refresh``: each moved parameter whose graphs' memory is still held gets its new values copied
+        there and is pointed at it (``copy_back``); the names done, and why each other one was left."""
+        moves, others = self._job.watch.moves(now, (entry.weights for entry in self._catalog.entries.values()))
+        done, refused = copy_back(moves, others)
+        return tuple(done), tuple(refused)
 
     # ---------------------------------------------------------------- sleep, wake
 

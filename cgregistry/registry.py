@@ -65,6 +65,10 @@ class GraphRegistry:
     thread that has warmed it up before, about half the capture time; only for a step that makes nothing lazily on a
     first run that the engine may have freed since (a KV cache made by the first step and freed at ``sleep()`` would be
     made inside the graph, and wiped at every replay) and that calls no ``torch.compile`` of its own (docs/lifecycle.md).
+    ``in_place_refresh``: graphs keep the memory of the parameters they read alive, and ``refresh()`` copies a replaced
+    parameter's new values into it and points the parameter there (``load_state_dict(assign=True)`` becomes an
+    in-place update: every graph kept, nothing captured again); the parameter then no longer shares memory with the
+    tensor it was given.  The old memory stays allocated until ``refresh()``, ``clear()`` or ``sleep()``.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class GraphRegistry:
         adapt: Adaptation | None = None,
         pool: GraphPool | None = None,
         warm_up_again: bool = True,
+        in_place_refresh: bool = False,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable, got {step!r}")
@@ -92,6 +97,7 @@ class GraphRegistry:
         if type(warmup_runs) is not int or warmup_runs < 1:
             raise ValueError(f"warmup_runs must be an int >= 1, got {warmup_runs!r}")
         check_flag("GraphRegistry", "warm_up_again", warm_up_again)
+        check_flag("GraphRegistry", "in_place_refresh", in_place_refresh)
         check_budget(memory_budget)
         cap = PaddingCap(max_padding_tokens, max_padding_ratio)
         check_inputs(inputs)
@@ -113,6 +119,7 @@ class GraphRegistry:
         self.pool = pool if pool is not None else GraphPool(self.backend)
         self._job = job = CaptureJob(step, buffers, self.backend, output_axes, warmup_runs, self.pool, catalog, events,
                                      self.plugins, self.name, warm_up_again=warm_up_again)
+        job.watch.hold = in_place_refresh
         pacer = getattr(self.backend, "step_pacer", None)  # optional: the cuda backend bounds the serving thread's run-ahead
         self._background = background = BackgroundCapture(job, catalog, events, self.name, pacer() if pacer else None)
         # Once the registry goes, so does its capture thread.  The finalizer reaches the capture only weakly: it would
@@ -322,7 +329,8 @@ class GraphRegistry:
 
     def refresh(self, background: bool = False) -> Refreshed:
         """Call after a weight update: graphs that read the watched weights where they are now stay (an in-place update
-        keeps them all); the others are dropped at once and captured again, now or, with ``background``, on the capture
+        keeps them all; with ``in_place_refresh``, so does a replacement of the same layout, copied back first); the
+        others are dropped at once and captured again, now or, with ``background``, on the capture
         thread while ``run()`` serves eagerly.  Until then a replay against moved weights raises ``WeightsMovedError``.
         The modules the step reaches (itself, its object, closure cells, ``partial`` arguments, the module-level names
         its code uses) and whatever ``watch()`` names are watched."""

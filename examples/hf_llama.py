@@ -570,6 +570,7 @@ def decoder(model: LlamaForCausalLM) -> Any:
 def build_registry(
     model: LlamaForCausalLM, shape: EngineShape, mode: str, backend: str = "auto", background: bool = False,
     adapt: cg.Adaptation | None = None, progress: bool | None = None, plugins: cg.Plugins | None = None, inductor: bool = False,
+    in_place_refresh: bool = False,
 ) -> cg.GraphRegistry | None:
     """A registry for ``mode`` with its plan captured (None for mode 'none': the engine runs eagerly).
 
@@ -579,7 +580,7 @@ def build_registry(
     """
     if mode == "none":
         return None
-    reg, plan = new_registry(model, shape, mode, backend, adapt, plugins, inductor=inductor)
+    reg, plan = new_registry(model, shape, mode, backend, adapt, plugins, inductor=inductor, in_place_refresh=in_place_refresh)
     with torch.inference_mode():
         reg.capture(plan, background=background, progress=progress, context=capture_context(mode))
     return reg
@@ -587,9 +588,10 @@ def build_registry(
 
 def new_registry(
     model: LlamaForCausalLM, shape: EngineShape, mode: str, backend: str = "auto", adapt: cg.Adaptation | None = None,
-    plugins: cg.Plugins | None = None, inductor: bool = False,
+    plugins: cg.Plugins | None = None, inductor: bool = False, in_place_refresh: bool = False,
 ) -> tuple[cg.GraphRegistry, cg.CapturePlan]:
     """``build_registry`` without the capture: the registry (watching the model's weights) and its plan.
+    ``in_place_refresh``: a weight sync by assignment is copied back into the graphs' memory (docs/lifecycle.md).
 
     ``inductor``: the decoder compiled once, by Inductor in pieces around the attention op, and every key served by
     those pieces: ``full`` keys with the attention inline in one graph, ``piecewise`` ones with it eager between them
@@ -597,7 +599,8 @@ def new_registry(
     preference = ("full", "piecewise", "breakable")
     # The step makes nothing on a first run (the KV cache exists before capture): keys captured again after a weight
     # sync or a wake are recorded without a warm-up (docs/lifecycle.md).
-    options: dict[str, Any] = {"preference": preference, "name": f"hf-{mode}", "plugins": plugins, "warm_up_again": False}
+    options: dict[str, Any] = {"preference": preference, "name": f"hf-{mode}", "plugins": plugins, "warm_up_again": False,
+                               "in_place_refresh": in_place_refresh}
     reg: cg.GraphRegistry
     forward = decoder(model)
     if "piecewise" in mode or inductor:

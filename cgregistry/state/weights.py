@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from cgregistry.errors import WeightsMovedError
+from cgregistry.state.copy_back import Move
 
 __all__ = ["Reached", "Through", "ThroughCheck", "WeightWatch", "WeightsMovedError", "reached"]
 
@@ -60,6 +61,17 @@ __all__ = ["Reached", "Through", "ThroughCheck", "WeightWatch", "WeightsMovedErr
 # address with another layout (a weight re-registered as its transposed view) moves it too.
 Layout = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]
 Seen = Mapping[str, "Layout | None"]  # a watched tensor's name to its layout when a graph was captured
+
+
+class _Seen(dict):  # type: ignore[type-arg]
+    """A ``Seen`` that also keeps each parameter's memory alive (``held``: an alias of it, by name) while an entry
+    holds it (``WeightWatch.hold``): a parameter replaced since can have its new values copied back there."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, layouts: Mapping[str, Layout | None], held: dict[str, torch.Tensor]) -> None:
+        super().__init__(layouts)
+        self.held = held
 
 
 def _layout(tensor: torch.Tensor) -> Layout:
@@ -85,6 +97,11 @@ class _ModuleSlot:
     def layout(self, modules: dict[tuple[int, str], tuple[Any, Any]] | None = None) -> Layout | None:
         """Where the tensor is now; ``modules`` holds the submodules one read of every slot found, each looked up once
         from its root (held there with it: a root made anew at each read, freed, would give its id to the next)."""
+        tensor = self.tensor(modules)
+        return None if tensor is None else _layout(tensor)
+
+    def tensor(self, modules: dict[tuple[int, str], tuple[Any, Any]] | None = None) -> torch.Tensor | None:
+        """The tensor the slot holds now (None: removed); ``modules`` as for ``layout``."""
         root = self.root()
         if modules is None:
             module = _submodule(root, self.path)
@@ -96,8 +113,7 @@ class _ModuleSlot:
             module = found[1]
         if module is None:
             return None
-        tensor = getattr(module, self.table).get(self.name)
-        return None if tensor is None else _layout(tensor)
+        return getattr(module, self.table).get(self.name)
 
 
 def _submodule(module: Any, path: str) -> nn.Module | None:
@@ -198,7 +214,9 @@ class WeightWatch:
         self._walked: tuple[int, tuple[int, ...]] = (-1, ())  # (generation, the roots' objects) at the last walk
         self.modules_watched = False  # whether any module is watched (a step reading none is warned about)
         self.through = ThroughCheck({}, ())  # what the last walk reached through context variables
-        self._last_seen: dict[str, Layout | None] = {}
+        self._last_seen: Seen = {}
+        # Whether what graphs read keeps the watched parameters' memory alive (GraphRegistry(in_place_refresh=True)).
+        self.hold = False
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | nn.Module | Callable[[], Any], prefix: str = "",
               added: bool = False) -> None:
@@ -294,7 +312,7 @@ class WeightWatch:
         """What a graph captured now reads (the same object as long as nothing moved, so entries share it)."""
         now = self.now()
         if now != self._last_seen:
-            self._last_seen = now
+            self._last_seen = self._remember(now)
         return self._last_seen
 
     def joined(self, before: Seen) -> Seen:
@@ -302,7 +320,44 @@ class WeightWatch:
         cache the step makes at its first call): ``before``'s addresses, and those of the tensors new since.  A tensor
         ``before`` holds that moved meanwhile keeps its old address, so that graph stays stale (the safe side)."""
         now = self.seen()
-        return {**{name: ptr for name, ptr in now.items() if name not in before}, **before}
+        layouts = {**{name: ptr for name, ptr in now.items() if name not in before}, **before}
+        if not self.hold:
+            return layouts
+        held = {name: t for name, t in getattr(now, "held", {}).items() if name not in before}
+        return _Seen(layouts, {**held, **getattr(before, "held", {})})
+
+    def _remember(self, layouts: dict[str, Layout | None]) -> Seen:
+        """``layouts`` as what graphs read; with ``hold``, with an alias of each parameter found where it says."""
+        if not self.hold:
+            return layouts
+        modules: dict[tuple[int, str], tuple[Any, Any]] = {}
+        held = {}
+        for name, (source, _) in self._watched.items():
+            if isinstance(source, _ModuleSlot) and source.table == "_parameters" and layouts.get(name) is not None:
+                tensor = source.tensor(modules)
+                if tensor is not None and _layout(tensor) == layouts[name]:
+                    held[name] = tensor.detach()
+        return _Seen(layouts, held)
+
+    def moves(self, now: Mapping[str, Layout | None], seens: Iterable[Seen]) -> tuple[list[Move], dict[str, torch.Tensor]]:
+        """The watched parameters that moved from their baseline while what graphs read (``seens``, entries' ``weights``)
+        still holds the memory there, and every other watched tensor now (what they may share memory with)."""
+        held: dict[str, torch.Tensor] = {}
+        for seen in seens:
+            for name, alias in getattr(seen, "held", {}).items():
+                if name not in held and name in self._watched and _layout(alias) == self._watched[name][1]:
+                    held[name] = alias
+        modules: dict[tuple[int, str], tuple[Any, Any]] = {}
+        moves, others = [], {}
+        for name, (source, base) in self._watched.items():
+            tensor = source.tensor(modules) if isinstance(source, _ModuleSlot) else source.read()
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if now[name] != base and name in held and now[name] is not None:
+                moves.append(Move(name, held[name], tensor))
+            else:
+                others[name] = tensor
+        return moves, others
 
     def reads_current(self, seen: Seen, now: Mapping[str, Layout | None] | None = None) -> bool:
         """Whether a graph that read ``seen`` reads every watched tensor where it is ``now``: a tensor watched after its
@@ -353,7 +408,7 @@ class WeightWatch:
             self.generation += 1
         current = {name: base for name, (_, base) in watched.items()}
         if current != self._last_seen:
-            self._last_seen = current
+            self._last_seen = self._remember(current)
         return self._last_seen
 
     def names(self) -> list[str]:
