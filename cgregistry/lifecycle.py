@@ -204,8 +204,11 @@ class Lifecycle:
     def _copy_back(self, now: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """``in_place_refresh``: each moved parameter whose graphs' memory is still held gets its new values copied
         there and is pointed at it (``copy_back``); the names done, and why each other one was left."""
-        moves, others = self._job.watch.moves(now, (entry.weights for entry in self._catalog.entries.values()))
+        watch = self._job.watch
+        moves, others = watch.moves(now, (entry.weights for entry in self._catalog.entries.values()))
         done, refused = copy_back(moves, others)
+        copied = set(done)
+        watch.announce(m for m in moves if m.name in copied)
         return tuple(done), tuple(refused)
 
     # ---------------------------------------------------------------- sleep, wake

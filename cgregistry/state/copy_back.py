@@ -27,6 +27,7 @@ class Move:
     name: str
     old: torch.Tensor
     new: torch.Tensor
+    owner: object = None  # the module holding it (its other watchers are told once it is pointed elsewhere)
 
 
 def _storage(tensor: torch.Tensor) -> int:

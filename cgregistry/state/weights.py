@@ -353,11 +353,20 @@ class WeightWatch:
             tensor = source.tensor(modules) if isinstance(source, _ModuleSlot) else source.read()
             if not isinstance(tensor, torch.Tensor):
                 continue
-            if now[name] != base and name in held and now[name] is not None:
-                moves.append(Move(name, held[name], tensor))
+            if now[name] != base and name in held and now[name] is not None and isinstance(source, _ModuleSlot):
+                owner = modules[(id(source.root()), source.path)][1]
+                moves.append(Move(name, held[name], tensor, owner))
             else:
                 others[name] = tensor
         return moves, others
+
+    @staticmethod
+    def announce(moves: Iterable[Move]) -> None:
+        """Tell every watch of the modules holding ``moves`` (another registry's too) that their tensors were pointed
+        at other memory (``param.data`` registers nothing): its graphs captured since compare addresses first."""
+        for move in moves:
+            if isinstance(move.owner, nn.Module):
+                _registered(move.owner, move.name.rpartition(".")[2], move.new)
 
     def reads_current(self, seen: Seen, now: Mapping[str, Layout | None] | None = None) -> bool:
         """Whether a graph that read ``seen`` reads every watched tensor where it is ``now``: a tensor watched after its

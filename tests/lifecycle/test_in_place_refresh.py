@@ -225,3 +225,22 @@ def test_once_the_engine_drops_what_it_assigned_the_device_holds_one_copy_of_the
     gc.collect()
     assert torch.cuda.memory_allocated() == before
     assert served_by_graph(reg, model)
+
+
+def test_another_registry_reading_the_memory_left_behind_is_refused_until_its_refresh(backend: str) -> None:
+    copying, model = make(backend)
+    device = next(model.parameters()).device
+    other = cg.GraphRegistry(lambda batch, x: model(x), {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)},
+                             backend=backend)
+    with torch.inference_mode():
+        other.capture(KEYS)
+    model.load_state_dict(new_state(model, 10), assign=True)
+    assert len(other.refresh().recaptured) == len(KEYS)  # its graphs now read the tensors just assigned
+
+    assert len(copying.refresh().copied) == 4  # which go back to the first memory: the other's graphs read freed memory
+
+    x = torch.randn(8, WIDTH, device=device)
+    with pytest.raises(cg.WeightsMovedError), torch.inference_mode():
+        other.run(B(8, 8), x=x)
+    assert len(other.refresh().recaptured) == len(KEYS)
+    assert served_by_graph(other, model) and served_by_graph(copying, model)
