@@ -292,6 +292,8 @@ def in_place(hf: Any, model: Any, shape: Any, mode: str, *, timed: Any, requests
         res = eng.serve(requests(5))
         reg.wait_captured()
         err = hf.check_against_hf(model, res.finished)
+        alone = timed(model, shape, None, keep_logits=True)  # the same requests eagerly: HF's difference at these weights
+        err_eager = hf.check_against_hf(model, alone.serve(requests(5)).finished)
         steps = [ms for ms, _, _ in eng.steps]
         eager_steps = sum(1 for _, _, hit in eng.steps if not hit)
         ratio = " and ".join(f"{percentile(steps, 0.99) / p:.2f}" for p in eager_p99)
@@ -299,10 +301,10 @@ def in_place(hf: Any, model: Any, shape: Any, mode: str, *, timed: Any, requests
               f"{len(result.copied)} copied back, {len(result.kept)} of {planned} keys kept, {len(result.recaptured)} "
               f"captured again{f' ({result.not_copied[0]})' if result.not_copied else ''}; the next {len(steps)} steps: "
               f"{eager_steps} eager, p99 {percentile(steps, 0.99):.1f} ms, p99 / the same steps eager {ratio}; "
-              f"allocated {grown:+.0f} MiB; max |logit - HF(new weights)| {err:.3g}")
+              f"allocated {grown:+.0f} MiB; max |logit - HF(new weights)| {err:.3g} (served eagerly: {err_eager:.3g})")
         rows.append((f"sync by assign, in place {i + 1}: refresh / kept / again", f"{refresh_ms:.1f} ms / {len(result.kept)} / {len(result.recaptured)}"))
         rows.append((f"sync by assign, in place {i + 1}: next steps p99 / eager", ratio))
-        rows.append((f"sync by assign, in place {i + 1}: max |logit - HF|, allocated", f"{err:.3g}, {grown:+.0f} MiB"))
+        rows.append((f"sync by assign, in place {i + 1}: max |logit - HF| (eager's), allocated", f"{err:.3g} ({err_eager:.3g}), {grown:+.0f} MiB"))
 
 
 def sharing_kept(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
