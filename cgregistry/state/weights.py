@@ -67,7 +67,7 @@ class _Seen(dict):  # type: ignore[type-arg]
     """A ``Seen`` that also keeps each parameter's memory alive (``held``: an alias of it, by name) while an entry
     holds it (``WeightWatch.hold``): a parameter replaced since can have its new values copied back there."""
 
-    __slots__ = ("held",)
+    __slots__ = ("held", "__weakref__")
 
     def __init__(self, layouts: Mapping[str, Layout | None], held: dict[str, torch.Tensor]) -> None:
         super().__init__(layouts)
@@ -215,6 +215,7 @@ class WeightWatch:
         self.modules_watched = False  # whether any module is watched (a step reading none is warned about)
         self.through = ThroughCheck({}, ())  # what the last walk reached through context variables
         self._last_seen: Seen = {}
+        self._last_held: Callable[[], _Seen | None] = lambda: None  # with hold: the live one entries share, weakly
         # Whether what graphs read keeps the watched parameters' memory alive (GraphRegistry(in_place_refresh=True)).
         self.hold = False
 
@@ -311,9 +312,21 @@ class WeightWatch:
     def seen(self) -> Seen:
         """What a graph captured now reads (the same object as long as nothing moved, so entries share it)."""
         now = self.now()
-        if now != self._last_seen:
-            self._last_seen = self._remember(now)
-        return self._last_seen
+        return self._shared(now)
+
+    def _shared(self, layouts: dict[str, Layout | None]) -> Seen:
+        """``layouts`` as what graphs read: one object while nothing moves, so entries share it.  With ``hold``, one
+        that keeps the parameters' memory alive, referenced here only weakly: once no entry holds it (``clear()``,
+        ``sleep()``), a parameter replaced after is freed as it would be without the registry."""
+        if layouts != self._last_seen:
+            self._last_seen = layouts
+        if not self.hold:
+            return self._last_seen
+        shared = self._last_held()
+        if shared is None or shared != layouts:
+            shared = self._remember(layouts)
+            self._last_held = weakref.ref(shared)
+        return shared
 
     def joined(self, before: Seen) -> Seen:
         """What a graph read whose capture began at ``before``, when a watched module registered tensors meanwhile (a
@@ -326,10 +339,8 @@ class WeightWatch:
         held = {name: t for name, t in getattr(now, "held", {}).items() if name not in before}
         return _Seen(layouts, {**held, **getattr(before, "held", {})})
 
-    def _remember(self, layouts: dict[str, Layout | None]) -> Seen:
-        """``layouts`` as what graphs read; with ``hold``, with an alias of each parameter found where it says."""
-        if not self.hold:
-            return layouts
+    def _remember(self, layouts: dict[str, Layout | None]) -> _Seen:
+        """``layouts`` with an alias of each watched parameter found where they say."""
         modules: dict[tuple[int, str], tuple[Any, Any]] = {}
         held = {}
         for name, (source, _) in self._watched.items():
@@ -416,9 +427,7 @@ class WeightWatch:
         if changed:
             self.generation += 1
         current = {name: base for name, (_, base) in watched.items()}
-        if current != self._last_seen:
-            self._last_seen = self._remember(current)
-        return self._last_seen
+        return self._shared(current)
 
     def names(self) -> list[str]:
         """The watched tensors' names, in watch order."""

@@ -244,3 +244,15 @@ def test_another_registry_reading_the_memory_left_behind_is_refused_until_its_re
         other.run(B(8, 8), x=x)
     assert len(other.refresh().recaptured) == len(KEYS)
     assert served_by_graph(other, model) and served_by_graph(copying, model)
+
+
+@pytest.mark.parametrize("let_go", ["clear", "sleep"])
+def test_once_no_graph_is_held_a_parameter_replaced_after_is_freed_at_once(backend: str, let_go: str) -> None:
+    reg, model = make(backend)
+    getattr(reg, let_go)()
+    old = _storages(model)
+
+    model.load_state_dict(new_state(model, 11), assign=True)
+    gc.collect()
+
+    assert all(ref() is None for ref in old)
