@@ -26,7 +26,7 @@ from cgregistry.capture.background import BackgroundCapture
 from cgregistry.store.io import StaticBuffer
 from cgregistry.capture.job import CaptureJob
 from cgregistry.store.catalog import Catalog, Entry, Pair
-from cgregistry.state.copy_back import copy_back
+from cgregistry.state.copy_back import copy_back, tensors_in
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.hooks.events import Events
 from cgregistry.inspection import Refreshed, Slept
@@ -163,7 +163,7 @@ class Lifecycle:
 
         now = self._job.in_recorded_context(read)  # a context variable read as every capture reads it
         moved = tuple(watch.moved(now))
-        copied, not_copied = self._copy_back(now) if moved and watch.hold else ((), ())
+        copied, not_copied = self._job.in_recorded_context(lambda: self._copy_back(now)) if moved and watch.hold else ((), ())
         if copied:
             now = self._job.in_recorded_context(read)
         verdicts: dict[int, bool] = {}  # entries captured in one generation share what they read: compared once
@@ -205,11 +205,15 @@ class Lifecycle:
         """``in_place_refresh``: each moved parameter whose graphs' memory is still held gets its new values copied
         there and is pointed at it (``copy_back``); the names done, and why each other one was left."""
         watch = self._job.watch
-        moves, others = watch.moves(now, (entry.weights for entry in self._catalog.entries.values()))
-        done, refused = copy_back(moves, others)
+        entries = list(self._catalog.entries.values())
+        moves, others, aliases, unheld = watch.moves(now, (entry.weights for entry in entries))
+        done: list[str] = []
+        refused: list[str] = []
+        if moves:
+            done, refused = copy_back(moves, others, [*aliases, *tensors_in(entry.graph for entry in entries)])
         copied = set(done)
         watch.announce(m for m in moves if m.name in copied)
-        return tuple(done), tuple(refused)
+        return tuple(done), (*refused, *unheld)
 
     # ---------------------------------------------------------------- sleep, wake
 

@@ -1,33 +1,40 @@
 """Turning a replaced parameter back into an in-place update: its new values copied into the memory the graphs read,
 and the parameter pointed at that memory, so every graph stays valid and nothing is captured again.
 
-Only where that is the same computation: the new tensor has the old one's shape, strides, dtype, device, storage
-offset and plain tensor type, and the parameters moved share memory with one another (tied embeddings, views of one
-fused weight) exactly as the old ones did.  Anything else is left where it is, with the reason, and the graphs reading
-it are captured again as before.
+Only where that is the same computation and changes nothing else: the new tensor has the old one's shape, strides,
+dtype, device, storage offset and plain tensor type; the parameters moved share memory with one another (tied
+embeddings, views of one fused weight) exactly as the old ones did, and none takes memory another still reads; and no
+tensor outside the registry (a ``state_dict()`` snapshot, a drafter sharing the parameter, a view) still uses the old
+memory, counted by its storage's references.  Anything else is left where it is, with the reason, and the graphs
+reading it are captured again as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import gc
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
 import torch
 
-__all__ = ["Move", "copy_back"]
+__all__ = ["Move", "copy_back", "tensors_in"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_WALK_LIMIT = 1_000_000  # objects looked at in a graph's own structures (a recorded cpu graph: its ops' arguments)
 
 
 @attrs.frozen(slots=True)
 class Move:
     """A watched parameter found elsewhere than its graphs read it: ``old`` aliases the memory they read (kept alive
-    by their entries), ``new`` is the tensor the module holds now."""
+    by their entries), ``new`` is the tensor the module holds now, ``was`` the parameter object the graphs were captured
+    with where it is still alive."""
 
     name: str
     old: torch.Tensor
     new: torch.Tensor
     owner: object = None  # the module holding it (its other watchers are told once it is pointed elsewhere)
+    was: torch.Tensor | None = None
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -35,7 +42,7 @@ def _storage(tensor: torch.Tensor) -> int:
 
 
 def _refusal(move: Move) -> str | None:
-    """Why ``move.new`` cannot take ``move.old``'s memory, or None."""
+    """Why ``move.new`` cannot take ``move.old``'s memory, judged on the two tensors alone, or None."""
     old, new = move.old, move.new
     if type(new) not in _PLAIN:
         return f"{move.name} is now a {type(new).__name__}, not a plain tensor"
@@ -48,51 +55,135 @@ def _refusal(move: Move) -> str | None:
     if old.stride() != new.stride() or old.storage_offset() != new.storage_offset():
         return (f"{move.name} changed its layout: strides {list(old.stride())} offset {old.storage_offset()} to "
                 f"{list(new.stride())} offset {new.storage_offset()}")
-    if _storage(old) == _storage(new):
-        return f"{move.name} moved within the memory the graphs read"
+    if any(stride == 0 and size > 1 for stride, size in zip(old.stride(), old.shape)):
+        return f"{move.name} has elements that share memory (a stride of 0): it cannot be written element by element"
+    if move.was is not None and move.was is not move.new and _storage(move.was) != _storage(old):
+        return f"{move.name}: the parameter the graphs were captured with was itself given other memory since"
     return None
 
 
-def _alias_refusals(moves: list[Move], others: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """The moves whose memory is shared differently from the old memory's sharing: each old storage must map to one new
-    storage and back, and a storage an unmoved tensor (``others``) uses must stay with it."""
-    pairs = [(m.name, _storage(m.old), _storage(m.new)) for m in moves]
-    touched = {s for _, o, n in pairs for s in (o, n)}
-    pairs += [(name, _storage(t), _storage(t)) for name, t in others.items() if _storage(t) in touched]
-    forward: dict[int, set[int]] = {}
-    backward: dict[int, set[int]] = {}
-    for _, o, n in pairs:
-        forward.setdefault(o, set()).add(n)
-        backward.setdefault(n, set()).add(o)
+def _sharing_refusals(moves: list[Move], refused: Mapping[str, str], others: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The moves whose memory is shared differently from the old memory's sharing, or whose copy would write memory a
+    tensor left where it is still reads (an unmoved one in ``others``, or a refused move's new tensor), or whose new
+    values sit in memory another move writes (a swap, a chain): refused until none is left, since each refusal leaves
+    one more tensor where it is."""
+    old_storages = {_storage(m.old) for m in moves}
+    refused = dict(refused)
+    found: dict[str, str] = {}
+    while True:
+        movable = [m for m in moves if m.name not in refused]
+        staying = {**others, **{m.name: m.new for m in moves if m.name in refused}}
+        pairs = [(m.name, _storage(m.old), _storage(m.new)) for m in movable]
+        touched = {s for _, o, n in pairs for s in (o, n)}
+        pairs += [(name, _storage(t), _storage(t)) for name, t in staying.items() if _storage(t) in touched]
+        forward: dict[int, set[int]] = {}
+        backward: dict[int, set[int]] = {}
+        for _, o, n in pairs:
+            forward.setdefault(o, set()).add(n)
+            backward.setdefault(n, set()).add(o)
+        new = {}
+        for m, (_, o, n) in zip(movable, pairs):
+            if n in old_storages:
+                new[m.name] = f"{m.name} now uses memory the graphs read for another parameter"
+            elif len(forward[o]) > 1 or len(backward[n]) > 1:
+                sharing = sorted(name for name, o2, n2 in pairs if (o2 == o or n2 == n) and name != m.name)
+                new[m.name] = f"{m.name} shares memory with {', '.join(sharing)} differently than before"
+        if not new:
+            return found
+        refused.update(new)
+        found.update(new)
+
+
+def tensors_in(graphs: Iterable[Any]) -> list[torch.Tensor]:
+    """The tensors the registry's graph objects refer to (the cpu emulator's recorded ops hold the tensors they ran on;
+    a CUDA graph holds addresses only): containers and the package's own objects are looked into."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    stack = list(graphs)
+    while stack and len(seen) < _WALK_LIMIT:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found[id(obj)] = obj
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif type(obj).__module__.startswith("cgregistry."):
+            slots = [getattr(obj, name, None) for cls in type(obj).__mro__ for name in getattr(cls, "__slots__", ())]
+            stack.extend(slots)
+            stack.extend(getattr(obj, "__dict__", {}).values())
+    return list(found.values())
+
+
+def _held_elsewhere(moves: list[Move]) -> dict[str, str]:
+    """The moves whose replaced parameter object something else still refers to through a dict (another module's
+    parameters, an object's attribute: a drafter sharing the target's embedding); seen here even where the registry's
+    own cpu graphs hold that same object, which the reference count cannot tell apart.  One scan of the heap, only
+    when such an object is alive."""
+    alive = {id(m.was): m for m in moves if m.was is not None and m.was is not m.new}
+    if not alive:
+        return {}
     refused = {}
-    for m, (_, o, n) in zip(moves, pairs):
-        if len(forward[o]) > 1 or len(backward[n]) > 1:
-            sharing = sorted(name for name, o2, n2 in pairs if o2 == o or n2 == n)
-            refused[m.name] = f"{m.name} shares memory with {', '.join(x for x in sharing if x != m.name)} differently than before"
+    for holder in gc.get_referrers(*(m.was for m in alive.values())):
+        if not isinstance(holder, dict):
+            continue
+        for value in list(holder.values()):
+            m = alive.get(id(value))
+            if m is not None and value is m.was:
+                refused[m.name] = (f"{m.name}: the parameter it replaced is still held elsewhere (another module or object "
+                                   "refers to it), and copying into its memory would change that too")
     return refused
 
 
-def _synchronize(moves: list[Move]) -> None:
-    """Wait for every stream of the devices ``moves`` live on: a replay in flight on any stream reads the old values to
-    its end, and the next one, on any stream, reads the new ones."""
-    for device in {m.old.device for m in moves if m.old.device.type == "cuda"}:
-        torch.cuda.synchronize(device)
+def _used_elsewhere(moves: list[Move], ours: Iterable[torch.Tensor]) -> dict[str, str]:
+    """The moves whose old memory a tensor outside ``ours`` (the entries' aliases, the tensors their graph objects hold)
+    still uses: its storage counts more references than those (and the one Python storage object counting them)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return {m.name: f"{m.name}: this torch cannot tell whether other tensors use the old memory" for m in moves}
+    by_storage: dict[int, set[int]] = {}
+    for t in ours:
+        by_storage.setdefault(_storage(t), set()).add(id(t))
+    refused = {}
+    for m in moves:
+        storage = m.old.untyped_storage()
+        others = count(storage._cdata) - 1 - len(by_storage.get(storage.data_ptr(), ()))
+        if others > 0:
+            refused[m.name] = (f"{m.name}: {others} other tensor{'s' if others > 1 else ''} (a state_dict snapshot, a "
+                               "module sharing the parameter, a view) still use the memory the graphs read")
+    return refused
 
 
-def copy_back(moves: list[Move], others: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+def copy_back(moves: list[Move], others: Mapping[str, torch.Tensor], ours: Iterable[torch.Tensor]) -> tuple[list[str], list[str]]:
     """Copy each movable ``new`` into its ``old`` memory and point it there (``new.data``: the module keeps the object it
-    was given); the names done, and a reason for each left alone."""
+    was given); the names done, and a reason for each left alone.  ``others``: the watched tensors that did not move;
+    ``ours``: every tensor the registry itself holds (aliases, its graphs' own)."""
     refused = {m.name: why for m in moves if (why := _refusal(m)) is not None}
-    refused.update(_alias_refusals([m for m in moves if m.name not in refused], others))
+    refused.update(_used_elsewhere([m for m in moves if m.name not in refused], list(ours)))
+    refused.update(_held_elsewhere([m for m in moves if m.name not in refused]))
+    refused.update(_sharing_refusals(moves, refused, others))
     movable = [m for m in moves if m.name not in refused]
     if not movable:
         return [], list(refused.values())
     _synchronize(movable)
+    copied = []
     with torch.inference_mode():  # an inference tensor takes an in-place write only here; autograd records nothing
         for m in movable:
-            m.old.copy_(m.new)
+            try:
+                m.old.copy_(m.new)
+            except RuntimeError as exc:  # its old memory is read by nothing but the graphs, which are captured again
+                refused[m.name] = f"{m.name} could not be copied into the memory the graphs read: {exc}"
+            else:
+                copied.append(m)
+    failed = {_storage(m.old) for m in movable if m.name in refused}  # tied to a failed copy: left with it, still tied
     done = []
-    for m in movable:
+    for m in copied:
+        if _storage(m.old) in failed:
+            refused[m.name] = f"{m.name} shares its memory with a parameter that could not be copied back"
+            continue
         try:
             m.new.data = m.old  # its values are in the old memory: each parameter done is a finished in-place update
         except RuntimeError as exc:  # left where it is: the graphs reading it are captured again
@@ -101,3 +192,10 @@ def copy_back(moves: list[Move], others: Mapping[str, torch.Tensor]) -> tuple[li
             done.append(m.name)
     _synchronize(movable)
     return done, list(refused.values())
+
+
+def _synchronize(moves: list[Move]) -> None:
+    """Wait for every stream of the devices ``moves`` live on: a replay in flight on any stream reads the old values to
+    its end, and the next one, on any stream, reads the new ones."""
+    for device in {m.old.device for m in moves if m.old.device.type == "cuda"}:
+        torch.cuda.synchronize(device)

@@ -64,12 +64,13 @@ Seen = Mapping[str, "Layout | None"]  # a watched tensor's name to its layout wh
 
 
 class _Seen(dict):  # type: ignore[type-arg]
-    """A ``Seen`` that also keeps each parameter's memory alive (``held``: an alias of it, by name) while an entry
-    holds it (``WeightWatch.hold``): a parameter replaced since can have its new values copied back there."""
+    """A ``Seen`` that also keeps each parameter's memory alive (``held``: an alias of it, and the parameter object
+    weakly, by name) while an entry holds it (``WeightWatch.hold``): a parameter replaced since can have its new values
+    copied back there."""
 
     __slots__ = ("held", "__weakref__")
 
-    def __init__(self, layouts: Mapping[str, Layout | None], held: dict[str, torch.Tensor]) -> None:
+    def __init__(self, layouts: Mapping[str, Layout | None], held: dict[str, tuple[torch.Tensor, weakref.ref[Any]]]) -> None:
         super().__init__(layouts)
         self.held = held
 
@@ -342,34 +343,43 @@ class WeightWatch:
     def _remember(self, layouts: dict[str, Layout | None]) -> _Seen:
         """``layouts`` with an alias of each watched parameter found where they say."""
         modules: dict[tuple[int, str], tuple[Any, Any]] = {}
-        held = {}
+        held: dict[str, tuple[torch.Tensor, weakref.ref[Any]]] = {}
         for name, (source, _) in self._watched.items():
             if isinstance(source, _ModuleSlot) and source.table == "_parameters" and layouts.get(name) is not None:
                 tensor = source.tensor(modules)
-                if tensor is not None and _layout(tensor) == layouts[name]:
-                    held[name] = tensor.detach()
+                if type(tensor) in (nn.Parameter, torch.Tensor) and _layout(tensor) == layouts[name]:
+                    held[name] = (tensor.detach(), weakref.ref(tensor))
         return _Seen(layouts, held)
 
-    def moves(self, now: Mapping[str, Layout | None], seens: Iterable[Seen]) -> tuple[list[Move], dict[str, torch.Tensor]]:
+    def moves(self, now: Mapping[str, Layout | None], seens: Iterable[Seen]) -> tuple[list[Move], dict[str, torch.Tensor],
+                                                                                list[torch.Tensor], list[str]]:
         """The watched parameters that moved from their baseline while what graphs read (``seens``, entries' ``weights``)
-        still holds the memory there, and every other watched tensor now (what they may share memory with)."""
-        held: dict[str, torch.Tensor] = {}
-        for seen in seens:
-            for name, alias in getattr(seen, "held", {}).items():
+        still holds the memory there; every other watched tensor now (what they may share memory with); every alias
+        the seens hold; and why each other moved parameter cannot be copied back."""
+        held: dict[str, tuple[torch.Tensor, weakref.ref[Any]]] = {}
+        aliases: dict[int, torch.Tensor] = {}
+        for seen in {id(seen): seen for seen in seens}.values():
+            for name, (alias, was) in getattr(seen, "held", {}).items():
+                aliases[id(alias)] = alias
                 if name not in held and name in self._watched and _layout(alias) == self._watched[name][1]:
-                    held[name] = alias
+                    held[name] = (alias, was)
         modules: dict[tuple[int, str], tuple[Any, Any]] = {}
-        moves, others = [], {}
+        moves, others, unheld = [], {}, []
         for name, (source, base) in self._watched.items():
             tensor = source.tensor(modules) if isinstance(source, _ModuleSlot) else source.read()
             if not isinstance(tensor, torch.Tensor):
                 continue
-            if now[name] != base and name in held and now[name] is not None and isinstance(source, _ModuleSlot):
+            parameter = isinstance(source, _ModuleSlot) and source.table == "_parameters"
+            if now[name] != base and parameter and name in held and now[name] is not None:
                 owner = modules[(id(source.root()), source.path)][1]
-                moves.append(Move(name, held[name], tensor, owner))
-            else:
-                others[name] = tensor
-        return moves, others
+                alias, was = held[name]
+                moves.append(Move(name, alias, tensor, owner, was()))
+                continue
+            if now[name] != base and parameter and base is not None:
+                unheld.append(f"{name}: no graph holds the memory it was captured at (captured before it was watched, "
+                              "in another context, or as a tensor subclass)")
+            others[name] = tensor
+        return moves, others, list(aliases.values()), unheld
 
     @staticmethod
     def announce(moves: Iterable[Move]) -> None:

@@ -256,3 +256,113 @@ def test_once_no_graph_is_held_a_parameter_replaced_after_is_freed_at_once(backe
     gc.collect()
 
     assert all(ref() is None for ref in old)
+
+
+def _values(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_parameters_that_trade_memory_are_captured_again_with_the_values_assigned(backend: str) -> None:
+    reg, model = make(backend)
+    before = _values(model)
+    model[0].weight, model[2].weight = model[2].weight, model[0].weight  # a swap: each new one is the other's old memory
+
+    result = reg.refresh()
+
+    assert result.copied == () and len(result.recaptured) == len(KEYS)
+    torch.testing.assert_close(model[0].weight, before["2.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(model[2].weight, before["0.weight"], rtol=0, atol=0)
+    assert served_by_graph(reg, model)
+
+
+def test_a_parameter_given_another_ones_old_values_keeps_them(backend: str) -> None:
+    reg, model = make(backend)
+    before = _values(model)
+    fresh = torch.randn(WIDTH, WIDTH, device=before["0.weight"].device)
+    model.load_state_dict({"0.weight": fresh, "2.weight": model[0].weight.detach()}, strict=False, assign=True)
+
+    result = reg.refresh()
+
+    assert "model.0.weight" not in result.copied and "model.2.weight" not in result.copied
+    torch.testing.assert_close(model[0].weight, fresh, rtol=0, atol=0)
+    torch.testing.assert_close(model[2].weight, before["0.weight"], rtol=0, atol=0)
+    assert served_by_graph(reg, model)
+
+
+def test_a_refused_parameter_reading_another_ones_old_memory_keeps_its_values(backend: str) -> None:
+    reg, model = make(backend)
+    before = _values(model)
+    model[0].weight = nn.Parameter(model[2].weight.detach().t())  # another layout (refused), over layer 2's memory
+    model[2].weight = nn.Parameter(torch.randn(WIDTH, WIDTH, device=before["2.weight"].device))
+
+    result = reg.refresh()
+
+    assert "model.2.weight" not in result.copied
+    torch.testing.assert_close(model[0].weight, before["2.weight"].t(), rtol=0, atol=0)
+    assert served_by_graph(reg, model)
+
+
+@pytest.mark.parametrize("holder", ["state_dict snapshot", "drafter sharing the parameter"])
+def test_old_memory_another_tensor_still_uses_is_left_alone(backend: str, holder: str) -> None:
+    reg, model = make(backend)
+    before = _values(model)
+    if holder == "state_dict snapshot":
+        kept = model.state_dict()  # detached views of the old memory: a rollback point
+    else:
+        kept = nn.Linear(WIDTH, WIDTH, bias=False).to(before["0.weight"].device)
+        kept.weight = model[0].weight  # a drafter using the target's parameter object
+    model.load_state_dict(new_state(model, 12), assign=True)
+
+    result = reg.refresh()
+
+    assert [why for why in result.not_copied if why.startswith("model.0.weight")]
+    assert "model.0.weight" not in result.copied
+    still = kept["0.weight"] if holder == "state_dict snapshot" else kept.weight
+    torch.testing.assert_close(still, before["0.weight"], rtol=0, atol=0)
+    assert served_by_graph(reg, model)
+
+
+def test_a_tensor_subclass_and_a_stride_0_parameter_are_captured_again_and_say_why(backend: str) -> None:
+    class Scaled(nn.Parameter):
+        pass
+
+    device = device_of(backend)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)).to(device)
+    model[0].weight = Scaled(torch.randn(WIDTH, WIDTH, device=device))
+    model[2].bias = nn.Parameter(torch.randn(1, device=device).expand(WIDTH))
+    reg, model = make(backend, model)  # captured with the subclass and the stride-0 bias
+    assert type(model[0].weight) is Scaled and model[2].bias.stride() == (0,)
+    model[0].weight = nn.Parameter(torch.randn(WIDTH, WIDTH, device=device))
+    model[2].bias = nn.Parameter(torch.randn(1, device=device).expand(WIDTH))
+
+    result = reg.refresh()
+
+    reasons = " | ".join(result.not_copied)
+    assert "model.0.weight: no graph holds the memory" in reasons
+    assert "model.2.bias has elements that share memory (a stride of 0)" in reasons
+    assert served_by_graph(reg, model)
+
+
+def test_a_refresh_from_a_thread_that_binds_nothing_copies_back_what_the_graphs_read_through_a_context_variable(
+        backend: str) -> None:
+    import contextvars
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)).to(device_of(backend))
+    current: contextvars.ContextVar[nn.Module] = contextvars.ContextVar("current")
+    context = contextvars.copy_context()
+    context.run(current.set, model)
+    reg = cg.GraphRegistry(lambda batch, x: current.get()(x), {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)},
+                           backend=backend, in_place_refresh=True)
+    with torch.inference_mode():
+        context.run(reg.capture, KEYS)
+    model.load_state_dict(new_state(model, 13), assign=True)
+    results: list[cg.inspection.Refreshed] = []
+
+    sync = threading.Thread(target=lambda: results.append(reg.refresh()))
+    sync.start()
+    sync.join()
+
+    assert len(results[0].copied) == 4 and results[0].recaptured == ()
+    assert context.run(served_by_graph, reg, model)
