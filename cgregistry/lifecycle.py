@@ -210,7 +210,7 @@ class Lifecycle:
         done: list[str] = []
         refused: list[str] = []
         if moves:
-            done, refused = copy_back(moves, others, [*aliases, *tensors_in(entry.graph for entry in entries)])
+            done, refused = copy_back(moves, others, aliases, tensors_in(entry.graph for entry in entries))
         copied = set(done)
         watch.announce(m for m in moves if m.name in copied)
         return tuple(done), (*refused, *unheld)

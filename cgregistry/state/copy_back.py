@@ -11,14 +11,16 @@ reading it are captured again as before.
 
 from __future__ import annotations
 
-import gc
+import collections
+import itertools
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
 import torch
 
-__all__ = ["Move", "copy_back", "tensors_in"]
+__all__ = ["GraphHeld", "Move", "copy_back", "tensors_in"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _WALK_LIMIT = 1_000_000  # objects looked at in a graph's own structures (a recorded cpu graph: its ops' arguments)
@@ -94,10 +96,19 @@ def _sharing_refusals(moves: list[Move], refused: Mapping[str, str], others: Map
         found.update(new)
 
 
-def tensors_in(graphs: Iterable[Any]) -> list[torch.Tensor]:
+@attrs.frozen(slots=True)
+class GraphHeld:
+    """The tensors the registry's graph objects refer to, and how many references to each they make."""
+
+    tensors: list[torch.Tensor]
+    references: dict[int, int]  # id(tensor) -> references from the graph objects' containers and slots
+
+
+def tensors_in(graphs: Iterable[Any]) -> GraphHeld:
     """The tensors the registry's graph objects refer to (the cpu emulator's recorded ops hold the tensors they ran on;
-    a CUDA graph holds addresses only): containers and the package's own objects are looked into."""
+    a CUDA graph holds addresses only): containers and the package's own objects are looked into, each once."""
     found: dict[int, torch.Tensor] = {}
+    references: dict[int, int] = {}
     seen: set[int] = set()
     stack = list(graphs)
     while stack and len(seen) < _WALK_LIMIT:
@@ -105,36 +116,39 @@ def tensors_in(graphs: Iterable[Any]) -> list[torch.Tensor]:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            found[id(obj)] = obj
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend(obj)
+        if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            children: Iterable[Any] = obj
         elif isinstance(obj, dict):
-            stack.extend(obj.values())
+            children = itertools.chain(obj.keys(), obj.values())
         elif type(obj).__module__.startswith("cgregistry."):
             slots = [getattr(obj, name, None) for cls in type(obj).__mro__ for name in getattr(cls, "__slots__", ())]
-            stack.extend(slots)
-            stack.extend(getattr(obj, "__dict__", {}).values())
-    return list(found.values())
-
-
-def _held_elsewhere(moves: list[Move]) -> dict[str, str]:
-    """The moves whose replaced parameter object something else still refers to through a dict (another module's
-    parameters, an object's attribute: a drafter sharing the target's embedding); seen here even where the registry's
-    own cpu graphs hold that same object, which the reference count cannot tell apart.  One scan of the heap, only
-    when such an object is alive."""
-    alive = {id(m.was): m for m in moves if m.was is not None and m.was is not m.new}
-    if not alive:
-        return {}
-    refused = {}
-    for holder in gc.get_referrers(*(m.was for m in alive.values())):
-        if not isinstance(holder, dict):
+            children = [*slots, *getattr(obj, "__dict__", {}).values()]
+        else:
             continue
-        for value in list(holder.values()):
-            m = alive.get(id(value))
-            if m is not None and value is m.was:
-                refused[m.name] = (f"{m.name}: the parameter it replaced is still held elsewhere (another module or object "
-                                   "refers to it), and copying into its memory would change that too")
+        for child in children:
+            if isinstance(child, torch.Tensor):
+                found[id(child)] = child
+                references[id(child)] = references.get(id(child), 0) + 1
+            elif not isinstance(child, (str, bytes, int, float, type(None))):
+                stack.append(child)
+    return GraphHeld(list(found.values()), references)
+
+
+def _held_elsewhere(moves: list[Move], every: list[Move], graphs: GraphHeld) -> dict[str, str]:
+    """The moves whose replaced parameter object is still alive and referred to by more than the registry's graph
+    objects (another module's parameters, a variable, a list: a drafter sharing the target's embedding): the storage
+    count cannot see it where the registry's own cpu graphs hold that same object."""
+    refused = {}
+    by_moves = collections.Counter(id(m.was) for m in every if m.was is not None)  # ``every``: all the moves (tied: one object)
+    for m in moves:
+        if m.was is None or m.was is m.new:
+            continue
+        # Python's references to it: getrefcount's own argument, the moves' slots, the graphs' (and their list's)
+        by_graphs = graphs.references.get(id(m.was), 0)
+        extra = sys.getrefcount(m.was) - 1 - by_moves[id(m.was)] - by_graphs - (1 if by_graphs else 0)
+        if extra > 0:
+            refused[m.name] = (f"{m.name}: the parameter object it replaced is still referred to elsewhere (another "
+                               "module, a variable, a container), and copying into its memory would change it too")
     return refused
 
 
@@ -157,13 +171,14 @@ def _used_elsewhere(moves: list[Move], ours: Iterable[torch.Tensor]) -> dict[str
     return refused
 
 
-def copy_back(moves: list[Move], others: Mapping[str, torch.Tensor], ours: Iterable[torch.Tensor]) -> tuple[list[str], list[str]]:
+def copy_back(moves: list[Move], others: Mapping[str, torch.Tensor], aliases: Iterable[torch.Tensor],
+              graphs: GraphHeld) -> tuple[list[str], list[str]]:
     """Copy each movable ``new`` into its ``old`` memory and point it there (``new.data``: the module keeps the object it
     was given); the names done, and a reason for each left alone.  ``others``: the watched tensors that did not move;
-    ``ours``: every tensor the registry itself holds (aliases, its graphs' own)."""
+    ``aliases`` and ``graphs``: what the registry itself holds (the entries' aliases, its graph objects' tensors)."""
     refused = {m.name: why for m in moves if (why := _refusal(m)) is not None}
-    refused.update(_used_elsewhere([m for m in moves if m.name not in refused], list(ours)))
-    refused.update(_held_elsewhere([m for m in moves if m.name not in refused]))
+    refused.update(_used_elsewhere([m for m in moves if m.name not in refused], [*aliases, *graphs.tensors]))
+    refused.update(_held_elsewhere([m for m in moves if m.name not in refused], moves, graphs))
     refused.update(_sharing_refusals(moves, refused, others))
     movable = [m for m in moves if m.name not in refused]
     if not movable:
