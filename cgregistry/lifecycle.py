@@ -14,9 +14,10 @@ the addresses they saw at capture, so:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -27,6 +28,7 @@ from cgregistry.store.io import StaticBuffer
 from cgregistry.capture.job import CaptureJob
 from cgregistry.store.catalog import Catalog, Entry, Pair
 from cgregistry.state.copy_back import copy_back, tensors_in
+from cgregistry.state.weights import aliases_beside
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.hooks.events import Events
 from cgregistry.inspection import Refreshed, Slept
@@ -63,6 +65,8 @@ class Lifecycle:
         self._backend = backend
         self._name = name
         self.asleep: Slept | None = None
+        # Held while refresh() copies weights back in place (the server's turn, given by the registry once it has one).
+        self.paused: Callable[[], contextlib.AbstractContextManager[bool]] = lambda: contextlib.nullcontext(True)
 
     def refuse_asleep(self, call: str) -> None:
         """``call`` runs the step: refused while the registry sleeps (the engine may have offloaded what the step reads)."""
@@ -163,7 +167,15 @@ class Lifecycle:
 
         now = self._job.in_recorded_context(read)  # a context variable read as every capture reads it
         moved = tuple(watch.moved(now))
-        copied, not_copied = self._job.in_recorded_context(lambda: self._copy_back(now)) if moved and watch.hold else ((), ())
+        copied: tuple[str, ...] = ()
+        not_copied: tuple[str, ...] = ()
+        if moved and watch.hold:
+            with self.paused() as paused:  # no replay on another thread while the weights change under it
+                if paused:
+                    copied, not_copied = self._job.in_recorded_context(lambda: self._copy_back(now))
+                else:
+                    not_copied = ("nothing copied back: a run() was in progress on another thread, and the copy would "
+                                  "change the weights under its replay; call refresh() between steps",)
         if copied:
             now = self._job.in_recorded_context(read)
         verdicts: dict[int, bool] = {}  # entries captured in one generation share what they read: compared once
@@ -210,7 +222,8 @@ class Lifecycle:
         done: list[str] = []
         refused: list[str] = []
         if moves:
-            done, refused = copy_back(moves, others, aliases, tensors_in(entry.graph for entry in entries))
+            beside = aliases_beside(entry.weights for entry in entries)
+            done, refused = copy_back(moves, others, aliases, tensors_in(entry.graph for entry in entries), beside)
         copied = set(done)
         watch.announce(m for m in moves if m.name in copied)
         return tuple(done), (*refused, *unheld)

@@ -13,11 +13,12 @@ for adaptation) is one flag test when there is none.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import inspect
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -73,6 +74,7 @@ class Server:
         self._take, self._give = self._turn.pop, self._turn.append
         background.serve_first(self._turn)  # the capture thread steps aside while a run() is in progress
         self._recovery = threading.Lock()  # one thread at a time decides whether a missing turn was lost
+        self._pause: threading.Event | None = None  # set while refresh() holds the turn to change weights in place
         self._exclusions: dict[Any, frozenset[str]] = {}  # exclude= values already checked, to their strategy sets
         self._warned: set[str] = set()  # miss reasons already warned about
         self._unmarked = 0  # misses of batches that uniform keys would serve had they been marked uniform
@@ -156,17 +158,49 @@ class Server:
         finally:
             self._give(None)
 
-    def _take_lost_turn(self) -> None:
-        """The turn was not there: refuse (``ConcurrentRunError``) while a ``run()`` of this server is in progress on any
-        thread; with none, an asynchronous exception (a signal handler's ``KeyboardInterrupt``) landed between taking
-        the turn and the ``try`` that gives it back, or inside that ``finally``: the turn is restored and taken."""
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[bool]:
+        """Hold the turn while the weights the graphs read change in place: a ``run()`` on another thread waits for the
+        end of it instead of replaying half-changed weights.  False, holding nothing, while a ``run()`` is in progress."""
         with self._recovery:
-            if not self._turn and self._runs_in_progress() <= 1:  # ours, the refused one, is the only run() in progress
-                self._give(None)
             try:
                 self._take()
             except IndexError:
-                raise self._busy() from None
+                yield False
+                return
+            self._pause = pause = threading.Event()
+        try:
+            yield True
+        finally:
+            with self._recovery:
+                self._pause = None
+                self._give(None)
+            pause.set()
+
+    def _take_lost_turn(self) -> None:
+        """The turn was not there: wait while ``paused()`` holds it; refuse (``ConcurrentRunError``) while a ``run()`` of
+        this server is in progress on any thread; with none, an asynchronous exception (a signal handler's
+        ``KeyboardInterrupt``) landed between taking the turn and the ``try`` that gives it back, or inside that
+        ``finally``: the turn is restored and taken."""
+        while True:
+            pause = self._pause
+            if pause is not None:
+                pause.wait()
+                try:
+                    self._take()
+                    return
+                except IndexError:
+                    continue
+            with self._recovery:
+                if self._pause is not None:  # paused() began meanwhile: wait for it as above
+                    continue
+                if not self._turn and self._runs_in_progress() <= 1:  # ours, the refused one, is the only run() in progress
+                    self._give(None)
+                try:
+                    self._take()
+                    return
+                except IndexError:
+                    raise self._busy() from None
 
     def _runs_in_progress(self) -> int:
         """How many ``Server.run`` frames of this server are on any thread's stack (the caller's own included)."""

@@ -4,9 +4,10 @@ and the parameter pointed at that memory, so every graph stays valid and nothing
 Only where that is the same computation and changes nothing else: the new tensor has the old one's shape, strides,
 dtype, device, storage offset and plain tensor type; the parameters moved share memory with one another (tied
 embeddings, views of one fused weight) exactly as the old ones did, and none takes memory another still reads; and no
-tensor outside the registry (a ``state_dict()`` snapshot, a drafter sharing the parameter, a view) still uses the old
-memory, counted by its storage's references.  Anything else is left where it is, with the reason, and the graphs
-reading it are captured again as before.
+tensor outside the registry (a ``state_dict()`` snapshot, a drafter sharing the parameter, a view, a storage object, a
+cpu tensor shared with another process) still uses the old memory, counted by its storage's references and, for a
+live old parameter object, Python's.  Anything else is left where it is, with the reason, and the graphs reading it
+are captured again as before.  CUDA memory handed to another process through IPC cannot be seen from here.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def _refusal(move: Move) -> str | None:
                 f"{list(new.stride())} offset {new.storage_offset()}")
     if any(stride == 0 and size > 1 for stride, size in zip(old.stride(), old.shape)):
         return f"{move.name} has elements that share memory (a stride of 0): it cannot be written element by element"
+    if old.device.type == "cpu" and old.untyped_storage().is_shared():
+        return f"{move.name}: the memory the graphs read is shared with other processes, which would see it change"
     if move.was is not None and move.was is not move.new and _storage(move.was) != _storage(old):
         return f"{move.name}: the parameter the graphs were captured with was itself given other memory since"
     return None
@@ -102,6 +105,7 @@ class GraphHeld:
 
     tensors: list[torch.Tensor]
     references: dict[int, int]  # id(tensor) -> references from the graph objects' containers and slots
+    complete: bool = True  # False: the walk stopped at its limit, and what it counted is not all the graphs hold
 
 
 def tensors_in(graphs: Iterable[Any]) -> GraphHeld:
@@ -129,9 +133,14 @@ def tensors_in(graphs: Iterable[Any]) -> GraphHeld:
             if isinstance(child, torch.Tensor):
                 found[id(child)] = child
                 references[id(child)] = references.get(id(child), 0) + 1
+                base = child._base  # a view the graph holds keeps its base alive (a weight read as w.t())
+                while base is not None and id(base) not in found:
+                    found[id(base)] = base
+                    references[id(base)] = references.get(id(base), 0) + 1  # the view's own hold on it
+                    base = base._base
             elif not isinstance(child, (str, bytes, int, float, type(None))):
                 stack.append(child)
-    return GraphHeld(list(found.values()), references)
+    return GraphHeld(list(found.values()), references, complete=not stack)
 
 
 def _held_elsewhere(moves: list[Move], every: list[Move], graphs: GraphHeld) -> dict[str, str]:
@@ -161,23 +170,41 @@ def _used_elsewhere(moves: list[Move], ours: Iterable[torch.Tensor]) -> dict[str
     by_storage: dict[int, set[int]] = {}
     for t in ours:
         by_storage.setdefault(_storage(t), set()).add(id(t))
+    probe = torch.empty(1)  # a storage object only this function refers to: the Python references that come with one
+    probe_storage = probe.untyped_storage()
+    plain = sys.getrefcount(probe_storage)
     refused = {}
     for m in moves:
-        storage = m.old.untyped_storage()
-        others = count(storage._cdata) - 1 - len(by_storage.get(storage.data_ptr(), ()))
+        storage = m.old.untyped_storage()  # one Python object per storage: an engine's own reference to it counts here
+        others = count(storage._cdata) - 1 - len(by_storage.get(storage.data_ptr(), ())) + sys.getrefcount(storage) - plain
         if others > 0:
-            refused[m.name] = (f"{m.name}: {others} other tensor{'s' if others > 1 else ''} (a state_dict snapshot, a "
-                               "module sharing the parameter, a view) still use the memory the graphs read")
+            refused[m.name] = (f"{m.name}: {others} other reference{'s' if others > 1 else ''} to the memory the graphs "
+                               "read (a state_dict snapshot, a view, another module or registry, a storage object) "
+                               "would see it change")
     return refused
 
 
+def _read_beside(moves: list[Move], beside: Iterable[torch.Tensor]) -> dict[str, str]:
+    """The moves whose new memory another registry's graphs read (captured or refreshed there since the update):
+    pointing the parameter away would leave those stale; this registry captures again instead, so both settle there."""
+    theirs = {_storage(t) for t in beside}
+    return {m.name: f"{m.name}: another registry's graphs read it where it is now; captured again here instead"
+            for m in moves if _storage(m.new) in theirs}
+
+
 def copy_back(moves: list[Move], others: Mapping[str, torch.Tensor], aliases: Iterable[torch.Tensor],
-              graphs: GraphHeld) -> tuple[list[str], list[str]]:
+              graphs: GraphHeld, beside: Iterable[torch.Tensor] = ()) -> tuple[list[str], list[str]]:
     """Copy each movable ``new`` into its ``old`` memory and point it there (``new.data``: the module keeps the object it
     was given); the names done, and a reason for each left alone.  ``others``: the watched tensors that did not move;
-    ``aliases`` and ``graphs``: what the registry itself holds (the entries' aliases, its graph objects' tensors)."""
+    ``aliases`` and ``graphs``: what the registry itself holds (the entries' aliases, its graph objects' tensors);
+    ``beside``: the aliases other registries' entries hold (their graphs read that memory as this one's do)."""
+    beside = list(beside)
+    if not graphs.complete:
+        return [], [f"nothing copied back: the registry's graphs hold more than {_WALK_LIMIT:,} objects, too many to "
+                    "count their references to the old memory"]
     refused = {m.name: why for m in moves if (why := _refusal(m)) is not None}
-    refused.update(_used_elsewhere([m for m in moves if m.name not in refused], [*aliases, *graphs.tensors]))
+    refused.update(_read_beside([m for m in moves if m.name not in refused], beside))
+    refused.update(_used_elsewhere([m for m in moves if m.name not in refused], [*aliases, *graphs.tensors, *beside]))
     refused.update(_held_elsewhere([m for m in moves if m.name not in refused], moves, graphs))
     refused.update(_sharing_refusals(moves, refused, others))
     movable = [m for m in moves if m.name not in refused]

@@ -54,7 +54,7 @@ from torch import nn
 from cgregistry.errors import WeightsMovedError
 from cgregistry.state.copy_back import Move
 
-__all__ = ["Reached", "Through", "ThroughCheck", "WeightWatch", "WeightsMovedError", "reached"]
+__all__ = ["Reached", "Through", "ThroughCheck", "WeightWatch", "WeightsMovedError", "aliases_beside", "reached"]
 
 
 # Where a tensor's memory is and how a kernel reads it: (address, shape, strides, dtype).  A replacement at the same
@@ -73,6 +73,17 @@ class _Seen(dict):  # type: ignore[type-arg]
     def __init__(self, layouts: Mapping[str, Layout | None], held: dict[str, tuple[torch.Tensor, weakref.ref[Any]]]) -> None:
         super().__init__(layouts)
         self.held = held
+        _holding[id(self)] = self
+
+
+_holding: weakref.WeakValueDictionary[int, _Seen] = weakref.WeakValueDictionary()  # every registry's, while held
+
+
+def aliases_beside(own: Iterable[Seen]) -> list[torch.Tensor]:
+    """The parameter aliases other registries' entries hold (``own``: this registry's seens): their graphs read that
+    memory too."""
+    mine = {id(seen) for seen in own}
+    return [alias for key, seen in list(_holding.items()) if key not in mine for alias, _ in seen.held.values()]
 
 
 def _layout(tensor: torch.Tensor) -> Layout:
@@ -376,8 +387,8 @@ class WeightWatch:
                 moves.append(Move(name, alias, tensor, owner, was()))
                 continue
             if now[name] != base and parameter and base is not None:
-                unheld.append(f"{name}: no graph holds the memory it was captured at (captured before it was watched, "
-                              "in another context, or as a tensor subclass)")
+                unheld.append(f"{name}: no graph holds the memory it was captured at, to copy into (it was captured "
+                              "before it was watched, or as a tensor subclass, or its layout changed in place)")
             others[name] = tensor
         return moves, others, list(aliases.values()), unheld
 

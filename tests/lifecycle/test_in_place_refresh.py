@@ -366,3 +366,99 @@ def test_a_refresh_from_a_thread_that_binds_nothing_copies_back_what_the_graphs_
 
     assert len(results[0].copied) == 4 and results[0].recaptured == ()
     assert context.run(served_by_graph, reg, model)
+
+
+def test_a_storage_object_the_engine_holds_over_the_old_memory_is_left_alone(backend: str) -> None:
+    reg, model = make(backend)
+    held = model[0].weight.untyped_storage()  # one Python object per storage: the engine's and the registry's are one
+    before = model[0].weight.detach().clone()
+    model.load_state_dict(new_state(model, 14), assign=True)
+
+    result = reg.refresh()
+
+    assert [why for why in result.not_copied if why.startswith("model.0.weight: 1 other reference")]
+    kept = torch.empty(0, device=before.device).set_(held, 0, before.shape, before.stride())
+    torch.testing.assert_close(kept, before, rtol=0, atol=0)
+    assert served_by_graph(reg, model)
+
+
+def test_memory_shared_with_other_processes_is_left_alone() -> None:
+    reg, model = make("cpu")
+    model[0].weight.share_memory_()  # as torch.multiprocessing hands a tensor to a drafter process
+    with torch.inference_mode():
+        reg.clear()
+        reg.capture(KEYS)
+    model.load_state_dict(new_state(model, 15), assign=True)
+
+    result = reg.refresh()
+
+    assert [why for why in result.not_copied if "model.0.weight: the memory the graphs read is shared with other processes"
+            in why]
+    assert served_by_graph(reg, model)
+
+
+def test_a_weight_the_step_reads_through_a_view_is_copied_back(backend: str) -> None:
+    class Transposed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(WIDTH, WIDTH))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w.t()  # the recorded graph holds the view, and through it the parameter
+
+    reg, model = make(backend, Transposed())
+    model.load_state_dict(new_state(model, 16), assign=True)
+
+    result = reg.refresh()
+
+    assert result.copied == ("model.w",) and result.recaptured == ()
+    assert served_by_graph(reg, model)
+
+
+def test_two_registries_copying_back_one_model_settle_after_one_refresh_each(backend: str) -> None:
+    first, model = make(backend)
+    second = cg.GraphRegistry(lambda batch, x: model(x), {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)},
+                              backend=backend, in_place_refresh=True)
+    with torch.inference_mode():
+        second.capture(KEYS)
+    for seed in (17, 18):
+        model.load_state_dict(new_state(model, seed), assign=True)
+        first.refresh()
+        second.refresh()
+
+        assert served_by_graph(first, model) and served_by_graph(second, model)
+        assert first.refresh().recaptured == () and second.refresh().recaptured == ()  # settled: nothing moves again
+
+
+def test_a_refresh_while_a_run_is_in_progress_on_another_thread_copies_nothing(backend: str) -> None:
+    import threading
+
+    inside, release, blocking = threading.Event(), threading.Event(), [False]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)).to(device_of(backend))
+    device = next(model.parameters()).device
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        if blocking[0]:  # one eager step, held on the serving thread while refresh() runs on this one
+            blocking[0] = False
+            inside.set()
+            release.wait(10)
+        return model(x)
+
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)}, backend=backend,
+                           in_place_refresh=True)
+    with torch.inference_mode():
+        reg.capture(KEYS)
+    model.load_state_dict(new_state(model, 20), assign=True)
+    blocking[0] = True
+    runner = threading.Thread(target=lambda: reg.run(B(3, 3), exclude=["full"], x=torch.randn(3, WIDTH, device=device)))
+    runner.start()
+    assert inside.wait(10)
+
+    result = reg.refresh()
+    release.set()
+    runner.join()
+
+    assert result.copied == () and any("a run() was in progress on another thread" in why for why in result.not_copied)
+    assert len(result.recaptured) == len(KEYS)
+    assert served_by_graph(reg, model)
