@@ -170,6 +170,7 @@ class Lifecycle:
         copied: tuple[str, ...] = ()
         not_copied: tuple[str, ...] = ()
         if moved and watch.hold:
+            self._backend.synchronize()  # the replays queued so far read the old values to their end
             with self.paused() as paused:  # no replay on another thread while the weights change under it
                 if paused:
                     copied, not_copied = self._job.in_recorded_context(lambda: self._copy_back(now))

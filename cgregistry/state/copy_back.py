@@ -237,7 +237,8 @@ def copy_back(moves: list[Move], others: Mapping[str, torch.Tensor], aliases: It
 
 
 def _synchronize(moves: list[Move]) -> None:
-    """Wait for every stream of the devices ``moves`` live on: a replay in flight on any stream reads the old values to
-    its end, and the next one, on any stream, reads the new ones."""
+    """Wait for the calling thread's stream on the devices ``moves`` live on: the replays it queued read the old values
+    to their end, and, the copies done, the next replay on any stream reads the new ones.  (The caller waited for the
+    whole device before it stopped ``run()``; a device-wide wait here would wait for a capture thread standing aside.)"""
     for device in {m.old.device for m in moves if m.old.device.type == "cuda"}:
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()

@@ -462,3 +462,18 @@ def test_a_refresh_while_a_run_is_in_progress_on_another_thread_copies_nothing(b
     assert result.copied == () and any("a run() was in progress on another thread" in why for why in result.not_copied)
     assert len(result.recaptured) == len(KEYS)
     assert served_by_graph(reg, model)
+
+
+def test_a_copy_back_beside_captures_in_flight_on_the_capture_thread_finishes(backend: str) -> None:
+    reg, model = make(backend)
+    more = [(B(n, n), "full") for n in (1, 2, 3, 4, 5, 6)]
+    with torch.inference_mode():
+        reg.capture(more, background=True)  # the capture thread records while refresh() copies
+    model.load_state_dict(new_state(model, 21), assign=True)
+
+    reg.refresh()
+    assert reg.wait_captured(timeout=60)
+    reg.refresh()  # what the capture thread recorded against the handed-over memory is captured again
+
+    assert reg.wait_captured(timeout=60)
+    assert all(served_by_graph(reg, model, n) for n in (1, 4, 6, 8, 16))
