@@ -55,6 +55,7 @@ class Lifecycle:
     def __init__(
         self, catalog: Catalog, job: CaptureJob, background: BackgroundCapture, adapter: Adapter | None, events: Events,
         buffers: Mapping[str, StaticBuffer], backend: Any, name: str,
+        paused: Callable[[], contextlib.AbstractContextManager[bool]],
     ) -> None:
         self._catalog = catalog
         self._job = job
@@ -65,8 +66,7 @@ class Lifecycle:
         self._backend = backend
         self._name = name
         self.asleep: Slept | None = None
-        # Held while refresh() copies weights back in place (the server's turn, given by the registry once it has one).
-        self.paused: Callable[[], contextlib.AbstractContextManager[bool]] = lambda: contextlib.nullcontext(True)
+        self._paused = paused  # the server's turn, held while refresh() copies weights back in place
 
     def refuse_asleep(self, call: str) -> None:
         """``call`` runs the step: refused while the registry sleeps (the engine may have offloaded what the step reads)."""
@@ -171,7 +171,7 @@ class Lifecycle:
         not_copied: tuple[str, ...] = ()
         if moved and watch.hold:
             self._backend.synchronize()  # the replays queued so far read the old values to their end
-            with self.paused() as paused:  # no replay on another thread while the weights change under it
+            with self._paused() as paused:  # no replay on another thread while the weights change under it
                 if paused:
                     copied, not_copied = self._job.in_recorded_context(lambda: self._copy_back(now))
                 else:

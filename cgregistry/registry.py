@@ -130,10 +130,10 @@ class GraphRegistry:
         self.plan_changes: collections.deque[PlanChange] = (
             adapter.plan_changes if adapter is not None else collections.deque(maxlen=PLAN_CHANGES_KEPT)
         )
-        self._lifecycle = Lifecycle(catalog, job, background, adapter, events, buffers, self.backend, self.name)
         parts = (step, catalog, job, background, adapter, events, frozenset(buffers), self.name)
         self._server = DebugServer(*parts, watch=job.watch) if self.debug else Server(*parts)
-        self._lifecycle.paused = self._server.paused
+        self._lifecycle = Lifecycle(catalog, job, background, adapter, events, buffers, self.backend, self.name,
+                                    self._server.paused)
         if type(self).run is _DEFINED_RUN:  # not overridden by a subclass (nor patched on the class): see run()
             self.run = self._server.run  # type: ignore[method-assign]  # the hot path itself: no call in between
         events.registry_created()
