@@ -14,16 +14,15 @@ from collections.abc import Callable
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.profiler import ProfilerActivity, profile
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs, random_batch
 
 try:
-    from benchmarks.timing import per_call_us, reduce_overhead_warmed
+    from benchmarks.timing import per_call_us, per_step_on_gpu, reduce_overhead_warmed
 except ImportError:  # run as a script from benchmarks/
-    from timing import per_call_us, reduce_overhead_warmed  # type: ignore[no-redef]
+    from timing import per_call_us, per_step_on_gpu, reduce_overhead_warmed  # type: ignore[no-redef]
 
 SIZES = (1, 8, 64)
 
@@ -36,20 +35,6 @@ class Off(CustomGraphPass):
 
     def uuid(self) -> str:
         return "off"
-
-
-def per_step_on_gpu(fn: Callable[[], object], steps: int = 20) -> tuple[float, float, float]:
-    """GPU kernel µs, kernels and device-to-device copies a step."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    copies = sum(1 for e in kernels if "emcpy" in e.name)
-    return sum(e.device_time for e in kernels) / steps, len(kernels) / steps, copies / steps
 
 
 def main() -> None:

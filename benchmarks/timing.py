@@ -10,6 +10,29 @@ from collections.abc import Callable, Iterable
 import torch
 
 
+def per_step_on_gpu(fn: Callable[[], object], steps: int = 20, top: int = 0) -> tuple[float, float, float]:
+    """GPU kernel µs, kernels and device-to-device copies a step; with ``top``, print the ``top`` kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = sum(1 for e in kernels if "emcpy" in e.name)
+    if top:
+        by_name: dict[str, list[float]] = {}
+        for e in kernels:
+            by_name.setdefault(e.name, []).append(e.device_time)
+        ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+        for name, times in ranked:
+            print(f"    {sum(times) / steps:8.1f} us a step, {len(times) / steps:5.1f} a step, {name[:110]}")
+    return sum(e.device_time for e in kernels) / steps, len(kernels) / steps, copies / steps
+
+
 def per_call_us(fn: Callable[[], object], iters: int, repeats: int = 7) -> float:
     """Median over repeats of wall time per call, GPU drained before and after each repeat."""
     for _ in range(max(iters // 10, 3)):
