@@ -61,11 +61,18 @@ import torch.distributed
 import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, apply_rotary_pos_emb
 
 import cgregistry as cg
 from cgregistry.backends import ReservedMemory
 from cgregistry.distributed import HostAgreement
 from cgregistry.plan.workload import read_trace
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the attention's reference path serves
+    triton = None
 
 ATTENTION = "cgregistry_paged"
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -144,16 +151,14 @@ def capture_context(mode: str) -> HostBatch | None:
 @torch.library.custom_op("cgregistry_hf::paged_attention", mutates_args=("k_cache", "v_cache"))
 def _paged_attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, slots: torch.Tensor, bias: torch.Tensor, block_table: torch.Tensor, block_size: int,
+    slot_mapping: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
     scaling: float | None,
 ) -> torch.Tensor:
     """Write this step's K/V at ``slot_mapping`` (padded tokens write the scratch slot), then attend.  Query is
-    (1, heads, tokens, head_dim); the result (tokens, heads, head_dim).  ``slots`` and ``bias``: the step's attention
+    (1, heads, tokens, head_dim); the result (tokens, heads, head_dim).  ``slots`` and ``lens``: the step's attention
     metadata (``attention_metadata``), built once for every layer.  A custom op that declares the caches it
     writes: dynamo and Inductor take it as it is (``torch.compile``, Inductor pieces, ``full`` over them)."""
-    k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (tokens, kv_heads, head_dim)
-    k_cache.index_copy_(0, slot_mapping, k_new)
-    v_cache.index_copy_(0, slot_mapping, v_new)
+    write_kv(k_cache, v_cache, slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))  # (tokens, kv_heads, d)
     q = query[0].transpose(0, 1)  # (tokens, heads, head_dim)
     batch = cg.current_batch()
     host = batch.payload if batch is not None else None
@@ -164,12 +169,12 @@ def _paged_attention_op(
     caches = (k_cache, v_cache, block_size)
     if isinstance(host, HostBatch) and not recording:
         return varlen_attention(caches, q, host, block_table, scaling)
-    return static_attention(caches, q, slots, bias, scaling)
+    return static_attention(caches, q, slots, lens, scaling)
 
 
 @_paged_attention_op.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-      slot_mapping: torch.Tensor, slots: torch.Tensor, bias: torch.Tensor, block_table: torch.Tensor, block_size: int,
+      slot_mapping: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
       scaling: float | None) -> torch.Tensor:
     return query.new_empty((query.shape[2], query.shape[1], query.shape[3]))
 
@@ -181,10 +186,10 @@ paged_attention_op = cg.eager_break(_paged_attention_op)
 def paged_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
     scaling: float | None = None, dropout: float = 0.0, *, cg_slot_mapping: torch.Tensor, cg_slots: torch.Tensor,
-    cg_bias: torch.Tensor, cg_block_table: torch.Tensor, **_: Any,
+    cg_lens: torch.Tensor, cg_block_table: torch.Tensor, **_: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface over the layer's paged cache (``paged_attention_op``)."""
-    out = paged_attention_op(query, key, value, module.k_cache, module.v_cache, cg_slot_mapping, cg_slots, cg_bias,
+    out = paged_attention_op(query, key, value, module.k_cache, module.v_cache, cg_slot_mapping, cg_slots, cg_lens,
                              cg_block_table, module.block_size, scaling)
     return out[None], None  # (1, tokens, heads, head_dim), as HF's own attention functions return
 
@@ -193,12 +198,11 @@ Caches = tuple[torch.Tensor, torch.Tensor, int]  # a layer's K and V caches and 
 
 
 def attention_metadata(
-    positions: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-    block_size: int, dtype: torch.dtype,
+    positions: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The static attention's metadata, once a step for every layer (as an engine builds it): the cache slot of each
-    token's context, (tokens, context), through ``query_start_loc`` and ``block_table``; and the additive mask that
-    lets it see the positions up to its own, (tokens, 1, 1, context).  Padded tokens see one slot (no NaN)."""
+    token's context, (tokens, context), through ``query_start_loc`` and ``block_table``; and how many of them it
+    sees, (tokens,): the positions up to its own, within its request's length.  Padded tokens see one slot (no NaN)."""
     t = torch.arange(positions.shape[0], device=positions.device)
     # Each token's request: how many requests after the first start at or before it.  Tokens past the last request's
     # (padding) count the same as its own.  (A count, not a search over a slice of query_start_loc: Inductor's lowering
@@ -208,16 +212,19 @@ def attention_metadata(
     req = ((query_start_loc[None, :] <= t[:, None]) & later[None, :]).sum(1)
     j = torch.arange(block_table.shape[1] * block_size, device=positions.device)
     slots = block_table[req][:, j // block_size] * block_size + j % block_size
-    visible = (j[None, :] <= positions[:, None]) & (j[None, :] < seq_lens[req][:, None])
-    bias = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
-    return slots, bias[:, None, None, :]
+    lens = torch.minimum(positions + 1, seq_lens[req]).clamp_(min=1)
+    return slots, lens
 
 
-def static_attention(caches: Caches, q: torch.Tensor, slots: torch.Tensor, bias: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """Every token attends over the cache at its ``slots``, masked by ``bias`` (``attention_metadata``)."""
+def static_attention(caches: Caches, q: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Every token attends over the first ``lens`` of its ``slots`` (``attention_metadata``): one Triton kernel on CUDA
+    (``decode_attention``), else each token's whole slot row gathered and masked, then SDPA."""
     k_cache, v_cache, _ = caches
+    if uses_kernels(q, k_cache):
+        return decode_attention(k_cache, v_cache, q, slots, lens, scaling)
     k, v = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)  # (tokens, kv_heads, ctx, d)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=bias.to(q.dtype), scale=scaling, enable_gqa=True)
+    visible = torch.arange(slots.shape[1], device=q.device)[None, :] < lens[:, None]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=visible[:, None, None, :], scale=scaling, enable_gqa=True)
     return out[:, :, 0, :]
 
 
@@ -239,6 +246,150 @@ def varlen_attention(
     attended = F.scaled_dot_product_attention(q[:used, :, None, :], k, v, attn_mask=visible[:, None, None, :], scale=scaling, enable_gqa=True)
     out[:used] = attended[:, :, 0, :]
     return out
+
+
+# --------------------------------------------------------------------------- Triton kernels (CUDA)
+#
+# The static attention in two kernels a layer, as an engine's own attention backend would: one writes the step's K
+# and V rows, one attends over the paged cache, each (token, KV head) reading only the slots it sees, its query
+# heads (the GQA group) as the rows of one tile.  Where a batch has too few (token, KV head) pairs to fill the GPU
+# (decode at small batches) the context splits across programs and a third kernel combines their partial softmaxes.
+
+KERNELS = True  # False: the CUDA path runs the gather-and-SDPA reference instead (for A/B measurements and tests)
+DECODE_BLOCK = 128  # context slots a program reads per loop step
+MAX_SPLITS = 16
+
+
+def uses_kernels(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the Triton kernels take this layer: CUDA, Triton importable, a power-of-two head size of 16 or more,
+    the cache contiguous (its rows addressed by slot)."""
+    dim = q.shape[-1]
+    return (KERNELS and triton is not None and q.is_cuda and dim >= 16 and dim & (dim - 1) == 0
+            and k_cache.is_contiguous() and k_cache.dtype == q.dtype)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    """Each token's K and V rows (tokens, kv_heads, d) into the caches at ``slot_mapping``: one kernel on CUDA."""
+    tokens, heads, dim = k_new.shape
+    if uses_kernels(k_new, k_cache) and v_cache.is_contiguous() and k_new.stride(-1) == 1 and v_new.stride(-1) == 1:
+        _write_kv_kernel[(tokens,)](
+            k_new, v_new, k_cache, v_cache, slot_mapping, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+            k_cache.stride(0), k_cache.stride(1), HEADS=heads, HEADS_P2=triton.next_power_of_2(heads), DIM=dim,
+        )
+        return
+    k_cache.index_copy_(0, slot_mapping, k_new)
+    v_cache.index_copy_(0, slot_mapping, v_new)
+
+
+def context_splits(pairs: int, context: int, device: torch.device) -> int:
+    """How many programs share one (token, KV head)'s context: enough for about two programs an SM, at most
+    ``MAX_SPLITS`` and one per ``DECODE_BLOCK`` slots.  It depends on shapes only, so a graph replays its choice."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, -(-2 * sms // pairs), -(-context // DECODE_BLOCK)))
+
+
+def decode_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
+                     scaling: float | None) -> torch.Tensor:
+    """``static_attention`` on CUDA: q (tokens, heads, d) over the first ``lens[t]`` of ``slots[t]``; (tokens, heads, d)."""
+    tokens, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    slots = slots if slots.stride(-1) == 1 else slots.contiguous()
+    out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
+    splits = context_splits(tokens * kv_heads, slots.shape[1], q.device)
+    if splits > 1:
+        m = torch.empty((tokens, heads, splits), dtype=torch.float32, device=q.device)
+        partial = torch.empty((tokens, heads, splits, dim), dtype=torch.float32, device=q.device)
+        l_sum = torch.empty_like(m)
+    else:
+        m = l_sum = partial = out  # not read: the kernel writes the output itself
+    _decode_attention_kernel[(tokens, kv_heads, splits)](
+        q, k_cache, v_cache, slots, lens, out, m, l_sum, partial, scaling if scaling is not None else dim ** -0.5,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), slots.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=DECODE_BLOCK, SPLIT=splits > 1,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    if splits > 1:
+        _combine_splits_kernel[(tokens, heads)](m, l_sum, partial, out, out.stride(0), out.stride(1), splits,
+                                                HEADS=heads, SPLITS_P2=triton.next_power_of_2(MAX_SPLITS), DIM=dim)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _write_kv_kernel(k_new, v_new, k_cache, v_cache, slot_mapping, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                         c_stride_s, c_stride_h, HEADS: tl.constexpr, HEADS_P2: tl.constexpr, DIM: tl.constexpr):
+        token = tl.program_id(0)
+        slot = tl.load(slot_mapping + token)
+        heads = tl.arange(0, HEADS_P2)[:, None]
+        dims = tl.arange(0, DIM)[None, :]
+        live = heads < HEADS
+        into = slot * c_stride_s + heads * c_stride_h + dims
+        tl.store(k_cache + into, tl.load(k_new + token * k_stride_t + heads * k_stride_h + dims, mask=live), mask=live)
+        tl.store(v_cache + into, tl.load(v_new + token * v_stride_t + heads * v_stride_h + dims, mask=live), mask=live)
+
+    @triton.jit
+    def _decode_attention_kernel(
+        q_ptr, k_cache, v_cache, slots_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, partial_ptr, scale,
+        q_stride_t, q_stride_h, c_stride_s, c_stride_h, slots_stride_t, out_stride_t, out_stride_h,
+        GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        token, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        splits = tl.num_programs(2)
+        rows = tl.arange(0, ROWS)
+        dims = tl.arange(0, DIM)
+        live = rows < GROUP  # the group's query heads; the tile's other rows are zeros, never stored
+        heads = kv_head * GROUP + rows
+        q = tl.load(q_ptr + token * q_stride_t + heads[:, None] * q_stride_h + dims[None, :], mask=live[:, None], other=0.0)
+        seen = tl.load(lens_ptr + token)
+        chunk = tl.cdiv(tl.cdiv(seen, splits), BLOCK) * BLOCK
+        start = split * chunk
+        stop = tl.minimum(start + chunk, seen)
+        top = tl.full([ROWS], float("-inf"), tl.float32)
+        total = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, DIM], tl.float32)
+        for first in range(start, stop, BLOCK):
+            cols = first + tl.arange(0, BLOCK)
+            inside = cols < stop
+            slot = tl.load(slots_ptr + token * slots_stride_t + cols, mask=inside, other=0)
+            at = slot[:, None] * c_stride_s + kv_head * c_stride_h + dims[None, :]
+            k = tl.load(k_cache + at, mask=inside[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.where(inside[None, :], scores, float("-inf"))
+            new_top = tl.maximum(top, tl.max(scores, 1))
+            p = tl.exp(scores - new_top[:, None])
+            rescale = tl.exp(top - new_top)
+            v = tl.load(v_cache + at, mask=inside[:, None], other=0.0)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            total = total * rescale + tl.sum(p, 1)
+            top = new_top
+        if SPLIT:  # partial softmax of this split: its maximum, its sum and its unnormalized output
+            row = (token * tl.num_programs(1) * GROUP + heads) * splits + split
+            tl.store(m_ptr + row, top, mask=live)
+            tl.store(l_ptr + row, total, mask=live)
+            tl.store(partial_ptr + row[:, None] * DIM + dims[None, :], acc, mask=live[:, None])
+        else:
+            out = acc / total[:, None]
+            tl.store(out_ptr + token * out_stride_t + heads[:, None] * out_stride_h + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+    @triton.jit
+    def _combine_splits_kernel(m_ptr, l_ptr, partial_ptr, out_ptr, out_stride_t, out_stride_h, splits,
+                               HEADS: tl.constexpr, SPLITS_P2: tl.constexpr, DIM: tl.constexpr):
+        token, head = tl.program_id(0), tl.program_id(1)
+        each = tl.arange(0, SPLITS_P2)
+        live = each < splits
+        at = (token * HEADS + head) * splits + each
+        top = tl.load(m_ptr + at, mask=live, other=float("-inf"))
+        weight = tl.exp(top - tl.max(top, 0))  # an empty split (maximum -inf) weighs 0
+        total = tl.sum(tl.load(l_ptr + at, mask=live, other=0.0) * weight, 0)
+        dims = tl.arange(0, DIM)
+        partial = tl.load(partial_ptr + at[:, None] * DIM + dims[None, :], mask=live[:, None], other=0.0)
+        out = tl.sum(partial * weight[:, None], 0) / total
+        tl.store(out_ptr + token * out_stride_t + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty))
+
 
 
 AttentionInterface.register(ATTENTION, paged_attention)  # no mask function registered: HF builds no mask for it
@@ -384,6 +535,113 @@ def back_kv_cache(model: LlamaForCausalLM, shape: EngineShape, reservations: lis
     return EngineShape(shape.max_num_seqs, shape.max_num_tokens, shape.block_size, shape.max_blocks_per_req, kv_blocks=int(blocks))
 
 
+# --------------------------------------------------------------------------- fused projections
+
+
+class FusedAttention(LlamaAttention):
+    """HF's Llama attention with its q, k and v projections as one matmul (``fuse_projections``).  Served through the
+    paged attention only: under any other attention implementation (the HF check's SDPA) it is HF's own forward,
+    reading ``q/k/v_proj``, whose weights are views of the fused one."""
+
+    qkv_weight: nn.Parameter
+    qkv_bias: nn.Parameter | None
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention_mask: Any = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        if self.config._attn_implementation != ATTENTION:
+            return super().forward(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs)
+        tokens = hidden_states.shape[:-1]
+        q, k, v = F.linear(hidden_states, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        q, k, v = (x.view(*tokens, -1, self.head_dim).transpose(1, 2) for x in (q, k, v))
+        cos, sin = position_embeddings  # type: ignore[misc]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out, _ = paged_attention(self, q, k, v, attention_mask, scaling=self.scaling, **kwargs)
+        return self.o_proj(out.reshape(*tokens, -1)), None
+
+
+class FusedMLP(LlamaMLP):
+    """HF's Llama MLP with its gate and up projections as one matmul (``fuse_projections``); HF's own forward under
+    any attention implementation but the paged one, as ``FusedAttention``."""
+
+    gate_up_weight: nn.Parameter
+    gate_up_bias: nn.Parameter | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config._attn_implementation != ATTENTION:
+            return super().forward(x)
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Fuse, in place, each layer's q/k/v projections into one matmul and its gate/up projections into another, as an
+    engine's loader does (at decode batch 1 a small matmul is latency-bound: fewer, larger ones read the weights
+    faster); return ``model``.  Each fused weight is a new parameter (``qkv_weight``, ``gate_up_weight``) and the
+    projections' own weights become views of it, so HF's checkpoint names still load, by copy (``load_state_dict``,
+    ``copy_``).  A parameter assigned to one of those names instead would not be read: every step refuses to run
+    (``unfused_projections`` names them) until ``fuse_projections`` runs again, which fuses the layers it finds split.
+    (A ``.data`` swap is not seen.)  Call it after ``shard_model``, not before."""
+    split = getattr(model, "split_projections", set())
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(attn, FusedAttention) or any(f"model.layers.{i}.{name}" in split for name in QKV):
+            attn.qkv_weight, attn.qkv_bias = _fused_parameter(model, attn, QKV)
+            attn.qkv_sizes = [getattr(attn, name).weight.shape[0] for name in QKV]
+            attn.__class__ = FusedAttention
+        if not isinstance(mlp, FusedMLP) or any(f"model.layers.{i}.{name}" in split for name in GATE_UP):
+            mlp.gate_up_weight, mlp.gate_up_bias = _fused_parameter(model, mlp, GATE_UP)
+            mlp.__class__ = FusedMLP
+        for name in QKV + GATE_UP:
+            _projection_of[getattr(attn if name in QKV else mlp, name)] = (weakref.ref(model), f"model.layers.{i}.{name}")
+    model.split_projections = set()
+    return model
+
+
+QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+_projection_of: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[Any], str]] = weakref.WeakKeyDictionary()
+
+
+def unfused_projections(model: LlamaForCausalLM) -> list[str]:
+    """The projections of a fused model given a new parameter since ``fuse_projections``, which the fused matmuls do
+    not read; empty for an unfused model."""
+    return sorted(getattr(model, "split_projections", ()))
+
+
+def _note_new_parameter(module: nn.Module, name: str, param: Any) -> None:
+    """A parameter registered on a fused projection (``proj.weight = ...``): its model's fused weight no longer has it."""
+    owner = _projection_of.get(module)
+    model = owner[0]() if owner is not None else None
+    if model is not None and name in ("weight", "bias"):
+        model.split_projections.add(owner[1])  # type: ignore[index]
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_note_new_parameter)
+
+
+def _fused_parameter(model: LlamaForCausalLM, module: nn.Module, names: tuple[str, ...]) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """The weights (and biases) of ``module``'s linear layers ``names`` stacked into one new parameter each, the
+    layers' own parameters made views of it."""
+    linears = [getattr(module, name) for name in names]
+    for linear in linears:
+        _projection_of.pop(linear, None)  # its views, registered below, are no assignment to note
+    fused: list[nn.Parameter | None] = []
+    for attr in ("weight", "bias"):
+        parts = [getattr(linear, attr) for linear in linears]
+        if all(p is None for p in parts):
+            fused.append(None)
+            continue
+        if any(p is None for p in parts):
+            raise ValueError(f"fuse_projections: of {', '.join(names)}, only {[n for n, p in zip(names, parts) if p is not None]} "
+                             f"have a {attr}; expected all or none")
+        whole = nn.Parameter(torch.cat([p.detach() for p in parts]), requires_grad=False)
+        start = 0
+        for linear, part in zip(linears, parts):
+            setattr(linear, attr, nn.Parameter(whole.detach()[start : start + part.shape[0]], requires_grad=False))
+            start += part.shape[0]
+        fused.append(whole)
+    return fused[0], fused[1]
+
+
 # --------------------------------------------------------------------------- tensor parallel
 
 
@@ -500,6 +758,8 @@ def shard_model(model: LlamaForCausalLM, rank: int, world: int, group: Any = Non
     (``gate/up_proj`` by rows) and its ``down_proj`` becomes one: two all-reduces per decoder layer.  Every rank
     must start from the same weights (``build_model`` with the same seed).  The config still describes the full model.
     """
+    if isinstance(model.model.layers[0].self_attn, FusedAttention):
+        raise ValueError("shard_model: the model's projections are fused; shard it first, then fuse_projections")
     shard = TensorParallelShard.of(model.config, rank, world)
     (h0, h1), (k0, k1), (i0, i1) = shard.heads, shard.kv_heads, shard.intermediate
     for layer in model.model.layers:
@@ -544,6 +804,9 @@ def make_step(model: LlamaForCausalLM, forward: Any) -> Any:
     def step(batch: cg.BatchDescriptor, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
              logits_indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        if getattr(model, "split_projections", None) and not torch.compiler.is_compiling():
+            raise RuntimeError(f"{', '.join(unfused_projections(model))}: given a new parameter after fuse_projections, "
+                               "which the fused matmuls do not read; load weights by copy, or call fuse_projections(model) again")
         hidden = forward(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_table)
         return {"hidden": hidden, "logits": model.lm_head(hidden[logits_indices])}
 
@@ -557,10 +820,10 @@ def decoder(model: LlamaForCausalLM) -> Any:
 
     def forward(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                 seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        slots, bias = attention_metadata(positions, query_start_loc, seq_lens, block_table, attn.block_size, attn.k_cache.dtype)
+        slots, lens = attention_metadata(positions, query_start_loc, seq_lens, block_table, attn.block_size)
         out = model.model(
             input_ids=input_ids[None], position_ids=positions[None], use_cache=False, cg_slot_mapping=slot_mapping,
-            cg_slots=slots, cg_bias=bias, cg_block_table=block_table,
+            cg_slots=slots, cg_lens=lens, cg_block_table=block_table,
         )
         return out.last_hidden_state[0]
 
@@ -798,7 +1061,7 @@ def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, r
           max_new: int, backend: str = "auto", check: bool = True, progress: Progress | None = None,
           group: Any = None, background: bool = False, gpu_memory_utilization: float | None = None,
           graph_and_kv_bytes: int | None = None, inductor: bool = False, capture_first: bool = False,
-          ) -> tuple[EngineResult, cg.GraphRegistry | None]:
+          fuse: bool = False) -> tuple[EngineResult, cg.GraphRegistry | None]:
     """Build, capture and serve ``requests`` trace requests in ``mode``; with ``check``, compare with HF.
 
     ``progress``: reports each stage that runs long (model, capture, serving, the HF check) on stderr.
@@ -811,6 +1074,7 @@ def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, r
     ``inductor``: the decoder compiled once by Inductor, in pieces around the attention, for every key (``new_registry``).
     ``capture_first`` (with a budget): no estimate; the KV cache's addresses reserved (``reserve_kv_cache``), the plan
     captured, then the cache backed with what the budget has left (``back_kv_cache``).
+    ``fuse``: the q/k/v and gate/up projections fused (``fuse_projections``; HF's check still runs HF's own modules).
     """
     report = progress or Progress(mode, after=float("inf"))
     sizing = gpu_memory_utilization is not None or graph_and_kv_bytes is not None
@@ -825,6 +1089,8 @@ def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, r
         rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         model = shard_model(copy.deepcopy(model) if check else model, rank, world, group)
     report.update(f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} billion parameters")
+    if fuse:
+        fuse_projections(model)
     report.begin("capturing")
     bar = None if config == "tiny" else group is None or torch.distributed.get_rank(group) == 0  # a bar for long captures
     if capture_first:
@@ -952,6 +1218,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inductor", action="store_true",
                         help="compile the decoder once with Inductor, in pieces around the attention op, for every key "
                              "(full keys: the pieces and the attention in one graph); cuda only")
+    parser.add_argument("--fuse-projections", action="store_true",
+                        help="serve with each layer's q/k/v and gate/up projections fused into one matmul each, as an "
+                             "engine's loader does (HF's check still runs HF's own modules over the same weights)")
     parser.add_argument("--background", action="store_true",
                         help="capture on the registry's capture thread while serving (one process only: not with --tp > 1)")
     args = parser.parse_args(argv)
@@ -999,7 +1268,7 @@ def main(argv: list[str] | None = None) -> None:
             result, reg = serve(args.config, mode, device=device, shape=shape, requests=args.requests, max_prompt=max_prompt,
                                 max_new=max_new, backend=backend, progress=Progress(mode if rank == 0 else "", after=5.0 if rank == 0 else math.inf),
                                 group=group, background=args.background, gpu_memory_utilization=utilization,
-                                inductor=args.inductor, capture_first=args.capture_first)
+                                inductor=args.inductor, capture_first=args.capture_first, fuse=args.fuse_projections)
             stats = reg.stats() if reg is not None else None
             served = f"{stats.hits} graph steps, {stats.misses} eager" if stats else "eager"
             if rank == 0:

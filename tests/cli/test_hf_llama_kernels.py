@@ -1,0 +1,171 @@
+"""The example engine's faster step (examples/hf_llama.py): fused projections, and its attention's Triton kernels on
+CUDA, each against the plain path it replaces (HF's own modules; the gather-and-SDPA attention)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import cgregistry as cg
+from tests.example_modules import load_example
+
+pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'")
+
+hf = load_example("hf_llama.py")
+
+SHAPE = hf.EngineShape(max_num_seqs=4, max_num_tokens=16, block_size=4, max_blocks_per_req=4)
+CPU = torch.device("cpu")
+
+
+class CountMatmuls(TorchDispatchMode):
+    """How many matrix products run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def decode_inputs(n: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    table = 1 + torch.randperm(SHAPE.num_blocks - 1, generator=g)[: n * SHAPE.max_blocks_per_req].view(n, -1)
+    pos = torch.randint(0, SHAPE.max_context, (n,), generator=g)
+    return dict(input_ids=torch.randint(0, 256, (n,), generator=g), positions=pos,
+                slot_mapping=table.gather(1, (pos // SHAPE.block_size)[:, None])[:, 0] * SHAPE.block_size + pos % SHAPE.block_size,
+                query_start_loc=torch.arange(n + 1), seq_lens=pos + 1, block_table=table, logits_indices=torch.arange(n))
+
+
+def test_fused_projections_compute_what_hf_modules_compute_in_fewer_matmuls() -> None:
+    plain, fused = hf.build_model("tiny", CPU, SHAPE), hf.fuse_projections(hf.build_model("tiny", CPU, SHAPE))
+    layers = len(plain.model.layers)
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 3):
+        batch, inputs = cg.BatchDescriptor.decode(n), decode_inputs(n, g)
+        counts = []
+        outs = []
+        for model in (plain, fused):
+            with torch.no_grad(), cg.eager_batch(batch), CountMatmuls() as mode:
+                outs.append(hf.make_step(model, hf.decoder(model))(batch, **inputs))
+            counts.append(mode.count)
+        torch.testing.assert_close(outs[1]["logits"], outs[0]["logits"], rtol=1e-5, atol=1e-5)
+        for ours, theirs in zip(fused.model.layers, plain.model.layers):
+            torch.testing.assert_close(ours.self_attn.k_cache, theirs.self_attn.k_cache, rtol=1e-5, atol=1e-6)
+        assert counts == [7 * layers + 1, 4 * layers + 1], counts  # the LM head is the + 1
+
+
+def test_a_copy_into_a_projection_reaches_the_fused_matmul() -> None:
+    """HF's names load by copy: the projection's weight is a view of the fused one."""
+    model = hf.fuse_projections(hf.build_model("tiny", CPU, SHAPE))
+    reference = hf.build_model("tiny", CPU, SHAPE)
+    new = {k: v + 0.01 * torch.randn_like(v) for k, v in reference.state_dict().items() if "proj" in k}
+    reference.load_state_dict(new, strict=False)
+    model.load_state_dict(new, strict=False)
+    g = torch.Generator().manual_seed(2)
+    batch, inputs = cg.BatchDescriptor.decode(2), decode_inputs(2, g)
+    with torch.no_grad(), cg.eager_batch(batch):
+        got = hf.make_step(model, hf.decoder(model))(batch, **inputs)["logits"]
+        want = hf.make_step(reference, hf.decoder(reference))(batch, **inputs)["logits"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert hf.unfused_projections(model) == []
+
+
+def test_an_assigned_projection_is_refused_until_fused_again_and_then_read() -> None:
+    model = hf.fuse_projections(hf.build_model("tiny", CPU, SHAPE))
+    reference = hf.build_model("tiny", CPU, SHAPE)
+    step, want_step = hf.make_step(model, hf.decoder(model)), hf.make_step(reference, hf.decoder(reference))
+    reg = cg.GraphRegistry(step, hf.static_inputs(SHAPE), backend="cpu", output_axis=hf.OUTPUT_AXES)
+    reg.capture([(cg.BatchDescriptor.decode(2), "full")])
+    reg.watch(model)
+    new = torch.randn_like(reference.model.layers[1].mlp.up_proj.weight)
+    reference.model.layers[1].mlp.up_proj.weight = torch.nn.Parameter(new.clone(), requires_grad=False)
+    model.model.layers[1].mlp.up_proj.weight = torch.nn.Parameter(new.clone(), requires_grad=False)
+    assert hf.unfused_projections(model) == ["model.layers.1.up_proj"]
+    g = torch.Generator().manual_seed(3)
+    batch, inputs = cg.BatchDescriptor.decode(2), decode_inputs(2, g)
+    with pytest.raises(RuntimeError, match=r"model\.layers\.1\.up_proj: given a new parameter after fuse_projections"):
+        with torch.no_grad(), cg.eager_batch(batch):
+            step(batch, **inputs)
+    hf.fuse_projections(model)
+    assert hf.unfused_projections(model) == []
+    reg.refresh()
+    with torch.no_grad(), cg.eager_batch(batch):
+        want = want_step(batch, **inputs)["logits"]
+    torch.testing.assert_close(reg.run(batch, **inputs)["logits"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_shard_model_refuses_a_fused_model() -> None:
+    model = hf.fuse_projections(hf.build_model("tiny", CPU, SHAPE))
+    with pytest.raises(ValueError, match="shard it first, then fuse_projections"):
+        hf.shard_model(model, 0, 2)
+
+
+def test_the_hf_check_runs_hf_own_modules_on_a_fused_model() -> None:
+    """Under SDPA (the HF check) a fused layer is HF's forward: a fused weight that disagreed would show."""
+    model = hf.fuse_projections(hf.build_model("tiny", CPU, SHAPE))
+    ids = torch.randint(0, 256, (1, 6))
+    model.config._attn_implementation = "sdpa"
+    try:
+        with torch.no_grad(), CountMatmuls() as mode:
+            model(input_ids=ids, use_cache=False)
+    finally:
+        model.config._attn_implementation = hf.ATTENTION
+    assert mode.count >= 7 * len(model.model.layers)
+
+
+needs_triton = pytest.mark.skipif(hf.triton is None, reason="Triton (the CUDA kernels)")
+
+
+def reference_attention(caches, q, slots, lens, scaling):  # type: ignore[no-untyped-def]
+    hf.KERNELS = False
+    try:
+        return hf.static_attention(caches, q, slots, lens, scaling)
+    finally:
+        hf.KERNELS = True
+
+
+@pytest.mark.cuda
+@needs_triton
+@pytest.mark.parametrize(("dtype", "heads", "kv_heads", "dim"), [
+    (torch.bfloat16, 32, 8, 64), (torch.float16, 8, 8, 128), (torch.float32, 4, 2, 16), (torch.bfloat16, 12, 4, 64),
+])
+def test_the_attention_kernels_match_gather_and_sdpa(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> None:
+    """Every token at its own length (1 to the whole row), slots scattered over the cache, batches that split the
+    context over programs (few tokens) and that do not (many)."""
+    device = torch.device("cuda")
+    g = torch.Generator(device="cpu").manual_seed(heads + dim)
+    slots_total, context = 4096, 1024
+    for tokens in (1, 2, 7, 33, 300):
+        k_cache = torch.randn(slots_total, kv_heads, dim, generator=g).to(device, dtype)
+        v_cache = torch.randn(slots_total, kv_heads, dim, generator=g).to(device, dtype)
+        q = torch.randn(heads, tokens, dim, generator=g).to(device, dtype).transpose(0, 1)  # HF's layout, as the op sees it
+        slots = torch.stack([torch.randperm(slots_total, generator=g)[:context] for _ in range(tokens)]).to(device)
+        lens = torch.randint(1, context + 1, (tokens,), generator=g)
+        lens[0], lens[-1] = 1, context
+        lens = lens.to(device)
+        caches = (k_cache, v_cache, 16)
+        got = hf.static_attention(caches, q, slots, lens, None)
+        want = reference_attention(caches, q, slots, lens, None)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"{tokens} tokens")
+        k_new = torch.randn(kv_heads, tokens, dim, generator=g).to(device, dtype).transpose(0, 1)
+        v_new = torch.randn(kv_heads, tokens, dim, generator=g).to(device, dtype).transpose(0, 1)
+        at = torch.randperm(slots_total, generator=g)[:tokens].to(device)
+        hf.write_kv(k_cache, v_cache, at, k_new, v_new)
+        assert torch.equal(k_cache[at], k_new) and torch.equal(v_cache[at], v_new)
+
+
+@pytest.mark.cuda
+@needs_triton
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "full"])
+def test_the_fused_engine_on_cuda_serves_the_trace_like_hugging_face(mode: str) -> None:
+    result, reg = hf.serve("tiny", mode, device=torch.device("cuda"), shape=SHAPE, requests=6, max_prompt=12, max_new=4,
+                           backend="cuda", fuse=True)
+    assert len(result.finished) == 6 and all(s.generated == s.max_new for s in result.finished)
+    assert result.max_abs_error < 1e-3
+    stats = reg.stats()
+    assert stats.hits == result.steps and stats.misses == 0
+
