@@ -11,9 +11,12 @@ against Hugging Face's own forward.
 ``full`` keys over those pieces (attention inline) at decode batch 1, 8 and 32, against
 ``torch.compile(mode="reduce-overhead")`` of the same step at batch 1 and the time to read the weights
 once at the card's memory bandwidth; then the engine serves the trace with ``full_and_piecewise`` over
-the same compile, every logit checked against Hugging Face's forward.
+the same compile, every logit checked against Hugging Face's forward.  ``--fused`` adds, in the same process, the
+engine's faster step: q/k/v and gate/up projections fused (``fuse_projections``) and the attention's Triton kernels
+(``KERNELS``), measured the same way after the HF-module step, with its logits also held against that step's; the
+trace is then served with it.
 
-    PYTHONPATH=. python3 benchmarks/gpu_hf_llama.py [--requests 48] [--inductor]
+    PYTHONPATH=. python3 benchmarks/gpu_hf_llama.py [--requests 48] [--inductor [--fused]]
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import cgregistry as cg
 from cgregistry.inspection import CapturePhases
 
 sys.path.insert(0, str(Path(__file__).parent))
-from timing import per_call_us, static_graph  # noqa: E402
+from timing import per_call_us, per_step_on_gpu, static_graph  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("hf_llama", Path(__file__).parent.parent / "examples" / "hf_llama.py")
 hf = importlib.util.module_from_spec(_spec)
@@ -41,7 +44,8 @@ SHAPE = hf.EngineShape(max_num_seqs=64, max_num_tokens=512, block_size=16, max_b
 
 
 def decode_inputs(n: int, context: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """A decode batch of ``n`` requests, each at position ``context`` with its own blocks."""
+    """A decode batch of ``n`` requests, each at position ``context`` with its own blocks (the same tokens each call)."""
+    torch.manual_seed(n)
     blocks = SHAPE.max_blocks_per_req
     table = 1 + torch.arange(n * blocks, device=device).view(n, blocks) % (SHAPE.num_blocks - 1)  # block 0: the scratch block
     pos = torch.full((n,), context, device=device)
@@ -84,10 +88,12 @@ def step_latency(model: torch.nn.Module, device: torch.device, sizes: list[int],
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # the cards' published memory bandwidth (SXM)
 
 
-def inductor_latency(model: torch.nn.Module, device: torch.device, sizes: list[int], iters: int) -> list[tuple]:
+def inductor_latency(model: torch.nn.Module, device: torch.device, sizes: list[int], iters: int,
+                     baseline: dict[int, torch.Tensor]) -> list[tuple]:
     """Decode steps: ``full`` keys over the one Inductor compile against reduce-overhead of the same step (batch 1
     only: each batch size is a compile of its own there).  Rows: batch, eager, full over Inductor, reduce-overhead
-    (None past batch 1), both errors against eager, the registry's start-up and reduce-overhead's."""
+    (None past batch 1), both errors against eager, the full step's error against ``baseline``'s logits (filled with
+    this eager step's where empty), the registry's start-up and reduce-overhead's."""
     eager_step = hf.make_step(model, hf.decoder(model))
     holder: dict[str, object] = {}
     reg = cg.GraphRegistry(hf.make_step(model, lambda *a: holder["compiled"](*a)), hf.static_inputs(SHAPE),
@@ -108,9 +114,14 @@ def inductor_latency(model: torch.nn.Module, device: torch.device, sizes: list[i
         inputs = decode_inputs(n, 500, device)
         with torch.inference_mode():
             want = eager_step(batch, **inputs)["logits"].float()
+            baseline.setdefault(n, want)
             t_eager = per_call_us(lambda: eager_step(batch, **inputs), max(iters // 5, 5))
             t_reg = per_call_us(lambda: reg.run(batch, **inputs), iters)
-            err_reg = (reg.run(batch, **inputs)["logits"].float() - want).abs().max().item()
+            got = reg.run(batch, **inputs)["logits"].float()
+            err_reg, err_base = (got - want).abs().max().item(), (got - baseline[n]).abs().max().item()
+            if n == 1:
+                gpu_us, kernels, _ = per_step_on_gpu(lambda: reg.run(batch, **inputs), top=12)
+                print(f"  batch 1 full over Inductor: {gpu_us:.1f} GPU us, {kernels:.0f} kernels a step (the top 12 above)")
             t_ro = err_ro = ro_startup = None
             if n == 1:
                 def plain(**i: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -126,16 +137,18 @@ def inductor_latency(model: torch.nn.Module, device: torch.device, sizes: list[i
                 t_ro = per_call_us(lambda: ro(**inputs), iters)
                 err_ro = (ro(**inputs)["logits"].float() - want).abs().max().item()
         assert reg.match(batch).strategy == "full"
-        rows.append((n, t_eager, t_reg, t_ro, err_reg, err_ro, reg_startup, ro_startup))
+        rows.append((n, t_eager, t_reg, t_ro, err_reg, err_ro, err_base, reg_startup, ro_startup))
     return rows
 
 
 def trace_replay(device: torch.device, requests: int, modes: tuple[str, ...] = ("none", "full_and_breakable", "full_and_piecewise"),
-                 inductor: bool = False) -> list[tuple]:
+                 inductor: bool = False, fuse: bool = False) -> list[tuple]:
     rows = []
     for mode in modes:
         started = time.perf_counter()
         model = hf.build_model("llama-3.2-1b", device, SHAPE)
+        if fuse:
+            hf.fuse_projections(model)
         reg = hf.build_registry(model, SHAPE, mode, inductor=inductor and mode != "none")
         setup = time.perf_counter() - started
         engine = hf.Engine(model, SHAPE, reg, keep_logits=True)
@@ -155,7 +168,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--inductor", action="store_true", help="full over one Inductor compile against reduce-overhead")
+    parser.add_argument("--fused", action="store_true", help="with --inductor: also the fused projections and Triton attention")
     args = parser.parse_args()
+    if args.fused and not args.inductor:
+        parser.error("argument --fused: measured with --inductor")
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; Llama-3.2-1B shape (16 x 2048, 32 heads, 8 KV heads, "
           f"vocab 32000), bf16; KV cache {SHAPE.num_blocks} blocks of {SHAPE.block_size}")
@@ -179,21 +195,29 @@ def main() -> None:
 
 
 def inductor_main(model: torch.nn.Module, device: torch.device, args: argparse.Namespace) -> None:
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    weight_bytes = sum(storages.values())
     card = next((name for name in HBM_BYTES_PER_S if name in torch.cuda.get_device_name()), None)
     read_us = weight_bytes / HBM_BYTES_PER_S[card] * 1e6 if card else float("nan")
-    rows = inductor_latency(model, device, [1, 8, 32], args.iters)
+    print(f"weights {weight_bytes / 1e9:.2f} GB: read once in {read_us:.0f} us at {card}'s bandwidth")
+    baseline: dict[int, torch.Tensor] = {}
+    variants = [("HF modules, gather + SDPA attention", False)] + ([("fused projections, Triton attention", True)] if args.fused else [])
+    for label, fast in variants:
+        hf.KERNELS = fast
+        if fast:
+            hf.fuse_projections(model)
+        print(f"\n{label}")
+        rows = inductor_latency(model, device, [1, 8, 32], args.iters, baseline)
+        print(f"{'batch':>5} {'eager us':>9} {'full/Inductor us':>16} {'reduce-overhead us':>18} {'full/ro':>7} {'full/read':>9} "
+              f"{'|full-eager|':>12} {'|ro-eager|':>10} {'|full-HF step|':>14}")
+        for n, e, f, ro, ef, er, eb, _, _ in rows:
+            ro_text = f"{ro:18.1f} {f / ro:7.3f}" if ro else f"{'-':>18} {'-':>7}"
+            print(f"{n:5d} {e:9.1f} {f:16.1f} {ro_text} {f / read_us:9.2f} {ef:12.2e} {er if er is not None else float('nan'):10.2e} {eb:14.2e}")
+        print(f"start-up: registry (trace, compile, 3 full keys) {rows[0][7]:.1f} s; reduce-overhead at batch 1 alone {rows[0][8]:.1f} s")
     del model
     torch.cuda.empty_cache()
-    print(f"\nweights {weight_bytes / 1e9:.2f} GB: read once in {read_us:.0f} us at {card}'s bandwidth")
-    print(f"{'batch':>5} {'eager us':>9} {'full/Inductor us':>16} {'reduce-overhead us':>18} {'full/ro':>7} {'full/read':>9} "
-          f"{'|full-eager|':>12} {'|ro-eager|':>10}")
-    for n, e, f, ro, ef, er, _, _ in rows:
-        ro_text = f"{ro:18.1f} {f / ro:7.3f}" if ro else f"{'-':>18} {'-':>7}"
-        print(f"{n:5d} {e:9.1f} {f:16.1f} {ro_text} {f / read_us:9.2f} {ef:12.2e} {er if er is not None else float('nan'):10.2e}")
-    print(f"start-up: registry (trace, compile, 3 full keys) {rows[0][6]:.1f} s; reduce-overhead at batch 1 alone {rows[0][7]:.1f} s")
-    trace = trace_replay(device, args.requests, ("none", "full_and_piecewise"), inductor=True)
-    print(f"\ntrace replay, Inductor pieces: {args.requests} bundled-trace requests")
+    trace = trace_replay(device, args.requests, ("none", "full_and_piecewise"), inductor=True, fuse=args.fused)
+    print(f"\ntrace replay, Inductor pieces{', fused projections and Triton attention' if args.fused else ''}: {args.requests} bundled-trace requests")
     base = trace[0][2] / trace[0][3]
     for mode, steps, tokens, secs, setup, graphs, hits, misses, err in trace:
         print(f"{mode:19} {steps:5d} steps {tokens:6d} tokens {tokens / secs:9.1f} tok/s {tokens / secs / base:6.2f}x eager, "

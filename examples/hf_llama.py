@@ -14,7 +14,12 @@ slot for padded rows, varlen metadata (``query_start_loc``, ``seq_lens``, ``bloc
   (``current_batch()``).  An eager engine (``--mode none``) makes the same choices, so the registry's
   speed-up is launch overhead removed, not a different kernel.
 
-Every step's logits are compared with Hugging Face's own forward (its SDPA attention, no cache)
+On CUDA, where Triton is importable, the static path runs as Triton kernels (one writes K and V, one attends over
+the slots each token sees, one combines the context's splits at small batches); elsewhere it gathers each token's
+slots and runs SDPA.  ``--fuse-projections`` serves with each layer's q/k/v and gate/up projections as one matmul
+each (``fuse_projections``), as an engine's loader stacks them.
+
+Every step's logits are compared with Hugging Face's own forward (its SDPA attention, no cache, HF's own modules)
 over each request's tokens.  Needs the ``hf`` extra (``pip install -e '.[hf]'``).
 
 ``--tp N`` (under torchrun, one process a rank) serves the model tensor parallel, Megatron style
@@ -35,6 +40,7 @@ estimated (``reg.estimate_memory``), the KV cache given what is left of F of the
     python examples/hf_llama.py --config llama-3.2-1b --mode full --gpu-memory-utilization 0.5  # KV cache sized last
     python examples/hf_llama.py --config llama-3.2-1b --mode full --gpu-memory-utilization 0.9 --capture-first
     python examples/hf_llama.py --config llama-3.2-1b --mode full_and_piecewise --inductor       # one Inductor compile
+    python examples/hf_llama.py --config llama-3.2-1b --mode full --inductor --fuse-projections  # the fast decode step
     torchrun --standalone --nproc-per-node 2 examples/hf_llama.py --tp 2          # TP=2: gloo on CPU, NCCL on GPUs
 
 ``llama-3.2-1b`` is GPU-sized (1.1 billion parameters): on a CPU it runs, but each mode takes many

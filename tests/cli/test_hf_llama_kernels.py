@@ -169,3 +169,9 @@ def test_the_fused_engine_on_cuda_serves_the_trace_like_hugging_face(mode: str) 
     stats = reg.stats()
     assert stats.hits == result.steps and stats.misses == 0
 
+
+
+def test_the_command_line_serves_fused_projections_within_the_hf_tolerance(capsys: pytest.CaptureFixture[str]) -> None:
+    hf.main(["--fuse-projections", "--mode", "full_and_piecewise", "--mode", "none", "--requests", "3"])
+    out = capsys.readouterr().out
+    assert "full_and_piecewise" in out and "none" in out and "max |logit - HF|" in out
