@@ -7,7 +7,7 @@ same bundled-trace requests eagerly and through the registry (decode ``full``, m
 ``breakable`` or ``piecewise``), and reports end-to-end tokens/s, with every logit checked
 against Hugging Face's own forward.
 
-``--inductor`` instead: the decoder compiled once by Inductor, in pieces around the attention op, and
+``--inductor`` instead: the step (decoder and LM head) compiled once by Inductor, in pieces around the attention op, and
 ``full`` keys over those pieces (attention inline) at decode batch 1, 8 and 32, against
 ``torch.compile(mode="reduce-overhead")`` of the same step at batch 1 and the time to read the weights
 once at the card's memory bandwidth; then the engine serves the trace with ``full_and_piecewise`` over
@@ -95,10 +95,24 @@ def inductor_latency(model: torch.nn.Module, device: torch.device, sizes: list[i
     (None past batch 1), both errors against eager, the full step's error against ``baseline``'s logits (filled with
     this eager step's where empty), the registry's start-up and reduce-overhead's."""
     eager_step = hf.make_step(model, hf.decoder(model))
-    holder: dict[str, object] = {}
-    reg = cg.GraphRegistry(hf.make_step(model, lambda *a: holder["compiled"](*a)), hf.static_inputs(SHAPE),
-                           output_axis=hf.OUTPUT_AXES, name="full-inductor")
-    holder["compiled"] = reg.compile(hf.decoder(model), inductor=True)
+    forward = hf.decoder(model)
+
+    def decode_and_head(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                        logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole step, as reduce-overhead compiles it: the decoder and the LM head in one trace."""
+        hidden = forward(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_table)
+        return hidden, model.lm_head(hidden[logits_indices])
+
+    names = list(hf.static_inputs(SHAPE))  # decode_and_head's arguments, in order
+
+    def step(batch: cg.BatchDescriptor, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden, logits = compiled(*(inputs[name] for name in names))
+        return {"hidden": hidden, "logits": logits}
+
+    reg = cg.GraphRegistry(step, hf.static_inputs(SHAPE), output_axis=hf.OUTPUT_AXES, name="full-inductor")
+    compiled = reg.compile(decode_and_head, inductor=True)
+    holder = {"compiled": compiled}
     torch.cuda.synchronize()
     started = time.perf_counter()
     with torch.inference_mode():
