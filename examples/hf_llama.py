@@ -223,7 +223,7 @@ def attention_metadata(
 
 
 def static_attention(caches: Caches, q: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """Every token attends over the first ``lens`` of its ``slots`` (``attention_metadata``): one Triton kernel on CUDA
+    """Every token attends over the first ``lens`` of its ``slots`` (``attention_metadata``): Triton kernels on CUDA
     (``decode_attention``), else each token's whole slot row gathered and masked, then SDPA."""
     k_cache, v_cache, _ = caches
     if uses_kernels(q, k_cache):
