@@ -108,6 +108,7 @@ def inductor_latency(model: torch.nn.Module, device: torch.device, sizes: list[i
     names = list(hf.static_inputs(SHAPE))  # decode_and_head's arguments, in order
 
     def step(batch: cg.BatchDescriptor, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        hf.check_fused(model)  # as the example's step: a fused weight its projections no longer reach is refused
         hidden, logits = compiled(*(inputs[name] for name in names))
         return {"hidden": hidden, "logits": logits}
 

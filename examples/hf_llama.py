@@ -50,7 +50,9 @@ minutes.  Work that takes longer than a few seconds reports its progress on stde
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import gc
 import math
 import os
@@ -226,7 +228,7 @@ def static_attention(caches: Caches, q: torch.Tensor, slots: torch.Tensor, lens:
     """Every token attends over the first ``lens`` of its ``slots`` (``attention_metadata``): Triton kernels on CUDA
     (``decode_attention``), else each token's whole slot row gathered and masked, then SDPA."""
     k_cache, v_cache, _ = caches
-    if uses_kernels(q, k_cache):
+    if uses_kernels(q, k_cache, v_cache):
         return decode_attention(k_cache, v_cache, q, slots, lens, scaling)
     k, v = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)  # (tokens, kv_heads, ctx, d)
     visible = torch.arange(slots.shape[1], device=q.device)[None, :] < lens[:, None]
@@ -266,18 +268,28 @@ DECODE_BLOCK = 128  # context slots a program reads per loop step
 MAX_SPLITS = 16
 
 
-def uses_kernels(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def uses_kernels(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the Triton kernels take this layer: CUDA, Triton importable, a power-of-two head size of 16 or more,
-    the cache contiguous (its rows addressed by slot)."""
+    both caches contiguous and alike (rows addressed by slot), and the attention's K and V tiles, in Triton's three
+    pipeline stages, within the device's shared memory (else the launch would fail: the reference path serves)."""
     dim = q.shape[-1]
     return (KERNELS and triton is not None and q.is_cuda and dim >= 16 and dim & (dim - 1) == 0
-            and k_cache.is_contiguous() and k_cache.dtype == q.dtype)
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype == q.dtype
+            and k_cache.shape == v_cache.shape
+            and 3 * 2 * DECODE_BLOCK * dim * q.element_size() <= shared_memory_per_block(q.device))
+
+
+@functools.cache
+def shared_memory_per_block(device: torch.device) -> int:
+    """The most shared memory one program may take on ``device`` (its opt-in limit; 99 KiB where torch does not say)."""
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 99 * 1024)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
     """Each token's K and V rows (tokens, kv_heads, d) into the caches at ``slot_mapping``: one kernel on CUDA."""
     tokens, heads, dim = k_new.shape
-    if uses_kernels(k_new, k_cache) and v_cache.is_contiguous() and k_new.stride(-1) == 1 and v_new.stride(-1) == 1:
+    if uses_kernels(k_new, k_cache, v_cache) and k_new.stride(-1) == 1 and v_new.stride(-1) == 1:
+        slot_mapping = slot_mapping if slot_mapping.stride(0) == 1 else slot_mapping.contiguous()
         _write_kv_kernel[(tokens,)](
             k_new, v_new, k_cache, v_cache, slot_mapping, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             k_cache.stride(0), k_cache.stride(1), HEADS=heads, HEADS_P2=triton.next_power_of_2(heads), DIM=dim,
@@ -302,6 +314,7 @@ def decode_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tens
     group = heads // kv_heads
     q = q if q.stride(-1) == 1 else q.contiguous()
     slots = slots if slots.stride(-1) == 1 else slots.contiguous()
+    lens = lens if lens.stride(0) == 1 else lens.contiguous()
     out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
     splits = context_splits(tokens * kv_heads, slots.shape[1], q.device)
     if splits > 1:
@@ -544,7 +557,59 @@ def back_kv_cache(model: LlamaForCausalLM, shape: EngineShape, reservations: lis
 # --------------------------------------------------------------------------- fused projections
 
 
-class FusedAttention(LlamaAttention):
+class FusedProjections(nn.Module):
+    """What ``FusedAttention`` and ``FusedMLP`` share: the fused weight (``<fused>_weight``, ``<fused>_bias``) whose
+    rows the projections ``names`` view.  The links survive what moves parameters (``.to``, ``to_empty``, ``deepcopy``,
+    pickling): each re-slices the views from the fused weight.  ``split``: what no longer reads through the fused
+    weight (a replaced module, a parameter that could not be copied in), refused by every step until re-fused."""
+
+    names: tuple[str, ...]
+    fused: str
+    links: list[tuple[str, nn.Module, str, torch.Tensor, int]]  # label, the module holding it, its name, it, its address
+    split: set[str]
+
+    def relink(self) -> None:
+        """Make each projection's parameters views of its rows of the fused ones again, and note what they are."""
+        self.links = []
+        for attr in ("weight", "bias"):
+            whole = getattr(self, f"{self.fused}_{attr}")
+            if whole is None:
+                continue
+            start = 0
+            for name in self.names:
+                linear = getattr(self, name)
+                rows = getattr(linear, attr).shape[0]
+                view = nn.Parameter(whole.detach()[start : start + rows], requires_grad=False)
+                with rewiring():
+                    setattr(linear, attr, view)
+                self.links.append((f"{name}.{attr}", linear, attr, view, view.data_ptr()))
+                _projection_of[linear] = (weakref.ref(self), name)
+                start += rows
+            self.links.append((f"{self.fused}_{attr}", self, f"{self.fused}_{attr}", whole, whole.data_ptr()))
+
+    def linked(self) -> bool:
+        """Whether every projection still reads through the fused weight."""
+        return not self.split and all(getattr(owner, name) is param and param.data_ptr() == at
+                                      for _, owner, name, param, at in self.links)
+
+    def unlinked(self) -> list[str]:
+        """The projections (and fused parameters) that no longer read through the fused weight."""
+        moved = set(self.split)
+        moved.update(label for label, owner, name, param, at in self.links
+                     if getattr(owner, name) is not param or param.data_ptr() != at)
+        return sorted(moved)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        out = super()._apply(fn, recurse)  # each parameter converted on its own: the views are copies now
+        self.relink()
+        return out
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # deepcopy and unpickling: the views were copied apart
+        super().__setstate__(state)
+        self.relink()
+
+
+class FusedAttention(FusedProjections, LlamaAttention):
     """HF's Llama attention with its q, k and v projections as one matmul (``fuse_projections``).  Served through the
     paged attention only: under any other attention implementation (the HF check's SDPA) it is HF's own forward,
     reading ``q/k/v_proj``, whose weights are views of the fused one."""
@@ -565,7 +630,7 @@ class FusedAttention(LlamaAttention):
         return self.o_proj(out.reshape(*tokens, -1)), None
 
 
-class FusedMLP(LlamaMLP):
+class FusedMLP(FusedProjections, LlamaMLP):
     """HF's Llama MLP with its gate and up projections as one matmul (``fuse_projections``); HF's own forward under
     any attention implementation but the paged one, as ``FusedAttention``."""
 
@@ -579,73 +644,137 @@ class FusedMLP(LlamaMLP):
         return self.down_proj(self.act_fn(gate) * up)
 
 
+QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+
+
 def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """Fuse, in place, each layer's q/k/v projections into one matmul and its gate/up projections into another, as an
     engine's loader does (at decode batch 1 a small matmul is latency-bound: fewer, larger ones read the weights
-    faster); return ``model``.  Each fused weight is a new parameter (``qkv_weight``, ``gate_up_weight``) and the
-    projections' own weights become views of it, so HF's checkpoint names still load, by copy (``load_state_dict``,
-    ``copy_``).  A parameter assigned to one of those names instead would not be read: every step refuses to run
-    (``unfused_projections`` names them) until ``fuse_projections`` runs again, which fuses the layers it finds split.
-    (A ``.data`` swap is not seen.)  Call it after ``shard_model``, not before."""
-    split = getattr(model, "split_projections", set())
+    faster); return ``model``.  Each fused weight is a new parameter (``qkv_weight``, ``gate_up_weight``); the
+    projections' own weights become views of it, so HF's names still load (a strict load of an HF checkpoint too)
+    and HF's check reads the same memory.
+
+    A weight sync is a copy into that memory, whichever way it comes: ``load_state_dict`` (with ``assign=True``
+    too), ``copy_``, or a new ``nn.Parameter`` assigned to a projection or to a fused weight (its values are copied in
+    and the parameter already there stays, so graphs keep reading it).  What cannot be copied in (another shape,
+    dtype or device), a projection module replaced (a LoRA or quantized wrapper), or a ``.data`` swap is refused by
+    every step (``unfused_projections`` names it) until ``fuse_projections`` runs again, which fuses the layers it
+    finds split.  ``.to``, ``to_empty``, ``deepcopy`` and pickling keep the views.  The state_dict holds the fused
+    weights and the projections' views of them; safetensors (``save_pretrained``) refuses tensors that share memory:
+    save an unfused model.  Call it after ``shard_model``."""
+    fused: list[FusedProjections] = []
     for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        if not isinstance(attn, FusedAttention) or any(f"model.layers.{i}.{name}" in split for name in QKV):
-            attn.qkv_weight, attn.qkv_bias = _fused_parameter(model, attn, QKV)
-            attn.qkv_sizes = [getattr(attn, name).weight.shape[0] for name in QKV]
-            attn.__class__ = FusedAttention
-        if not isinstance(mlp, FusedMLP) or any(f"model.layers.{i}.{name}" in split for name in GATE_UP):
-            mlp.gate_up_weight, mlp.gate_up_bias = _fused_parameter(model, mlp, GATE_UP)
-            mlp.__class__ = FusedMLP
-        for name in QKV + GATE_UP:
-            _projection_of[getattr(attn if name in QKV else mlp, name)] = (weakref.ref(model), f"model.layers.{i}.{name}")
-    model.split_projections = set()
+        for module, names, kind, prefix, part in ((layer.self_attn, QKV, FusedAttention, "qkv", "self_attn"),
+                                                  (layer.mlp, GATE_UP, FusedMLP, "gate_up", "mlp")):
+            if not isinstance(module, kind) or not module.linked():
+                _fuse(module, names, kind, prefix, f"model.layers.{i}.{part}")
+            fused.append(module)
+    model.fused_projections = fused
     return model
 
 
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+
+
+def _fuse(module: nn.Module, names: tuple[str, ...], kind: type[FusedProjections], prefix: str, path: str) -> None:
+    """Stack the weights (and biases) of ``module``'s linear layers ``names`` into one new parameter each, make
+    ``module`` a ``kind`` and the layers' own parameters views of the stacked ones."""
+    linears = [getattr(module, name) for name in names]
+    wrapped = [f"{path}.{name}" for name, linear in zip(names, linears) if type(linear) is not nn.Linear]
+    if wrapped:
+        raise ValueError(f"fuse_projections: {', '.join(wrapped)} is not a plain nn.Linear (a wrapper's weights are not "
+                         "all it computes); fuse before wrapping, or serve unfused")
+    for attr in ("weight", "bias"):
+        parts = [getattr(linear, attr) for linear in linears]
+        if any(p is None for p in parts) and not all(p is None for p in parts):
+            raise ValueError(f"fuse_projections: of {', '.join(f'{path}.{n}' for n in names)}, only "
+                             f"{[n for n, p in zip(names, parts) if p is not None]} have a {attr}; expected all or none")
+        whole = None if parts[0] is None else nn.Parameter(torch.cat([p.detach() for p in parts]), requires_grad=False)
+        with rewiring():
+            module.register_parameter(f"{prefix}_{attr}", whole)
+    if not isinstance(module, kind):
+        module.__class__ = kind
+        module.register_load_state_dict_post_hook(_fused_keys_optional)
+    module.names, module.fused, module.split = names, prefix, set()
+    if kind is FusedAttention:
+        module.qkv_sizes = [linear.weight.shape[0] for linear in linears]
+    module.relink()
+
+
 _projection_of: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[Any], str]] = weakref.WeakKeyDictionary()
 
 
+def _fused_keys_optional(module: nn.Module, incompatible: Any) -> None:
+    """A checkpoint without the fused weights (HF's own) loads strictly: the projections it has are their rows."""
+    for key in [k for k in incompatible.missing_keys if k.rsplit(".", 1)[-1] in ("qkv_weight", "qkv_bias", "gate_up_weight", "gate_up_bias")]:
+        incompatible.missing_keys.remove(key)
+
+
 def unfused_projections(model: LlamaForCausalLM) -> list[str]:
-    """The projections of a fused model given a new parameter since ``fuse_projections``, which the fused matmuls do
-    not read; empty for an unfused model."""
-    return sorted(getattr(model, "split_projections", ()))
+    """What of a fused model no longer reads through its fused weights, by module path; empty for an unfused model."""
+    problems = []
+    for i, layer in enumerate(model.model.layers):
+        for module, part in ((layer.self_attn, "self_attn"), (layer.mlp, "mlp")):
+            if isinstance(module, FusedProjections):
+                problems += [f"model.layers.{i}.{part}.{name}" for name in module.unlinked()]
+    return problems
 
 
-def _note_new_parameter(module: nn.Module, name: str, param: Any) -> None:
-    """A parameter registered on a fused projection (``proj.weight = ...``): its model's fused weight no longer has it."""
+def check_fused(model: LlamaForCausalLM) -> None:
+    """Raise if what a fused model's projections hold no longer reaches its fused weights (``unfused_projections``):
+    the step's check, at every eager step and capture (about 5 µs a layer on a CPU core; replays do not run it)."""
+    if not all(module.linked() for module in getattr(model, "fused_projections", ())):
+        raise RuntimeError(f"{', '.join(unfused_projections(model))}: no longer read through the fused weights "
+                           "(fuse_projections): load weights into the parameters already there, or call "
+                           "fuse_projections(model) again")
+
+
+_rewiring = False  # fuse_projections placing its own parameters: no assignment to copy or note
+
+
+@contextlib.contextmanager
+def rewiring() -> Any:
+    """While ``fuse_projections`` itself places the fused parameters and their views."""
+    global _rewiring
+    _rewiring = True
+    try:
+        yield
+    finally:
+        _rewiring = False
+
+
+def _copy_into_fused(module: nn.Module, name: str, param: Any) -> Any:
+    """A parameter assigned to a fused projection or to a fused weight is copied into the one already there, which
+    stays (graphs keep reading it).  One that cannot be copied in (another shape, dtype or device) is noted as split."""
+    if _rewiring:
+        return None
     owner = _projection_of.get(module)
-    model = owner[0]() if owner is not None else None
-    if model is not None and name in ("weight", "bias"):
-        model.split_projections.add(owner[1])  # type: ignore[index]
+    if owner is not None and name in ("weight", "bias"):
+        fused, label = owner[0](), f"{owner[1]}.{name}"
+    elif isinstance(module, FusedProjections) and name in (f"{module.fused}_weight", f"{module.fused}_bias"):
+        fused, label = module, name
+    else:
+        return None
+    if fused is None or getattr(fused, "links", None) is None:
+        return None
+    current = getattr(module, name, None)
+    if (isinstance(param, torch.Tensor) and current is not None and param.shape == current.shape
+            and param.dtype == current.dtype and param.device == current.device and fused.linked()):
+        with torch.no_grad():
+            current.copy_(param)
+        return current
+    fused.split.add(label)
+    return None
 
 
-torch.nn.modules.module.register_module_parameter_registration_hook(_note_new_parameter)
+def _note_replaced_projection(module: nn.Module, name: str, submodule: Any) -> None:
+    """A projection module of a fused layer replaced: the fused matmul would not compute what it computes."""
+    if isinstance(module, FusedProjections) and name in getattr(module, "names", ()) and getattr(module, name, None) is not submodule:
+        module.split.add(name)
 
 
-def _fused_parameter(model: LlamaForCausalLM, module: nn.Module, names: tuple[str, ...]) -> tuple[nn.Parameter, nn.Parameter | None]:
-    """The weights (and biases) of ``module``'s linear layers ``names`` stacked into one new parameter each, the
-    layers' own parameters made views of it."""
-    linears = [getattr(module, name) for name in names]
-    for linear in linears:
-        _projection_of.pop(linear, None)  # its views, registered below, are no assignment to note
-    fused: list[nn.Parameter | None] = []
-    for attr in ("weight", "bias"):
-        parts = [getattr(linear, attr) for linear in linears]
-        if all(p is None for p in parts):
-            fused.append(None)
-            continue
-        if any(p is None for p in parts):
-            raise ValueError(f"fuse_projections: of {', '.join(names)}, only {[n for n, p in zip(names, parts) if p is not None]} "
-                             f"have a {attr}; expected all or none")
-        whole = nn.Parameter(torch.cat([p.detach() for p in parts]), requires_grad=False)
-        start = 0
-        for linear, part in zip(linears, parts):
-            setattr(linear, attr, nn.Parameter(whole.detach()[start : start + part.shape[0]], requires_grad=False))
-            start += part.shape[0]
-        fused.append(whole)
-    return fused[0], fused[1]
+torch.nn.modules.module.register_module_parameter_registration_hook(_copy_into_fused)
+torch.nn.modules.module.register_module_module_registration_hook(_note_replaced_projection)
 
 
 # --------------------------------------------------------------------------- tensor parallel
@@ -764,7 +893,7 @@ def shard_model(model: LlamaForCausalLM, rank: int, world: int, group: Any = Non
     (``gate/up_proj`` by rows) and its ``down_proj`` becomes one: two all-reduces per decoder layer.  Every rank
     must start from the same weights (``build_model`` with the same seed).  The config still describes the full model.
     """
-    if isinstance(model.model.layers[0].self_attn, FusedAttention):
+    if isinstance(model.model.layers[0].self_attn, FusedProjections):
         raise ValueError("shard_model: the model's projections are fused; shard it first, then fuse_projections")
     shard = TensorParallelShard.of(model.config, rank, world)
     (h0, h1), (k0, k1), (i0, i1) = shard.heads, shard.kv_heads, shard.intermediate
@@ -810,9 +939,8 @@ def make_step(model: LlamaForCausalLM, forward: Any) -> Any:
     def step(batch: cg.BatchDescriptor, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
              logits_indices: torch.Tensor) -> dict[str, torch.Tensor]:
-        if getattr(model, "split_projections", None) and not torch.compiler.is_compiling():
-            raise RuntimeError(f"{', '.join(unfused_projections(model))}: given a new parameter after fuse_projections, "
-                               "which the fused matmuls do not read; load weights by copy, or call fuse_projections(model) again")
+        if not torch.compiler.is_compiling():
+            check_fused(model)
         hidden = forward(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_table)
         return {"hidden": hidden, "logits": model.lm_head(hidden[logits_indices])}
 

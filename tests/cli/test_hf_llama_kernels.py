@@ -73,28 +73,103 @@ def test_a_copy_into_a_projection_reaches_the_fused_matmul() -> None:
     assert hf.unfused_projections(model) == []
 
 
-def test_an_assigned_projection_is_refused_until_fused_again_and_then_read() -> None:
+def logits_of(model, inputs, batch):  # type: ignore[no-untyped-def]
+    with torch.no_grad(), cg.eager_batch(batch):
+        return hf.make_step(model, hf.decoder(model))(batch, **inputs)["logits"]
+
+
+def test_an_assigned_parameter_is_copied_in_and_the_graphs_keep_serving_without_a_refresh() -> None:
+    """A sync by assignment (a new nn.Parameter, load_state_dict(assign=True)) onto a projection or a fused weight
+    becomes a copy into the memory the graphs read: the parameter already there stays."""
     model = hf.fuse_projections(hf.build_model("tiny", CPU, SHAPE))
     reference = hf.build_model("tiny", CPU, SHAPE)
-    step, want_step = hf.make_step(model, hf.decoder(model)), hf.make_step(reference, hf.decoder(reference))
-    reg = cg.GraphRegistry(step, hf.static_inputs(SHAPE), backend="cpu", output_axis=hf.OUTPUT_AXES)
-    reg.capture([(cg.BatchDescriptor.decode(2), "full")])
+    reg = cg.GraphRegistry(hf.make_step(model, hf.decoder(model)), hf.static_inputs(SHAPE), backend="cpu", output_axis=hf.OUTPUT_AXES)
+    batch = cg.BatchDescriptor.decode(2)
+    reg.capture([(batch, "full")])
     reg.watch(model)
-    new = torch.randn_like(reference.model.layers[1].mlp.up_proj.weight)
-    reference.model.layers[1].mlp.up_proj.weight = torch.nn.Parameter(new.clone(), requires_grad=False)
-    model.model.layers[1].mlp.up_proj.weight = torch.nn.Parameter(new.clone(), requires_grad=False)
-    assert hf.unfused_projections(model) == ["model.layers.1.up_proj"]
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[0].mlp
+    held = attn.k_proj.weight
     g = torch.Generator().manual_seed(3)
-    batch, inputs = cg.BatchDescriptor.decode(2), decode_inputs(2, g)
-    with pytest.raises(RuntimeError, match=r"model\.layers\.1\.up_proj: given a new parameter after fuse_projections"):
-        with torch.no_grad(), cg.eager_batch(batch):
-            step(batch, **inputs)
+    new_k = torch.randn(attn.k_proj.weight.shape, generator=g)
+    attn.k_proj.weight = torch.nn.Parameter(new_k.clone(), requires_grad=False)
+    reference.model.layers[1].self_attn.k_proj.weight.data.copy_(new_k)
+    new_gate_up = torch.randn(mlp.gate_up_weight.shape, generator=g)
+    mlp.gate_up_weight = torch.nn.Parameter(new_gate_up.clone(), requires_grad=False)  # the fused weight itself
+    half = new_gate_up.shape[0] // 2
+    reference.model.layers[0].mlp.gate_proj.weight.data.copy_(new_gate_up[:half])
+    reference.model.layers[0].mlp.up_proj.weight.data.copy_(new_gate_up[half:])
+    assert attn.k_proj.weight is held and hf.unfused_projections(model) == []
+    inputs = decode_inputs(2, g)
+    torch.testing.assert_close(reg.run(batch, **inputs)["logits"], logits_of(reference, inputs, batch), rtol=1e-5, atol=1e-5)
+    assert reg.stats().hits == 1
+
+
+@pytest.mark.parametrize("how", ["data swap", "module replaced", "another dtype"])
+def test_what_does_not_reach_the_fused_weight_is_refused_until_fused_again(how: str) -> None:
+    model = hf.fuse_projections(hf.build_model("tiny", CPU, SHAPE))
+    reference = hf.build_model("tiny", CPU, SHAPE)
+    attn = model.model.layers[1].self_attn
+    new = torch.randn(attn.v_proj.weight.shape, generator=torch.Generator().manual_seed(5))
+    if how == "data swap":
+        attn.v_proj.weight.data = new.clone()
+    elif how == "module replaced":
+        fresh = torch.nn.Linear(attn.v_proj.in_features, attn.v_proj.out_features, bias=False)
+        fresh.weight.data.copy_(new)
+        attn.v_proj = fresh
+    else:
+        attn.v_proj.weight = torch.nn.Parameter(new.double(), requires_grad=False)
+    reference.model.layers[1].self_attn.v_proj.weight.data.copy_(new)
+    [problem] = hf.unfused_projections(model)
+    assert problem.startswith("model.layers.1.self_attn.v_proj"), problem
+    batch, inputs = cg.BatchDescriptor.decode(2), decode_inputs(2, torch.Generator().manual_seed(6))
+    with pytest.raises(RuntimeError, match=r"model\.layers\.1\.self_attn\.v_proj.*no longer read through the fused weights"):
+        logits_of(model, inputs, batch)
+    if how == "another dtype":
+        attn.v_proj.weight = torch.nn.Parameter(new, requires_grad=False)  # the engine's fix: the model's dtype
     hf.fuse_projections(model)
     assert hf.unfused_projections(model) == []
-    reg.refresh()
-    with torch.no_grad(), cg.eager_batch(batch):
-        want = want_step(batch, **inputs)["logits"]
-    torch.testing.assert_close(reg.run(batch, **inputs)["logits"], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits_of(model, inputs, batch), logits_of(reference, inputs, batch), rtol=1e-5, atol=1e-5)
+
+
+def test_a_wrapped_projection_is_not_fused() -> None:
+    model = hf.fuse_projections(hf.build_model("tiny", CPU, SHAPE))
+    model.model.layers[0].mlp.up_proj = torch.nn.Sequential(model.model.layers[0].mlp.up_proj)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj is not a plain nn\.Linear"):
+        hf.fuse_projections(model)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "to", "pickle", "to_empty"])
+def test_moves_and_copies_keep_the_projections_views_of_the_fused_weight(how: str) -> None:
+    """What moves parameters one by one (deepcopy, .to, pickling, to_empty then a strict load of an HF checkpoint)
+    leaves the projections views of the fused weight: a load by HF's names still reaches the fused matmul."""
+    import copy
+    import io
+
+    model = hf.fuse_projections(hf.build_model("tiny", CPU, SHAPE))
+    reference = hf.build_model("tiny", CPU, SHAPE, seed=7)
+    if how == "deepcopy":
+        model = copy.deepcopy(model)
+    elif how == "to":
+        model = model.double().float()
+    elif how == "pickle":
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        model = torch.load(buffer, weights_only=False)
+    else:
+        model.to_empty(device=CPU)
+        with torch.no_grad():  # buffers are no checkpoint's: the engine makes them again (caches, RoPE frequencies)
+            for mine, theirs in zip(model.buffers(), reference.buffers()):
+                mine.copy_(theirs)
+    before = sum(p.untyped_storage().nbytes() for p in {p.untyped_storage().data_ptr(): p for p in model.parameters()}.values())
+    model.load_state_dict(reference.state_dict(), strict=how == "to_empty")  # HF's names only
+    assert hf.unfused_projections(model) == []
+    after = sum(p.untyped_storage().nbytes() for p in {p.untyped_storage().data_ptr(): p for p in model.parameters()}.values())
+    assert after == before
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    batch, inputs = cg.BatchDescriptor.decode(2), decode_inputs(2, torch.Generator().manual_seed(8))
+    torch.testing.assert_close(logits_of(model, inputs, batch), logits_of(reference, inputs, batch), rtol=1e-5, atol=1e-5)
 
 
 def test_shard_model_refuses_a_fused_model() -> None:
