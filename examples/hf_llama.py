@@ -57,6 +57,7 @@ import gc
 import math
 import os
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -560,53 +561,74 @@ def back_kv_cache(model: LlamaForCausalLM, shape: EngineShape, reservations: lis
 class FusedProjections(nn.Module):
     """What ``FusedAttention`` and ``FusedMLP`` share: the fused weight (``<fused>_weight``, ``<fused>_bias``) whose
     rows the projections ``names`` view.  The links survive what moves parameters (``.to``, ``to_empty``, ``deepcopy``,
-    pickling): each re-slices the views from the fused weight.  ``split``: what no longer reads through the fused
-    weight (a replaced module, a parameter that could not be copied in), refused by every step until re-fused."""
+    pickling): the projections' parameters, the same objects, are pointed at their rows again.  ``split``: what no
+    longer reads through the fused weight (a parameter that could not be copied in), refused by every step."""
 
     names: tuple[str, ...]
     fused: str
-    links: list[tuple[str, nn.Module, str, torch.Tensor, int]]  # label, the module holding it, its name, it, its address
+    projections: dict[str, nn.Module]  # the projection modules the fused weight stands for
+    links: list[tuple[str, str | None, str, torch.Tensor, int]]  # label, its projection (None: this module), name, it, address
     split: set[str]
 
     def relink(self) -> None:
-        """Make each projection's parameters views of its rows of the fused ones again, and note what they are."""
+        """Point each projection's parameters (the same objects: references an engine holds stay good) at their rows of
+        the fused ones, and note what they are."""
+        self.projections = {name: getattr(self, name) for name in self.names}
         self.links = []
         for attr in ("weight", "bias"):
             whole = getattr(self, f"{self.fused}_{attr}")
             if whole is None:
                 continue
+            parts = [getattr(linear, attr) for linear in self.projections.values()]
+            if whole.shape[0] != sum(p.shape[0] for p in parts) or any(p.shape[1:] != whole.shape[1:] for p in parts):
+                raise ValueError(f"fuse_projections: {self.fused}_{attr} of shape {tuple(whole.shape)} does not stack "
+                                 f"{', '.join(f'{n}.{attr} {tuple(p.shape)}' for n, p in zip(self.names, parts))}")
             start = 0
-            for name in self.names:
-                linear = getattr(self, name)
-                rows = getattr(linear, attr).shape[0]
-                view = nn.Parameter(whole.detach()[start : start + rows], requires_grad=False)
-                with rewiring():
-                    setattr(linear, attr, view)
-                self.links.append((f"{name}.{attr}", linear, attr, view, view.data_ptr()))
+            for (name, linear), part in zip(self.projections.items(), parts):
+                part.data = whole.detach()[start : start + part.shape[0]]
+                self.links.append((f"{name}.{attr}", name, attr, part, part.data_ptr()))
                 _projection_of[linear] = (weakref.ref(self), name)
-                start += rows
-            self.links.append((f"{self.fused}_{attr}", self, f"{self.fused}_{attr}", whole, whole.data_ptr()))
+                start += part.shape[0]
+            self.links.append((f"{self.fused}_{attr}", None, f"{self.fused}_{attr}", whole, whole.data_ptr()))
+
+    def _held(self, projection: str | None, name: str) -> Any:
+        owner = self if projection is None else getattr(self, projection, None)
+        return getattr(owner, name, None)
 
     def linked(self) -> bool:
         """Whether every projection still reads through the fused weight."""
-        return not self.split and all(getattr(owner, name) is param and param.data_ptr() == at
-                                      for _, owner, name, param, at in self.links)
+        return (not self.split and all(getattr(self, name, None) is linear for name, linear in self.projections.items())
+                and all(self._held(projection, name) is param and param.data_ptr() == at
+                        for _, projection, name, param, at in self.links))
 
     def unlinked(self) -> list[str]:
         """The projections (and fused parameters) that no longer read through the fused weight."""
         moved = set(self.split)
-        moved.update(label for label, owner, name, param, at in self.links
-                     if getattr(owner, name) is not param or param.data_ptr() != at)
+        moved.update(name for name, linear in self.projections.items() if getattr(self, name, None) is not linear)
+        moved.update(label for label, projection, name, param, at in self.links
+                     if self._held(projection, name) is not param or param.data_ptr() != at)
         return sorted(moved)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        broken = set(self.unlinked())
         out = super()._apply(fn, recurse)  # each parameter converted on its own: the views are copies now
-        self.relink()
+        if not broken:
+            self.relink()
+        else:  # a layer already split keeps what it holds, and what was split, for fuse_projections to settle
+            self.links = [(label, projection, name, param, param.data_ptr()) for label, projection, name, param, _ in self.links]
+            self.split |= broken
         return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # deepcopy and unpickling: the views were copied apart
         super().__setstate__(state)
-        self.relink()
+        broken = set(self.split)  # addresses mean nothing in a copy: what was split is known by identity only
+        broken.update(name for name, linear in self.projections.items() if getattr(self, name, None) is not linear)
+        broken.update(label for label, projection, name, param, _ in self.links if self._held(projection, name) is not param)
+        if not broken:
+            self.relink()
+        else:
+            self.links = [(label, projection, name, param, param.data_ptr()) for label, projection, name, param, _ in self.links]
+            self.split |= broken
 
 
 class FusedAttention(FusedProjections, LlamaAttention):
@@ -659,15 +681,30 @@ def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
     and the parameter already there stays, so graphs keep reading it).  What cannot be copied in (another shape,
     dtype or device), a projection module replaced (a LoRA or quantized wrapper), or a ``.data`` swap is refused by
     every step (``unfused_projections`` names it) until ``fuse_projections`` runs again, which fuses the layers it
-    finds split.  ``.to``, ``to_empty``, ``deepcopy`` and pickling keep the views.  The state_dict holds the fused
-    weights and the projections' views of them; safetensors (``save_pretrained``) refuses tensors that share memory:
-    save an unfused model.  Call it after ``shard_model``."""
+    finds split (from the fused weight where only it changed, else from the projections).  ``.to``, ``to_empty``,
+    ``deepcopy`` and pickling keep the views and the parameter objects.
+
+    Limits: an assigned tensor is copied, never shared (an engine that shares a trainer's memory by
+    ``assign=True`` must serve unfused); a projection's forward hooks do not run in the fused matmul; a ``.data``
+    swap of a projection is refused by eager steps and captures, but a graph captured before it keeps reading the
+    fused weight (the registry sees the projection unread) until ``fuse_projections`` and ``refresh()``; the
+    state_dict holds the fused weights and the projections' views of them, which safetensors (``save_pretrained``)
+    refuses: save an unfused model.  Call it after ``shard_model``."""
     fused: list[FusedProjections] = []
     for i, layer in enumerate(model.model.layers):
         for module, names, kind, prefix, part in ((layer.self_attn, QKV, FusedAttention, "qkv", "self_attn"),
                                                   (layer.mlp, GATE_UP, FusedMLP, "gate_up", "mlp")):
-            if not isinstance(module, kind) or not module.linked():
-                _fuse(module, names, kind, prefix, f"model.layers.{i}.{part}")
+            path = f"model.layers.{i}.{part}"
+            broken = set(module.unlinked()) if isinstance(module, kind) else None
+            whole = {f"{prefix}_weight", f"{prefix}_bias"}
+            if broken is None or (broken and not broken & whole):
+                _fuse(module, names, kind, prefix, path)  # the projections hold what the fused weight should
+            elif broken and broken <= whole:
+                module.split.clear()  # the fused weight itself changed: the projections follow it
+                module.relink()
+            elif broken:
+                raise ValueError(f"fuse_projections: both {path}'s fused weight and its projections changed "
+                                 f"({', '.join(sorted(broken))}): load one of them by copy")
             fused.append(module)
     model.fused_projections = fused
     return model
@@ -729,24 +766,23 @@ def check_fused(model: LlamaForCausalLM) -> None:
                            "fuse_projections(model) again")
 
 
-_rewiring = False  # fuse_projections placing its own parameters: no assignment to copy or note
+_rewiring = threading.local()  # fuse_projections placing its own parameters on this thread: no assignment to copy or note
 
 
 @contextlib.contextmanager
 def rewiring() -> Any:
-    """While ``fuse_projections`` itself places the fused parameters and their views."""
-    global _rewiring
-    _rewiring = True
+    """While ``fuse_projections`` itself places the fused parameters, on this thread."""
+    _rewiring.depth = getattr(_rewiring, "depth", 0) + 1
     try:
         yield
     finally:
-        _rewiring = False
+        _rewiring.depth -= 1
 
 
 def _copy_into_fused(module: nn.Module, name: str, param: Any) -> Any:
     """A parameter assigned to a fused projection or to a fused weight is copied into the one already there, which
     stays (graphs keep reading it).  One that cannot be copied in (another shape, dtype or device) is noted as split."""
-    if _rewiring:
+    if getattr(_rewiring, "depth", 0):
         return None
     owner = _projection_of.get(module)
     if owner is not None and name in ("weight", "bias"):
@@ -760,7 +796,7 @@ def _copy_into_fused(module: nn.Module, name: str, param: Any) -> Any:
     current = getattr(module, name, None)
     if (isinstance(param, torch.Tensor) and current is not None and param.shape == current.shape
             and param.dtype == current.dtype and param.device == current.device and fused.linked()):
-        with torch.no_grad():
+        with torch.inference_mode():  # a model built under inference mode holds inference tensors
             current.copy_(param)
         return current
     fused.split.add(label)
