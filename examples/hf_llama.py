@@ -601,34 +601,33 @@ class FusedProjections(nn.Module):
                 and all(self._held(projection, name) is param and param.data_ptr() == at
                         for _, projection, name, param, at in self.links))
 
-    def unlinked(self) -> list[str]:
-        """The projections (and fused parameters) that no longer read through the fused weight."""
+    def unlinked(self, by_address: bool = True) -> list[str]:
+        """The projections (and fused parameters) that no longer read through the fused weight; without
+        ``by_address``, only what was split or replaced (in a copy, addresses say nothing)."""
         moved = set(self.split)
         moved.update(name for name, linear in self.projections.items() if getattr(self, name, None) is not linear)
         moved.update(label for label, projection, name, param, at in self.links
-                     if self._held(projection, name) is not param or param.data_ptr() != at)
+                     if self._held(projection, name) is not param or (by_address and param.data_ptr() != at))
         return sorted(moved)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        broken = set(self.unlinked())
-        out = super()._apply(fn, recurse)  # each parameter converted on its own: the views are copies now
+    def _moved(self, broken: list[str]) -> None:
+        """After the parameters moved: views again where the layer was whole; a layer already split keeps what it
+        holds, and what was split, for ``fuse_projections`` to settle."""
         if not broken:
             self.relink()
-        else:  # a layer already split keeps what it holds, and what was split, for fuse_projections to settle
-            self.links = [(label, projection, name, param, param.data_ptr()) for label, projection, name, param, _ in self.links]
-            self.split |= broken
+            return
+        self.links = [(label, projection, name, param, param.data_ptr()) for label, projection, name, param, _ in self.links]
+        self.split.update(broken)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        broken = self.unlinked()
+        out = super()._apply(fn, recurse)  # each parameter converted on its own: the views are copies now
+        self._moved(broken)
         return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # deepcopy and unpickling: the views were copied apart
         super().__setstate__(state)
-        broken = set(self.split)  # addresses mean nothing in a copy: what was split is known by identity only
-        broken.update(name for name, linear in self.projections.items() if getattr(self, name, None) is not linear)
-        broken.update(label for label, projection, name, param, _ in self.links if self._held(projection, name) is not param)
-        if not broken:
-            self.relink()
-        else:
-            self.links = [(label, projection, name, param, param.data_ptr()) for label, projection, name, param, _ in self.links]
-            self.split |= broken
+        self._moved(self.unlinked(by_address=False))
 
 
 class FusedAttention(FusedProjections, LlamaAttention):
@@ -708,9 +707,6 @@ def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
             fused.append(module)
     model.fused_projections = fused
     return model
-
-
-QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 
 
 def _fuse(module: nn.Module, names: tuple[str, ...], kind: type[FusedProjections], prefix: str, path: str) -> None:
