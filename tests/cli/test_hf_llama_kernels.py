@@ -311,3 +311,36 @@ def test_a_projection_replaced_behind_setattr_is_refused() -> None:
     # as transformers' quantizer integrations replace modules: into the module dict, no __setattr__
     vars(attn)["_modules"]["k_proj"] = torch.nn.Linear(attn.k_proj.in_features, attn.k_proj.out_features, bias=False)
     assert "model.layers.0.self_attn.k_proj" in hf.unfused_projections(model)
+
+
+def test_a_fused_model_through_syncs_a_later_capture_a_refresh_and_another_autocast_serves_eager_or_refuses() -> None:
+    """Every output equals the eager step of an unfused model given the same weights, or is refused with a named error."""
+    model = hf.fuse_projections(hf.build_model("tiny", CPU, SHAPE))
+    reference = hf.build_model("tiny", CPU, SHAPE)
+    reg = cg.GraphRegistry(hf.make_step(model, hf.decoder(model)), hf.static_inputs(SHAPE), backend="cpu", output_axis=hf.OUTPUT_AXES)
+    reg.watch(model)
+    two, four = cg.BatchDescriptor.decode(2), cg.BatchDescriptor.decode(4)
+    reg.capture([(two, "full")])
+    g = torch.Generator().manual_seed(12)
+
+    def sync(layer: int) -> None:  # an assignment on the fused model, a copy on the reference
+        new = torch.randn(model.model.layers[layer].mlp.gate_proj.weight.shape, generator=g)
+        model.model.layers[layer].mlp.gate_proj.weight = torch.nn.Parameter(new.clone(), requires_grad=False)
+        reference.model.layers[layer].mlp.gate_proj.weight.data.copy_(new)
+
+    def served_like_eager(batch: cg.BatchDescriptor) -> None:
+        inputs = decode_inputs(batch.num_tokens, g)
+        torch.testing.assert_close(reg.run(batch, **inputs)["logits"], logits_of(reference, inputs, batch), rtol=1e-5, atol=1e-5)
+
+    sync(0)
+    served_like_eager(two)
+    reg.capture([(four, "full")])  # a later capture, after the sync
+    sync(1)
+    served_like_eager(four)
+    assert reg.refresh().recaptured == ()  # copies moved nothing
+    served_like_eager(two)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(cg.errors.CgregistryError, match="autocast"):
+            reg.run(two, **decode_inputs(2, g))
+    served_like_eager(two)
+    assert reg.stats().hits == 4
