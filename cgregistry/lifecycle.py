@@ -66,6 +66,7 @@ class Lifecycle:
         self._backend = backend
         self._name = name
         self.asleep: Slept | None = None
+        self._owed: dict[Pair, None] = {}  # keys a refresh or wake dropped and has not captured again (a capture failed)
         self._paused = paused  # the server's turn, held while refresh() copies weights back in place
 
     def refuse_asleep(self, call: str) -> None:
@@ -84,11 +85,14 @@ class Lifecycle:
         wanted = {p for p in self._background.capturing() if p[0] == key and (strategy is None or p[1] == strategy)}
         self._background.discard(wanted)  # not captured yet: dropped (one in flight is discarded when it finishes)
         held = {p for p in self._catalog.pairs() if p[0] == key and (strategy is None or p[1] == strategy)}
-        if wanted and not held:
-            return len(wanted)
+        owed = {p for p in self._owed if p[0] == key and (strategy is None or p[1] == strategy)}
+        for pair in owed:
+            del self._owed[pair]
+        if (wanted or owed) and not held:
+            return len(wanted | owed)
         removed, _ = self._catalog.release(key, strategy)  # KeyError naming what is held when nothing matches
         self._released(removed)
-        return len(wanted | held)
+        return len(wanted | held | owed)
 
     def _release_slept(self, key: BatchDescriptor, strategy: str | None) -> int:
         """``release()`` while asleep: the key leaves the plan ``wake()`` captures (KeyError naming the plan if absent)."""
@@ -116,6 +120,7 @@ class Lifecycle:
             return len(slept.keys) + len(slept.lazy)
         self._background.install()
         dropped = self._background.cancel()
+        self._owed.clear()
         if self._adapter is not None:
             self._adapter.reset()  # a refit queued or running was dropped with the rest; adaptation keeps observing
         removed, count = self._catalog.clear()
@@ -188,6 +193,7 @@ class Lifecycle:
             if not current:
                 stale.append(pair)
         queued = self._background.capturing()  # in flight or queued: perhaps captured with the old weights
+        owed = [pair for pair in self._owed if pair not in self._catalog.entries]  # what a failed refresh or wake left
         dropped = set(stale)
         kept = tuple(pair for pair in self._catalog.entries if pair not in dropped)
         self._background.discard(queued)
@@ -199,20 +205,31 @@ class Lifecycle:
             entry.weights, entry.generation = seen, generation
         entry = None  # the loops' last entry, perhaps a stale one: its last reference goes in _released
         self._job.handover.leave(removed, pools=background and self.asleep is None)
-        again = list(dict.fromkeys([*stale, *queued]))
+        again = list(dict.fromkeys([*stale, *queued, *owed]))
         if background and removed and self.asleep is None:
             self._release_on_capture_thread(removed)
         else:
             self._released(removed, release=False)  # the keys captured again reuse the pool
         if again and self.asleep is None:
-            if background:
-                self._job.renew_if_unused()
-                self._background.submit(again, self._job.current())
-            else:
-                self._job.capture_all(again, progress=None, untried_lazily=True)
+            self._catalog.unplan(owed)  # planned lazily by the failure: captured now instead
+            self._recapture(again, background, ordered=False)
         result = Refreshed(kept, tuple(again), moved, background, copied, not_copied)
         self._events.refreshed(result)
         return result
+
+    def _recapture(self, pairs: list[Pair], background: bool, ordered: bool) -> None:
+        """Capture again keys a refresh or wake dropped, on the capture thread or now; they stay owed until captured, so
+        that a failed capture (CaptureError) loses none: the next ``refresh()`` captures what is left (untried ones are
+        planned lazily meanwhile)."""
+        self._owed.update(dict.fromkeys(pairs))
+        if background:
+            self._job.renew_if_unused()
+            self._background.submit(pairs, self._job.current(), ordered=ordered)
+            return
+        try:
+            self._job.capture_all(pairs, progress=None, untried_lazily=True)
+        finally:
+            self._owed = {pair: None for pair in self._owed if pair not in self._catalog.entries}
 
     def _copy_back(self, now: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """``in_place_refresh``: each moved parameter whose graphs' memory is still held gets its new values copied
@@ -239,6 +256,8 @@ class Lifecycle:
         self._background.install()
         entries = sorted(self._catalog.entries.values(), key=_heat, reverse=True)
         keys = [e.pair for e in entries] + self._background.capturing()  # what was (being) captured: captured again
+        keys += [p for p in self._owed if p not in keys]  # and what a failed refresh or wake did not capture again
+        self._owed.clear()
         lazy = [p for p in self._catalog.pending if p not in keys]  # never used, or evicted: lazy again
         memory = sum(e.memory_bytes for e in entries)
         del entries  # the entries' last references go with the catalog's (see _released)
@@ -270,11 +289,8 @@ class Lifecycle:
         self._catalog.set_asleep(False)
         keys = [p for p in slept.keys if p not in self._catalog.entries]
         self._catalog.plan_lazily(p for p in slept.lazy if p not in self._catalog.entries)
-        if background:
-            self._job.renew_if_unused()
-            self._background.submit(keys, self._job.current(), ordered=True)
-        else:
-            self._job.capture_all(sorted(keys, key=lambda p: (-p[0].num_tokens, -(p[0].num_reqs or 0))), progress=None,
-                                       untried_lazily=True)
+        if not background:
+            keys.sort(key=lambda p: (-p[0].num_tokens, -(p[0].num_reqs or 0)))
+        self._recapture(keys, background, ordered=True)
         self._events.woke(tuple(keys))
         return tuple(keys)

@@ -468,7 +468,8 @@ class CaptureJob:
         """Capture ``pairs`` in order, now.  A failure stops its strategy (its later keys are not tried) but not the
         others, whose keys are all captured; each failed key is kept in the catalog's failures (as on every capture
         path), then the first failure is raised, naming what each other failing strategy raised and what else happened.
-        ``untried_lazily``: keys held before (a refresh, a wake) that were not tried are planned lazily, never lost."""
+        ``untried_lazily``: keys held before (a refresh, a wake) that were not tried are planned lazily, never lost (the
+        caller keeps them owed to its next refresh)."""
         self.renew_if_unused()
         return self._capture_all(pairs, progress, untried_lazily=untried_lazily)
 
@@ -680,6 +681,8 @@ def _summary(failed: dict[str, CaptureError], skipped: list[Pair], captured: lis
     notes += [f"; {n} later key{'s' if n > 1 else ''} of strategy {s!r} not tried{then}" for s, n in by_strategy.items()]
     kept = sorted({info.strategy for info in captured})
     notes.append(f"; {len(captured)} entries captured" + (f" ({', '.join(kept)})" if kept else "") + ", and they stay")
+    if lazily:
+        notes.append("; the next refresh() captures every key not captured again")
     error = CaptureError(first.descriptor, first.strategy, _cause(first), note="".join(notes))
     error.__cause__ = first.__cause__
     return error

@@ -137,6 +137,102 @@ def test_a_replacement_torch_does_not_announce_is_found_by_refresh() -> None:
     serve(reg, model, 7)
 
 
+class HalfLoaded(Model):
+    """A model whose step raises while ``broken``: a weight update caught half-way, say."""
+
+    broken = False
+
+    def forward(self, batch: B, x: torch.Tensor) -> torch.Tensor:
+        if self.broken:
+            raise RuntimeError("weights half-loaded")
+        return super().forward(batch, x)
+
+
+def make_half_loaded(backend: str) -> tuple[cg.GraphRegistry, HalfLoaded]:
+    model = HalfLoaded(device_of(backend))
+    return cg.GraphRegistry(model, {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)}, backend=backend), model
+
+
+PLAN_KEYS = {(e.descriptor, e.strategy) for e in PLAN}
+
+
+def test_a_refresh_whose_capture_fails_keeps_every_key_it_dropped_for_the_next_refresh(backend: str) -> None:
+    reg, model = make_half_loaded(backend)
+    reg.capture(PLAN)
+    model.load_state_dict(new_state(model, 2), assign=True)
+    model.broken = True
+    with pytest.raises(cg.CaptureError, match=r"weights half-loaded.*next refresh\(\) captures"):
+        reg.refresh()
+    assert len(reg) == 0, "no graph reads the old weights"
+    model.broken = False
+    serve(reg, model, 5)  # an untried key, planned lazily, is captured by its first use
+    lazily = {(e.key, e.strategy) for e in reg.entries()}
+    assert len(lazily) == 1
+    result = reg.refresh()  # nothing moved since the failed one: what it owes is captured
+    assert set(result.recaptured) == PLAN_KEYS - lazily and result.moved == ()
+    assert {(e.key, e.strategy) for e in reg.entries()} == PLAN_KEYS
+    hits = reg.stats().hits
+    serve(reg, model, 5, seed=1)
+    assert reg.stats().hits == hits + 1
+    assert reg.refresh().recaptured == (), "nothing owed once captured"
+
+
+def test_a_refresh_in_the_background_whose_captures_fail_owes_its_keys_to_the_next_refresh() -> None:
+    reg, model = make_half_loaded("cpu")
+    reg.capture(PLAN)
+    model.first.weight.data = torch.randn(WIDTH, WIDTH)
+    model.broken = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reg.refresh(background=True)
+        reg.wait_captured(timeout=60)
+    assert len(reg) == 0 and reg.failures()
+    model.broken = False
+    assert set(reg.refresh().recaptured) == PLAN_KEYS and len(reg) == len(PLAN)
+    serve(reg, model, 17)
+
+
+def test_a_wake_whose_capture_fails_keeps_its_keys_for_the_next_refresh() -> None:
+    reg, model = make_half_loaded("cpu")
+    reg.capture(PLAN)
+    reg.sleep()
+    model.broken = True
+    with pytest.raises(cg.CaptureError, match="weights half-loaded"):
+        reg.wake(background=False)
+    model.broken = False
+    assert set(reg.refresh().recaptured) == PLAN_KEYS and len(reg) == len(PLAN)
+    serve(reg, model, 9)
+
+
+def test_a_key_owed_by_a_failed_refresh_is_slept_with_and_can_be_released() -> None:
+    reg, model = make_half_loaded("cpu")
+    reg.capture(PLAN)
+    model.first.weight.data = torch.randn(WIDTH, WIDTH)
+    model.broken = True
+    with pytest.raises(cg.CaptureError):
+        reg.refresh()
+    model.broken = False
+    slept = reg.sleep()
+    assert set(slept.keys) | set(slept.lazy) == PLAN_KEYS, "wake() captures what the refresh owed"
+    reg.wake(background=False)
+    assert len(reg) == len(PLAN)
+    model.second.weight.data = torch.randn(WIDTH, WIDTH)
+    model.broken = True
+    with pytest.raises(cg.CaptureError):
+        reg.refresh()
+    model.broken = False
+    failed = max(PLAN_KEYS, key=lambda pair: pair[0].num_tokens)  # tried first
+    assert reg.failures().keys() == {failed} and reg.release(failed[0]) == 1
+    assert set(reg.refresh().recaptured) == PLAN_KEYS - {failed}
+    assert reg.refresh(background=True).recaptured == ()
+    with pytest.raises(cg.CaptureError):
+        model.broken = True
+        model.first.weight.data = torch.randn(WIDTH, WIDTH)
+        reg.refresh()
+    model.broken = False
+    assert reg.clear() >= 0 and reg.refresh().recaptured == (), "clear() forgets what was owed"
+
+
 def test_refresh_in_the_background_drops_at_once_and_serves_while_capturing() -> None:
     reg, model = make("cpu")
     reg.capture(PLAN)
@@ -218,7 +314,8 @@ class Lifecycle(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.reg, self.model = make(self.backend)
+        self.reg, self.model = make_half_loaded(self.backend)
+        self.planned = False  # capture(PLAN) was called: a foreground refresh or wake leaves every key of it captured
         self.moved = False  # weights replaced since the last refresh (and graphs held)
         self.asleep = False
         self.seed = 0
@@ -230,6 +327,7 @@ class Lifecycle(RuleBasedStateMachine):
             self.reg.refresh()
             self.moved = False
         self.reg.capture(PLAN, background=background)
+        self.planned = True
 
     @rule(n=st.integers(1, MAX_TOKENS))
     def step(self, n: int) -> None:
@@ -257,6 +355,24 @@ class Lifecycle(RuleBasedStateMachine):
     def refresh(self, background: bool) -> None:
         self.reg.refresh(background=background)
         self.moved = False
+        if self.planned and not background and not self.asleep:
+            self.captured_all()
+
+    @rule()
+    def refresh_fails(self) -> None:
+        """A weight moves and the step raises while the refresh captures (weights half-loaded): no key is lost."""
+        self.model.first.weight.data = self.model.first.weight.detach().clone()
+        self.model.broken = True
+        try:
+            self.reg.refresh()
+        except cg.CaptureError:
+            pass
+        finally:
+            self.model.broken = False
+        self.moved = False
+
+    def captured_all(self) -> None:
+        assert {(e.key, e.strategy) for e in self.reg.entries()} == PLAN_KEYS
 
     @rule()
     def sleep(self) -> None:
@@ -269,6 +385,8 @@ class Lifecycle(RuleBasedStateMachine):
             self.reg.refresh()
             self.moved = False
         self.reg.wake(background=background)
+        if self.planned and self.asleep and not background:
+            self.captured_all()
         self.asleep = False
 
     @rule()
@@ -288,7 +406,7 @@ def _run(machine: type[RuleBasedStateMachine], examples: int) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "cgregistry: registry .* with no graph captured", RuntimeWarning)
         settings(max_examples=examples, stateful_step_count=25, deadline=None,
-                 suppress_health_check=[HealthCheck.too_slow])(machine).TestCase().runTest()
+                 suppress_health_check=[HealthCheck.too_slow])(type(machine.__name__, (machine,), {})).TestCase().runTest()
 
 
 def test_lifecycle_cpu_quick() -> None:
