@@ -133,8 +133,7 @@ class Server:
             if entry.generation != self._weights.generation:  # a watched tensor may have moved since its capture
                 self._job.check_weights(entry)
             if copies:
-                for buf, rows in copies:
-                    buf.write(inputs[buf.name], rows)
+                route.stage(inputs)
             try:
                 if entry.has_breaks:
                     batch = route.batch_context if context is None else BreakContext(actual, entry.key, context)

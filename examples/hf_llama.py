@@ -287,12 +287,14 @@ def shared_memory_per_block(device: torch.device) -> int:
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-    """Each token's K and V rows (tokens, kv_heads, d) into the caches at ``slot_mapping``: one kernel on CUDA."""
+    """Each token's K and V rows (tokens, kv_heads, d) into the caches at ``slot_mapping``: one kernel on CUDA.  A slot
+    off the cache raises on the reference path; the kernel, inside a graph where nothing can raise, writes nothing."""
     tokens, heads, dim = k_new.shape
     if uses_kernels(k_new, k_cache, v_cache) and k_new.stride(-1) == 1 and v_new.stride(-1) == 1:
         slot_mapping = slot_mapping if slot_mapping.stride(0) == 1 else slot_mapping.contiguous()
         _write_kv_kernel[(tokens,)](
-            k_new, v_new, k_cache, v_cache, slot_mapping, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+            k_new, v_new, k_cache, v_cache, slot_mapping, k_cache.shape[0], k_new.stride(0), k_new.stride(1), v_new.stride(0),
+            v_new.stride(1),
             k_cache.stride(0), k_cache.stride(1), HEADS=heads, HEADS_P2=triton.next_power_of_2(heads), DIM=dim,
         )
         return
@@ -325,7 +327,8 @@ def decode_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tens
     else:
         m = l_sum = partial = out  # not read: the kernel writes the output itself
     _decode_attention_kernel[(tokens, kv_heads, splits)](
-        q, k_cache, v_cache, slots, lens, out, m, l_sum, partial, scaling if scaling is not None else dim ** -0.5,
+        q, k_cache, v_cache, slots, lens, slots.shape[1], out, m, l_sum, partial,
+        scaling if scaling is not None else dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), slots.stride(0), out.stride(0), out.stride(1),
         GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=DECODE_BLOCK, SPLIT=splits > 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -338,20 +341,20 @@ def decode_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tens
 
 if triton is not None:
     @triton.jit
-    def _write_kv_kernel(k_new, v_new, k_cache, v_cache, slot_mapping, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-                         c_stride_s, c_stride_h, HEADS: tl.constexpr, HEADS_P2: tl.constexpr, DIM: tl.constexpr):
+    def _write_kv_kernel(k_new, v_new, k_cache, v_cache, slot_mapping, num_slots, k_stride_t, k_stride_h, v_stride_t,
+                         v_stride_h, c_stride_s, c_stride_h, HEADS: tl.constexpr, HEADS_P2: tl.constexpr, DIM: tl.constexpr):
         token = tl.program_id(0)
         slot = tl.load(slot_mapping + token)
         heads = tl.arange(0, HEADS_P2)[:, None]
         dims = tl.arange(0, DIM)[None, :]
-        live = heads < HEADS
+        live = (heads < HEADS) & (slot >= 0) & (slot < num_slots)  # a slot off the cache writes nothing
         into = slot * c_stride_s + heads * c_stride_h + dims
         tl.store(k_cache + into, tl.load(k_new + token * k_stride_t + heads * k_stride_h + dims, mask=live), mask=live)
         tl.store(v_cache + into, tl.load(v_new + token * v_stride_t + heads * v_stride_h + dims, mask=live), mask=live)
 
     @triton.jit
     def _decode_attention_kernel(
-        q_ptr, k_cache, v_cache, slots_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, partial_ptr, scale,
+        q_ptr, k_cache, v_cache, slots_ptr, lens_ptr, width, out_ptr, m_ptr, l_ptr, partial_ptr, scale,
         q_stride_t, q_stride_h, c_stride_s, c_stride_h, slots_stride_t, out_stride_t, out_stride_h,
         GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
         PRECISION: tl.constexpr,
@@ -363,7 +366,7 @@ if triton is not None:
         live = rows < GROUP  # the group's query heads; the tile's other rows are zeros, never stored
         heads = kv_head * GROUP + rows
         q = tl.load(q_ptr + token * q_stride_t + heads[:, None] * q_stride_h + dims[None, :], mask=live[:, None], other=0.0)
-        seen = tl.load(lens_ptr + token)
+        seen = tl.minimum(tl.load(lens_ptr + token), width)  # never past the token's row of slots
         chunk = tl.cdiv(tl.cdiv(seen, splits), BLOCK) * BLOCK
         start = split * chunk
         stop = tl.minimum(start + chunk, seen)

@@ -26,7 +26,7 @@ from cgregistry.inspection import MISS_REASONS, CapturePhases, ClassStats, Entry
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.key.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher, PaddingCap
 from cgregistry.state.runtime import BreakContext
-from cgregistry.store.io import OutputAxes, OutputSlicer, StaticBuffer, describe_rows, rows_for
+from cgregistry.store.io import OutputAxes, OutputSlicer, StaticBuffer, describe_rows, rows_for, staging
 
 __all__ = ["NO_EXCLUSION", "ROUTE_CACHE_LIMIT", "Catalog", "Chooser", "Counters", "Entry", "Pair", "Route", "RouteTable", "Variant", "not_a_descriptor"]
 
@@ -112,8 +112,8 @@ class Route:
     """Everything ``run`` needs for one actual shape, computed once."""
 
     __slots__ = (
-        "entry", "pending", "match", "copies", "out_rows", "single_output", "real_tokens", "pad_tokens", "batch_context", "miss_reason",
-        "hint",
+        "entry", "pending", "match", "copies", "stage", "out_rows", "single_output", "real_tokens", "pad_tokens", "batch_context",
+        "miss_reason", "hint",
     )
 
     def __init__(
@@ -127,6 +127,7 @@ class Route:
         self.pending: Pair | None = (match.key, match.strategy) if match is not None and entry is None else None
         self.match = match
         self.copies = copies
+        self.stage = staging(copies) if entry is not None else None  # what a replay runs to take the batch's inputs in
         self.out_rows = out_rows
         self.real_tokens = actual.num_tokens
         # from the key, not match.padding: a group's agreed match pads relative to the agreed descriptor

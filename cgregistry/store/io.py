@@ -2,8 +2,9 @@
 
 Static inputs have fixed addresses: live data is copied in and the padded tail filled.  Each input is indexed along
 the token axis, the request axis, or ``reqs+1`` (one row per request plus one: ``cu_seqlens``, ``query_start_loc``).
-``write`` copies the live rows in and re-fills only the rows that an earlier, larger batch left dirty, so a steady
-batch size costs one copy per input and nothing more; an input whose padding repeats its last live row
+``staging`` copies a route's live inputs in, one ``_foreach_copy_`` per dtype that several inputs share (one kernel
+on CUDA where inputs and views are laid out alike), and re-fills only the rows that an earlier, larger batch left
+dirty, so a steady batch size costs those copies and nothing more; an input whose padding repeats its last live row
 (``REPEAT_LAST``) costs one more copy.  ``fill`` is what every padded row holds, and what *every* row holds while
 graphs are warmed up and captured (capture runs the step, which may write engine state such as a KV cache at the
 indices it reads).  An index input therefore fills with a scratch slot that belongs to no request; integer inputs
@@ -32,7 +33,7 @@ from cgregistry.key.descriptor import BatchDescriptor
 __all__ = [
     "AXES", "REPEAT_LAST", "UNSET", "InputError", "OutputAxes", "OutputError", "OutputSlicer", "StaticBuffer", "StaticInput",
     "capture_inputs", "check_fits", "checked_outputs", "describe_rows", "flatten", "key_rows", "output_slicer", "rows_for",
-    "unflatten",
+    "staging", "unflatten",
 ]
 
 
@@ -214,7 +215,7 @@ class StaticInput:
 class StaticBuffer:
     """One allocated static input and the views of it that graphs and copies use."""
 
-    __slots__ = ("name", "spec", "tensor", "dirty", "_views", "_tails", "_shapes", "_device", "dtype", "_repeat_last")
+    __slots__ = ("name", "spec", "tensor", "dirty", "_views", "_shapes", "_device", "dtype")
 
     def __init__(self, name: str, spec: StaticInput, device: torch.device) -> None:
         self.name = name
@@ -223,8 +224,6 @@ class StaticBuffer:
         self.tensor = torch.full(spec.shape, spec.capture_fill, dtype=spec.dtype, device=device)
         self.dirty = 0  # rows [0, dirty) may hold live data rather than the fill value
         self._views: dict[int, torch.Tensor] = {}
-        self._tails: dict[int, torch.Tensor] = {}  # rows [n, capacity), for REPEAT_LAST
-        self._repeat_last = spec.fill is REPEAT_LAST
         self._shapes: dict[int, torch.Size] = {}
         self._device = self.tensor.device
 
@@ -289,22 +288,6 @@ class StaticBuffer:
         if not ok:
             raise self._mismatch(live, rows)
 
-    def write(self, live: torch.Tensor, rows: int) -> None:
-        """Copy ``live`` (already checked: exactly ``rows`` rows) in and restore the fill value below it."""
-        if live.requires_grad:  # outside inference mode copy_ would chain the caller's autograd graph onto the buffer
-            live = live.detach()
-        self._views[rows].copy_(live)
-        if self._repeat_last:
-            if rows < self.capacity:  # every padded row, whatever key replays: offsets stay monotonic
-                tail = self._tails.get(rows)
-                if tail is None:
-                    tail = self._tails[rows] = self.tensor[rows:]
-                tail.copy_(live[-1:].expand_as(tail))
-            return
-        if self.dirty > rows and self.spec.fill is not None:
-            self.tensor[rows : self.dirty].fill_(self.spec.fill)
-        self.dirty = rows
-
     def _mismatch(self, live: object, rows: int) -> InputError:
         if not isinstance(live, torch.Tensor):
             return InputError(f"input {self.name!r} must be a torch.Tensor, got {type(live).__name__}")
@@ -320,6 +303,67 @@ class StaticBuffer:
         if live.dtype is not self.dtype:
             return InputError(f"input {self.name!r} has dtype {live.dtype}, expected {self.dtype}")
         return InputError(f"input {self.name!r} is on {live.device}, expected {self.tensor.device}")
+
+
+def staging(copies: tuple[tuple[StaticBuffer, int], ...]) -> Callable[[Mapping[str, torch.Tensor]], None]:
+    """How one route's live inputs reach its static buffers (a function of the inputs, checked already): one
+    ``_foreach_copy_`` per dtype that several inputs share (a single kernel on CUDA where each input is laid out as
+    its view, else one copy each), a ``copy_`` for the others, then the padding.  An input that needs grad is detached
+    first: outside inference mode the copy would chain the caller's autograd graph onto the buffer."""
+    by_dtype: dict[torch.dtype, tuple[list[str], list[torch.Tensor]]] = {}
+    for buf, rows in copies:
+        names, views = by_dtype.setdefault(buf.dtype, ([], []))
+        names.append(buf.name)
+        views.append(buf.view(rows))
+    groups = tuple((tuple(names), views) for names, views in by_dtype.values() if len(names) > 1)
+    singles = tuple((names[0], views[0]) for names, views in by_dtype.values() if len(names) == 1)
+    # REPEAT_LAST: every padded row repeats the last live one, whatever key replays (offsets stay monotonic)
+    tails = tuple((buf.name, buf.tensor[rows:]) for buf, rows in copies
+                  if buf.spec.fill is REPEAT_LAST and rows < buf.capacity)
+    # a fill: only the rows an earlier, larger batch left get it back
+    fills = tuple((buf, rows, buf.spec.fill) for buf, rows in copies
+                  if buf.spec.fill is not None and buf.spec.fill is not REPEAT_LAST)
+    buffers = frozenset(buf.tensor for buf, _ in copies)
+
+    def stage(inputs: Mapping[str, torch.Tensor]) -> None:
+        for names, views in groups:
+            live = [inputs[name] for name in names]
+            aliased = False
+            for i, tensor in enumerate(live):
+                if tensor.requires_grad:
+                    live[i] = tensor.detach()
+                if tensor._base is not None and tensor._base in buffers:
+                    aliased = True
+            if aliased:  # an input inside a static buffer: copied in order, as copy_ does (which refuses a partial overlap)
+                for view, tensor in zip(views, live):
+                    view.copy_(tensor)
+            else:
+                torch._foreach_copy_(views, live)
+        for name, view in singles:
+            tensor = inputs[name]
+            view.copy_(tensor.detach() if tensor.requires_grad else tensor)
+        for name, tail in tails:
+            tail.copy_(inputs[name][-1:].detach().expand_as(tail))
+        for buf, rows, fill in fills:
+            if buf.dirty > rows:
+                buf.tensor[rows : buf.dirty].fill_(fill)
+            buf.dirty = rows
+
+    if groups or tails or len(singles) != 1 or len(fills) > 1:
+        return stage
+    (name, view), = singles  # one input, the common case of a small step: no loop but the fill's
+    filled = fills[0] if fills else None
+
+    def stage_one(inputs: Mapping[str, torch.Tensor]) -> None:
+        tensor = inputs[name]
+        view.copy_(tensor.detach() if tensor.requires_grad else tensor)
+        if filled is not None:
+            buf, rows, fill = filled
+            if buf.dirty > rows:
+                buf.tensor[rows : buf.dirty].fill_(fill)
+            buf.dirty = rows
+
+    return stage_one
 
 
 Spec = Any  # None for a tensor leaf, ("const", None, None) for a None leaf, or (container type, keys, child specs)

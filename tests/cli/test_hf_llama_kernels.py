@@ -235,6 +235,27 @@ def test_the_attention_kernels_match_gather_and_sdpa(dtype: torch.dtype, heads: 
 
 @pytest.mark.cuda
 @needs_triton
+def test_the_kernels_stay_inside_the_cache_and_the_slot_rows() -> None:
+    """A slot off the cache writes nothing (a graph cannot raise); a length past the row of slots reads the row."""
+    device = torch.device("cuda")
+    g = torch.Generator(device="cpu").manual_seed(3)
+    k_cache, v_cache = (torch.randn(64, 2, 16, generator=g).to(device) for _ in range(2))
+    before = (k_cache.clone(), v_cache.clone())
+    k_new, v_new = (torch.randn(3, 2, 16, generator=g).to(device) for _ in range(2))
+    hf.write_kv(k_cache, v_cache, torch.tensor([64, -1, 5], device=device), k_new, v_new)
+    others = torch.arange(64, device=device) != 5
+    assert torch.equal(k_cache[others], before[0][others]) and torch.equal(v_cache[others], before[1][others])
+    assert torch.equal(k_cache[5], k_new[2]) and torch.equal(v_cache[5], v_new[2])
+    q = torch.randn(2, 4, 16, generator=g).to(device)
+    slots = torch.stack([torch.randperm(64, generator=g)[:8] for _ in range(2)]).to(device)
+    caches = (k_cache, v_cache, 16)
+    past = hf.static_attention(caches, q, slots, torch.tensor([9, 1000], device=device), None)
+    whole = hf.static_attention(caches, q, slots, torch.tensor([8, 8], device=device), None)
+    torch.testing.assert_close(past, whole, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@needs_triton
 @pytest.mark.parametrize("mode", ["full_and_piecewise", "full"])
 def test_the_fused_engine_on_cuda_serves_the_trace_like_hugging_face(mode: str) -> None:
     result, reg = hf.serve("tiny", mode, device=torch.device("cuda"), shape=SHAPE, requests=6, max_prompt=12, max_new=4,
@@ -244,6 +265,30 @@ def test_the_fused_engine_on_cuda_serves_the_trace_like_hugging_face(mode: str) 
     stats = reg.stats()
     assert stats.hits == result.steps and stats.misses == 0
 
+
+
+@pytest.mark.cuda
+@needs_triton
+@pytest.mark.parametrize("mode", ["full", "full_and_breakable", "full_and_piecewise"])
+def test_capture_through_the_kernels_writes_only_the_scratch_slot(mode: str) -> None:
+    """Warm-up and capture write K and V through the Triton write kernel: at the scratch slot only."""
+    device = torch.device("cuda")
+    model = hf.build_model("tiny", device, SHAPE)
+    hf.fuse_projections(model)
+    caches = [c for layer in model.model.layers for c in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
+    q = torch.empty(1, 1, model.config.hidden_size // model.config.num_attention_heads, device=device)
+    assert hf.uses_kernels(q, caches[0], caches[1]), "the tiny model's attention takes the kernels on CUDA"
+    for cache in caches:
+        cache.fill_(7.0)  # a live server's cache
+    reg = hf.build_registry(model, SHAPE, mode, "cuda")
+    assert reg is not None and len(reg) > 0
+    torch.cuda.synchronize()
+    scratch = SHAPE.scratch_slot
+    for cache in caches:
+        others = torch.ones(cache.shape[0], dtype=torch.bool, device=device)
+        others[scratch] = False
+        assert cache[others].eq(7.0).all(), "no request's slot was written by capture"
+        assert not cache[scratch].eq(7.0).all(), "capture did run the step (it wrote the scratch slot)"
 
 
 def test_the_command_line_serves_fused_projections_within_the_hf_tolerance(capsys: pytest.CaptureFixture[str]) -> None:

@@ -226,3 +226,101 @@ def test_repeat_last_is_only_for_offsets_and_survives_copies() -> None:
     spec = cg.StaticInput((9,), torch.int32, axis="reqs+1")
     assert pickle.loads(pickle.dumps(spec)).fill is cg.REPEAT_LAST  # a config sent to worker processes
     assert copy.deepcopy(spec).fill is cg.REPEAT_LAST
+
+
+def mixed_step(batch: B, a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
+               cu: torch.Tensor) -> torch.Tensor:
+    return a + b.sum(1) + ids.float() + pos.float() + cu[-1].float()
+
+
+MIXED = {
+    "a": cg.StaticInput((MAX_TOKENS,), torch.float32),  # fill 0
+    "b": cg.StaticInput((MAX_TOKENS, 3), torch.float32, fill=None),  # padded rows left as they are
+    "ids": cg.StaticInput((MAX_TOKENS,), torch.long, fill=7),
+    "pos": cg.StaticInput((MAX_TOKENS,), torch.long, fill=0),
+    "cu": cg.StaticInput((MAX_REQS + 1,), torch.int32, axis="reqs+1"),
+}
+
+
+def mixed_registry(backend: str) -> cg.GraphRegistry:
+    reg = cg.GraphRegistry(mixed_step, MIXED, backend=backend)
+    reg.capture(cg.CapturePlan.build(max_num_seqs=MAX_REQS, max_num_tokens=MAX_TOKENS, mode="full", capture_sizes=[4, 8, 16, 32]))
+    return reg
+
+
+def mixed_inputs(lens: list[int], seed: int, strided: bool, device: torch.device) -> tuple[B, dict[str, torch.Tensor]]:
+    """Live inputs of several dtypes, one of them needing grad and, with ``strided``, one laid out unlike its buffer."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lens)
+    b = torch.randn(3, n, generator=g).t() if strided else torch.randn(n, 3, generator=g)
+    live = {
+        "a": torch.randn(n, generator=g).to(device).requires_grad_(),
+        "b": b.to(device),
+        "ids": torch.randint(0, 100, (n,), generator=g).to(device),
+        "pos": torch.arange(n).to(device),
+        "cu": torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device),
+    }
+    return B(n, len(lens), uniform=all(k == 1 for k in lens)), live
+
+
+def check_staged(reg: cg.GraphRegistry, actual: B, live: dict[str, torch.Tensor]) -> None:
+    """A replayed batch's output is eager's on its live inputs, needs no grad, and the static inputs hold the live rows
+    then the padding: each fill, the last offset repeated, or (fill=None) whatever was there."""
+    hits = reg.stats().hits
+    out = reg.run(actual, **live)
+    assert reg.stats().hits == hits + 1, "every batch here replays a graph"
+    with torch.no_grad():
+        torch.testing.assert_close(out, mixed_step(actual, **live), rtol=1e-6, atol=1e-5)
+    assert not out.requires_grad
+    static = reg.static_inputs
+    for name, tensor in live.items():
+        rows = tensor.shape[0]
+        assert torch.equal(static[name][:rows], tensor.detach()), name
+        fill = MIXED[name].fill
+        if fill is cg.REPEAT_LAST:
+            assert bool((static[name][rows:] == tensor[-1]).all()), name
+        elif fill is not None:
+            assert bool((static[name][rows:] == fill).all()), name
+
+
+_MIXED: list[cg.GraphRegistry] = []
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(1, 4), min_size=1, max_size=MAX_REQS), st.booleans()), min_size=1,
+                max_size=6), st.integers(0, 1000))
+def test_inputs_of_several_dtypes_are_staged_with_their_padding(batches: list[tuple[list[int], bool]], seed: int) -> None:
+    """Whatever ran before (every earlier example shares the registry), larger batches leaving rows to re-fill."""
+    if not _MIXED:
+        _MIXED.append(mixed_registry("cpu"))
+    for i, (lens, strided) in enumerate(batches):
+        actual, live = mixed_inputs(lens, seed + i, strided, torch.device("cpu"))
+        check_staged(_MIXED[0], actual, live)
+
+
+def test_inputs_of_several_dtypes_on_each_backend(backend: str) -> None:
+    reg = mixed_registry(backend)
+    for i, lens in enumerate(([4, 4, 4, 4, 4, 4, 4, 4], [1], [2, 3], [1] * 8, [4, 4, 4, 4, 4, 4, 4, 4], [3])):
+        actual, live = mixed_inputs(lens, i, strided=i % 2 == 1, device=device_of(backend))
+        check_staged(reg, actual, live)
+
+
+def test_an_input_handed_in_as_rows_of_a_static_input_is_read_before_that_input_is_written(backend: str) -> None:
+    """An engine may pass the registry's own buffers back (the last step's rows, say): each input is read as it was
+    when ``run()`` was called, and one overlapping its own buffer off its rows is refused, as ``copy_`` refuses it."""
+    def step(batch: B, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x * 3 + y
+
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((64, 4), torch.float32), "y": cg.StaticInput((64, 4), torch.float32)},
+                           backend=backend)
+    reg.capture([(B(32), "full")])
+    device = reg.device
+    g = torch.Generator().manual_seed(0)
+    reg.run(B(32), x=torch.randn(32, 4, generator=g).to(device), y=torch.randn(32, 4, generator=g).to(device))
+    for _ in range(3):
+        x = reg.static_inputs["y"][:32]  # the rows the next copy overwrites
+        y = torch.randn(32, 4, generator=g).to(device)
+        want = step(B(32), x.clone(), y)
+        torch.testing.assert_close(reg.run(B(32), x=x, y=y), want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        reg.run(B(32), x=reg.static_inputs["x"][1:33], y=y)
