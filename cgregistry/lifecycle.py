@@ -66,7 +66,6 @@ class Lifecycle:
         self._backend = backend
         self._name = name
         self.asleep: Slept | None = None
-        self._owed: dict[Pair, None] = {}  # keys a refresh or wake dropped and has not captured again (a capture failed)
         self._paused = paused  # the server's turn, held while refresh() copies weights back in place
 
     def refuse_asleep(self, call: str) -> None:
@@ -85,9 +84,9 @@ class Lifecycle:
         wanted = {p for p in self._background.capturing() if p[0] == key and (strategy is None or p[1] == strategy)}
         self._background.discard(wanted)  # not captured yet: dropped (one in flight is discarded when it finishes)
         held = {p for p in self._catalog.pairs() if p[0] == key and (strategy is None or p[1] == strategy)}
-        owed = {p for p in self._owed if p[0] == key and (strategy is None or p[1] == strategy)}
-        for pair in owed:
-            del self._owed[pair]
+        owed = {p for p in self._catalog.owed if p[0] == key and (strategy is None or p[1] == strategy)}
+        if owed:
+            self._catalog.release_pairs(owed)  # a refresh's or wake's failed key: no longer to capture again
         if (wanted or owed) and not held:
             return len(wanted | owed)
         removed, _ = self._catalog.release(key, strategy)  # KeyError naming what is held when nothing matches
@@ -120,7 +119,6 @@ class Lifecycle:
             return len(slept.keys) + len(slept.lazy)
         self._background.install()
         dropped = self._background.cancel()
-        self._owed.clear()
         if self._adapter is not None:
             self._adapter.reset()  # a refit queued or running was dropped with the rest; adaptation keeps observing
         removed, count = self._catalog.clear()
@@ -193,7 +191,7 @@ class Lifecycle:
             if not current:
                 stale.append(pair)
         queued = self._background.capturing()  # in flight or queued: perhaps captured with the old weights
-        owed = [pair for pair in self._owed if pair not in self._catalog.entries]  # what a failed refresh or wake left
+        owed = list(self._catalog.owed)  # what a failed refresh or wake did not capture again
         dropped = set(stale)
         kept = tuple(pair for pair in self._catalog.entries if pair not in dropped)
         self._background.discard(queued)
@@ -218,18 +216,15 @@ class Lifecycle:
         return result
 
     def _recapture(self, pairs: list[Pair], background: bool, ordered: bool) -> None:
-        """Capture again keys a refresh or wake dropped, on the capture thread or now; they stay owed until captured, so
-        that a failed capture (CaptureError) loses none: the next ``refresh()`` captures what is left (untried ones are
-        planned lazily meanwhile)."""
-        self._owed.update(dict.fromkeys(pairs))
+        """Capture again keys a refresh or wake dropped, on the capture thread or now.  They stay owed in the catalog
+        until captured (or released), so that a failed capture (CaptureError) loses none: the next ``refresh()``
+        captures what is left (untried ones are planned lazily meanwhile)."""
+        self._catalog.owed.update(dict.fromkeys(pairs))
         if background:
             self._job.renew_if_unused()
             self._background.submit(pairs, self._job.current(), ordered=ordered)
             return
-        try:
-            self._job.capture_all(pairs, progress=None, untried_lazily=True)
-        finally:
-            self._owed = {pair: None for pair in self._owed if pair not in self._catalog.entries}
+        self._job.capture_all(pairs, progress=None, untried_lazily=True)
 
     def _copy_back(self, now: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """``in_place_refresh``: each moved parameter whose graphs' memory is still held gets its new values copied
@@ -256,8 +251,7 @@ class Lifecycle:
         self._background.install()
         entries = sorted(self._catalog.entries.values(), key=_heat, reverse=True)
         keys = [e.pair for e in entries] + self._background.capturing()  # what was (being) captured: captured again
-        keys += [p for p in self._owed if p not in keys]  # and what a failed refresh or wake did not capture again
-        self._owed.clear()
+        keys += [p for p in self._catalog.owed if p not in keys]  # and what a failed refresh or wake did not capture again
         lazy = [p for p in self._catalog.pending if p not in keys]  # never used, or evicted: lazy again
         memory = sum(e.memory_bytes for e in entries)
         del entries  # the entries' last references go with the catalog's (see _released)

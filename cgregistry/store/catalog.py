@@ -127,7 +127,7 @@ class Route:
         self.pending: Pair | None = (match.key, match.strategy) if match is not None and entry is None else None
         self.match = match
         self.copies = copies
-        self.stage = staging(copies) if entry is not None else None  # what a replay runs to take the batch's inputs in
+        self.stage = staging(copies) if entry is not None and copies else None  # how a replay takes the batch's inputs in
         self.out_rows = out_rows
         self.real_tokens = actual.num_tokens
         # from the key, not match.padding: a group's agreed match pads relative to the agreed descriptor
@@ -332,8 +332,8 @@ class Catalog:
     """Entries by (key, strategy), lazy keys, keys being captured, failures, the budget, counters and routes."""
 
     __slots__ = (
-        "entries", "pending", "failures", "capturing", "asleep", "memory_budget", "routes", "counters", "predicted", "took", "_retired",
-        "follows_plans",
+        "entries", "pending", "failures", "capturing", "owed", "asleep", "memory_budget", "routes", "counters", "predicted", "took",
+        "_retired", "follows_plans",
     )
 
     def __init__(
@@ -346,6 +346,7 @@ class Catalog:
         self.pending: dict[Pair, None] = {}  # lazy keys, captured on first need (evicted ones return here)
         self.failures: dict[Pair, BaseException] = {}
         self.capturing: tuple[Pair, ...] = ()  # keys queued for, or in, background capture (not served yet)
+        self.owed: dict[Pair, None] = {}  # keys a refresh or wake dropped to capture again, until captured or released
         self.asleep = False  # reg.sleep(): no graph, every batch eager (miss reason "asleep") until reg.wake()
         self.memory_budget = memory_budget
         self.routes = RouteTable(buffers, self.entries, output_axes, preference, chooser, chooser_names, self.failures, cap,
@@ -423,6 +424,7 @@ class Catalog:
         self.entries[pair] = entry
         self.pending.pop(pair, None)
         self.failures.pop(pair, None)
+        self.owed.pop(pair, None)
         if background:
             self.counters.background_captures += 1
         else:
@@ -495,13 +497,14 @@ class Catalog:
         return self.release_pairs(pairs), len(pairs)
 
     def release_pairs(self, pairs: Iterable[Pair]) -> list[Entry]:
-        """Remove these entries and lazy keys (absent ones are skipped); the removed entries."""
+        """Remove these entries, lazy keys and owed keys (absent ones are skipped); the removed entries."""
         removed = []
         for pair in pairs:
             entry = self.entries.get(pair)
             if entry is not None:
                 removed.append(self._drop(entry))
             self.pending.pop(pair, None)
+            self.owed.pop(pair, None)
         self._changed()
         return removed
 
@@ -510,6 +513,7 @@ class Catalog:
         count = len(self.entries) + len(self.pending)
         removed = [self._drop(entry) for entry in list(self.entries.values())]
         self.pending.clear()
+        self.owed.clear()
         self._changed()
         return removed, count
 

@@ -306,10 +306,18 @@ class StaticBuffer:
 
 
 def staging(copies: tuple[tuple[StaticBuffer, int], ...]) -> Callable[[Mapping[str, torch.Tensor]], None]:
-    """How one route's live inputs reach its static buffers (a function of the inputs, checked already): one
-    ``_foreach_copy_`` per dtype that several inputs share (a single kernel on CUDA where each input is laid out as
-    its view, else one copy each), a ``copy_`` for the others, then the padding.  An input that needs grad is detached
-    first: outside inference mode the copy would chain the caller's autograd graph onto the buffer."""
+    """How one route's live inputs reach its static buffers (a function of the inputs, checked already).
+
+    In order: an input that lies inside one of the route's static buffers (the engine handed a buffer's rows back) is
+    cloned first, so every input is read as it was when ``run()`` was called; the rows an earlier, larger batch left
+    get their fill back (before any copy: a copy that raises leaves no row unaccounted for); the live rows are copied
+    in, with one ``_foreach_copy_`` per dtype that several inputs share (a single kernel on CUDA where each input is
+    laid out as its view, else one copy each) and ``copy_`` for the others; a ``REPEAT_LAST`` input's padded rows
+    repeat its last staged row.  An input that needs grad is detached: outside inference mode the copy would chain
+    the caller's autograd graph onto the buffer.
+
+    Built once per route, after the buffers' latest ``restore()`` (a wake changes the catalog, so routes are rebuilt).
+    """
     by_dtype: dict[torch.dtype, tuple[list[str], list[torch.Tensor]]] = {}
     for buf, rows in copies:
         names, views = by_dtype.setdefault(buf.dtype, ([], []))
@@ -318,40 +326,51 @@ def staging(copies: tuple[tuple[StaticBuffer, int], ...]) -> Callable[[Mapping[s
     groups = tuple((tuple(names), views) for names, views in by_dtype.values() if len(names) > 1)
     singles = tuple((names[0], views[0]) for names, views in by_dtype.values() if len(names) == 1)
     # REPEAT_LAST: every padded row repeats the last live one, whatever key replays (offsets stay monotonic)
-    tails = tuple((buf.name, buf.tensor[rows:]) for buf, rows in copies
+    tails = tuple((buf.tensor[rows - 1 : rows], buf.tensor[rows:]) for buf, rows in copies
                   if buf.spec.fill is REPEAT_LAST and rows < buf.capacity)
-    # a fill: only the rows an earlier, larger batch left get it back
     fills = tuple((buf, rows, buf.spec.fill) for buf, rows in copies
                   if buf.spec.fill is not None and buf.spec.fill is not REPEAT_LAST)
-    buffers = frozenset(buf.tensor for buf, _ in copies)
+    names = tuple(buf.name for buf, _ in copies)
+    spans = tuple(sorted({(buf.tensor.data_ptr(), buf.tensor.data_ptr() + buf.tensor.untyped_storage().nbytes())
+                          for buf, _ in copies}))  # each buffer's memory (its own allocation, from offset 0)
+    low, high = spans[0][0], max(end for _, end in spans)
+
+    def snapshot(inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """``inputs``, each one inside a static buffer cloned (read before any buffer is written)."""
+        cloned = dict(inputs)
+        for name in names:
+            start = cloned[name].data_ptr()
+            if low <= start < high and any(a <= start < b for a, b in spans):
+                cloned[name] = cloned[name].detach().clone()
+        return cloned
 
     def stage(inputs: Mapping[str, torch.Tensor]) -> None:
-        for names, views in groups:
-            live = [inputs[name] for name in names]
-            aliased = False
-            for i, tensor in enumerate(live):
-                if tensor.requires_grad:
-                    live[i] = tensor.detach()
-                if tensor._base is not None and tensor._base in buffers:
-                    aliased = True
-            if aliased:  # an input inside a static buffer: copied in order, as copy_ does (which refuses a partial overlap)
-                for view, tensor in zip(views, live):
-                    view.copy_(tensor)
-            else:
-                torch._foreach_copy_(views, live)
-        for name, view in singles:
-            tensor = inputs[name]
-            view.copy_(tensor.detach() if tensor.requires_grad else tensor)
-        for name, tail in tails:
-            tail.copy_(inputs[name][-1:].detach().expand_as(tail))
+        for name in names:
+            start = inputs[name].data_ptr()
+            if low <= start < high:
+                inputs = snapshot(inputs)
+                break
         for buf, rows, fill in fills:
             if buf.dirty > rows:
                 buf.tensor[rows : buf.dirty].fill_(fill)
             buf.dirty = rows
+        for group, views in groups:
+            live = [inputs[name] for name in group]
+            for i, tensor in enumerate(live):
+                if tensor.requires_grad:
+                    live[i] = tensor.detach()
+            torch._foreach_copy_(views, live)
+        for name, view in singles:
+            tensor = inputs[name]
+            view.copy_(tensor.detach() if tensor.requires_grad else tensor)
+        for last, tail in tails:
+            tail.copy_(last.expand_as(tail))
 
     if groups or tails or len(singles) != 1 or len(fills) > 1:
         return stage
-    (name, view), = singles  # one input, the common case of a small step: no loop but the fill's
+    # One input, the common case of a small step: no loop, and no snapshot, since nothing else is written first. Its
+    # copy goes first (copy_ itself refuses a partial overlap with the buffer before writing), then the fill.
+    (name, view), = singles
     filled = fills[0] if fills else None
 
     def stage_one(inputs: Mapping[str, torch.Tensor]) -> None:

@@ -305,22 +305,99 @@ def test_inputs_of_several_dtypes_on_each_backend(backend: str) -> None:
         check_staged(reg, actual, live)
 
 
-def test_an_input_handed_in_as_rows_of_a_static_input_is_read_before_that_input_is_written(backend: str) -> None:
-    """An engine may pass the registry's own buffers back (the last step's rows, say): each input is read as it was
-    when ``run()`` was called, and one overlapping its own buffer off its rows is refused, as ``copy_`` refuses it."""
-    def step(batch: B, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return x * 3 + y
+ALIASES = {
+    "rows of a buffer written earlier": lambda static: {"y": static["x"][:32]},
+    "rows of a buffer written later": lambda static: {"x": static["y"][:32]},
+    "its own buffer, off its rows": lambda static: {"x": static["x"][1:33]},
+    "detached rows": lambda static: {"y": static["x"][:32].detach()},
+    "a tensor set to the buffer's storage": lambda static: {"y": torch.empty(0, device=static["x"].device).set_(
+        static["x"].untyped_storage(), 0, (32, 4))},
+    "each the other's rows": lambda static: {"x": static["y"][:32], "y": static["x"][:32]},
+    "offsets in another buffer": lambda static: {"cu": static["prev"][:5]},
+}
 
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((64, 4), torch.float32), "y": cg.StaticInput((64, 4), torch.float32)},
-                           backend=backend)
-    reg.capture([(B(32), "full")])
-    device = reg.device
-    g = torch.Generator().manual_seed(0)
-    reg.run(B(32), x=torch.randn(32, 4, generator=g).to(device), y=torch.randn(32, 4, generator=g).to(device))
-    for _ in range(3):
-        x = reg.static_inputs["y"][:32]  # the rows the next copy overwrites
-        y = torch.randn(32, 4, generator=g).to(device)
-        want = step(B(32), x.clone(), y)
-        torch.testing.assert_close(reg.run(B(32), x=x, y=y), want, rtol=0, atol=0)
+
+@pytest.mark.parametrize("inference", [False, True], ids=["grad mode", "inference mode"])
+@pytest.mark.parametrize("alias", list(ALIASES))
+def test_an_input_handed_in_as_static_rows_is_read_as_it_was_when_run_was_called(backend: str, alias: str,
+                                                                                   inference: bool) -> None:
+    """An engine may hand the registry's own buffers back (the last step's rows, say): every input is read as it was
+    when ``run()`` was called, whichever buffer is written first, and an offsets input's padding repeats its own
+    last value."""
+    def step(batch: B, x: torch.Tensor, y: torch.Tensor, prev: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        return x * 3 + y + (prev[:4] * 10 + cu.sum())[:, None].repeat_interleave(8, 0).float()
+
+    spec = {"x": cg.StaticInput((64, 4), torch.float32), "y": cg.StaticInput((64, 4), torch.float32),
+            "prev": cg.StaticInput((9,), torch.long, axis="reqs+1"), "cu": cg.StaticInput((9,), torch.long, axis="reqs+1")}
+    with torch.inference_mode(inference):
+        reg = cg.GraphRegistry(step, spec, backend=backend)
+        reg.capture([(B(32, 4), "full")])
+        device = reg.device
+        g = torch.Generator().manual_seed(0)
+
+        def fresh() -> dict[str, torch.Tensor]:
+            return {"x": torch.randn(32, 4, generator=g).to(device), "y": torch.randn(32, 4, generator=g).to(device),
+                    "prev": torch.randint(0, 50, (5,), generator=g).cumsum(0).to(device), "cu": torch.tensor([0, 8, 16, 24, 32], device=device)}
+
+        reg.run(B(32, 4), **fresh())
+        for _ in range(3):
+            live = {**fresh(), **ALIASES[alias](reg.static_inputs)}
+            want = step(B(32, 4), **{name: t.clone() for name, t in live.items()})
+            hits = reg.stats().hits
+            torch.testing.assert_close(reg.run(B(32, 4), **live), want, rtol=0, atol=0)
+            assert reg.stats().hits == hits + 1
+            assert torch.equal(reg.static_inputs["cu"][5:], reg.static_inputs["cu"][4].expand(4)), "padding repeats the last offset"
+
+
+def test_a_run_interrupted_while_staging_leaves_every_padded_row_to_be_filled() -> None:
+    """A copy that raises part-way (an interrupt, say) leaves no row an index input's padding must hold unfilled."""
+    def step(batch: B, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x + slots.float()
+
+    reg = cg.GraphRegistry(step, {"slots": cg.StaticInput((16,), torch.long, fill=99),
+                                  "x": cg.StaticInput((16,), torch.float32)}, backend="cpu")
+    reg.capture([(B(4), "full"), (B(16), "full")])
+    reg.run(B(4), slots=torch.arange(4), x=torch.zeros(4))
+
+    class Interrupting(torch.Tensor):
+        """A live input whose copy raises once the slots were copied in."""
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+            if func in (torch.Tensor.copy_, torch._foreach_copy_) and any(isinstance(a, cls) for a in args if isinstance(a, torch.Tensor)):
+                raise KeyboardInterrupt
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    with pytest.raises(KeyboardInterrupt):
+        reg.run(B(16), slots=torch.arange(20, 36), x=torch.zeros(16).as_subclass(Interrupting))
+    reg.run(B(3), slots=torch.arange(3), x=torch.zeros(3))
+    assert reg.static_inputs["slots"].tolist() == [0, 1, 2, *[99] * 13]
+
+
+def test_a_step_with_no_static_inputs_replays(backend: str) -> None:
+    """A step that reads engine state only (its inputs staged by the engine itself): nothing to copy in."""
+    state = torch.arange(32.0, device=device_of(backend))
+
+    def step(batch: B) -> torch.Tensor:
+        return state[: batch.num_tokens] * 2
+
+    reg = cg.GraphRegistry(step, {}, backend=backend)
+    reg.capture([(B(8), "full"), (B(16), "full")])
+    for n in (8, 16):
+        state.add_(1)
+        torch.testing.assert_close(reg.run(B(n)), step(B(n)), rtol=0, atol=0)
+    assert reg.stats().hits == 2
+
+
+def test_a_lone_input_handed_in_as_rows_of_its_own_buffer_is_read_before_the_padding_is_filled(backend: str) -> None:
+    """The rows an earlier, larger batch left (about to be filled back) handed in as the next batch; an overlap with
+    the rows being written is refused, as ``copy_`` refuses it."""
+    reg = cg.GraphRegistry(lambda batch, x: x * 2, {"x": cg.StaticInput((32,), torch.float32)}, backend=backend)
+    reg.capture([(B(4), "full"), (B(16), "full")])
+    reg.run(B(16), x=torch.arange(1.0, 17.0, device=reg.device))
+    live = reg.static_inputs["x"][8:12]
+    want = live.clone() * 2
+    torch.testing.assert_close(reg.run(B(4), x=live), want, rtol=0, atol=0)
+    assert reg.static_inputs["x"][4:].eq(0).all(), "the padding was filled back after the copy"
     with pytest.raises(RuntimeError, match="refer to a single memory location"):
-        reg.run(B(32), x=reg.static_inputs["x"][1:33], y=y)
+        reg.run(B(4), x=reg.static_inputs["x"][1:5])
