@@ -3,7 +3,6 @@ the graphs valid, on the cpu backend and on CUDA."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
