@@ -83,10 +83,10 @@ class Lifecycle:
         self._background.install()
         wanted = {p for p in self._background.capturing() if p[0] == key and (strategy is None or p[1] == strategy)}
         self._background.discard(wanted)  # not captured yet: dropped (one in flight is discarded when it finishes)
-        held = {p for p in self._catalog.pairs() if p[0] == key and (strategy is None or p[1] == strategy)}
         owed = {p for p in self._catalog.owed if p[0] == key and (strategy is None or p[1] == strategy)}
-        if owed:
-            self._catalog.release_pairs(owed)  # a refresh's or wake's failed key: no longer to capture again
+        if owed:  # a refresh's or wake's key, failed or planned lazily: no longer to capture again
+            self._catalog.release_pairs(owed)
+        held = {p for p in self._catalog.pairs() if p[0] == key and (strategy is None or p[1] == strategy)}
         if (wanted or owed) and not held:
             return len(wanted | owed)
         removed, _ = self._catalog.release(key, strategy)  # KeyError naming what is held when nothing matches

@@ -133,7 +133,7 @@ class Server:
             if entry.generation != self._weights.generation:  # a watched tensor may have moved since its capture
                 self._job.check_weights(entry)
             if copies:
-                route.stage(inputs)
+                inputs = route.stage(inputs)  # as read: an input inside a static buffer cloned first
             try:
                 if entry.has_breaks:
                     batch = route.batch_context if context is None else BreakContext(actual, entry.key, context)

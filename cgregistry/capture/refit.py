@@ -108,7 +108,8 @@ class Adapter:
             return
         weights = traffic.steps()
         traffic.decay(adapt.decay)
-        current = [*self._catalog.entries, *self._catalog.pending, *self._catalog.capturing]
+        catalog = self._catalog
+        current = list(dict.fromkeys([*catalog.entries, *catalog.pending, *catalog.capturing, *catalog.owed]))
         cap = self._catalog.routes.cap
         preference = self._catalog.routes.matcher.preference  # read here: the task runs on the capture thread
         served = traffic.observed  # every step harvested (the histogram is never replaced): PlanChange.observed

@@ -368,8 +368,8 @@ class Catalog:
         return [*self.entries, *self.pending]
 
     def holds(self, pair: Pair) -> bool:
-        """Whether ``pair`` is captured, planned lazily or being captured."""
-        return pair in self.entries or pair in self.pending or pair in self.capturing
+        """Whether ``pair`` is captured, planned lazily, being captured or owed (a refresh's or wake's, to capture)."""
+        return pair in self.entries or pair in self.pending or pair in self.capturing or pair in self.owed
 
     def memory_bytes(self) -> int:
         return sum(e.memory_bytes for e in tuple(self.entries.values()))

@@ -305,8 +305,11 @@ class StaticBuffer:
         return InputError(f"input {self.name!r} is on {live.device}, expected {self.tensor.device}")
 
 
-def staging(copies: tuple[tuple[StaticBuffer, int], ...]) -> Callable[[Mapping[str, torch.Tensor]], None]:
-    """How one route's live inputs reach its static buffers (a function of the inputs, checked already).
+def staging(
+    copies: tuple[tuple[StaticBuffer, int], ...],
+) -> Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]:
+    """How one route's live inputs reach its static buffers: a function of the inputs (checked already) that returns
+    them as read, with the clones below, for an eager run of the step should the replay fail.
 
     In order: an input that lies inside one of the route's static buffers (the engine handed a buffer's rows back) is
     cloned first, so every input is read as it was when ``run()`` was called; the rows an earlier, larger batch left
@@ -344,7 +347,7 @@ def staging(copies: tuple[tuple[StaticBuffer, int], ...]) -> Callable[[Mapping[s
                 cloned[name] = cloned[name].detach().clone()
         return cloned
 
-    def stage(inputs: Mapping[str, torch.Tensor]) -> None:
+    def stage(inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         for name in names:
             start = inputs[name].data_ptr()
             if low <= start < high:
@@ -365,22 +368,25 @@ def staging(copies: tuple[tuple[StaticBuffer, int], ...]) -> Callable[[Mapping[s
             view.copy_(tensor.detach() if tensor.requires_grad else tensor)
         for last, tail in tails:
             tail.copy_(last.expand_as(tail))
+        return inputs
 
     if groups or tails or len(singles) != 1 or len(fills) > 1:
         return stage
-    # One input, the common case of a small step: no loop, and no snapshot, since nothing else is written first. Its
-    # copy goes first (copy_ itself refuses a partial overlap with the buffer before writing), then the fill.
-    (name, view), = singles
+    (name, view), = singles  # one input, the common case of a small step: no loop
     filled = fills[0] if fills else None
 
-    def stage_one(inputs: Mapping[str, torch.Tensor]) -> None:
+    def stage_one(inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         tensor = inputs[name]
-        view.copy_(tensor.detach() if tensor.requires_grad else tensor)
+        if low <= tensor.data_ptr() < high:  # rows of its own buffer (a strided view would overwrite what it reads)
+            inputs = snapshot(inputs)
+            tensor = inputs[name]
         if filled is not None:
             buf, rows, fill = filled
             if buf.dirty > rows:
                 buf.tensor[rows : buf.dirty].fill_(fill)
             buf.dirty = rows
+        view.copy_(tensor.detach() if tensor.requires_grad else tensor)
+        return inputs
 
     return stage_one
 

@@ -219,6 +219,23 @@ def test_keys_captured_again_in_the_background_are_owed_no_longer(how: str) -> N
             assert set(slept.keys) == held and set(slept.lazy) == PLAN_KEYS - held
 
 
+def test_the_keys_a_failed_refresh_did_not_try_are_released_once() -> None:
+    reg, model = make_half_loaded("cpu")
+    reg.capture(PLAN)
+    model.first.weight.data = torch.randn(WIDTH, WIDTH)
+    model.broken = True
+    with pytest.raises(cg.CaptureError):
+        reg.refresh()  # the largest key fails; the others, untried, are planned lazily and owed
+    model.broken = False
+    untried = sorted(PLAN_KEYS - reg.failures().keys(), key=lambda pair: pair[0].num_tokens)
+    assert len(untried) == 2
+    assert reg.release(untried[0][0]) == 1
+    with pytest.raises(KeyError, match="no entry"):
+        reg.release(untried[0][0])
+    assert set(reg.refresh().recaptured) == PLAN_KEYS - {untried[0]}
+    assert {(e.key, e.strategy) for e in reg.entries()} == PLAN_KEYS - {untried[0]}
+
+
 def test_a_wake_whose_capture_fails_keeps_its_keys_for_the_next_refresh() -> None:
     reg, model = make_half_loaded("cpu")
     reg.capture(PLAN)

@@ -5,6 +5,8 @@ The oracle is always the step run eagerly on the live (unpadded) inputs.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -389,15 +391,48 @@ def test_a_step_with_no_static_inputs_replays(backend: str) -> None:
     assert reg.stats().hits == 2
 
 
-def test_a_lone_input_handed_in_as_rows_of_its_own_buffer_is_read_before_the_padding_is_filled(backend: str) -> None:
-    """The rows an earlier, larger batch left (about to be filled back) handed in as the next batch; an overlap with
-    the rows being written is refused, as ``copy_`` refuses it."""
-    reg = cg.GraphRegistry(lambda batch, x: x * 2, {"x": cg.StaticInput((32,), torch.float32)}, backend=backend)
-    reg.capture([(B(4), "full"), (B(16), "full")])
-    reg.run(B(16), x=torch.arange(1.0, 17.0, device=reg.device))
-    live = reg.static_inputs["x"][8:12]
-    want = live.clone() * 2
-    torch.testing.assert_close(reg.run(B(4), x=live), want, rtol=0, atol=0)
-    assert reg.static_inputs["x"][4:].eq(0).all(), "the padding was filled back after the copy"
-    with pytest.raises(RuntimeError, match="refer to a single memory location"):
-        reg.run(B(4), x=reg.static_inputs["x"][1:5])
+def test_a_lone_input_handed_in_as_rows_of_its_own_buffer_is_read_as_it_was(backend: str) -> None:
+    """The rows an earlier, larger batch left (about to be filled back), rows overlapping those being written, and a
+    strided view of them (copy_'s own overlap check gives up on it) are all read as they were when ``run()`` was
+    called."""
+    reg = cg.GraphRegistry(lambda batch, x: x * 2, {"x": cg.StaticInput((32, 4), torch.float32)}, backend=backend)
+    reg.capture([(B(2), "full"), (B(4), "full"), (B(16), "full")])
+    static = reg.static_inputs["x"]
+    for handed in (lambda: static[8:12], lambda: static[1:5], lambda: static.as_strided((4, 4), (1, 4))):
+        reg.run(B(16), x=torch.arange(64.0, device=reg.device).view(16, 4))
+        live = handed()
+        want = live.clone() * 2
+        torch.testing.assert_close(reg.run(B(4), x=live), want, rtol=0, atol=0)
+        assert static[4:].eq(0).all(), "the padding was filled back"
+    assert reg.stats().hits == 6
+
+
+def test_the_eager_run_after_a_failed_replay_reads_the_inputs_as_they_were_at_run() -> None:
+    """A replay that raises (here an eager break, once) is answered by the step run eagerly: on the inputs as handed
+    in, not on the static rows the staging had already overwritten."""
+    failures = [RuntimeError("a broken entry")]
+
+    @cg.eager_break
+    def settle(z: torch.Tensor) -> torch.Tensor:
+        if failures and cg.current_batch() is not None and cg.current_batch().key is not None:
+            raise failures.pop()
+        return z + 1
+
+    def step(batch: B, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return settle(x * 3 + y)
+
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((16,), torch.float32), "y": cg.StaticInput((16,), torch.float32)},
+                           backend="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        failures.clear()
+        reg.capture([(B(8), "breakable")])
+        reg.run(B(8), x=torch.arange(8.0), y=torch.ones(8))
+        assert reg.stats().hits == 1
+        failures.append(RuntimeError("a broken entry"))
+        y = reg.static_inputs["x"][:8]  # the rows the copy of x overwrites first
+        x = torch.full((8,), 5.0)
+        want = step(B(8), x, y.clone())
+        got = reg.run(B(8), x=x, y=y)
+    assert reg.failures() and reg.stats().misses_by_reason.get("failed") == 1, "the replay did fail"
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
