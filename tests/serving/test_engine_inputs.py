@@ -1,6 +1,7 @@
-"""Inputs and outputs real attention backends need: ``reqs+1`` offsets and per-leaf output axes.
+"""Inputs and outputs real attention backends need (``reqs+1`` offsets, per-leaf output axes), and how ``run()``
+stages inputs into the static buffers: several dtypes, padding, inputs handed in as static rows.
 
-The oracle is always the step run eagerly on the live (unpadded) inputs.
+The oracle is always the step run eagerly on the live (unpadded) inputs, as they were when ``run()`` was called.
 """
 
 from __future__ import annotations
