@@ -133,7 +133,7 @@ class Server:
             if entry.generation != self._weights.generation:  # a watched tensor may have moved since its capture
                 self._job.check_weights(entry)
             if copies:
-                inputs = route.stage(inputs)  # as read: an input inside a static buffer cloned first
+                route.stage(inputs)
             try:
                 if entry.has_breaks:
                     batch = route.batch_context if context is None else BreakContext(actual, entry.key, context)
@@ -145,7 +145,10 @@ class Server:
                 else:
                     entry.replay()
             except Exception as exc:
-                return self._replay_failed(entry, exc, actual, inputs, context)
+                # The eager answer reads the inputs as staged: a partial replay may have written over what the caller
+                # handed in (an earlier run's output, in the pool the graphs share); the static inputs it only reads.
+                staged = {buf.name: buf.view(rows).clone() for buf, rows in copies} if copies else inputs
+                return self._replay_failed(entry, exc, actual, staged, context)
             entry.replays += 1
             entry.padded_tokens += route.pad_tokens
             entry.graph_tokens += route.real_tokens

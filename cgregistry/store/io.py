@@ -305,11 +305,8 @@ class StaticBuffer:
         return InputError(f"input {self.name!r} is on {live.device}, expected {self.tensor.device}")
 
 
-def staging(
-    copies: tuple[tuple[StaticBuffer, int], ...],
-) -> Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]:
-    """How one route's live inputs reach its static buffers: a function of the inputs (checked already) that returns
-    them as read, with the clones below, for an eager run of the step should the replay fail.
+def staging(copies: tuple[tuple[StaticBuffer, int], ...]) -> Callable[[Mapping[str, torch.Tensor]], None]:
+    """How one route's live inputs reach its static buffers (a function of the inputs, checked already).
 
     In order: an input that lies inside one of the route's static buffers (the engine handed a buffer's rows back) is
     cloned first, so every input is read as it was when ``run()`` was called; the rows an earlier, larger batch left
@@ -347,7 +344,7 @@ def staging(
                 cloned[name] = cloned[name].detach().clone()
         return cloned
 
-    def stage(inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    def stage(inputs: Mapping[str, torch.Tensor]) -> None:
         for name in names:
             start = inputs[name].data_ptr()
             if low <= start < high:
@@ -368,14 +365,13 @@ def staging(
             view.copy_(tensor.detach() if tensor.requires_grad else tensor)
         for last, tail in tails:
             tail.copy_(last.expand_as(tail))
-        return inputs
 
     if groups or tails or len(singles) != 1 or len(fills) > 1:
         return stage
     (name, view), = singles  # one input, the common case of a small step: no loop
     filled = fills[0] if fills else None
 
-    def stage_one(inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    def stage_one(inputs: Mapping[str, torch.Tensor]) -> None:
         tensor = inputs[name]
         if low <= tensor.data_ptr() < high:  # rows of its own buffer (a strided view would overwrite what it reads)
             inputs = snapshot(inputs)
@@ -386,7 +382,6 @@ def staging(
                 buf.tensor[rows : buf.dirty].fill_(fill)
             buf.dirty = rows
         view.copy_(tensor.detach() if tensor.requires_grad else tensor)
-        return inputs
 
     return stage_one
 

@@ -408,10 +408,11 @@ def test_a_lone_input_handed_in_as_rows_of_its_own_buffer_is_read_as_it_was(back
     assert reg.stats().hits == 6
 
 
-def test_the_eager_run_after_a_failed_replay_reads_the_inputs_as_they_were_at_run() -> None:
-    """A replay that raises (here an eager break, once) is answered by the step run eagerly: on the inputs as handed
-    in, not on the static rows the staging had already overwritten."""
-    failures = [RuntimeError("a broken entry")]
+@pytest.mark.parametrize("handed", ["another input's static rows", "the previous run's output"])
+def test_the_eager_run_after_a_failed_replay_reads_the_inputs_as_they_were_at_run(handed: str) -> None:
+    """A replay that raises part-way (here an eager break, once) is answered by the step run eagerly: on the inputs
+    as handed in, not on memory the staging or the replay's first segment had already written over."""
+    failures: list[Exception] = []
 
     @cg.eager_break
     def settle(z: torch.Tensor) -> torch.Tensor:
@@ -420,20 +421,23 @@ def test_the_eager_run_after_a_failed_replay_reads_the_inputs_as_they_were_at_ru
         return z + 1
 
     def step(batch: B, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return settle(x * 3 + y)
+        out = x * 3 + y
+        settle(out)  # the first segment wrote the output before the break
+        return out
 
     reg = cg.GraphRegistry(step, {"x": cg.StaticInput((16,), torch.float32), "y": cg.StaticInput((16,), torch.float32)},
                            backend="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        failures.clear()
         reg.capture([(B(8), "breakable")])
-        reg.run(B(8), x=torch.arange(8.0), y=torch.ones(8))
+        previous = reg.run(B(8), x=torch.arange(8.0), y=torch.ones(8))
         assert reg.stats().hits == 1
         failures.append(RuntimeError("a broken entry"))
-        y = reg.static_inputs["x"][:8]  # the rows the copy of x overwrites first
-        x = torch.full((8,), 5.0)
-        want = step(B(8), x, y.clone())
+        if handed == "another input's static rows":
+            x, y = torch.full((8,), 5.0), reg.static_inputs["x"][:8]  # the rows the copy of x overwrites first
+        else:
+            x, y = previous, torch.full((8,), 2.0)  # sampled tokens fed back, say
+        want = step(B(8), x.clone(), y.clone())
         got = reg.run(B(8), x=x, y=y)
     assert reg.failures() and reg.stats().misses_by_reason.get("failed") == 1, "the replay did fail"
     torch.testing.assert_close(got, want, rtol=0, atol=0)
