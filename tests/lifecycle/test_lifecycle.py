@@ -4,8 +4,10 @@ hottest first; every output equals eager with the current weights."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -147,6 +149,15 @@ class HalfLoaded(Model):
             raise RuntimeError("weights half-loaded")
         return super().forward(batch, x)
 
+    @contextlib.contextmanager
+    def half_loaded(self) -> Iterator[None]:
+        """The step raises inside the block."""
+        self.broken = True
+        try:
+            yield
+        finally:
+            self.broken = False
+
 
 def make_half_loaded(backend: str) -> tuple[cg.GraphRegistry, HalfLoaded]:
     model = HalfLoaded(device_of(backend))
@@ -156,15 +167,20 @@ def make_half_loaded(backend: str) -> tuple[cg.GraphRegistry, HalfLoaded]:
 PLAN_KEYS = {(e.descriptor, e.strategy) for e in PLAN}
 
 
+def fail_refresh(reg: cg.GraphRegistry, model: HalfLoaded) -> None:
+    """A weight moves, and the refresh's capture fails (the largest key first; the others untried)."""
+    model.first.weight.data = torch.randn(WIDTH, WIDTH)
+    with model.half_loaded(), pytest.raises(cg.CaptureError, match="weights half-loaded"):
+        reg.refresh()
+
+
 def test_a_refresh_whose_capture_fails_keeps_every_key_it_dropped_for_the_next_refresh(backend: str) -> None:
     reg, model = make_half_loaded(backend)
     reg.capture(PLAN)
     model.load_state_dict(new_state(model, 2), assign=True)
-    model.broken = True
-    with pytest.raises(cg.CaptureError, match=r"weights half-loaded.*next refresh\(\) captures"):
+    with model.half_loaded(), pytest.raises(cg.CaptureError, match=r"weights half-loaded.*next refresh\(\) captures"):
         reg.refresh()
     assert len(reg) == 0, "no graph reads the old weights"
-    model.broken = False
     serve(reg, model, 5)  # an untried key, planned lazily, is captured by its first use
     lazily = {(e.key, e.strategy) for e in reg.entries()}
     assert len(lazily) == 1
@@ -181,13 +197,11 @@ def test_a_refresh_in_the_background_whose_captures_fail_owes_its_keys_to_the_ne
     reg, model = make_half_loaded("cpu")
     reg.capture(PLAN)
     model.first.weight.data = torch.randn(WIDTH, WIDTH)
-    model.broken = True
-    with warnings.catch_warnings():
+    with model.half_loaded(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reg.refresh(background=True)
         reg.wait_captured(timeout=60)
     assert len(reg) == 0 and reg.failures()
-    model.broken = False
     assert set(reg.refresh().recaptured) == PLAN_KEYS and len(reg) == len(PLAN)
     serve(reg, model, 17)
 
@@ -222,11 +236,7 @@ def test_keys_captured_again_in_the_background_are_owed_no_longer(how: str) -> N
 def test_the_keys_a_failed_refresh_did_not_try_are_released_once() -> None:
     reg, model = make_half_loaded("cpu")
     reg.capture(PLAN)
-    model.first.weight.data = torch.randn(WIDTH, WIDTH)
-    model.broken = True
-    with pytest.raises(cg.CaptureError):
-        reg.refresh()  # the largest key fails; the others, untried, are planned lazily and owed
-    model.broken = False
+    fail_refresh(reg, model)  # the others, untried, are planned lazily and owed
     untried = sorted(PLAN_KEYS - reg.failures().keys(), key=lambda pair: pair[0].num_tokens)
     assert len(untried) == 2
     assert reg.release(untried[0][0]) == 1
@@ -240,10 +250,8 @@ def test_a_wake_whose_capture_fails_keeps_its_keys_for_the_next_refresh() -> Non
     reg, model = make_half_loaded("cpu")
     reg.capture(PLAN)
     reg.sleep()
-    model.broken = True
-    with pytest.raises(cg.CaptureError, match="weights half-loaded"):
+    with model.half_loaded(), pytest.raises(cg.CaptureError, match="weights half-loaded"):
         reg.wake(background=False)
-    model.broken = False
     assert set(reg.refresh().recaptured) == PLAN_KEYS and len(reg) == len(PLAN)
     serve(reg, model, 9)
 
@@ -251,29 +259,17 @@ def test_a_wake_whose_capture_fails_keeps_its_keys_for_the_next_refresh() -> Non
 def test_a_key_owed_by_a_failed_refresh_is_slept_with_and_can_be_released() -> None:
     reg, model = make_half_loaded("cpu")
     reg.capture(PLAN)
-    model.first.weight.data = torch.randn(WIDTH, WIDTH)
-    model.broken = True
-    with pytest.raises(cg.CaptureError):
-        reg.refresh()
-    model.broken = False
+    fail_refresh(reg, model)
     slept = reg.sleep()
     assert set(slept.keys) | set(slept.lazy) == PLAN_KEYS, "wake() captures what the refresh owed"
     reg.wake(background=False)
     assert len(reg) == len(PLAN)
-    model.second.weight.data = torch.randn(WIDTH, WIDTH)
-    model.broken = True
-    with pytest.raises(cg.CaptureError):
-        reg.refresh()
-    model.broken = False
+    fail_refresh(reg, model)
     failed = max(PLAN_KEYS, key=lambda pair: pair[0].num_tokens)  # tried first
     assert reg.failures().keys() == {failed} and reg.release(failed[0]) == 1
     assert set(reg.refresh().recaptured) == PLAN_KEYS - {failed}
     assert reg.refresh(background=True).recaptured == ()
-    with pytest.raises(cg.CaptureError):
-        model.broken = True
-        model.first.weight.data = torch.randn(WIDTH, WIDTH)
-        reg.refresh()
-    model.broken = False
+    fail_refresh(reg, model)
     assert reg.clear() >= 0 and reg.refresh().recaptured == (), "clear() forgets what was owed"
 
 
@@ -415,13 +411,8 @@ class Lifecycle(RuleBasedStateMachine):
     def refresh_fails(self) -> None:
         """A weight moves and the step raises while the refresh captures (weights half-loaded): no key is lost."""
         self.model.first.weight.data = self.model.first.weight.detach().clone()
-        self.model.broken = True
-        try:
+        with self.model.half_loaded(), contextlib.suppress(cg.CaptureError):
             self.reg.refresh()
-        except cg.CaptureError:
-            pass
-        finally:
-            self.model.broken = False
         self.moved = False
 
     def captured_all(self) -> None:
