@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -38,6 +38,11 @@ __all__ = ["Lifecycle"]
 
 def _heat(entry: Entry) -> tuple[int, int]:
     return (entry.replays, entry.key.num_tokens)
+
+
+def _of(pairs: Iterable[Pair], key: BatchDescriptor, strategy: str | None) -> set[Pair]:
+    """The pairs of ``key`` (under ``strategy``, or any)."""
+    return {pair for pair in pairs if pair[0] == key and (strategy is None or pair[1] == strategy)}
 
 
 def _drop(entries: list[Entry]) -> list[weakref.ref[Entry]]:
@@ -81,12 +86,12 @@ class Lifecycle:
         if self.asleep is not None:
             return self._release_slept(key, strategy)
         self._background.install()
-        wanted = {p for p in self._background.capturing() if p[0] == key and (strategy is None or p[1] == strategy)}
+        wanted = _of(self._background.capturing(), key, strategy)
         self._background.discard(wanted)  # not captured yet: dropped (one in flight is discarded when it finishes)
-        owed = {p for p in self._catalog.owed if p[0] == key and (strategy is None or p[1] == strategy)}
+        owed = _of(self._catalog.owed, key, strategy)
         if owed:  # a refresh's or wake's key, failed or planned lazily: no longer to capture again
             self._catalog.release_pairs(owed)
-        held = {p for p in self._catalog.pairs() if p[0] == key and (strategy is None or p[1] == strategy)}
+        held = _of(self._catalog.pairs(), key, strategy)
         if (wanted or owed) and not held:
             return len(wanted | owed)
         removed, _ = self._catalog.release(key, strategy)  # KeyError naming what is held when nothing matches
@@ -97,16 +102,12 @@ class Lifecycle:
         """``release()`` while asleep: the key leaves the plan ``wake()`` captures (KeyError naming the plan if absent)."""
         slept = self.asleep
         assert slept is not None
-
-        def wanted(pair: Pair) -> bool:
-            return pair[0] == key and (strategy is None or pair[1] == strategy)
-
-        gone = {p for p in (*slept.keys, *slept.lazy) if wanted(p)}
+        gone = _of((*slept.keys, *slept.lazy), key, strategy)
         if not gone:
             held = sorted({f"{k} [{s}]" for k, s in (*slept.keys, *slept.lazy)})
             raise KeyError(f"no entry for {key}{'' if strategy is None else f' [{strategy}]'} in the plan slept with: {held}")
-        self.asleep = attrs.evolve(slept, keys=tuple(p for p in slept.keys if not wanted(p)),
-                                   lazy=tuple(p for p in slept.lazy if not wanted(p)))
+        self.asleep = attrs.evolve(slept, keys=tuple(p for p in slept.keys if p not in gone),
+                                   lazy=tuple(p for p in slept.lazy if p not in gone))
         return len(gone)
 
     def clear(self) -> int:
