@@ -293,9 +293,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
     if uses_kernels(k_new, k_cache, v_cache) and k_new.stride(-1) == 1 and v_new.stride(-1) == 1:
         slot_mapping = slot_mapping if slot_mapping.stride(0) == 1 else slot_mapping.contiguous()
         _write_kv_kernel[(tokens,)](
-            k_new, v_new, k_cache, v_cache, slot_mapping, k_cache.shape[0], k_new.stride(0), k_new.stride(1), v_new.stride(0),
-            v_new.stride(1),
-            k_cache.stride(0), k_cache.stride(1), HEADS=heads, HEADS_P2=triton.next_power_of_2(heads), DIM=dim,
+            k_new, v_new, k_cache, v_cache, slot_mapping, k_cache.shape[0],
+            k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), k_cache.stride(0), k_cache.stride(1),
+            HEADS=heads, HEADS_P2=triton.next_power_of_2(heads), DIM=dim,
         )
         return
     k_cache.index_copy_(0, slot_mapping, k_new)
