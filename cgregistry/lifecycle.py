@@ -210,7 +210,6 @@ class Lifecycle:
         else:
             self._released(removed, release=False)  # the keys captured again reuse the pool
         if again and self.asleep is None:
-            self._catalog.unplan(owed)  # planned lazily by the failure: captured now instead
             self._recapture(again, background, ordered=False)
         result = Refreshed(kept, tuple(again), moved, background, copied, not_copied)
         self._events.refreshed(result)
