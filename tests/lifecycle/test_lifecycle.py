@@ -246,6 +246,28 @@ def test_the_keys_a_failed_refresh_did_not_try_are_released_once() -> None:
     assert {(e.key, e.strategy) for e in reg.entries()} == PLAN_KEYS - {untried[0]}
 
 
+def test_owed_keys_through_a_later_capture_a_refresh_and_another_autocast_serve_eager_or_refuse() -> None:
+    """A failed refresh under bf16 autocast and inference mode (the capture context), then a capture() of a new key,
+    back-to-back runs, the refresh that captures what was owed, and a run outside that autocast: every output equals
+    eager under the same state, or is refused naming autocast."""
+    reg, model = make_half_loaded("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+        reg.capture([(e.descriptor, e.strategy) for e in PLAN if e.descriptor.num_tokens != 8])
+        fail_refresh(reg, model)
+        reg.capture([(B(8, 8), "full")])  # the key left out before, captured while the two others are owed
+        for n in (3, 8, 20, 8, 31):
+            x = torch.randn(n, WIDTH)
+            torch.testing.assert_close(reg.run(B.decode(n), x=x), model(B.decode(n), x))
+        assert set(reg.refresh().recaptured) == PLAN_KEYS - {(B(8, 8), "full")} and len(reg) == len(PLAN)
+        hits = reg.stats().hits
+        for n in (5, 16, 32):
+            x = torch.randn(n, WIDTH)
+            torch.testing.assert_close(reg.run(B.decode(n), x=x), model(B.decode(n), x))
+        assert reg.stats().hits == hits + 3
+    with torch.inference_mode(), pytest.raises(cg.ServingStateError, match="autocast"):
+        reg.run(B.decode(4), x=torch.randn(4, WIDTH))
+
+
 def test_a_wake_whose_capture_fails_keeps_its_keys_for_the_next_refresh() -> None:
     reg, model = make_half_loaded("cpu")
     reg.capture(PLAN)
