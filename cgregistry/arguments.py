@@ -13,7 +13,7 @@ from cgregistry.capture.pool import GraphPool
 from cgregistry.contracts.protocols import Backend
 from cgregistry.store.io import StaticInput
 
-__all__ = ["RESERVED_INPUT_NAMES", "Delegated", "check_budget", "check_flag", "check_inputs", "check_pool", "check_timeout"]
+__all__ = ["RESERVED_INPUT_NAMES", "Delegated", "check_budget", "check_capture_budget", "check_flag", "check_inputs", "check_pool", "check_timeout"]
 
 RESERVED_INPUT_NAMES = ("context", "group", "exclude")  # keyword arguments of run() itself
 
@@ -40,9 +40,15 @@ def check_budget(value: object) -> None:
         raise ValueError(f"memory_budget must be a byte count >= 0 or None, got {value!r}")
 
 
-def check_timeout(call: str, timeout: object) -> None:
+def check_timeout(call: str, timeout: object, name: str = "timeout") -> None:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):
-        raise TypeError(f"{call}(timeout=...) takes seconds >= 0 (an int or float, inf allowed) or None, got {timeout!r}")
+        raise TypeError(f"{call}({name}=...) takes seconds >= 0 (an int or float, inf allowed) or None, got {timeout!r}")
+
+
+def check_capture_budget(value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
+        raise TypeError(f"capture_budget takes seconds >= 0 (an int or float; 0: no capture while serving) or None (an "
+                        f"eager step's time), got {value!r}")
 
 
 def check_inputs(inputs: Mapping[str, object]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "CgregistryError", "InputError", "OutputError", "CaptureError", "PluginError", "BreakError", "PiecewiseError", "GraphUnsafeOpError", "ServingStateError", "WeightsMovedError", "DebugError", "MovedTensorError", "StaleOutputError", "ConcurrentRunError", "SnapshotError", "AgreementError",
+    "CgregistryError", "InputError", "OutputError", "CaptureError", "PluginError", "BreakError", "PiecewiseError", "GraphUnsafeOpError", "ServingStateError", "WeightsMovedError", "DebugError", "MovedTensorError", "StaleOutputError", "ConcurrentRunError", "OwnerThreadError", "SnapshotError", "AgreementError",
 ]
 
 
@@ -96,8 +96,13 @@ class StaleOutputError(CgregistryError, RuntimeError):
 
 
 class ConcurrentRunError(CgregistryError, RuntimeError):
-    """``run()`` was called while another ``run()`` on the same registry was in progress (on another thread, or on the
-    same one from inside it: from the step or a hook)."""
+    """A call that would run beside one of the registry's ``run()`` calls: from inside it (the step or a hook calling
+    back), or from a thread that does not own the registry (``OwnerThreadError``)."""
+
+
+class OwnerThreadError(ConcurrentRunError):
+    """A call from another thread than the one that owns the registry (its serving thread): ``run()``, or a call that
+    changes its graphs.  Names the owner; ``reg.call_on_owner(fn, ...)`` hands such a call over."""
 
 
 class SnapshotError(CgregistryError, ValueError):

@@ -107,7 +107,7 @@ class EntryInfo:
 @attrs.frozen(slots=True)
 class Refreshed:
     """What ``refresh()`` did: keys kept (their graphs read the weights where they are), keys captured again (now, or
-    queued for the capture thread with ``background``), the watched tensors that had moved and, with
+    pending capture between the steps that follow with ``background``), the watched tensors that had moved and, with
     ``in_place_refresh``, the parameters copied back into the memory the graphs read and why others were not."""
 
     kept: tuple[tuple[BatchDescriptor, str], ...]
@@ -148,7 +148,7 @@ MISS_REASONS = {
     "failed": "the key that would serve it failed (at capture or replay) and was removed",
     "excluded": "every key covering it belongs to a strategy the call excluded (run(..., exclude=...))",
     "padding_cap": "keys cover it, but each allowed strategy's best key pads more than the registry's padding cap",
-    "capturing": "a key that covers it is still being captured in the background (capture(..., background=True))",
+    "capturing": "a key that covers it is pending capture between steps (capture(..., background=True), refresh, wake)",
     "asleep": "the registry is asleep (reg.sleep()): every batch runs eagerly until reg.wake()",
 }
 
@@ -171,10 +171,9 @@ class Stats:
     lazy_captures: int = 0  # entries captured on a first miss
     evictions: int = 0  # entries dropped to stay under the memory budget
     misses_by_reason: Mapping[str, int] = attrs.field(factory=dict)  # MISS_REASONS: why each miss ran eagerly
-    background_captures: int = 0  # entries captured beside the serving thread and installed
+    background_captures: int = 0  # pending keys captured between steps
     plan_changes: int = 0  # plan changes made by adaptation (GraphRegistry(adapt=...))
-    # background captures discarded because the registry's capture context changed while they ran (captured again
-    # under the new one when still wanted)
+    # pending keys warmed up again because capture() recorded another capture context before their recording
     stale_captures: int = 0
 
     @property
@@ -390,7 +389,7 @@ class Snapshot:
     schema: int = SNAPSHOT_SCHEMA
     max_padding_tokens: int | None = None  # the registry's padding cap, so explain() refuses what it refused
     max_padding_ratio: float | None = None
-    capturing: tuple[tuple[BatchDescriptor, str], ...] = ()  # keys queued or being captured in the background
+    capturing: tuple[tuple[BatchDescriptor, str], ...] = ()  # keys pending capture between steps
     plan_changes: tuple[str, ...] = ()  # the last plan changes adaptation made, one line each
 
     def to_dict(self) -> dict[str, Any]:

@@ -4,9 +4,10 @@ Engines serve next to training (RL weight sync) and on GPUs they give back while
 the addresses they saw at capture, so:
 
 - ``refresh()`` after a weight update: an in-place update keeps every graph (nothing is captured again);
-  entries captured while a watched tensor was elsewhere are dropped at once and captured again (in the
-  background if asked, serving eagerly meanwhile).  Until then a replay is refused, never stale
-  (``WeightsMovedError``, from the capture job's state check).
+  entries captured while a watched tensor was elsewhere are dropped at once and captured again (between the
+  steps that follow if asked, serving eagerly meanwhile).  Until then a replay is refused, never stale
+  (``WeightsMovedError``, from the capture job's state check).  Keys to capture again stay owed until they are
+  captured or released: a failed or interrupted capture loses none.
 - ``sleep()`` releases every graph, the pool and the registry's own static inputs to the device, and keeps
   the plan, the counters and adaptation's history; ``run()`` serves eagerly (miss reason ``asleep``).
   ``wake()`` gives the inputs back and captures the plan again, hottest keys first.
@@ -14,16 +15,15 @@ the addresses they saw at capture, so:
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
 
 from cgregistry.capture.refit import Adapter
-from cgregistry.capture.background import BackgroundCapture
+from cgregistry.capture.queue import PendingCaptures
 from cgregistry.store.io import StaticBuffer
 from cgregistry.capture.job import CaptureJob
 from cgregistry.store.catalog import Catalog, Entry, Pair
@@ -49,8 +49,7 @@ def _drop(entries: list[Entry]) -> list[weakref.ref[Entry]]:
     """Drop ``entries`` (the list held their last references), one at a time; what a reference cycle keeps alive, with
     its pool, is handed back."""
     left = [weakref.ref(entry) for entry in entries]
-    while entries:
-        entries.pop()  # one graph at a time: a capture thread standing aside by its profile function can pause here
+    entries.clear()
     return [ref for ref in left if ref() is not None]
 
 
@@ -58,20 +57,18 @@ class Lifecycle:
     """Removes, refreshes, puts to sleep and wakes a registry's graphs."""
 
     def __init__(
-        self, catalog: Catalog, job: CaptureJob, background: BackgroundCapture, adapter: Adapter | None, events: Events,
+        self, catalog: Catalog, job: CaptureJob, pending: PendingCaptures, adapter: Adapter | None, events: Events,
         buffers: Mapping[str, StaticBuffer], backend: Any, name: str,
-        paused: Callable[[], contextlib.AbstractContextManager[bool]],
     ) -> None:
         self._catalog = catalog
         self._job = job
-        self._background = background
+        self._pending = pending
         self._adapter = adapter
         self._events = events
         self._buffers = buffers
         self._backend = backend
         self._name = name
         self.asleep: Slept | None = None
-        self._paused = paused  # the server's turn, held while refresh() copies weights back in place
 
     def refuse_asleep(self, call: str) -> None:
         """``call`` runs the step: refused while the registry sleeps (the engine may have offloaded what the step reads)."""
@@ -85,9 +82,8 @@ class Lifecycle:
         slept with; how many (key, strategy) pairs went, each counted once."""
         if self.asleep is not None:
             return self._release_slept(key, strategy)
-        self._background.install()
-        wanted = _of(self._background.capturing(), key, strategy)
-        self._background.discard(wanted)  # not captured yet: dropped (one in flight is discarded when it finishes)
+        wanted = _of(self._pending.queued(), key, strategy)
+        self._pending.discard(wanted)  # not captured yet: dropped
         owed = _of(self._catalog.owed, key, strategy)
         if owed:  # a refresh's or wake's key, failed or planned lazily: no longer to capture again
             self._catalog.release_pairs(owed)
@@ -118,12 +114,10 @@ class Lifecycle:
             self.asleep = attrs.evolve(slept, keys=(), lazy=())
             self._job.forget()
             return len(slept.keys) + len(slept.lazy)
-        self._background.install()
-        dropped = self._background.cancel()
+        dropped = self._pending.cancel()
         if self._adapter is not None:
-            self._adapter.reset()  # a refit queued or running was dropped with the rest; adaptation keeps observing
+            self._adapter.reset()  # a refit queued was dropped with the rest; adaptation keeps observing
         removed, count = self._catalog.clear()
-        self._job.handover.drop()
         self._job.forget()  # the next capture request records the capture context anew
         self._released(removed)
         return count + dropped
@@ -138,31 +132,12 @@ class Lifecycle:
         if _drop(removed):
             gc.collect()
 
-    def _release_on_capture_thread(self, removed: list[Entry]) -> None:
-        """``removed`` went (hooks told now); their graphs are dropped by the capture thread before it captures anything
-        else: freeing a graph's driver objects holds the GIL (0.1 s for a 1B model's 62 graphs on an H200), and the
-        capture thread, standing aside by its profile function (the default), stands aside for ``run()`` between one
-        graph and the next."""
-        self._events.released(removed)
-        held = list(removed)
-        removed.clear()
-
-        background = self._background
-
-        def drop() -> None:
-            kept = _drop(held)
-            if kept:
-                background.collect_when_thawed(kept)
-
-        background.submit_task(drop, lambda result, error: None, first=True)
-
     # ---------------------------------------------------------------- weights
 
     def refresh(self, background: bool) -> Refreshed:
         """After a weight update: keep the graphs that read the weights where they are, capture the others again."""
         self._job.refuse_inside("refresh()")
         self._job.refuse_rebound("refresh()")
-        self._background.install()
         watch = self._job.watch
 
         def read() -> dict[str, Any]:
@@ -175,14 +150,9 @@ class Lifecycle:
         not_copied: tuple[str, ...] = ()
         if moved and watch.hold:
             self._backend.synchronize()  # the replays queued so far read the old values to their end
-            with self._paused() as paused:  # no replay on another thread while the weights change under it
-                if paused:
-                    copied, not_copied = self._job.in_recorded_context(lambda: self._copy_back(now))
-                else:
-                    not_copied = ("nothing copied back: a run() was in progress on another thread, and the copy would "
-                                  "change the weights under its replay; call refresh() between steps",)
-        if copied:
-            now = self._job.in_recorded_context(read)
+            copied, not_copied = self._job.in_recorded_context(lambda: self._copy_back(now))
+            if copied:
+                now = self._job.in_recorded_context(read)
         verdicts: dict[int, bool] = {}  # entries captured in one generation share what they read: compared once
         stale = []
         for pair, entry in self._catalog.entries.items():
@@ -191,24 +161,19 @@ class Lifecycle:
                 current = verdicts[id(entry.weights)] = watch.reads_current(entry.weights, now)
             if not current:
                 stale.append(pair)
-        queued = self._background.capturing()  # in flight or queued: perhaps captured with the old weights
-        owed = list(self._catalog.owed)  # what a failed refresh or wake did not capture again
-        dropped = set(stale)
-        kept = tuple(pair for pair in self._catalog.entries if pair not in dropped)
-        self._background.discard(queued)
-        removed = self._catalog.release_pairs(stale)
+        queued = self._pending.queued()  # pending: perhaps warmed up with the old weights
+        again = list(dict.fromkeys([*stale, *queued, *self._catalog.owed]))  # owed: what a failed refresh or wake left
+        removed = self._catalog.swap_out(stale, again)  # owed before anything goes: an interrupt loses no key
+        self._pending.discard(queued)
+        kept = tuple(self._catalog.entries)
         seen = watch.rebase(now)
         generation = watch.generation
         for pair in kept:  # they read every watched tensor where it is: of the new generation
             entry = self._catalog.entries[pair]
             entry.weights, entry.generation = seen, generation
         entry = None  # the loops' last entry, perhaps a stale one: its last reference goes in _released
-        self._job.handover.leave(removed, pools=background and self.asleep is None)
-        again = list(dict.fromkeys([*stale, *queued, *owed]))
-        if background and removed and self.asleep is None:
-            self._release_on_capture_thread(removed)
-        else:
-            self._released(removed, release=False)  # the keys captured again reuse the pool
+        self._job.pool.left_by(removed)  # what they held in the kept pool, the keys captured again account for
+        self._released(removed, release=False)  # the keys captured again reuse the pool
         if again and self.asleep is None:
             self._recapture(again, background, ordered=False)
         result = Refreshed(kept, tuple(again), moved, background, copied, not_copied)
@@ -216,13 +181,12 @@ class Lifecycle:
         return result
 
     def _recapture(self, pairs: list[Pair], background: bool, ordered: bool) -> None:
-        """Capture again keys a refresh or wake dropped, on the capture thread or now.  They stay owed in the catalog
-        until captured (or released), so that a failed capture (CaptureError) loses none: the next ``refresh()``
-        captures what is left (untried ones are planned lazily meanwhile)."""
-        self._catalog.owed.update(dict.fromkeys(pairs))
+        """Capture again keys a refresh or wake owes (``Catalog.owed``, until captured or released, so that a failed or
+        interrupted capture loses none: the next ``refresh()`` or ``wake()`` captures what is left, and untried ones are
+        planned lazily meanwhile): pending, for the steps that follow, or now."""
         if background:
             self._job.renew_if_unused()
-            self._background.submit(pairs, self._job.current(), ordered=ordered)
+            self._pending.submit(pairs, ordered=ordered)
             return
         self._job.capture_all(pairs, progress=None, untried_lazily=True)
 
@@ -248,40 +212,44 @@ class Lifecycle:
         self._job.refuse_inside("sleep()")
         if self.asleep is not None:
             return self.asleep
-        self._background.install()
         entries = sorted(self._catalog.entries.values(), key=_heat, reverse=True)
-        keys = [e.pair for e in entries] + self._background.capturing()  # what was (being) captured: captured again
+        keys = [e.pair for e in entries] + self._pending.queued()  # what was (being) captured: captured again
         keys += [p for p in self._catalog.owed if p not in keys]  # and what a failed refresh or wake did not capture again
         lazy = [p for p in self._catalog.pending if p not in keys]  # never used, or evicted: lazy again
         memory = sum(e.memory_bytes for e in entries)
         del entries  # the entries' last references go with the catalog's (see _released)
-        self._background.cancel()
+        self.asleep = Slept(tuple(dict.fromkeys(keys)), memory, 0, tuple(lazy))  # first: an interrupt loses no key
+        self._pending.cancel()
         if self._adapter is not None:
             self._adapter.reset()
         removed, _ = self._catalog.clear()
-        self._job.handover.drop()
         self._catalog.set_asleep(True)
         self._released(removed)
         inputs = sum(buf.release() for buf in self._buffers.values())
         release = getattr(self._backend, "release_cached", None)  # cuda: the allocator's cached blocks back to the driver
         if release is not None:
             release()
-        self.asleep = Slept(tuple(dict.fromkeys(keys)), memory, inputs, tuple(lazy))
+        self.asleep = attrs.evolve(self.asleep, input_bytes=inputs)
         self._events.slept(self.asleep)
         return self.asleep
 
     def wake(self, background: bool) -> tuple[Pair, ...]:
-        """Give the static inputs back and capture the plan slept with, hottest key first; the keys queued or captured."""
+        """Give the static inputs back and capture the plan slept with, hottest key first; the keys queued or captured.
+        Awake: the keys an interrupted or failed wake or refresh left owed."""
         self._job.refuse_inside("wake()")
         slept = self.asleep
         if slept is None:
-            return ()
+            owed = [p for p in self._catalog.owed if p not in self._catalog.entries]
+            if owed:
+                self._recapture(owed, background, ordered=True)
+            return tuple(owed)
         self._job.refuse_rebound("wake()")  # its captures would read what capture() saw
+        keys = [p for p in slept.keys if p not in self._catalog.entries]
+        self._catalog.owed.update(dict.fromkeys(keys))  # owed before it wakes: an interrupt from here on loses none
         for buf in self._buffers.values():
             buf.restore()
         self.asleep = None
         self._catalog.set_asleep(False)
-        keys = [p for p in slept.keys if p not in self._catalog.entries]
         self._catalog.plan_lazily(p for p in slept.lazy if p not in self._catalog.entries)
         if not background:
             keys.sort(key=lambda p: (-p[0].num_tokens, -(p[0].num_reqs or 0)))

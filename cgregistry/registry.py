@@ -4,9 +4,10 @@
 - :class:`~cgregistry.hooks.events.Events`: every hook call, one typed method each;
 - :class:`~cgregistry.capture.job.CaptureJob`: plan checks, the capture context, the one capture sequence (its mode a value);
 - :class:`~cgregistry.capture.pool.GraphPool`: the pool graphs go into, shareable between registries;
-- :class:`~cgregistry.capture.background.BackgroundCapture`: the capture thread, its queue and results;
+- :class:`~cgregistry.capture.queue.PendingCaptures`: keys captured between steps, in pieces, on the owner thread;
 - :class:`~cgregistry.capture.refit.Adapter`: adaptation (counting steps, refits, applying changes);
-- :class:`~cgregistry.server.Server`: the hot path, ``run()`` and ``match()`` (``DebugServer`` in debug mode).
+- :class:`~cgregistry.server.Server`: the hot path, ``run()`` and ``match()`` (``DebugServer`` in debug mode), and
+  :class:`~cgregistry.server.Owner`, the thread the registry belongs to.
 
 Each part owns its state and keeps it consistent; none imports this module.  See docs/architecture.md.
 """
@@ -15,19 +16,21 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import time
 import types
-import weakref
+from _thread import get_ident
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from datetime import datetime, timezone
 from typing import Any
 
 import torch
 
 from cgregistry.capture.refit import PLAN_CHANGES_KEPT, Adapter, refuse_with_collectives
-from cgregistry.arguments import Delegated, check_budget, check_flag, check_inputs, check_pool, check_timeout
+from cgregistry.arguments import Delegated, check_budget, check_capture_budget, check_flag, check_inputs, check_pool, check_timeout
 from cgregistry.plan.adapt import Adaptation, PlanChange
-from cgregistry.capture.background import BackgroundCapture
+from cgregistry.capture.queue import PendingCaptures
 from cgregistry.store.io import OutputAxes, StaticBuffer, StaticInput
 from cgregistry.capture.job import CaptureJob
 from cgregistry.capture.pool import GraphPool
@@ -41,11 +44,11 @@ from cgregistry.key.matcher import Explanation, Match, PaddingCap
 from cgregistry.capture.memory import MemoryEstimate, Part, PoolEstimate, estimate
 from cgregistry.plan.build import CapturePlan, PlanEntry
 from cgregistry.hooks.manager import Plugins
-from cgregistry.server import DebugServer, Server
-from cgregistry.errors import CaptureError, ConcurrentRunError
+from cgregistry.server import DebugServer, Owner, Server
+from cgregistry.errors import CaptureError, ConcurrentRunError, OwnerThreadError
 from cgregistry.warn import warn
 
-__all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "Stats", "estimate_pool_memory"]  # records re-exported
+__all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "OwnerThreadError", "Stats", "estimate_pool_memory"]  # records re-exported
 
 _names = itertools.count(1)  # default registry names: registry-1, registry-2, ...
 
@@ -58,7 +61,12 @@ class GraphRegistry:
     count.  ``output_axis`` names that axis ("tokens", "reqs", "reqs+1"), or is a tree shaped like the output with
     one axis per tensor leaf.  ``preference``: strategies, most preferred first; left out, each captured plan's
     order is adopted (its decode strategy first).  Outputs returned by ``run`` are views of graph memory: valid until
-    the next ``run``, and only while the registry lives.  Not thread-safe: call ``run`` from one thread.
+    the next ``run``, and only while the registry lives.  A registry belongs to one thread, the one that serves it (the
+    thread that made it; ``adopt()`` moves it): another thread's ``run()`` or change is refused with
+    ``OwnerThreadError``, and ``call_on_owner`` hands a call over to the owner's next step.
+    ``capture_budget``: seconds each ``run()`` may spend capturing pending keys before its step (``capture(plan,
+    background=True)``, ``refresh(background=True)``, ``wake()``, refits); None (the default): as long as an eager step
+    of this registry takes, measured; 0: never while serving (``capture_pending()`` in idle time does it instead).
     ``pool``: another registry's ``pool`` (a :class:`~cgregistry.capture.pool.GraphPool`) to capture into, one capture at
     a time: a drafter's graphs beside its target's, which never replay at once, share their memory.
     ``warm_up_again``: False to record a key captured again (``refresh()``, ``wake()``, after ``release()``) at once on a
@@ -90,6 +98,7 @@ class GraphRegistry:
         pool: GraphPool | None = None,
         warm_up_again: bool = True,
         in_place_refresh: bool = False,
+        capture_budget: float | None = None,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable, got {step!r}")
@@ -99,6 +108,7 @@ class GraphRegistry:
         check_flag("GraphRegistry", "warm_up_again", warm_up_again)
         check_flag("GraphRegistry", "in_place_refresh", in_place_refresh)
         check_budget(memory_budget)
+        check_capture_budget(capture_budget)
         cap = PaddingCap(max_padding_tokens, max_padding_ratio)
         check_inputs(inputs)
         if adapt is not None and not isinstance(adapt, Adaptation):
@@ -120,26 +130,24 @@ class GraphRegistry:
         self._job = job = CaptureJob(step, buffers, self.backend, output_axes, warmup_runs, self.pool, catalog, events,
                                      self.plugins, self.name, warm_up_again=warm_up_again)
         job.watch.hold = in_place_refresh
-        pacer = getattr(self.backend, "step_pacer", None)  # optional: the cuda backend bounds the serving thread's run-ahead
-        self._background = background = BackgroundCapture(job, catalog, events, self.name, pacer() if pacer else None)
-        # Once the registry goes, so does its capture thread.  The finalizer reaches the capture only weakly: it would
-        # otherwise keep alive, for good, the step, whatever the step holds (an engine, and its registry) and all of it.
-        weakref.finalize(self, _stop_capture, weakref.ref(background))
-        adapter = Adapter(adapt, catalog, job, background, events, self.name) if adapt is not None else None
+        self._pending = pending = PendingCaptures(job, catalog, self.name, capture_budget)
+        adapter = Adapter(adapt, catalog, job, pending, events, self.name) if adapt is not None else None
         # The changes adaptation made, oldest first: the last 256 (stats().plan_changes counts them all).
         self.plan_changes: collections.deque[PlanChange] = (
             adapter.plan_changes if adapter is not None else collections.deque(maxlen=PLAN_CHANGES_KEPT)
         )
-        parts = (step, catalog, job, background, adapter, events, frozenset(buffers), self.name)
+        self._owner = owner = Owner(self.name)
+        parts = (step, catalog, job, pending, adapter, events, frozenset(buffers), self.name, owner)
         self._server = DebugServer(*parts, watch=job.watch) if self.debug else Server(*parts)
-        self._lifecycle = Lifecycle(catalog, job, background, adapter, events, buffers, self.backend, self.name,
-                                    self._server.paused)
+        self._lifecycle = Lifecycle(catalog, job, pending, adapter, events, buffers, self.backend, self.name)
         if type(self).run is _DEFINED_RUN:  # not overridden by a subclass (nor patched on the class): see run()
             self.run = self._server.run  # type: ignore[method-assign]  # the hot path itself: no call in between
         events.registry_created()
 
     # Bytes of measured graph memory to stay under (least recently replayed entries are evicted); None: no limit.
     memory_budget = Delegated("_catalog", "memory_budget", check=check_budget)
+    # Seconds each run() may spend capturing pending keys before its step; None: an eager step's time; 0: none.
+    capture_budget = Delegated("_pending", "budget", check=check_capture_budget)
     # The most token padding a key may add to a batch (max_padding_tokens, max_padding_ratio).
     padding_cap = Delegated("_catalog", "cap")
     # What every capture runs under, whichever path captures: the payload of the latest ``capture(context=...)`` and
@@ -194,12 +202,11 @@ class GraphRegistry:
         captures (``context=None`` keeps the payload recorded before); a replay under another
         state is refused with ``ServingStateError``.
 
-        With ``background=True`` it returns at once and a capture thread takes the entries
-        one by one (the largest key of each kind first, then the rest from the smallest up),
-        while ``run()`` serves every batch: from the graphs already installed; a batch only a
-        key being captured would serve waits for that key when it is expected to be
-        captured sooner than the step would run eagerly (docs/background.md), else runs eagerly.  ``wait_captured()`` waits
-        for all of them.  What the engine must not do meanwhile: docs/background.md.
+        With ``background=True`` it returns at once and the keys are captured while ``run()`` serves: on this
+        thread, in pieces (a key's warm-up, then its recording) that each ``run()`` takes before its step within
+        ``capture_budget``, the largest key of each kind first, then the rest from the smallest up, and the key a
+        step's batch needs first; a batch no graph serves yet runs eagerly.  ``capture_pending(seconds)`` captures in
+        idle time the engine has; ``wait_captured()`` captures the rest now (docs/background.md).
         """
         if type(lazy) is not bool or type(background) is not bool or (progress is not None and type(progress) is not bool):
             check_flag("capture", "lazy", lazy)  # the checks run only when a flag is off (no calls on the usual path)
@@ -208,21 +215,21 @@ class GraphRegistry:
                 check_flag("capture", "progress", progress)
         if lazy and background:
             raise ValueError("capture(lazy=True, background=True): choose one; lazy captures a key at its first use, background ahead of it")
+        self._guard("capture()")
         if self._lifecycle.asleep is not None:
             self._lifecycle.refuse_asleep("capture()")
-        if not (lazy or background or self._background.active):
-            return self._job.capture_plan(plan, context, progress)  # the foreground: one job, no capture thread
+        if not (lazy or background or self._pending.busy):
+            return self._job.capture_plan(plan, context, progress)  # the foreground: one job, nothing pending
         job = self._job
         if background:
             refuse_with_collectives()
         prepared = job.prepare(plan, context)
-        self._background.install()  # what the capture thread finished goes live first: those keys are not captured again
         pairs = [p for p in prepared if p not in self._catalog.entries]
         if background:
             job.renew_if_unused()
-            self._background.submit(pairs, job.current())
+            self._pending.submit(pairs)
             return []
-        self._background.discard(pairs)  # captured here instead: no longer the capture thread's to do
+        self._pending.discard(pairs)  # captured here instead: no longer pending
         if lazy:
             self._catalog.plan_lazily(pairs)
             job.warn_shadowed()
@@ -232,50 +239,91 @@ class GraphRegistry:
         finally:
             job.warn_shadowed()
 
-    def wait_captured(self, timeout: float | None = None) -> bool:
-        """Wait for every background capture to finish and install them; False if ``timeout`` seconds passed first.
+    def capture_pending(self, seconds: float | None) -> bool:
+        """Capture pending keys for up to ``seconds`` of idle time the engine has (a piece is never cut short: one starts
+        only while it is expected to fit in the time left); True when nothing is left pending.  Calls handed over with
+        ``call_on_owner`` run first.  None: until nothing is left.  On the owner thread, between steps."""
+        check_timeout("capture_pending", seconds, name="seconds")
+        self._guard("capture_pending()")
+        self._job.refuse_inside("capture_pending()")
+        self._owner.run_handed()
+        self._pending.work(math.inf if seconds is None else seconds)
+        return not self._pending.busy
 
-        Call it from the thread that calls ``run()``, never from inside a step or a hook.
-        """
+    def wait_captured(self, timeout: float | None = None) -> bool:
+        """Every pending key captured: on the owner thread, now (calls handed over first); on another thread, by the
+        owner's steps, waited for.  False if ``timeout`` seconds passed first.  Never from inside a step or a hook."""
         check_timeout("wait_captured", timeout)
+        owner = self._owner
+        if owner.elsewhere():
+            return self._pending.wait(timeout)
+        self._guard("wait_captured()")
         self._job.refuse_inside("wait_captured()")
-        if self._server.running():
-            raise RuntimeError("wait_captured() while a run() is in progress (from the step or a hook) would wait for itself")
         self.pool.refuse_if_held("wait_captured()", self.name)
-        deadline = None if timeout is None or timeout == float("inf") else time.monotonic() + timeout
-        while True:  # installing a refit queues its new keys, which may even finish before the check: wait for those too
-            done = self._background.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            self._background.install()
-            if not done or self._background.settled:
-                return done
+        owner.run_handed()
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        while self._pending.busy:  # a piece is never cut short: the last one may end past the deadline
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._pending.work(left, first=True)
+        return True
+
+    def call_on_owner(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Hand ``fn(*args, **kwargs)`` to the owner thread, from any thread: it runs at the start of the owner's next
+        ``run()`` (or ``capture_pending()``, ``wait_captured()``), before that step, so it never runs beside a replay (a
+        weight sync and ``reg.refresh()``, say).  A ``concurrent.futures.Future`` of its result; an error goes there."""
+        if not callable(fn):
+            raise TypeError(f"call_on_owner() takes a callable, got {fn!r}")
+        return self._owner.hand(fn, args, kwargs)
+
+    def adopt(self) -> None:
+        """The calling thread owns the registry from now on (it serves it, and changes its graphs): the engine moved
+        its serving loop to this thread.  Refused while a ``run()`` is in progress."""
+        if self._owner.serving:
+            raise ConcurrentRunError(f"adopt() on registry {self.name!r} while a run() is in progress: call it once the "
+                                     "old owner has stopped serving")
+        self._owner.take()
+
+    @property
+    def owner(self) -> str:
+        """The name of the thread the registry belongs to: it serves the registry and changes its graphs."""
+        return self._owner.name
+
+    def _guard(self, call: str) -> None:
+        """``call`` runs the step or changes graphs: on the owner thread (or one that takes over from an owner thread
+        that has ended), never from inside a ``run()``."""
+        owner = self._owner
+        if owner.ident != get_ident() or owner.serving:
+            self._server.guard(call)
 
     def capturing(self) -> list[Pair]:
-        """Keys queued for, or in, background capture, in capture order (not served by a graph yet)."""
-        return self._background.capturing()
+        """Keys pending capture between steps, in capture order (not served by a graph yet)."""
+        return self._pending.queued()
 
     def estimate_memory(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], *,
-                        background: bool = False, context: Any = None, sample: bool = False) -> MemoryEstimate:
-        """The device memory ``capture(plan)`` (with ``background``) will take, per key and in all, and the seconds it
-        will take; measured before capture by capturing the plan into a scratch pool and dropping it, on static inputs
-        of their own (nothing of the engine's state is touched; what stays on the device, the capture reuses; no
-        capture context is recorded).  ``sample``: capture only a sample of the whole-graph (``full``) keys of each
-        kind and price the rest from it (a foreground estimate; less exact, much shorter: docs/integration.md).
-        ``context``: the payload eager breaks see, as ``capture(context=...)`` takes it.  See docs/integration.md."""
-        check_flag("estimate_memory", "background", background)
+                        context: Any = None, sample: bool = False) -> MemoryEstimate:
+        """The device memory ``capture(plan)`` will take, per key and in all, and the seconds it will take; measured
+        before capture by capturing the plan into a scratch pool and dropping it, on static inputs of their own
+        (nothing of the engine's state is touched; what stays on the device, the capture reuses; no capture context is
+        recorded).  A plan captured with ``background=True`` takes the same (its keys go into the same pool, on the
+        same inputs).  ``sample``: capture only a sample of the whole-graph (``full``) keys of each kind and price the
+        rest from it (less exact, much shorter: docs/integration.md).  ``context``: the payload eager breaks see, as
+        ``capture(context=...)`` takes it.  It runs the step: on the owner thread.  See docs/integration.md."""
         check_flag("estimate_memory", "sample", sample)
         todo = self._estimate_check(plan, "estimate_memory()")
-        return estimate([self._estimate_part(todo, context)], background, sample)[0]
+        return estimate([self._estimate_part(todo, context)], sample)[0]
 
     def _estimate_check(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], call: str) -> list[PlanEntry]:
-        """``plan`` checked for an estimate (``call``): refused asleep or from inside a capture; nothing changes."""
+        """``plan`` checked for an estimate (``call``): refused on another thread than the owner, asleep or from inside
+        a capture; nothing changes."""
+        self._guard(call)
         self._lifecycle.refuse_asleep(call)
         self._job.refuse_inside(call)
         return self._job.check(plan)
 
     def _estimate_part(self, todo: list[PlanEntry], context: Any) -> Part:
-        """This registry's share of an estimate of a checked plan: finished background captures installed first, then
-        the plan's keys less the ones it holds."""
-        self._background.install()
+        """This registry's share of an estimate of a checked plan: the plan's keys less the ones it holds."""
         return Part(self._job, [p for p in dict.fromkeys((e.descriptor, e.strategy) for e in todo)
                                 if p not in self._catalog.entries], context)
 
@@ -319,34 +367,40 @@ class GraphRegistry:
         the plan ``wake()`` captures)."""
         if not isinstance(key, BatchDescriptor):
             raise TypeError(f"release() needs a BatchDescriptor, got {key!r}")
+        self._guard("release()")
         return self._lifecycle.release(key, strategy)
 
     def clear(self) -> int:
         """Remove every entry and pending key; return how many.  The pool goes back to the
         allocator (and to the driver on ``torch.cuda.empty_cache()``); counters are kept.
-        Background captures queued are dropped (the one in flight is waited for, then discarded).  Asleep: it
-        empties the plan ``wake()`` would capture."""
+        Pending captures are dropped.  Asleep: it empties the plan ``wake()`` would capture."""
+        self._guard("clear()")
         return self._lifecycle.clear()
 
     def refresh(self, background: bool = False) -> Refreshed:
         """Call after a weight update: graphs that read the watched weights where they are now stay (an in-place update
         keeps them all; with ``in_place_refresh``, so does a replacement of the same layout, copied back first); the
-        others are dropped at once and captured again, now or, with ``background``, on the capture
-        thread while ``run()`` serves eagerly.  Until then a replay against moved weights raises ``WeightsMovedError``.
-        The modules the step reaches (itself, its object, closure cells, ``partial`` arguments, the module-level names
-        its code uses) and whatever ``watch()`` names are watched."""
+        others are dropped at once and captured again, now or, with ``background``, in pieces between the steps that
+        ``run()`` serves meanwhile (eagerly until a key is back).  Until then a replay against moved weights raises
+        ``WeightsMovedError``.  The modules the step reaches (itself, its object, closure cells, ``partial`` arguments,
+        the module-level names its code uses) and whatever ``watch()`` names are watched.  On the owner thread: a sync
+        on another thread hands both over, ``reg.call_on_owner(sync_and_refresh)``."""
         check_flag("refresh", "background", background)
+        self._guard("refresh()")
         return self._lifecycle.refresh(background)
 
     def sleep(self) -> Slept:
         """Release every graph, the pool and the static inputs to the device; the plan, counters and adaptation's history
         stay.  ``run()`` serves eagerly meanwhile (miss reason ``asleep``); ``capture()`` is refused until ``wake()``."""
+        self._guard("sleep()")
         return self._lifecycle.sleep()
 
     def wake(self, background: bool = True) -> tuple[Pair, ...]:
-        """Take the static inputs back and capture again what was captured (or queued) at ``sleep()``, hottest first
-        (``background``: while ``run()`` serves; lazy keys stay lazy); the keys it captures."""
+        """Take the static inputs back and capture again what was captured (or pending) at ``sleep()``, hottest first
+        (``background``: in pieces between the steps ``run()`` serves; lazy keys stay lazy); the keys it captures.
+        Awake, it captures what an interrupted or failed ``wake()`` or ``refresh()`` left to capture again."""
         check_flag("wake", "background", background)
+        self._guard("wake()")
         return self._lifecycle.wake(background)
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module, prefix: str = "") -> None:
@@ -443,7 +497,7 @@ _DEFINED_RUN = GraphRegistry.run
 
 def estimate_pool_memory(
     plans: Sequence[tuple[GraphRegistry, CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]]]], *,
-    background: bool = False, contexts: Mapping[str, Any] | None = None, sample: bool = False,
+    contexts: Mapping[str, Any] | None = None, sample: bool = False,
 ) -> PoolEstimate:
     """What capturing each registry's plan, in the order given, into the one pool they share will take (a drafter
     beside its target: ``GraphRegistry(..., pool=target.pool)``), measured as ``estimate_memory`` measures one plan.
@@ -452,7 +506,6 @@ def estimate_pool_memory(
     registry holds already are left out, and what follows them is priced as in an empty pool (an upper bound).
     ``sample``: a sample of each plan's whole-graph keys captured, as ``estimate_memory(sample=True)``."""
     call = "estimate_pool_memory()"
-    check_flag("estimate_pool_memory", "background", background)
     check_flag("estimate_pool_memory", "sample", sample)
     pairs = list(plans) if isinstance(plans, Sequence) and not isinstance(plans, str) else None
     if not pairs or any(not (isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], GraphRegistry)) for p in pairs):
@@ -491,7 +544,7 @@ def estimate_pool_memory(
         warn(f"cgregistry: {call}: registry {held[0]!r} already holds graphs in the pool; the keys of the registries "
              "after it are priced as in an empty pool, which overstates what they add beside those graphs: estimate "
              "before capturing")
-    return PoolEstimate(tuple(names), tuple(estimate(parts, background, sample)))
+    return PoolEstimate(tuple(names), tuple(estimate(parts, sample)))
 
 
 def _naming(exc: BaseException, registry: str) -> BaseException:
@@ -500,10 +553,3 @@ def _naming(exc: BaseException, registry: str) -> BaseException:
         return type(exc)(f"registry {registry!r}: {exc}")
     except Exception:
         return exc
-
-
-def _stop_capture(background: weakref.ref[BackgroundCapture]) -> None:
-    """A collected registry's finalizer: its capture thread, if it still exists, takes nothing more."""
-    capture = background()
-    if capture is not None:
-        capture.stop()

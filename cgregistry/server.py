@@ -1,44 +1,45 @@
-"""The server: the hot path, ``run()`` and ``match()``, written once.
+"""The server: the hot path, ``run()`` and ``match()``, written once; and the thread that owns a registry.
 
-One ``run()``: the route of the batch's shape (one dict lookup once the shape was seen), every
-input checked before anything is touched, then the graph (a lazy key captured first, or the key
-being captured in the background waited for) or the eager step; the state check, copy in,
-replay, counters, outputs, in one function body (on a seen shape with no inputs, no Python
-function runs between taking the turn and the replay).  Debug mode is a subclass chosen at
-construction (the way pluggy swaps its call executor) that wraps ``run``, so the plain path
-pays nothing for it.  Work beside the step (installing background captures, counting steps
-for adaptation) is one flag test when there is none.
+One ``run()``: the owner check, the route of the batch's shape (one dict lookup once the shape was seen), every
+input checked before anything is touched, then the graph (a lazy key captured first) or the eager step; the state
+check, copy in, replay, counters, outputs, in one function body (on a seen shape with no inputs, no Python function
+runs between the owner check and the replay).  Debug mode is a subclass chosen at construction (the way pluggy swaps
+its call executor) that wraps ``run``, so the plain path pays nothing for it.  Work between steps (calls handed over
+from other threads, counting steps for adaptation, pieces of pending captures) is one flag test when there is none.
+
+A registry has one owner, the thread that serves it: the one that made it, or the last that called ``adopt()`` (a
+registry whose owner thread has ended goes to the next thread that uses it).  Another thread's call is refused with ``OwnerThreadError`` naming the owner, or handed to the
+owner's next ``run()`` through ``call_on_owner``; nothing that changes graphs ever runs beside a replay.
 """
 
 from __future__ import annotations
 
-import _thread
-import contextlib
-import inspect
-import sys
+import collections
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from _thread import get_ident
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from cgregistry.state import runtime
 from cgregistry.capture.refit import Adapter
-from cgregistry.capture.background import BackgroundCapture
+from cgregistry.capture.queue import PendingCaptures
 from cgregistry.capture.job import CaptureJob
 from cgregistry.store.catalog import NO_EXCLUSION, Catalog, Entry, Route, Variant, not_a_descriptor
 from cgregistry.state.debug import checked, check_addresses, plain
 from cgregistry.state.weights import WeightWatch
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.distributed import agree
-from cgregistry.errors import ConcurrentRunError, InputError
+from cgregistry.errors import ConcurrentRunError, InputError, OwnerThreadError
 from cgregistry.hooks.events import Events
 from cgregistry.key.matcher import Match, excluded
 from cgregistry.state.runtime import BreakContext
 from cgregistry.warn import warn
 
-__all__ = ["ConcurrentRunError", "DebugServer", "Server"]
+__all__ = ["ConcurrentRunError", "DebugServer", "Owner", "OwnerThreadError", "Server"]
 
 _WARN_ONCE = ("no_graphs", "above_capacity", "no_request_count")  # misses that mean the engine is set up wrong, warned about once
 # Misses of batches not marked uniform that uniform keys would serve, before the one warning about them.
@@ -47,12 +48,80 @@ UNIFORM_HINT_AFTER = 16
 ABOVE_LARGEST_HINT_AFTER = 16
 
 
+class Owner:
+    """The thread a registry belongs to, and the calls other threads hand it (``call_on_owner``)."""
+
+    __slots__ = ("ident", "serving", "_thread", "handed", "_registry")
+
+    def __init__(self, registry: str) -> None:
+        self.ident = 0  # the owner thread's identity
+        self._thread = threading.current_thread()
+        self.take()  # the thread that makes the registry, until another adopts it
+        self.serving = False  # a run() is in progress (on the owner thread: no other thread gets that far)
+        self.handed: collections.deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = collections.deque()
+        self._registry = registry
+
+    @property
+    def name(self) -> str:
+        """The owner thread's name."""
+        return self._thread.name
+
+    def check(self, call: str) -> None:
+        """The calling thread may make ``call``: it owns the registry, or takes it over from an owner thread that has
+        ended; any other thread is refused with ``OwnerThreadError``."""
+        if self.ident == get_ident():
+            return
+        if self._thread.is_alive():
+            raise self.refusal(call)
+        self.take()
+
+    def elsewhere(self) -> bool:
+        """Whether another thread, still running, owns the registry."""
+        return self.ident != get_ident() and self._thread.is_alive()
+
+    def take(self) -> None:
+        """The calling thread owns the registry from now on."""
+        self._thread = threading.current_thread()
+        self.ident = get_ident()
+
+    def refusal(self, call: str) -> OwnerThreadError:
+        return OwnerThreadError(
+            f"{call} on registry {self._registry!r} from thread {threading.current_thread().name!r}, while the registry "
+            f"belongs to thread {self.name!r}, which serves it (the thread that made it, or the last that called "
+            "reg.adopt()): its steps and every change to its graphs happen there, never beside a replay. "
+            "Hand the call over with reg.call_on_owner(fn, *args) (it runs at the owner's next run() or "
+            "capture_pending(), and returns a Future), or call reg.adopt() on this thread once the owner has stopped "
+            "serving")
+
+    def hand(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[Any]:
+        """``fn(*args, **kwargs)`` to run on the owner thread, before its next step; its future."""
+        future: Future[Any] = Future()
+        self.handed.append((future, fn, args, kwargs))
+        return future
+
+    def run_handed(self) -> None:
+        """The calls handed over so far, in order, on the owner thread: each one's result or error goes to its future
+        (an interrupt also goes on to the caller)."""
+        while self.handed:
+            future, fn, args, kwargs = self.handed.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                future.set_result(result)
+
+
 class Server:
     """Serves batches from a catalog's routes: replay, or the eager step."""
 
     def __init__(
-        self, step: Callable[..., Any], catalog: Catalog, job: CaptureJob, background: BackgroundCapture,
-        adapter: Adapter | None, events: Events, input_names: frozenset[str], name: str,
+        self, step: Callable[..., Any], catalog: Catalog, job: CaptureJob, pending: PendingCaptures,
+        adapter: Adapter | None, events: Events, input_names: frozenset[str], name: str, owner: Owner,
     ) -> None:
         self._step = step
         self._catalog = catalog
@@ -63,18 +132,12 @@ class Server:
         self._job = job
         self._state = job.state_test  # changed in place by the capture job: its parts read as one tuple below
         self._weights = job.watch  # its generation moves when a watched tensor may have moved
-        self._background = background
+        self._pending = pending
         self._adapter = adapter
         self._events = events
         self._input_names = input_names
         self._name = name
-        # The one permission to serve: run() takes it with list.pop() and gives it back with append(), each one atomic
-        # (the GIL, or the list's own lock without one), at half a lock's acquire and release.
-        self._turn: list[None] = [None]
-        self._take, self._give = self._turn.pop, self._turn.append
-        background.serve_first(self._turn)  # the capture thread steps aside while a run() is in progress
-        self._recovery = threading.Lock()  # one thread at a time decides whether a missing turn was lost
-        self._pause: threading.Event | None = None  # set while refresh() holds the turn to change weights in place
+        self._owner = owner
         self._exclusions: dict[Any, frozenset[str]] = {}  # exclude= values already checked, to their strategy sets
         self._warned: set[str] = set()  # miss reasons already warned about
         self._unmarked = 0  # misses of batches that uniform keys would serve had they been marked uniform
@@ -82,21 +145,25 @@ class Server:
 
     # ---------------------------------------------------------------- run
 
-    def running(self) -> bool:
-        """Whether a ``run()`` is in progress (a step or a hook calling back would wait for itself)."""
-        return not self._turn
+    def guard(self, call: str) -> None:
+        """``call`` changes graphs or runs the step: only on the owner thread, and never from inside a ``run()``."""
+        self._owner.check(call)
+        if self._owner.serving:
+            raise ConcurrentRunError(
+                f"{call} on registry {self._name!r} from inside one of its run() calls (from the step or a hook): the "
+                "run() in progress is using the static buffers and graphs; call it between steps")
 
     def run(
         self, actual: BatchDescriptor, /, *, context: Any = None, group: Any = None, exclude: Any = None, **inputs: torch.Tensor
     ) -> Any:
         """``GraphRegistry.run``: a registry hands this method out as its own ``run`` (no call in between)."""
+        owner = self._owner
+        if owner.serving or get_ident() != owner.ident:
+            self._enter()
         try:
-            self._take()
-        except IndexError:  # another run() holds the turn, or an interrupt lost it: told apart off the hot path
-            self._take_lost_turn()
-        try:
-            if self._adapter is not None or self._background.active:
-                self._between_steps(actual)
+            owner.serving = True  # set inside the try: an interrupt anywhere after the check leaves it cleared
+            if self._adapter is not None or self._pending.busy or owner.handed:
+                inputs = self._between_steps(actual, inputs)
             if group is None and exclude is None:
                 variant = None
                 try:
@@ -120,11 +187,9 @@ class Server:
                     raise self._bad_names(inputs) from None
             entry = route.entry
             if entry is None:
-                if route.pending is not None or route.miss_reason == "capturing":
-                    route, inputs = self._graph_for(actual, route, variant, inputs)
+                if route.pending is not None:
+                    route, inputs = self._capture_lazily(actual, route, variant, inputs)
                     entry, copies = route.entry, route.copies
-                    for buf, rows in copies:  # a background entry's own inputs: checked (and their views made) too
-                        buf.check(inputs[buf.name], rows)
                 if entry is None:
                     return self._miss(actual, inputs, context, route.miss_reason, route.hint)
             guard, flag, flag_was = self._state.parts  # a graph computes what it computed at capture: refuse another autocast or dtype
@@ -158,134 +223,58 @@ class Server:
                 return out.detach()  # a fresh view per run: a caller's unsqueeze_() or t_() stays with the caller
             return entry.slicer.sliced(route.out_rows)
         finally:
-            self._give(None)
+            owner.serving = False
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[bool]:
-        """Hold the turn while the weights the graphs read change in place: a ``run()`` on another thread waits for the
-        end of it instead of replaying half-changed weights.  False, holding nothing, while a ``run()`` is in progress."""
-        with self._recovery:
+    def _enter(self) -> None:
+        """The hot path's one test failed: a ``run()`` from inside one in progress (the step or a hook called back) is
+        refused; one from a thread that does not own the registry is refused, or takes an unowned registry."""
+        if self._owner.serving and get_ident() == self._owner.ident:
+            raise ConcurrentRunError(
+                f"run() on registry {self._name!r} called from inside a run() of the same registry (from the step or a "
+                "hook): the outer run() is using the static buffers and graph outputs, so it is refused; a step or a "
+                "hook must not call run() back, have the engine's loop make the next call")
+        self._owner.check("run()")
+
+    def _between_steps(self, actual: BatchDescriptor, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Before a step: the calls other threads handed over, adaptation counting the step, and pieces of the pending
+        captures within the budget (the key this batch needs first); the inputs to serve the step with."""
+        owner = self._owner
+        if owner.handed:  # between steps: they may change graphs (this step's route is looked up after them)
+            owner.serving = False
             try:
-                self._take()
-            except IndexError:
-                yield False
-                return
-            self._pause = pause = threading.Event()
-        try:
-            yield True
-        finally:
-            with self._recovery:
-                self._pause = None
-                self._give(None)
-            pause.set()
-
-    def _take_lost_turn(self) -> None:
-        """The turn was not there: wait while ``paused()`` holds it; refuse (``ConcurrentRunError``) while a ``run()`` of
-        this server is in progress on any thread; with none, an asynchronous exception (a signal handler's
-        ``KeyboardInterrupt``) landed between taking the turn and the ``try`` that gives it back, or inside that
-        ``finally``: the turn is restored and taken."""
-        while True:
-            pause = self._pause
-            if pause is not None:
-                pause.wait()
-                try:
-                    self._take()
-                    return
-                except IndexError:
-                    continue
-            with self._recovery:
-                if self._pause is not None:  # paused() began meanwhile: wait for it as above
-                    continue
-                if not self._turn and self._runs_in_progress() <= 1:  # ours, the refused one, is the only run() in progress
-                    self._give(None)
-                try:
-                    self._take()
-                    return
-                except IndexError:
-                    raise self._busy() from None
-
-    def _runs_in_progress(self) -> int:
-        """How many ``Server.run`` frames of this server are on any thread's stack (the caller's own included)."""
-        code, count = Server.run.__code__, 0
-        for frame in list(sys._current_frames().values()):
-            while frame is not None:
-                count += frame.f_code is code and frame.f_locals.get("self") is self
-                frame = frame.f_back
-        return count
-
-    def _busy(self) -> ConcurrentRunError:
-        """The refusal of a run() while another is in progress: from inside that run() on this thread (the step or a
-        hook called back), or beside it on another thread.  Told apart here, off the hot path, by this thread's frames."""
-        code = type(self).run.__code__  # Server.run, or the debug wrapper around it
-        frame, runs = inspect.currentframe(), 0  # the refused run() is one frame of it; an outer one, another
-        while frame is not None and runs < 2:
-            runs += frame.f_code is code and frame.f_locals.get("self") is self
-            frame = frame.f_back
-        if runs == 2:
-            return ConcurrentRunError(
-                f"run() on registry {self._name!r} called from inside a run() of the same registry on the same thread "
-                "(from the step or a hook): the outer run() is using the static buffers and graph outputs, so it is "
-                "refused; a step or a hook must not call run() back, have the engine's loop make the next call"
-            )
-        return ConcurrentRunError(
-            f"run() on registry {self._name!r} while another run() is in progress on another thread: a registry's static "
-            "buffers and graph outputs serve one step at a time; give each thread its own registry or serialise the calls"
-        )
-
-    def _between_steps(self, actual: BatchDescriptor) -> None:
-        """Before a step: finished background captures go live, and adaptation counts the step."""
-        background = self._background
-        background.refuse_on_capture_thread("run()")
+                owner.run_handed()
+            finally:
+                owner.serving = True
         if self._adapter is not None and type(actual) is BatchDescriptor:
             self._adapter.observe(actual)
-        if background.active:
-            self._job.handover.arm()  # this run() ends the dropped graphs' outputs: their pools may be taken again
-            background.runs += 1  # the capture thread stands aside for each run() anew
-            background.serving_thread = threading.get_ident()
-            background.install()
-            background.pace()
-            background.share()
+        pending = self._pending
+        if pending.busy and pending.budget != 0:
+            if type(actual) is BatchDescriptor:
+                route = self._cache.get(actual) or self._routes.route(actual)
+                if route.entry is None and route.miss_reason == "capturing":
+                    pending.to_front(actual)
+            # a piece resets the static buffers and records into the pool, which an input may alias (an earlier output)
+            inputs = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
+            if pending.before_step():
+                self._touched()
+        return inputs
 
-    def _graph_for(
+    def _touched(self) -> None:
+        """The static buffers were written outside a replay (a capture reset them)."""
+
+    def _capture_lazily(
         self, actual: BatchDescriptor, route: Route, variant: Variant | None, inputs: dict[str, torch.Tensor]
     ) -> tuple[Route, dict[str, torch.Tensor]]:
-        """No live graph serves the batch: capture its lazy key now, or wait for the key the capture thread is taking.
-
-        The route handed back has an entry or a miss reason: a key the wait installed may have been evicted again in
-        the same install (under a memory budget), and is then captured lazily like any evicted key."""
-        self._background.waiting.append(None)  # a lazy capture or a wait: the capture thread must not step aside
-        try:
-            return self._find_graph(actual, route, variant, inputs)
-        finally:
-            self._background.waiting.pop()
-
-    def _find_graph(
-        self, actual: BatchDescriptor, route: Route, variant: Variant | None, inputs: dict[str, torch.Tensor]
-    ) -> tuple[Route, dict[str, torch.Tensor]]:
-        waited = copied = False
-        while True:
-            if route.pending is not None:
-                if not self._state():
-                    self._job.refuse_other_state()
-                if not copied:  # capture resets the static buffers (and may reuse pool memory) an input can alias
-                    inputs, copied = {name: value.clone() for name, value in inputs.items()}, True
-                while route.pending is not None:  # a failed lazy capture drops its key: the next best may be lazy too
-                    if self._background.busy:  # a capture in flight: the capture thread takes this key (no longer lazy)
-                        self._background.submit([route.pending], self._job.current())
-                    else:
-                        self._capture_lazily(route.pending)
-                    route = self._route(actual, variant)
-            if waited or route.entry is not None or route.miss_reason != "capturing":
-                return route, inputs
-            waited = True
-            target = actual if variant is None or variant.agreed is None else variant.agreed
-            if not self._background.await_cover(target, NO_EXCLUSION if variant is None else variant.exclude):
-                return route, inputs
+        """No live graph serves the batch and its best key is lazy: capture it now, on this thread, and hand back the
+        route to serve with (a failed capture drops its key, and the next best may be lazy too) and the inputs."""
+        if not self._state():
+            self._job.refuse_other_state()
+        inputs = {name: value.clone() for name, value in inputs.items()}  # capture resets the static buffers (and may
+        while route.pending is not None:  # reuse pool memory) an input can alias
+            self._touched()
+            self._job.capture_lazily(route.pending)
             route = self._route(actual, variant)
-
-    def _capture_lazily(self, key: Any) -> None:
-        """Capture a lazy key now, on this thread (it resets the static buffers to their fills)."""
-        self._job.capture_lazily(key)
+        return route, inputs
 
     def _miss(
         self, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any, reason: str | None, hint: str | None = None,
@@ -305,12 +294,10 @@ class Server:
                     f"cgregistry: registry {self._name!r}: {UNIFORM_HINT_AFTER} batches ran eagerly as mixed batches while "
                     f"uniform keys would serve them, such as {hint} (shown once; reg.explain(batch) says it for each)")
         self._events.miss(actual)
-        if self._background.active:  # what a step costs eagerly beside a capture: the price of waiting for one instead
-            started = time.perf_counter()
-            out = self._eager(actual, inputs, context)
-            self._background.saw_eager(time.perf_counter() - started)
-            return out
-        return self._eager(actual, inputs, context)
+        started = time.perf_counter()
+        out = self._eager(actual, inputs, context)
+        self._pending.saw_eager(time.perf_counter() - started)  # what a step may spend on pending captures
+        return out
 
     def _warn_above_largest(self, actual: BatchDescriptor) -> None:
         """Once: batches larger than every key of their kind are most of the steps so far (the plan's largest key is
@@ -437,55 +424,46 @@ class DebugServer(Server):
     An output passed back as the next input is read before this run overwrites it; a run
     refused for its batch, its inputs, its serving state or moved weights overwrites nothing, nor does
     a miss whose eager step refuses the batch; eager outputs are the caller's own.  It wraps
-    ``Server.run`` under a lock of its own (so the clock and the stamps of one run are not interleaved
-    with another thread's), leaving the plain path free of debug checks, and learns whether a refused
-    run touched the static buffers from the paths that may before raising: a lazy capture and a failed
-    replay (an interrupt, which may come anywhere, counts as touching).
+    ``Server.run``, leaving the plain path free of debug checks, and learns whether a refused
+    run touched the static buffers from the paths that may before raising: a capture piece, a lazy capture
+    and a failed replay (an interrupt, which may come anywhere, counts as touching).
     """
 
     def __init__(self, *args: Any, watch: WeightWatch) -> None:
         super().__init__(*args)
         self._watch = watch
         self._clock = [0]  # run() count, for the stale-output check
-        self._here = threading.local()  # .touches: how often this thread's runs wrote the static buffers (only grows)
-        self._debug_lock = _thread.allocate_lock()
+        self._touches = 0  # how often runs wrote the static buffers outside a replay (only grows)
 
     def run(
         self, actual: BatchDescriptor, /, *, context: Any = None, group: Any = None, exclude: Any = None, **inputs: torch.Tensor
     ) -> Any:
-        if not self._debug_lock.acquire(False):
-            raise self._busy()
+        if self._owner.serving or get_ident() != self._owner.ident:
+            self._enter()  # another thread's call is refused before it reads anything
+        if self._catalog.entries:  # with no graph, nothing reads the watched addresses yet
+            if not self._state():  # the serving state first: a model rebound in a context variable is named so
+                self._job.refuse_other_state()
+            check_addresses(self._watch)
+        inputs = {name: plain(value) for name, value in inputs.items()}  # outputs of earlier runs: read while still fresh
+        eager_before = self._counters.eager_fallbacks
+        clock = self._clock
+        touches = self._touches
         try:
-            if self._catalog.entries:  # with no graph, nothing reads the watched addresses yet
-                if not self._state():  # the serving state first: a model rebound in a context variable is named so
-                    self._job.refuse_other_state()
-                check_addresses(self._watch)
-            inputs = {name: plain(value) for name, value in inputs.items()}  # outputs of earlier runs: read while still fresh
-            eager_before = self._counters.eager_fallbacks
-            here, clock = self._here, self._clock
-            touches = getattr(here, "touches", 0)
-            try:
-                out = super().run(actual, context=context, group=group, exclude=exclude, **inputs)
-            except BaseException as exc:
-                if getattr(here, "touches", 0) != touches or not isinstance(exc, Exception):
-                    clock[0] += 1  # the static buffers may have been written before the refusal: earlier outputs are stale
-                raise
-            clock[0] += 1
-            if self._counters.eager_fallbacks != eager_before:
-                return out
-            return checked(out, clock[0], clock)
-        finally:
-            self._debug_lock.release()
+            out = super().run(actual, context=context, group=group, exclude=exclude, **inputs)
+        except BaseException as exc:
+            if self._touches != touches or not isinstance(exc, Exception):
+                clock[0] += 1  # the static buffers may have been written before the refusal: earlier outputs are stale
+            raise
+        clock[0] += 1
+        if self._counters.eager_fallbacks != eager_before:
+            return out
+        return checked(out, clock[0], clock)
 
-    def _touch(self) -> None:
-        self._here.touches = getattr(self._here, "touches", 0) + 1
-
-    def _capture_lazily(self, key: Any) -> None:
-        self._touch()  # a lazy capture resets the static buffers
-        super()._capture_lazily(key)
+    def _touched(self) -> None:
+        self._touches += 1
 
     def _replay_failed(self, *args: Any) -> Any:
-        self._touch()  # the inputs were copied in and the graph ran
+        self._touched()  # the inputs were copied in and the graph ran
         return super()._replay_failed(*args)
 
 

@@ -152,7 +152,7 @@ def capture_context(mode: str) -> HostBatch | None:
     """What the attention breaks see while a plan of ``mode`` is captured (``capture(context=...)``): one request of
     one token, where mixed keys run their attention eagerly (breakable, piecewise), so that warm-up and capture attend
     over one block instead of gathering the whole padded context for every token (a 512-token key: 1 GiB a layer in
-    bf16, on the GPU beside the serving steps during a background capture), for outputs no replay reads.  None for
+    bf16, on the GPU between the serving steps during a background capture), for outputs no replay reads.  None for
     ``full``, whose mixed keys are one graph each: their attention is the static one, recorded."""
     return None if mode == "full" else HostBatch([0], [1], [1])
 
@@ -1006,7 +1006,7 @@ def build_registry(
 ) -> cg.GraphRegistry | None:
     """A registry for ``mode`` with its plan captured (None for mode 'none': the engine runs eagerly).
 
-    ``background``: capture on the registry's capture thread while the engine serves (graphs go live one by one).
+    ``background``: capture between the steps the engine serves (graphs go live one by one).
     ``adapt``: refit the plan to the steps served (``docs/background.md``).  ``progress``: a capture progress
     bar (None: where stderr is a terminal).
     """
@@ -1285,7 +1285,7 @@ def serve(config: str, mode: str, *, device: torch.device, shape: EngineShape, r
             free, total = torch.cuda.mem_get_info(device)
             graph_and_kv_bytes = int(gpu_memory_utilization * total) - (total - free)  # type: ignore[operator]
         with torch.inference_mode():
-            estimate = reg.estimate_memory(plan, background=background, context=capture_context(mode)) if reg is not None else None
+            estimate = reg.estimate_memory(plan, context=capture_context(mode)) if reg is not None else None
         shape = size_kv_cache(model, shape, graph_and_kv_bytes, estimate)
         report.update(f"KV cache {shape.num_blocks} blocks ({shape.num_blocks * kv_block_bytes(model, shape) / 2**20:.0f} MiB), "
                       f"graphs estimated at {(estimate.capture_bytes if estimate else 0) / 2**20:.0f} MiB")
@@ -1391,7 +1391,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="serve with each layer's q/k/v and gate/up projections fused into one matmul each, as an "
                              "engine's loader does (HF's check still runs HF's own modules over the same weights)")
     parser.add_argument("--background", action="store_true",
-                        help="capture on the registry's capture thread while serving (one process only: not with --tp > 1)")
+                        help="capture between the steps it serves (one process only: not with --tp > 1)")
     args = parser.parse_args(argv)
     device = device_arg(parser, args.device)
     utilization = args.gpu_memory_utilization

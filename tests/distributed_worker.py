@@ -12,9 +12,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed import (
-    all_reduce as all_reduce_alias,  # bound before any capture: the emulator cannot see it
-)
+from torch.distributed import all_reduce as all_reduce_alias  # bound before any capture
+from torch.utils._python_dispatch import _disable_current_modes
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
@@ -108,8 +107,11 @@ def pipeline_parallel(rank: int, world: int, device: torch.device, backend: str)
             torch.testing.assert_close(out, torch.tanh(x @ w0) @ w1, rtol=1e-4, atol=1e-4)
 
 
-def emulator_refuses_an_unrecorded_collective(rank: int, world: int, device: torch.device, backend: str) -> None:
-    """On the cpu emulator a collective it could not record is a capture error, never a silent skip at replay."""
+def emulator_records_collectives_and_refuses_one_it_could_not_see(rank: int, world: int, device: torch.device,
+                                                                   backend: str) -> None:
+    """On the cpu emulator a collective is recorded however it is called (an alias bound before any capture
+    included) and replays; one that ran where the emulator could not see it is a capture error, never a silent skip
+    at replay."""
     if backend != "cpu":
         return
 
@@ -119,6 +121,18 @@ def emulator_refuses_an_unrecorded_collective(rank: int, world: int, device: tor
         return y
 
     reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=make_plugins())
+    reg.capture([(B(8), "full")])
+    x = torch.full((8,), float(rank + 1))
+    torch.testing.assert_close(reg.run(B(8), x=x), torch.full((8,), 2.0 * sum(range(1, world + 1))))
+    assert reg.stats().hits == 1
+
+    def hidden(batch: B, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        with _disable_current_modes():  # out of the emulator's sight
+            dist.all_reduce(y)
+        return y
+
+    reg = cg.GraphRegistry(hidden, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=make_plugins())
     with pytest.raises(cg.CaptureError, match=r"1 collective\(s\) ran on the default process group during capture but the emulator recorded 0"):
         reg.capture([(B(8), "full")])
     assert len(reg) == 0
@@ -138,7 +152,7 @@ def join(rank: int, world: int, comm: str, init_file: str) -> tuple[torch.device
 def main(rank: int, world: int, comm: str, init_file: str) -> None:
     device, backend = join(rank, world, comm, init_file)
     try:
-        for scenario in (data_parallel, tensor_parallel, pipeline_parallel, emulator_refuses_an_unrecorded_collective):
+        for scenario in (data_parallel, tensor_parallel, pipeline_parallel, emulator_records_collectives_and_refuses_one_it_could_not_see):
             scenario(rank, world, device, backend)
             dist.barrier()
     finally:

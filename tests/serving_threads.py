@@ -1,4 +1,5 @@
-"""Helpers for tests that play an engine's serving thread against the registry's capture thread."""
+"""Helpers for tests that play an engine's threads against a registry: a call on a thread of its own, bounded in time,
+and a small registry."""
 
 from __future__ import annotations
 
@@ -29,11 +30,6 @@ def run_in_thread(fn: Callable[[], Any], timeout: float) -> tuple[bool, dict]:
     thread.start()
     thread.join(timeout)
     return not thread.is_alive(), result
-
-
-def on_capture_thread() -> bool:
-    """Whether the caller runs on a registry's capture thread."""
-    return threading.current_thread().name.startswith("cgregistry-capture")
 
 
 def matmul_registry(step: Callable[..., Any], **kwargs: Any) -> cg.GraphRegistry:

@@ -16,16 +16,13 @@ only ops that produced fresh storage (or mutated an argument) are replayed.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils._python_dispatch as python_dispatch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -196,60 +193,16 @@ class _Op:
         self.waits = waits  # a collective: its result holds work to wait for, as the eager call did
 
 
-# torch keeps "a dispatch mode is active" in process-wide flags (TorchDispatchMode.__enter__ saves the old value in
-# the mode, __exit__ puts it back), and torch.compile skips every frame while the last one is set.  Recorders open on
-# two threads at once (two registries capturing in the background) exit in any order: the one that exits last puts
-# back what it saw when it opened, "a mode is active", and torch.compile would skip every frame for good.  So the
-# recorders open on any thread are kept here, and each exit leaves the flags as the recorders still open need them
-# (as they were before the first opened, once none is).
-_DISPATCH_FLAGS = (
-    "_is_in_torch_dispatch_mode", "_is_in_non_infra_torch_dispatch_mode", "_is_in_any_mode_without_ignore_compile_internals",
-)
-_recorders_lock = threading.Lock()
-_open_recorders: dict[_Recorder, bool] = {}  # recorder -> whether it leaves compiled code alone (ignore_compile_internals)
-_flags_outside: list[tuple[bool, ...]] = [()]  # the flags before the first open recorder opened
-
-
-def _dispatch_flags() -> tuple[bool, ...]:
-    return tuple(bool(getattr(python_dispatch, name, False)) for name in _DISPATCH_FLAGS)
-
-
-def _set_dispatch_flags(flags: tuple[bool, ...]) -> None:
-    for name, value in zip(_DISPATCH_FLAGS, flags):
-        if hasattr(python_dispatch, name):
-            setattr(python_dispatch, name, value)
-    setter = getattr(python_dispatch, "set_is_in_mode_without_ignore_compile_internals", None)  # torch's C++ copy
-    if setter is not None and len(flags) == len(_DISPATCH_FLAGS):
-        setter(flags[2])
-
-
 class _Recorder(TorchDispatchMode):
     # Under a piecewise capture, the split graph runs as compiled (its aten ops reach the recorder); elsewhere
     # torch.compile'd code falls back to eager under the recorder, since Inductor kernels bypass the dispatcher and
     # would be recorded as nothing.  Torch asks at every mode entry: the context variable's own getter answers.
     ignore_compile_internals = staticmethod(runtime.see_compiled.get)
 
-    def __enter__(self) -> _Recorder:
-        with _recorders_lock:
-            if not _open_recorders:
-                _flags_outside[0] = _dispatch_flags()
-            _open_recorders[self] = self.ignore_compile_internals()
-            return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        with _recorders_lock:
-            super().__exit__(*exc)
-            del _open_recorders[self]
-            outside = _flags_outside[0]
-            if not _open_recorders:
-                _set_dispatch_flags(outside)
-            elif outside:  # torch put back what it saw when this one opened, perhaps before another thread's did
-                _set_dispatch_flags((True, True, outside[2] or not all(_open_recorders.values())))
-
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[_Op] = []
-        self.collectives = 0  # torch.distributed collectives recorded at the Python level
+        self.collectives = 0  # torch.distributed collectives recorded (c10d ops)
         self.fresh_bytes = 0
         self._fresh_storages: set[int] = set()
 
@@ -270,8 +223,10 @@ class _Recorder(TorchDispatchMode):
             if key not in self._fresh_storages:
                 self._fresh_storages.add(key)
                 self.fresh_bytes += t.untyped_storage().nbytes()
-        if targets or func._schema.is_mutable:
+        collective = func.namespace == "c10d"  # in place through the process group: no schema says it writes
+        if targets or collective or func._schema.is_mutable:
             self.ops.append(_Op(func, args, kwargs, targets, waits=bool(_works(result))))
+            self.collectives += collective
         return result
 
 
@@ -318,27 +273,6 @@ def find_graph_unsafe_ops(fn: Callable[[], Any]) -> list[GraphUnsafeOpError]:
     return found
 
 
-# torch.distributed's in-place collectives do not reach a dispatch mode (c10d calls the
-# process group directly), so the emulator records them at the Python level.
-_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single")
-_recording: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("cgregistry_cpu_recording", default=None)
-
-
-def _recorded_collective(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    def collective(*args: Any, **kwargs: Any) -> Any:
-        recorder = _recording.get()
-        result = original(*args, **kwargs)
-        if recorder is not None:
-            if kwargs.get("async_op"):
-                raise GraphUnsafeOpError(f"torch.distributed.{name}", "async_op=True: the emulator replays collectives synchronously", _user_frame())
-            recorder.ops.append(_Op(original, args, kwargs, []))
-            recorder.collectives += 1
-        return result
-
-    collective.__wrapped__ = original  # type: ignore[attr-defined]
-    return collective
-
-
 def _default_group_sequence() -> int | None:
     """How many collectives the default process group has run (None without torch.distributed)."""
     try:
@@ -351,53 +285,6 @@ def _default_group_sequence() -> int | None:
         return None
 
 
-# The recording wrappers are installed once for every segment open at the time, on any thread (each records into its
-# own thread's recorder), and the originals put back when the last segment closes: a segment that saved and restored
-# ``getattr(dist, name)`` itself would, overlapping another thread's, save that one's wrapper and leave it installed.
-_wrappers_lock = threading.Lock()
-_wrappers: dict[str, Callable[..., Any]] = {}  # name -> the wrapper installed, while any segment is open
-_open_segments = [0]
-
-
-def _install_wrappers(dist: Any) -> None:
-    with _wrappers_lock:
-        _open_segments[0] += 1
-        if _open_segments[0] == 1:
-            for name in _COLLECTIVES:
-                _wrappers[name] = _recorded_collective(name, getattr(dist, name))
-                setattr(dist, name, _wrappers[name])
-
-
-def _remove_wrappers(dist: Any) -> None:
-    with _wrappers_lock:
-        _open_segments[0] -= 1
-        if _open_segments[0] == 0:
-            for name, wrapper in _wrappers.items():
-                if getattr(dist, name) is wrapper:  # else replaced meanwhile by someone else: theirs stays
-                    setattr(dist, name, wrapper.__wrapped__)  # type: ignore[attr-defined]
-            _wrappers.clear()
-
-
-class _CollectivesRecorded:
-    """While open, torch.distributed's collectives called at the Python level are recorded into ``recorder``."""
-
-    def __init__(self, recorder: _Recorder) -> None:
-        import torch.distributed as dist
-
-        self._dist = dist if dist.is_available() else None
-        self._recorder = recorder
-
-    def __enter__(self) -> None:
-        if self._dist is not None:
-            self._token = _recording.set(self._recorder)
-            _install_wrappers(self._dist)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._dist is not None:
-            _remove_wrappers(self._dist)
-            _recording.reset(self._token)
-
-
 class CpuSegment:
     """One recording in progress: ops run between construction and ``end()`` are captured."""
 
@@ -407,8 +294,6 @@ class CpuSegment:
         self._token = runtime.cpu_capturing.set(True)
         self._recorder = _Recorder()
         self._sequence = _default_group_sequence()
-        self._collectives = _CollectivesRecorded(self._recorder)
-        self._collectives.__enter__()
         self._recorder.__enter__()
         # Python-level host transfers are checked in Python code; a piecewise segment records compiled
         # code (generated, and dynamo would trace again under a new function mode), so none there.
@@ -418,7 +303,6 @@ class CpuSegment:
     def _close(self) -> None:
         self._host.__exit__(None, None, None)
         self._recorder.__exit__(None, None, None)
-        self._collectives.__exit__(None, None, None)
         runtime.cpu_capturing.reset(self._token)
 
     def end(self) -> CpuGraph:
@@ -430,8 +314,8 @@ class CpuSegment:
                     "a torch.distributed collective",
                     f"{ran} collective(s) ran on the default process group during capture but the emulator recorded "
                     f"{self._recorder.collectives}: call them as torch.distributed.<name>(...) (all_reduce, "
-                    "all_gather_into_tensor, reduce_scatter_tensor, broadcast, all_to_all_single), not through an "
-                    "alias imported earlier or a functional collective; replay would skip the rest",
+                    "all_gather_into_tensor, reduce_scatter_tensor, broadcast, all_to_all_single), not as functional "
+                    "collectives; replay would skip the rest",
                     "the end of a captured segment",
                 )
         clock, began = runtime.phase_clock.get(), time.perf_counter()

@@ -7,9 +7,7 @@ replay of any graph in the pool, which is the registry's contract anyway.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import contextvars
 import threading
 import time
 import types
@@ -26,7 +24,7 @@ from cgregistry.contracts.markers import hookimpl
 if TYPE_CHECKING:
     from cgregistry.contracts.registrars import BackendRegistrar
 
-__all__ = ["CudaBackend", "CudaGraph", "CudaSegment", "DeviceSpan", "StepPacer", "clear_cublas_workspaces", "direct_replay", "non_owning_alias"]
+__all__ = ["CudaBackend", "CudaGraph", "CudaSegment", "DeviceSpan", "clear_cublas_workspaces", "direct_replay", "non_owning_alias"]
 
 
 def _reserved_bytes() -> int:
@@ -104,34 +102,6 @@ class CudaGraph:
         self.memory_bytes = memory_bytes
 
 
-class _ForkTracker:
-    """Which side streams forked from the capture stream and have not been joined back (names them)."""
-
-    def __init__(self, capture_stream: torch.cuda.Stream) -> None:
-        self.capture = capture_stream
-        self.forked: dict[int, torch.cuda.Stream] = {}
-
-    def saw_wait(self, waiter: torch.cuda.Stream, waited: torch.cuda.Stream) -> None:
-        if waiter.cuda_stream == self.capture.cuda_stream:
-            self.forked.pop(waited.cuda_stream, None)  # a join
-        elif waited.cuda_stream == self.capture.cuda_stream or waited.cuda_stream in self.forked:
-            self.forked[waiter.cuda_stream] = waiter  # a fork from the capture (or a forked) stream
-
-    def unjoined(self) -> list[str]:
-        return [repr(s) for s in self.forked.values()]
-
-
-_tracker: contextvars.ContextVar[_ForkTracker | None] = contextvars.ContextVar("cgregistry_cuda_forks", default=None)
-_original_wait_stream = torch.cuda.Stream.wait_stream
-
-
-def _tracked_wait_stream(self: torch.cuda.Stream, stream: torch.cuda.Stream) -> None:
-    tracker = _tracker.get()
-    if tracker is not None:
-        tracker.saw_wait(self, stream)
-    _original_wait_stream(self, stream)
-
-
 def clear_cublas_workspaces() -> None:
     """Drop cuBLAS's cached workspaces, so the next GEMM allocates a fresh one.
 
@@ -147,87 +117,26 @@ def clear_cublas_workspaces() -> None:
     torch._C._cuda_clearCublasWorkspaces()
 
 
-class _BackgroundSegments:
-    """Capture segments open on background capture threads, so that device-wide calls of other threads wait for them.
-
-    In thread-local mode another thread's eager work, allocations and stream syncs stay legal
-    during a capture, but a device-wide ``torch.cuda.synchronize()`` (or ``empty_cache()``, which
-    frees memory and so syncs the device) fails with "operation not permitted when stream is
-    capturing".  From the first background segment on, those two functions are wrapped (a lock
-    and a counter test when no segment is open): a call from another thread waits for the
-    segments to close, and runs with none open.
-    """
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.open = 0
-        self.originals: dict[str, Callable[..., Any]] = {}
-
-    def opened(self) -> None:
-        with self.cond:
-            if not self.originals:
-                for name in ("synchronize", "empty_cache"):
-                    original = getattr(torch.cuda, name)
-                    self.originals[name] = original
-                    setattr(torch.cuda, name, self._waiting(original))
-            self.open += 1
-
-    def closed(self) -> None:
-        with self.cond:
-            self.open -= 1
-            self.cond.notify_all()
-
-    def _waiting(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with self.cond:
-                if self.open and not runtime.background_capture.get():
-                    self.cond.wait_for(lambda: not self.open)
-                return original(*args, **kwargs)  # no segment opens while this runs: opening needs the lock
-
-        call.__wrapped__ = original  # type: ignore[attr-defined]
-        call.__doc__ = original.__doc__
-        return call
-
-
-_background_segments = _BackgroundSegments()
-
-
-class StepPacer:
-    """Bounds how far a serving thread runs ahead of the GPU while a capture thread works beside it.
-
-    An engine that never syncs fills the device's launch queue with steps; every kernel the capture
-    thread's warm-up launches then waits for a queued step to finish (a key's capture takes many times longer;
-    docs/performance.md).  ``step()`` at the start of each step records an event for the steps before it and waits for
-    the one ``depth`` steps back, so at most ``depth`` steps are queued: the GPU never idles, and the
-    capture's launches find room.
-    """
-
-    __slots__ = ("depth", "_events")
-
-    def __init__(self, depth: int = 2) -> None:
-        self.depth = depth
-        self._events: collections.deque[torch.cuda.Event] = collections.deque()
-
-    def step(self) -> None:
-        event = torch.cuda.Event()
-        event.record()
-        self._events.append(event)
-        if len(self._events) > self.depth:
-            self._events.popleft().synchronize()
-
-
 def _wait_for(stream: torch.cuda.Stream) -> None:
-    """Wait for what a capture queued: the whole device in the foreground (between steps), only the capture's own
-    ``stream`` beside a serving thread, whose queued steps a device-wide sync would wait for (seconds, when the
-    engine runs ahead of the GPU)."""
-    if runtime.background_capture.get():
+    """Wait for what a capture queued: the whole device in a capture() of the engine's own (between steps, nothing
+    queued it would wait for), only the capture's own ``stream`` for a capture between the engine's steps (a piece
+    inside ``run()``), where a device-wide sync would wait for every step the engine has queued."""
+    if runtime.between_steps.get():
         stream.synchronize()
     else:
         torch.cuda.synchronize()
 
 
+# What CUDA says when a side stream forked from the capture stream was not joined back before the capture ended.
+_UNJOINED = ("unjoined", "StreamCaptureUnjoined")
+
+
 class CudaSegment:
-    """One capture in progress: ``end()`` finishes it, ``abort()`` abandons it after an error."""
+    """One capture in progress: ``end()`` finishes it, ``abort()`` abandons it after an error.
+
+    Captured in thread-local mode: what other threads of the engine do meanwhile (their allocations, replays, stream
+    syncs) stays legal; only this thread's calls are checked.  A device-wide sync on any thread while a segment is
+    open fails in CUDA (docs/background.md lists what an engine must not do during a capture)."""
 
     def __init__(self, backend: CudaBackend, pool: object) -> None:
         self.backend = backend
@@ -235,39 +144,25 @@ class CudaSegment:
         self.before = _reserved_bytes()
         self.graph = torch.cuda.CUDAGraph()
         clear_cublas_workspaces()  # this capture allocates its own, in the pool
-        # Beside a serving thread, only this thread's CUDA calls are checked (the other's eager steps,
-        # allocations and stream syncs stay legal); the allocator sends only this stream's allocations to the pool.
-        self.background = runtime.background_capture.get()
-        if self.background:
-            _background_segments.opened()
-            try:
-                self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            except BaseException:
-                _background_segments.closed()
-                raise
-        else:
-            self.graph.capture_begin(pool=pool)
+        self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
 
     def end(self) -> CudaGraph:
-        tracker = _tracker.get()
-        if tracker is not None and tracker.forked:
-            names = ", ".join(tracker.unjoined())
-            self.abort()
-            tracker.forked.clear()
-            raise RuntimeError(
-                f"side stream(s) {names} forked from the capture stream were not joined back; "
-                "call torch.cuda.current_stream().wait_stream(side) first"
-            )
         clock, began = runtime.phase_clock.get(), time.perf_counter()
         try:
             self.graph.capture_end()
+        except RuntimeError as exc:
+            self.backend._poisoned.add(self.pool)
+            if any(word in str(exc) for word in _UNJOINED):
+                raise RuntimeError(
+                    f"a side stream forked from the capture stream was not joined back before the capture ended ({exc}); "
+                    "call torch.cuda.current_stream().wait_stream(side) after the side stream's work") from exc
+            raise
         except BaseException:
             self.backend._poisoned.add(self.pool)
             raise
         finally:
             if clock is not None:  # inline: a capture walks no more modules for it
                 clock["instantiate"] += time.perf_counter() - began
-            self._closed()
             clear_cublas_workspaces()  # eager work after the capture must not use a block of the pool
         # The allocator may give cached blocks back to the driver mid-capture (retrying an allocation): never below 0.
         return CudaGraph(self.graph, max(0, _reserved_bytes() - self.before))
@@ -281,13 +176,7 @@ class CudaSegment:
         except Exception:  # invalidated by the step's own error, which is the news
             self.backend._poisoned.add(self.pool)
         finally:
-            self._closed()
             clear_cublas_workspaces()
-
-    def _closed(self) -> None:
-        if self.background:
-            self.background = False
-            _background_segments.closed()
 
 
 class CudaBackend:
@@ -311,13 +200,12 @@ class CudaBackend:
     def new_pool(self) -> object:
         return torch.cuda.graph_pool_handle()
 
-    def keep_pool(self, pool: object, beside_serving: bool = False) -> Any:
+    def keep_pool(self, pool: object) -> Any:
         """What keeps ``pool`` taking captures for as long as it lives, whether or not a graph in it does: what its dead
         graphs held is reused by the next captures into it (a pool whose graphs all died takes no capture, and is only
         freed at ``empty_cache()``).  A one-kernel graph captured into it, on this thread's current device (where the
-        capture that asks for it runs), counted as a background segment beside a serving thread: a graph
-        holds its pool in the device and the pinned host allocator alike (a ``torch.cuda.MemPool`` holds only the
-        device one, and the host one refuses the next capture)."""
+        capture that asks for it runs): a graph holds its pool in the device and the pinned host allocator alike (a
+        ``torch.cuda.MemPool`` holds only the device one, and the host one refuses the next capture)."""
         keeper, cell = torch.cuda.CUDAGraph(), torch.zeros(1, device="cuda")
         with self._keeper_lock:  # one stream a device for every keeper (a new one each time would cycle through
             device = torch.cuda.current_device()  # torch's stream pool onto streams other threads launch on)
@@ -325,27 +213,14 @@ class CudaBackend:
             if stream is None:
                 stream = self._keeper_streams[device] = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            if beside_serving:  # another thread's device-wide sync waits for it, as for a segment
-                _background_segments.opened()
-            try:
-                with torch.cuda.stream(stream):
-                    keeper.capture_begin(pool=pool, capture_error_mode="thread_local")
-                    try:
-                        cell.add_(1)
-                    finally:
-                        keeper.capture_end()
-            finally:
-                if beside_serving:
-                    _background_segments.closed()
+            with torch.cuda.stream(stream):
+                keeper.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    cell.add_(1)
+                finally:
+                    keeper.capture_end()
             torch.cuda.current_stream().wait_stream(stream)
         return keeper, cell
-
-    def fence(self) -> Callable[[], None]:
-        """What waits, on any thread, for the work queued so far on this thread's current stream (called at the start
-        of a ``run()``: the stream it replays on, before memory a dropped graph read goes to a capture on another)."""
-        event = torch.cuda.Event()
-        event.record()
-        return event.synchronize
 
     @contextlib.contextmanager
     def streams_of(self, owner: Any) -> Iterator[None]:
@@ -363,29 +238,15 @@ class CudaBackend:
         finally:
             self._streams.bound = before
 
-    def _side_stream(self, kind: str = "side", priority: int = 0) -> torch.cuda.Stream:
+    def _side_stream(self) -> torch.cuda.Stream:
         streams = getattr(self._streams, "bound", None) or self._streams
-        stream = getattr(streams, kind, None)
+        stream = getattr(streams, "side", None)
         if stream is None:
-            stream = torch.cuda.Stream(priority=priority)
-            setattr(streams, kind, stream)
+            stream = streams.side = torch.cuda.Stream()
         return stream
 
-    def step_pacer(self) -> StepPacer:
-        """What keeps a serving thread from running more than a few steps ahead of the GPU while a capture runs beside it."""
-        return StepPacer()
-
-    def background_context(self) -> contextlib.AbstractContextManager[Any]:
-        """A background capture runs on a stream of the pool it captures into (``streams_of``), not the serving
-        thread's, made current here (its static inputs are filled on it too): nothing it queues or waits for sits
-        behind the serving thread's queued steps."""
-        return torch.cuda.stream(self._side_stream("background"))
-
     def warmup(self, fn: Callable[[], Any], runs: int) -> Any:
-        # Beside a serving thread the warm-up (the only capture work that runs on the GPU) takes a stream of the
-        # highest priority: an engine that runs ahead of the GPU keeps it full, and the warm-up would wait behind it.
-        background = runtime.background_capture.get() and not runtime.foreground_layout.get()
-        stream = self._side_stream("warmup", priority=-100) if background else self._side_stream()
+        stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream())
         out = None
         with torch.cuda.stream(stream):
@@ -401,15 +262,10 @@ class CudaBackend:
         _wait_for(torch.cuda.current_stream())
         stream = self._side_stream()
         stream.wait_stream(torch.cuda.current_stream())
-        # Track forks and joins of side streams so an unjoined one can be named (capture is single-threaded).
-        token = _tracker.set(_ForkTracker(stream))
-        torch.cuda.Stream.wait_stream = _tracked_wait_stream  # type: ignore[method-assign]
         try:
             with torch.cuda.stream(stream):
                 yield
         finally:
-            torch.cuda.Stream.wait_stream = _original_wait_stream  # type: ignore[method-assign]
-            _tracker.reset(token)
             torch.cuda.current_stream().wait_stream(stream)
             _wait_for(stream)
 

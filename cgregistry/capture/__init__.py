@@ -1,2 +1,2 @@
-"""Capturing keys: the graph pool, the capture job (one sequence for every path, its mode a value), the background
-capture thread and refits, and the memory estimate."""
+"""Capturing keys: the graph pool, the capture job (one sequence for every path, in two pieces), the keys pending
+capture between steps and refits, and the memory estimate."""

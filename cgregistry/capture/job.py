@@ -2,20 +2,22 @@
 
 Plan checks (the strategy is registered, serves the key's class, the key fits the static inputs), the one capture
 context every capture runs under (the ``context=`` payload and the serving thread's state, see
-:mod:`cgregistry.state.serving`), and ``capture_key``: one key between the capture_started and capture_finished
-hooks, under that context, one capture at a time into the pool.  A :class:`Mode` value says where the capture goes:
-``FOREGROUND`` (the shared pool and static inputs; the entry goes live at once), ``BACKGROUND`` (beside a serving
-thread, on the capture thread; the entry is handed back to be installed) or :func:`scratch` (measured and dropped:
-the memory estimate).  A whole plan now is ``capture_plan``; a lazy key at its first use, ``capture_lazily``.
+:mod:`cgregistry.state.serving`), and a key's capture in two pieces, its warm-up (``warm_up``) and its recording
+(``record_graph``: between the capture_started and capture_finished hooks, one capture at a time into the pool, the entry
+live as it ends).  ``capture_key`` runs both at once; the pending captures of :mod:`cgregistry.capture.queue` run them
+in separate steps.  A :class:`Mode` value says where a capture goes: ``FOREGROUND`` (the shared pool and static
+inputs) or :func:`scratch` (measured and dropped: the memory estimate).  A whole plan now is ``capture_plan``; a lazy
+key at its first use, ``capture_lazily``.
 
 Capture runs the engine's step (a warm-up first, which ``warm_up_again=False`` skips for a key captured again; eager
 breaks and the cpu emulator run it for real), and a step writes engine state such as a KV cache at the slots it reads.
 So every capture, whenever it happens, runs on buffers reset to their fills (a scratch slot for index inputs), never
-on the rows of a batch already served; a failure is a ``CaptureError`` and changes nothing but the pool handle.
+on the rows of a batch already served; a failure is a ``CaptureError`` and changes nothing but the pool handle.  The
+collector is paused while a piece runs and put back as it was when it ends; nothing else of the process is touched.
 
-A hook or the step that calls back into the registry from inside a capture on the same thread, or from the
-registry's capture thread, is refused (``refuse_inside``): a ``clear()`` would drop the capture context mid-plan, and
-a ``capture()`` would wait for the capture lock its own thread holds.
+A hook or the step that calls back into the registry from inside a capture is refused (``refuse_inside``): a
+``clear()`` would drop the capture context mid-plan, and a ``capture()`` would wait for the capture lock its own
+thread holds.
 """
 
 from __future__ import annotations
@@ -33,8 +35,7 @@ from typing import Any, Literal, TypeVar
 import attrs
 import torch
 
-from cgregistry.capture import phases
-from cgregistry.capture.pool import GraphPool, Handover, account_held
+from cgregistry.capture.pool import GraphPool
 from cgregistry.contracts.protocols import Backend
 from cgregistry.errors import CaptureError, PluginError, ServingStateError, WeightsMovedError
 from cgregistry.hooks.events import Events
@@ -51,47 +52,66 @@ from cgregistry.store.catalog import Catalog, Entry, Pair
 from cgregistry.store.io import OutputAxes, StaticBuffer, capture_inputs, check_fits, checked_outputs, output_slicer
 from cgregistry.warn import warn
 
-__all__ = ["BACKGROUND", "FOREGROUND", "CaptureContext", "CaptureError", "CaptureJob", "FrozenHeap", "Mode", "PausedGC", "scratch"]
+__all__ = ["FOREGROUND", "UNWARMED", "CaptureContext", "CaptureError", "CaptureJob", "Mode", "Warmed", "paused_gc", "scratch"]
 
 _T = TypeVar("_T")
 
 _log = logging.getLogger("cgregistry")
-_UNKNOWN = object()  # no output spec known for a key: its capture warms up first
 
 
 @attrs.frozen(slots=True)
 class Mode:
     """Where a capture goes and what it runs on.
 
-    ``foreground``: the shared pool and static inputs (reset to their fills), on the serving thread.  ``background``:
-    beside a serving thread, so static inputs of its own sized for the key (the shared ones hold the live batch), a
-    stream of the pool's made current where the backend has them (not the serving thread's), and a pool of its own
-    for a strategy that runs eager code during capture (that code really executes and could write memory a graph
-    being replayed is using).
-    ``scratch``: measured and dropped (a memory estimate), never into the shared pool nor on the shared inputs.
+    ``foreground``: the shared pool and static inputs (reset to their fills); the entry goes live.  ``scratch``:
+    measured and dropped (a memory estimate), into ``pool`` (None: one of its own) on ``inputs`` (buffers as large
+    as the registry's, reset to their fills; None: inputs of its own sized for the key), never the shared ones.
     """
 
-    name: Literal["foreground", "background", "scratch"]
-    # scratch: the pool to capture into (None: one of its own), the buffers to capture on, as large as the registry's
-    # and reset to their fills (None: inputs of its own sized for the key), and whether it is measured as a background
-    # capture would take it (its streams and own inputs) rather than a foreground one.
+    name: Literal["foreground", "scratch"]
     pool: Any = None
     inputs: Mapping[str, StaticBuffer] | None = None
-    as_background: bool = False
-
-    @property
-    def beside_serving(self) -> bool:
-        """Captured while a serving thread may run: on streams not the serving thread's, as safe as the background."""
-        return self.name != "foreground"
 
 
 FOREGROUND = Mode("foreground")
-BACKGROUND = Mode("background")
 
 
-def scratch(pool: Any = None, inputs: Mapping[str, StaticBuffer] | None = None, as_background: bool = False) -> Mode:
+def scratch(pool: Any = None, inputs: Mapping[str, StaticBuffer] | None = None) -> Mode:
     """A capture to be measured and dropped (see :class:`Mode`)."""
-    return Mode("scratch", pool, inputs, as_background)
+    return Mode("scratch", pool, inputs)
+
+
+@attrs.define(slots=True)
+class Warmed:
+    """A key's capture between its two pieces: what its recording (``CaptureJob.record_graph``) needs of its warm-up.
+    ``spec`` is ``UNWARMED`` when no warm-up ran yet: the recording piece then warms the key up first (a capture in one
+    call, ``capture_key``)."""
+
+    pair: Pair
+    context: CaptureContext
+    spec: Any  # the output spec the warm-up found, the one known from an earlier capture where it was skipped, or UNWARMED
+    seconds: float = 0.0  # what the warm-up took, compiling included
+    compile_seconds: float = 0.0
+    compiled: bool = False  # it compiled or ran compiled code: the key warms up at every capture
+    used_before: int = 0  # device bytes in use as it began (what the key's capture takes is measured from there)
+    skipped: bool = False  # no warm-up ran (warm_up_again=False and a spec known): a failed recording warms up and retries
+
+
+UNWARMED = object()  # a Warmed whose warm-up has not run
+
+
+class paused_gc:
+    """No collection while a piece of a capture runs on this thread (a finaliser freeing memory a graph is being
+    recorded beside); the collector as it was afterwards, whatever it was (a class, not a generator: a capture walks
+    no other module for it)."""
+
+    def __enter__(self) -> None:
+        self._enabled = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._enabled:
+            gc.enable()
 
 
 @attrs.frozen(slots=True)
@@ -100,8 +120,8 @@ class CaptureContext:
     (``capture(context=...)``) and the serving thread's state.
 
     Two contexts are equal when a capture under either computes the same: the same payload object and equal states
-    (the context variables are carried, not compared).  A background capture is installed only while its context
-    equals the registry's.
+    (the context variables are carried, not compared).  A key warmed up under another context than the registry's
+    now is warmed up again before it is recorded.
     """
 
     payload: Any = attrs.field(eq=id)  # identity: an engine's payload may not compare (tensors) or may change in place
@@ -117,14 +137,13 @@ class CaptureJob:
         warm_up_again: bool = True,
     ) -> None:
         self.step = step  # the engine's step: what every capture runs
-        self.buffers = buffers  # the shared static inputs (an entry captured in the background has its own)
+        self.buffers = buffers  # the shared static inputs every graph reads
         self.backend = backend
         self.device = backend.device()
         self._output_axes = output_axes
         self._warmup_runs = warmup_runs
-        self.pool = pool  # its lock: one capture at a time into the pool, any thread's, any registry's sharing it
+        self.pool = pool  # its lock: one capture at a time into the pool, any registry's sharing it
         self.pool.share(self)
-        self.handover = Handover(backend, pool)  # pools of their own that dropped entries leave to their keys' captures
         self._catalog = catalog
         self._events = events
         self._plugins = plugins
@@ -132,8 +151,8 @@ class CaptureJob:
         self.name = name
         slots = [b.capacity - (b.spec.axis == "reqs+1") for b in buffers.values() if b.spec.axis != "tokens"]
         self._request_slots = min(slots) if slots else None  # request rows a relaxed key's step sees
-        # Per thread: .depth, the captures (one key with its hooks) in progress on it, and .capture_thread, whether it
-        # is this registry's capture thread (the pool says which registry's capture holds its lock on this thread).
+        # Per thread: .depth, the captures (one piece with its hooks) in progress on it, and .warmed, whether a key was
+        # warmed up on it (its lazy per-thread state made: cuBLAS handles, say).
         self._here = threading.local()
         self.context: CaptureContext | None = None
         self.state_test = StateTest()  # the hot path's test of the caller's state against the context's (changed in place)
@@ -323,32 +342,17 @@ class CaptureJob:
             "without assign=True)"
         )
 
-    # ---------------------------------------------------------------- threads
+    # ---------------------------------------------------------------- calls back
 
     def refuse_inside(self, call: str) -> None:
-        """``call`` from a hook or the step inside a capture on this same thread, or on this registry's capture thread:
-        refused (a ``clear()`` would drop the capture context the rest of the plan runs under, a ``capture()`` or a wait
-        would wait for the lock or the thread that is running it)."""
-        here = self._here
-        if getattr(here, "capture_thread", False):
-            raise RuntimeError(
-                f"{call} on registry {self.name!r} from its own capture thread (a hook or the step called it while "
-                "capturing) would wait for itself"
-            )
-        if getattr(here, "depth", 0):
+        """``call`` from a hook or the step inside a capture on this same thread: refused (a ``clear()`` would drop the
+        capture context the rest of the plan runs under, a ``capture()`` would wait for the lock its capture holds)."""
+        if getattr(self._here, "depth", 0):
             raise RuntimeError(
                 f"{call} on registry {self.name!r} from inside one of its captures on the same thread (a hook or the "
                 f"step called it while capturing): refused, the capture in progress would wait for itself or lose its "
                 f"context; call it after capture() (or the run() that captures) returns"
             )
-
-    def on_capture_thread(self) -> bool:
-        """Whether the caller runs on this registry's capture thread (a hook or the step during a capture)."""
-        return getattr(self._here, "capture_thread", False)
-
-    def mark_capture_thread(self, marked: bool) -> None:
-        """The calling thread is (or, with False, is no longer) this registry's capture thread."""
-        self._here.capture_thread = marked
 
     def holds_graphs(self) -> bool:
         """Whether this registry holds graphs or has captures in flight (its pool is not to be renewed)."""
@@ -384,67 +388,78 @@ class CaptureJob:
         captured yet (``capture_all``)."""
         entries = self._catalog.entries
         pairs = [p for p in self.prepare(plan, payload, rebase=True) if p not in entries]
-        if self.pool.used and not self.holds_graphs():  # the addresses were taken anew by prepare's record
-            self.pool.renew_if_unused()
         try:
             return self._capture_all(pairs, progress)
         finally:
             self.warn_shadowed()
 
-    def capture_key(self, pair: Pair, ctx: CaptureContext, mode: Mode = FOREGROUND) -> Entry:
-        """Capture one key: between the capture_started and capture_finished hooks, under ``ctx``, one capture at a time.
+    def capture_key(self, pair: Pair, ctx: CaptureContext) -> Entry:
+        """Capture one key now, its warm-up and recording in one piece (``record_graph`` of a key not warmed up); the
+        entry is live (evictions reported).  Whatever the step raises is a ``CaptureError`` naming the key (a
+        KeyboardInterrupt stays one)."""
+        return self.record_graph(self.warm_up(pair, ctx, now=False))
 
-        In the foreground the entry goes live in the catalog (evictions reported); in the background
-        (on the capture thread) it is returned for the serving thread to install.  Whatever the step
-        raises is a ``CaptureError`` naming the key (a KeyboardInterrupt in the foreground stays one).
-        """
+    def warm_up(self, pair: Pair, ctx: CaptureContext, between_steps: bool = False, now: bool = True) -> Warmed:
+        """A key's first piece: the step run eagerly under ``ctx`` on buffers at their fills, its outputs checked; skipped,
+        with ``warm_up_again=False``, for a key captured before on a thread that has warmed up a key, and left to the
+        recording with ``now=False``.  A failure is the key's ``CaptureError``, reported to the capture hooks.
+        ``between_steps``: inside ``run()`` or ``capture_pending()``, so the backend waits for the capture's own streams
+        only (not the engine's queued steps)."""
         key, name = pair
-        strategy = self.strategy(name)
+        used_before = self._device_used()
+        spec = (self._warm_specs.get(pair, UNWARMED) if not self._warm_up_again and getattr(self._here, "warmed", False)
+                else UNWARMED)
+        if spec is not UNWARMED or not now:
+            return Warmed(pair, ctx, spec, used_before=used_before, skipped=spec is not UNWARMED)
+        with _Piece(self, between_steps):
+            try:
+                warmed = ctx.state.run(self._warm, pair, ctx, used_before)
+            except BaseException as exc:
+                self._events.capture_started(key, name)
+                error = self._report_failure(pair, exc)
+                if error is exc:
+                    raise
+                raise error from exc
+        return warmed
+
+    def record_graph(self, warmed: Warmed, between_steps: bool = False, queued: bool = False) -> Entry:
+        """A key's second piece: between the capture_started and capture_finished hooks, one capture at a time into the
+        pool, its graph recorded (and instantiated) under the context it warmed up under (warmed up first where it was
+        not); the entry goes live in the catalog (evictions reported).  A warm-up skipped before a failed recording runs,
+        and the key is recorded again, unless ranks of a process group would then run collectives the others do not.
+        ``queued``: a pending key (counted in ``stats().background_captures``)."""
+        key, name = pair = warmed.pair
         pool = self.pool
-        here = self._here
-        here.depth = getattr(here, "depth", 0) + 1  # the hooks' calls back are refused until capture_finished has returned
-        try:
-            with PausedGC():
-                pool.begin(self.name, key, name, mode.beside_serving)  # its lock, held for this capture (refused if this thread holds it)
-                entry = None
-                try:
-                    self._events.capture_started(key, name)
-                    generation = self.watch.generation  # taken first: a move during the capture makes it older
-                    try:
-                        with self.pool_streams():  # the pool's own streams, whichever thread captures into it
-                            entry = ctx.state.run(self._capture_read, key, name, strategy, ctx.payload, mode, generation)
-                        entry.generation = generation
-                    except BaseException as exc:
-                        error = exc if isinstance(exc, CaptureError) else CaptureError(key, name, exc)
-                        self._events.capture_finished(key, name, None, error)
-                        if error is exc:
-                            raise
-                        if mode.beside_serving or isinstance(exc, Exception):
-                            raise error from exc
-                        raise
-                finally:
-                    pool.end(entry if entry is not None and _shares_pool(mode, strategy) else None)
-            if (not self._warned_no_break and entry.read_live_batch and not key.uniform
-                    and getattr(entry.graph, "breaks", None) == 0):
+        with _Piece(self, between_steps):
+            pool.begin(self.name, key, name)  # its lock, held for this capture (refused if this thread holds it)
+            entry = None
+            try:
+                self._events.capture_started(key, name)
+                generation = self.watch.generation  # taken first: a move during the capture makes it older
+                with self.pool_streams():  # the pool's own streams, whichever registry captures into it
+                    entry = self._record_or_retry(warmed)
+                entry.generation = generation
+            except BaseException as exc:
+                error = self._report_failure(pair, exc)
+                if error is exc:
+                    raise
+                raise error from exc
+            finally:
+                pool.end(entry)
+            if not self._warned_no_break and entry.read_live_batch and not key.uniform and getattr(entry.graph, "breaks", None) == 0:
                 self._warn_no_break(entry)
-            evicted = self._catalog.add(entry) if mode is FOREGROUND else []
+            evicted = self._catalog.add(entry, background=queued)
             self._events.capture_finished(key, name, entry, None)
             if evicted:
                 self._events.evicted(evicted)
-        finally:
-            here.depth -= 1
         return entry
 
-    def _capture_read(self, key: BatchDescriptor, name: str, strategy: Any, payload: Any, mode: Mode,
-                      generation: int) -> Entry:
-        """``capture_entry``, with what its graph reads (``entry.weights``) read in the capture context, where the
-        step's context variables are the engine's (a model in a ContextVar, read from the capture thread)."""
-        weights = self.watch.seen()
-        entry = self.capture_entry(key, name, strategy, payload, mode)
-        if self.watch.generation != generation:  # the step registered tensors while it was captured
-            weights = self.watch.joined(weights)
-        entry.weights = weights
-        return entry
+    def _report_failure(self, pair: Pair, exc: BaseException) -> BaseException:
+        """A piece of ``pair``'s capture raised ``exc``: capture_finished told, and what the caller raises, a
+        ``CaptureError`` naming the key (an interrupt stays itself)."""
+        error = CaptureError(*pair, exc) if isinstance(exc, Exception) and not isinstance(exc, CaptureError) else exc
+        self._events.capture_finished(*pair, None, error if isinstance(error, CaptureError) else CaptureError(*pair, exc))
+        return error
 
     def _warn_no_break(self, entry: Entry) -> None:
         """Once per registry: a mixed key of a strategy that splits at eager breaks was captured with none, while the
@@ -482,17 +497,23 @@ class CaptureJob:
         failed: dict[str, CaptureError] = {}  # strategy -> its first failure
         skipped: list[Pair] = []
         backend = self.backend.name
+        if getattr(self.backend, "collects_before_capture", True):
+            gc.collect()  # garbage may hold device memory the graphs would otherwise be captured beside
         try:
-            with _FrozenGC(getattr(self.backend, "collects_before_capture", True)):
-                for pair in bar:
-                    if pair[1] in failed:
-                        skipped.append(pair)
-                        continue
-                    try:
-                        captured.append(self.capture_key(pair, ctx).info(backend))
-                    except CaptureError as error:
-                        self._catalog.fail_capture(pair, error)  # kept as the lazy and background paths keep theirs
-                        failed[pair[1]] = error
+            for pair in bar:
+                if pair[1] in failed:
+                    skipped.append(pair)
+                    continue
+                try:
+                    captured.append(self.capture_key(pair, ctx).info(backend))
+                except CaptureError as error:
+                    self._catalog.fail_capture(pair, error)  # kept as the lazy and pending paths keep theirs
+                    failed[pair[1]] = error
+        except BaseException:  # an interrupt: keys held before that are not captured yet stay planned, never lost
+            if untried_lazily:
+                entries = self._catalog.entries
+                self._catalog.plan_lazily(p for p in pairs if p not in entries and p[1] not in failed)
+            raise
         finally:
             if hasattr(bar, "close"):
                 bar.close()
@@ -503,10 +524,11 @@ class CaptureJob:
         return captured
 
     def capture_lazily(self, pair: Pair) -> None:
-        """Capture a lazy key on its first use; a failure drops it (its batches go to the next best key, or run eagerly)."""
+        """Capture a lazy key on its first use, inside ``run()``; a failure drops it (its batches go to the next best
+        key, or run eagerly)."""
         self.renew_if_unused()
-        try:  # capture_key pauses the collector; no full collection first, which would stall this step for a large heap
-            self.capture_key(pair, self.current())
+        try:
+            self.record_graph(self.warm_up(pair, self.current(), now=False), between_steps=True)
         except CaptureError as exc:
             self._catalog.fail_capture(pair, exc)
             warn(
@@ -514,132 +536,165 @@ class CaptureJob:
         else:
             self._catalog.counters.lazy_captures += 1
 
-    def capture_entry(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, mode: Mode = FOREGROUND) -> Entry:
-        """Warm up and capture ``step(key, **views)`` with ``strategy`` where ``mode`` says; ``payload`` is what eager
-        breaks see.  Takes no lock and calls no hook (``capture_key`` does); a scratch capture is warmed up on the
-        streams ``mode.as_background`` says, so that it takes what that capture would."""
-        if mode.beside_serving:  # on a stream of the pool's, not the serving thread's, where the backend has them (cuda)
-            with getattr(self.backend, "background_context", contextlib.nullcontext)():
-                return self._capture_warm_or_not(key, strategy_name, strategy, payload, mode)
-        return self._capture_warm_or_not(key, strategy_name, strategy, payload, mode)
+    def capture_entry(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, mode: Mode) -> Entry:
+        """Warm up and record ``step(key, **views)`` with ``strategy`` where ``mode`` says (a scratch capture: the
+        memory estimate); ``payload`` is what eager breaks see.  Takes no lock and calls no hook."""
+        warmed = Warmed((key, strategy_name), None, UNWARMED, used_before=self._device_used())  # type: ignore[arg-type]
+        return self._record(strategy, payload, mode, warmed)
 
-    def _capture_warm_or_not(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, mode: Mode) -> Entry:
-        """With ``warm_up_again`` off, a key captured again (a refresh, a wake) on a thread that has warmed up before
-        skips its warm-up: the step ran eagerly for that key already, and its output spec is known.  The warm-up is
-        about half a capture's time on the 1B engine.  Should such a capture fail (state the step makes on a first run,
-        a handle say, cannot be made inside a capture), the key is warmed up and captured again, unless ranks of a
-        process group would then run collectives the others do not; a key whose capture compiled or ran compiled code
-        always warms up (a guard that fails after a weight update would compile inside the capture)."""
-        pair = (key, strategy_name)
-        spec = (self._warm_specs.get(pair, _UNKNOWN) if not self._warm_up_again and mode.name != "scratch"
-                and getattr(self._here, "warmed", False) else _UNKNOWN)
-        if spec is _UNKNOWN:
-            return self._capture_entry(key, strategy_name, strategy, payload, mode)
+    def _device_used(self) -> int:
+        """Bytes in use on the device where the backend measures them, else 0."""
+        device_memory = getattr(self.backend, "device_memory", None)
+        return device_memory()[0] if device_memory is not None else 0
+
+    def _warm(self, pair: Pair, ctx: CaptureContext, used_before: int) -> Warmed:
+        """The warm-up piece's work, under the capture context: ``pair``'s step run eagerly on its buffers at their
+        fills, as a capture's step sees its batch."""
+        key, name = pair
+        strategy = self.strategy(name)
+        views = capture_inputs(self.buffers, key)
+        with _CaptureVars(key, strategy, ctx.payload, views) as clock:
+            spec, seconds = self._run_warm_up(key, views)
+        return Warmed(pair, ctx, spec, seconds, clock["compile"], bool(clock["compile"] or clock.get("compiled runs")),
+                      used_before)
+
+    def _run_warm_up(self, key: BatchDescriptor, views: Mapping[str, torch.Tensor]) -> tuple[Any, float]:
+        """The step run eagerly for ``key`` on ``views`` (``warmup_runs`` times, on the backend's warm-up stream), its
+        outputs checked: their spec and the seconds it took."""
+        step = self.step
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = self.backend.warmup(lambda: step(key, **views), self._warmup_runs)
+            _, spec = checked_outputs(out, self._output_axes, key, self._request_slots, self.device)
+            del out
+        self._here.warmed = True
+        return spec, time.perf_counter() - started
+
+    def _record_or_retry(self, warmed: Warmed) -> Entry:
+        """``warmed``'s recording under its context, the watched weights it reads taken there; a recording whose warm-up
+        was skipped and that failed is warmed up and recorded again (state the step makes on a first run, a handle say,
+        cannot be made inside a capture), unless ranks of a process group would then run collectives the others do not."""
+        (key, name), ctx = warmed.pair, warmed.context
+        if not warmed.skipped:
+            return ctx.state.run(self._record_read, warmed)
         started = time.perf_counter()
         try:
-            return self._capture_entry(key, strategy_name, strategy, payload, mode, spec)
+            return ctx.state.run(self._record_read, warmed)
         except CaptureError as exc:
-            self._warm_specs.pop(pair, None)
+            self._warm_specs.pop(warmed.pair, None)
             if _in_process_group():  # a warm-up on this rank alone would pair its collectives with other steps'
                 raise
             _log.info("registry %r: %s [%s] captured without a warm-up failed (%s: %s); warming it up and capturing "
-                      "again", self.name, key, strategy_name, type(exc.__cause__).__name__, exc.__cause__)
-        failed_s = time.perf_counter() - started
-        entry = self._capture_entry(key, strategy_name, strategy, payload, mode)
-        entry.capture_seconds += failed_s  # the failed recording is part of what capturing the key took
-        if entry.phases is not None:
-            entry.phases = attrs.evolve(entry.phases, record=entry.phases.record + failed_s)
+                      "again", self.name, key, name, type(exc.__cause__).__name__, exc.__cause__)
+        again = Warmed(warmed.pair, ctx, UNWARMED, time.perf_counter() - started, used_before=warmed.used_before)
+        return ctx.state.run(self._record_read, again)
+
+    def _record_read(self, warmed: Warmed) -> Entry:
+        """``_record`` into the registry's pool, with what its graph reads (``entry.weights``) read in the capture
+        context, where the step's context variables are the engine's (a model in a ContextVar)."""
+        generation = self.watch.generation
+        weights = self.watch.seen()
+        entry = self._record(self.strategy(warmed.pair[1]), warmed.context.payload, FOREGROUND, warmed)
+        if self.watch.generation != generation:  # the step registered tensors while it was captured
+            weights = self.watch.joined(weights)
+        entry.weights = weights
         return entry
 
-    def _capture_entry(self, key: BatchDescriptor, strategy_name: str, strategy: Any, payload: Any, mode: Mode,
-                       spec: Any = _UNKNOWN) -> Entry:
-        """One capture; ``spec``: the key's output spec from an earlier capture, whose warm-up this one skips (a bare
-        tensor's spec is None itself: ``_UNKNOWN`` says there is none)."""
+    def _record(self, strategy: Any, payload: Any, mode: Mode, warmed: Warmed) -> Entry:
+        """The step recorded into a graph for ``warmed``'s key with ``strategy`` on its buffers at their fills (warmed up
+        first where it was not), its outputs checked against the warm-up's spec; the entry (not live yet), its seconds
+        and phases counting the warm-up."""
+        key, strategy_name = warmed.pair
         backend = self.backend
-        device_memory = getattr(backend, "device_memory", None)  # (used, reserved) bytes, where the backend measures them
-        used_before = device_memory()[0] if device_memory is not None else 0
         graph_pool = self.pool
-        own_inputs = mode.name == "background" or (mode.name == "scratch" and mode.inputs is None)
-        keeper, held = None, (0, 0)  # a pool of its own: what keeps it, what its dropped entry accounted for
-        if mode.name == "scratch":
-            pool = mode.pool if mode.pool is not None else backend.new_pool()
-        elif _shares_pool(mode, strategy):
-            pool = graph_pool.handle  # renewed (and kept, where the backend keeps pools) as the capture began (what
-            # dropped entries left in it is accounted for as it ends: GraphPool.end)
-        else:
-            pool, keeper, held = self.handover.own_pool((key, strategy_name))
-        buffers, views = capture_inputs(self.buffers if mode.inputs is None else mode.inputs, key, own_inputs)
+        pool = (mode.pool if mode.pool is not None else backend.new_pool()) if mode.name == "scratch" else graph_pool.handle
+        views = capture_inputs(self.buffers if mode.inputs is None else mode.inputs, key)
         step = self.step
-
-        def body() -> Any:
-            return step(key, **views)
-
-        axes, slots = self._output_axes, self._request_slots
-        _watch_compiles()
-        clock = {"compile": 0.0, "instantiate": 0.0}  # added to by compiles and graph ends (capture/phases.py)
-        clock_token = runtime.phase_clock.set(clock)
-        started = time.perf_counter()
         recording = runtime.Recording()
-        tokens = (
-            runtime.batch.set(BreakContext(key, key, payload)),
-            runtime.axis_rows.set(frozenset(v.shape[0] for v in views.values()) | {key.num_tokens}),
-            runtime.capture_strategy.set(strategy),
-            runtime.background_capture.set(mode.beside_serving),
-            runtime.foreground_layout.set(mode.name == "scratch" and not mode.as_background),
-        )
-        try:
-            with torch.inference_mode():
-                warmed = 0.0
-                if spec is _UNKNOWN:
-                    warm_leaves, spec = checked_outputs(backend.warmup(body, self._warmup_runs), axes, key, slots, self.device)
-                    del warm_leaves
-                    self._here.warmed = True
-                    warmed = time.perf_counter() - started
-                compiled_warming = clock["compile"]
-                recording_token = runtime.recording.set(recording)
-                try:
-                    graph, out = strategy.capture(body, backend, pool)
-                finally:
-                    runtime.recording.reset(recording_token)
-                backend.synchronize()
-                slicer = output_slicer(out, axes, key, slots, self.device, spec, backend.share_outputs)
-                del out
-                memory = getattr(graph, "memory_bytes", None)  # it feeds the budget: a byte count
-                if isinstance(memory, bool) or not isinstance(memory, numbers.Integral) or memory < 0:
-                    raise PluginError(f"strategy {strategy_name!r} reported memory_bytes={memory!r} for its graph; "
-                                      "expected a byte count >= 0")
-        except BaseException as exc:  # a KeyboardInterrupt too leaves the pool to recover
-            if pool is graph_pool.handle:
-                graph_pool.recover()
-            pool = keeper = None  # a pool of its own goes with the failed capture (the error's frames outlive it)
-            if not isinstance(exc, Exception):
-                raise
-            raise CaptureError(key, strategy_name, exc) from exc
-        finally:
-            runtime.phase_clock.reset(clock_token)
-            for var, token in zip(_CAPTURE_VARS, tokens):
-                var.reset(token)
-        seconds = time.perf_counter() - started
-        _watch_compiles()  # again: the step may have loaded dynamo
+        with _CaptureVars(key, strategy, payload, views) as clock:
+            try:
+                warm_s, spec = warmed.seconds, warmed.spec
+                if spec is UNWARMED:  # warmed up here, on the same buffers: a capture in one piece
+                    spec, warm_s = self._run_warm_up(key, views)
+                    warmed = Warmed(warmed.pair, warmed.context, spec, warmed.seconds + warm_s, clock["compile"],
+                                    bool(clock["compile"] or clock.get("compiled runs")), warmed.used_before)
+                started, compiled_before = time.perf_counter(), clock["compile"]
+                with torch.inference_mode():
+                    recording_token = runtime.recording.set(recording)
+                    try:
+                        graph, out = strategy.capture(lambda: step(key, **views), backend, pool)
+                    finally:
+                        runtime.recording.reset(recording_token)
+                    backend.synchronize()
+                    slicer = output_slicer(out, self._output_axes, key, self._request_slots, self.device, spec,
+                                           backend.share_outputs)
+                    del out
+                    memory = getattr(graph, "memory_bytes", None)  # it feeds the budget: a byte count
+                    if isinstance(memory, bool) or not isinstance(memory, numbers.Integral) or memory < 0:
+                        raise PluginError(f"strategy {strategy_name!r} reported memory_bytes={memory!r} for its graph; "
+                                          "expected a byte count >= 0")
+            except BaseException as exc:  # a KeyboardInterrupt too leaves the pool to recover
+                if pool is graph_pool.handle:
+                    graph_pool.recover()
+                pool = None  # a scratch pool goes with the failed capture (the error's frames outlive it)
+                if not isinstance(exc, Exception):
+                    raise
+                raise CaptureError(key, strategy_name, exc) from exc
+            seconds = time.perf_counter() - started
+            compiled = clock["compile"] - compiled_before
         if mode.name != "scratch" and not self._warm_up_again:
-            if clock["compile"] or clock.get("compiled runs"):
-                self._warm_specs.pop((key, strategy_name), None)
+            if compiled or clock.get("compiled runs") or warmed.compiled:
+                self._warm_specs.pop(warmed.pair, None)  # a guard failing later would compile inside a capture
             else:
-                self._warm_specs[(key, strategy_name)] = spec
-        entry = Entry(key, strategy_name, graph, slicer, seconds)
-        # the rest of the warm-up once its compiling is taken out; record: the rest (recording, checking the outputs)
-        warmup = max(0.0, warmed - compiled_warming)
-        entry.phases = CapturePhases(clock["compile"], warmup, max(0.0, seconds - clock["compile"] - warmup - clock["instantiate"]),
-                                     clock["instantiate"])
-        if device_memory is not None:  # what the device gave this capture: pool, warm-up, driver objects, own inputs
-            entry.device_bytes = max(0, device_memory()[0] - used_before)
+                self._warm_specs[warmed.pair] = spec
+        entry = Entry(key, strategy_name, graph, slicer, warmed.seconds + seconds)
+        entry.phases = CapturePhases(warmed.compile_seconds + compiled, max(0.0, warmed.seconds - warmed.compile_seconds),
+                                     max(0.0, seconds - compiled - clock["instantiate"]), clock["instantiate"])
+        if getattr(backend, "device_memory", None) is not None:  # what the device gave this capture: pool, warm-up, driver objects
+            entry.device_bytes = max(0, self._device_used() - warmed.used_before)
         entry.read_live_batch = recording.live_batch_reads > 0
-        if keeper is not None:
-            entry.own_pool = (pool, keeper)
-            account_held(entry, held)  # its dropped entry's pool, taken again
-        if own_inputs:
-            entry.buffers = tuple(buffers.values())  # in the registry's input order, as routes copy them
         return entry
+
+
+class _Piece:
+    """One piece of a capture on this thread: the hooks' and the step's calls back refused meanwhile, the collector
+    paused, and where it runs (between the engine's steps, or in a capture() of its own) told to the backend."""
+
+    def __init__(self, job: CaptureJob, between_steps: bool) -> None:
+        self._here = job._here
+        self._between_steps = between_steps
+        self._gc = paused_gc()
+
+    def __enter__(self) -> None:
+        here = self._here
+        here.depth = getattr(here, "depth", 0) + 1
+        self._token = runtime.between_steps.set(self._between_steps)
+        self._gc.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._gc.__exit__()
+        runtime.between_steps.reset(self._token)
+        self._here.depth -= 1
+
+
+class _CaptureVars:
+    """What the step sees while a capture runs it: the batch (its key, and the payload eager breaks read), the axes'
+    row counts (what the piecewise compiler makes symbolic), the strategy; and the phase clock that compiles
+    (``_watch_compiles``) and graph ends add their seconds to: where a capture's seconds went (``entry.phases``)."""
+
+    def __init__(self, key: BatchDescriptor, strategy: Any, payload: Any, views: Mapping[str, torch.Tensor]) -> None:
+        self._values = ({"compile": 0.0, "instantiate": 0.0}, BreakContext(key, key, payload),
+                        frozenset(v.shape[0] for v in views.values()) | {key.num_tokens}, strategy)
+
+    def __enter__(self) -> dict[str, float]:
+        _watch_compiles()
+        self._tokens = [var.set(value) for var, value in zip(_CAPTURE_VARS, self._values)]
+        return self._values[0]
+
+    def __exit__(self, *exc: object) -> None:
+        for var, token in zip(_CAPTURE_VARS, self._tokens):
+            var.reset(token)
+        _watch_compiles()  # again: the step may have loaded dynamo
 
 
 def _in_process_group() -> bool:
@@ -648,22 +703,33 @@ def _in_process_group() -> bool:
     return bool(dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
+_watch_lock = threading.Lock()
+
+
 def _watch_compiles() -> None:
-    """Have dynamo's compiles timed into captures (capture/phases.py) once the process has loaded dynamo."""
-    # phases.watching(), read here: a capture enters no module for it once the callbacks are set.
+    """Time dynamo's compiles (``torch.compile``, ``reg.compile``: its trace and the backend's compile) into the
+    capture in progress on their thread, through dynamo's own compile callbacks, registered once the process has
+    imported dynamo (nothing compiles before; ``torch._dynamo.reset()`` clears them, and the next capture registers
+    them again).  Outside a capture they do nothing."""
     callback = sys.modules.get("torch._dynamo.callback")
-    if callback is not None and phases.compile_started not in callback.callback_handler.start_callbacks:
-        phases.watch_dynamo_compiles()
+    if callback is None or _compile_started in callback.callback_handler.start_callbacks:
+        return
+    with _watch_lock:
+        if _compile_started not in callback.callback_handler.start_callbacks:
+            callback.callback_handler.register_start_callback(_compile_started)
+            callback.callback_handler.register_end_callback(_compile_ended)
 
 
-def _shares_pool(mode: Mode, strategy: Any) -> bool:
-    """Whether a capture goes into the registry's pool: in the foreground, and in the background for a strategy that
-    runs no eager code during capture (a scratch capture never does)."""
-    return mode.name == "foreground" or (mode.name == "background" and bool(getattr(strategy, "whole_graph", False)))
+def _compile_started(args: Any = None) -> None:
+    runtime.begin_phase("compile")
 
 
-# The context variables a capture sets, in the order _capture_entry sets them.
-_CAPTURE_VARS = (runtime.batch, runtime.axis_rows, runtime.capture_strategy, runtime.background_capture, runtime.foreground_layout)
+def _compile_ended(args: Any = None) -> None:
+    runtime.end_phase("compile")
+
+
+# The context variables a capture sets, in the order _CaptureVars sets them.
+_CAPTURE_VARS = (runtime.phase_clock, runtime.batch, runtime.axis_rows, runtime.capture_strategy)
 
 
 def _summary(failed: dict[str, CaptureError], skipped: list[Pair], captured: list[EntryInfo], lazily: bool = False) -> CaptureError:
@@ -707,98 +773,3 @@ def _progress(items: list[Pair], enabled: bool) -> Iterable[Pair]:
     from tqdm import tqdm
 
     return tqdm(items, desc="capturing graphs", unit="graph", leave=False)
-
-
-_gc_lock = threading.Lock()
-_gc_pauses = [0, False]  # pauses in force (any thread), and whether the collector was on before the first
-
-
-class PausedGC:
-    """No garbage collection while one entry is captured, on any thread: the collector comes back on when the
-    last pause ends (a capture thread's pause ending must not turn it on under a foreground capture).
-
-    ``_FrozenGC`` collects first, which would hold the GIL (and stall a serving thread) for as
-    long as a full collection takes; this only pauses the collector.
-    """
-
-    def __enter__(self) -> None:
-        with _gc_lock:
-            if _gc_pauses[0] == 0:
-                _gc_pauses[1] = gc.isenabled()
-                gc.disable()
-            _gc_pauses[0] += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with _gc_lock:
-            _gc_pauses[0] -= 1
-            if _gc_pauses[0] == 0 and _gc_pauses[1]:
-                gc.enable()
-
-
-_heap_lock = threading.Lock()
-# capture threads at work, whether the first froze the heap, how many objects it froze, and the collector's third
-# threshold before it put the full collection off (None: it did not)
-_heap_holds: list[Any] = [0, False, 0, None]
-_NO_FULL = 2**30  # a third threshold no count of young collections reaches: the full collection waits
-
-
-class FrozenHeap:
-    """No full collection while capture threads work beside a serving thread: a capture makes many objects, and a
-    full collection they set off, on either thread, would hold the GIL for the whole heap (0.2 s with a 1B model
-    loaded).  A heap nobody froze is frozen (``gc.freeze``: collections then look only at objects made since) and
-    thawed when the last capture thread runs out of work, before a wait for it returns.  A heap frozen before (by the
-    engine, or by the interpreter's start-up) is not the capture's to thaw: the full collection is put off instead
-    (the collector's third threshold) and that threshold is restored then.  A heap the engine froze once the capture
-    was waited for stays frozen; one it froze while the capture ran is thawed with it, unless that froze more objects
-    than the capture had (nothing tells the two freezes apart)."""
-
-    def __enter__(self) -> None:
-        with _heap_lock:
-            if _heap_holds[0] == 0:
-                _heap_holds[1] = gc.get_freeze_count() == 0
-                if _heap_holds[1]:
-                    gc.freeze()
-                    _heap_holds[2] = gc.get_freeze_count()
-                else:
-                    first, second, _heap_holds[3] = gc.get_threshold()
-                    gc.set_threshold(first, second, max(_heap_holds[3], _NO_FULL))
-            _heap_holds[0] += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with _heap_lock:
-            _heap_holds[0] -= 1
-            if _heap_holds[0] == 0 and _heap_holds[1]:
-                _heap_holds[1] = False
-                if gc.get_freeze_count() <= _heap_holds[2]:  # frozen objects only die meanwhile, unless someone froze more
-                    gc.unfreeze()
-            elif _heap_holds[0] == 0 and _heap_holds[3] is not None:
-                first, second, third = gc.get_threshold()  # the first two as the engine may have set them meanwhile
-                if third == max(_heap_holds[3], _NO_FULL):  # unless someone set the third meanwhile
-                    gc.set_threshold(first, second, _heap_holds[3])
-                _heap_holds[3] = None
-
-
-class _FrozenGC:
-    """No garbage collection (and no tensor finaliser) while graphs are being captured: the heap frozen (a caller's
-    own frozen heap is left alone) and the collector paused.  First a collection: a full one where ``collect`` says
-    garbage may hold device memory the capture could use (a backend's ``collects_before_capture``), else of the young
-    generations alone (their garbage would otherwise be frozen, and thawed into the oldest generation, where only a
-    full collection reaches it)."""
-
-    def __init__(self, collect: bool = True) -> None:
-        self._collect = collect
-
-    def __enter__(self) -> None:
-        self._freeze = gc.get_freeze_count() == 0
-        if self._freeze:
-            gc.collect(2 if self._collect else 1)
-            gc.freeze()
-        self._pause = PausedGC()
-        self._pause.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self._pause.__exit__()
-        finally:
-            if self._freeze:
-                gc.unfreeze()

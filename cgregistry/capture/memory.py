@@ -3,17 +3,16 @@
 Engines size their KV cache before they capture (graphs bake in its address), so they need the
 graphs' bytes first.  ``reg.estimate_memory(plan)`` captures the plan as ``capture(plan)`` would (the
 same order, pool sharing and warm-up stream) but into a scratch pool, on static inputs of its own at
-their fills (so nothing of the engine's state is touched), with a background capture's safety beside
-a serving thread; it measures what each key took of the device, drops everything, and predicts what
-dropping it gave back.
+their fills (so nothing of the engine's state is touched); it measures what each key took of the
+device, drops everything, and predicts what dropping it gave back.  Keys captured between steps
+(``capture(plan, background=True)``) go into the same pool on the same inputs: the same estimate.
 
 With ``sample=True`` it captures a sample of the plan's whole-graph keys (``full``), in the plan's order: of each
 kind (strategy, uniformity, LoRA count) the first in capture order (the largest, which sizes the pool), the last,
 and some between (``SAMPLE_PER_KIND``); every other such key is priced from its kind's sample (the tensors it keeps,
 linear in token count, and the driver's graph objects, averaged).  Keys with eager work between their graphs
-(breakable, piecewise) and every key of a background estimate are captured each: what they add depends on what
-was captured before them (kept tensors, the warm-up's cache, pools and inputs of their own; figures in
-docs/performance.md).  By default the whole plan is captured, which measures all of that to the byte.
+(breakable, piecewise) are captured each: what they add depends on what was captured before them (kept tensors,
+the warm-up's cache; figures in docs/performance.md).  By default the whole plan is captured, which measures all of that to the byte.
 
 What the estimate leaves on the device (the process's first CUDA work: kernels loaded, cuBLAS handles; and what
 the driver keeps of its dropped graphs) the capture that follows reuses rather than takes again, so it is taken
@@ -33,9 +32,8 @@ from typing import Any
 
 import attrs
 
-from cgregistry.capture.background import background_order
 from cgregistry.store.io import StaticBuffer
-from cgregistry.capture.job import CaptureJob, PausedGC, scratch
+from cgregistry.capture.job import CaptureJob, paused_gc, scratch
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.store.catalog import Pair
 from cgregistry.text import text_table
@@ -56,7 +54,7 @@ class Probe:
     pool_bytes: int  # what its capture grew its pool by (its own pool's size where it has one)
     own_bytes: int  # its price: the driver's graph objects and the tensors it keeps alive (cpu: the graph's own count)
     warmup_bytes: int  # kept for records made by hand (an estimate prices the warm-up once, in ``MemoryEstimate.warmup_bytes``)
-    input_bytes: int  # static inputs of its own (a background capture's)
+    input_bytes: int  # kept for records made by hand (static inputs are the registry's, priced once)
     seconds: float
     kept_bytes: int = 0  # of own_bytes, the tensors it keeps alive (the rest: the driver's graph objects)
 
@@ -68,7 +66,7 @@ class KeyMemory:
     key: BatchDescriptor
     strategy: str
     bytes: int  # what capturing it adds, in order (the first keys also carry the pool, the warm-up, what the estimate left)
-    own_bytes: int  # its price, ``key_bytes``: graph objects, kept tensors (in the background its own pool and inputs too)
+    own_bytes: int  # its price, ``key_bytes``: graph objects, kept tensors
     pool_bytes: int  # what its capture grew its pool by (its own pool's size where it has one)
     capture_seconds: float
     probed: bool  # measured; else priced from the measured keys of its kind (``key_bytes``, ``sampled``)
@@ -87,13 +85,11 @@ class MemoryEstimate:
     """What capturing a plan will take: per key, the shared pool, the warm-up's cache and the static inputs."""
 
     backend: str
-    background: bool
     keys: tuple[KeyMemory, ...]
     pool_bytes: int  # the shared pool (the largest growth one key gave it)
     warmup_bytes: int  # the rest of the fixed part: capture_bytes less the pool and every key's price (the warm-up's cache)
     static_input_bytes: int  # the registry's own static inputs (allocated when it was made)
     probes: tuple[Probe, ...]
-    shared_strategies: frozenset[str] = frozenset()  # strategies whose background keys share the pool (whole graphs)
 
     @property
     def capture_bytes(self) -> int:
@@ -111,12 +107,8 @@ class MemoryEstimate:
 
     def key_bytes(self, key: BatchDescriptor, strategy: str) -> int:
         """What a key of ``strategy`` adds beside the shared pool, for any key (interpolated): the price of a key in
-        ``CapturePlan.fit(max_bytes=...)``.  In a background estimate that includes the key's own static inputs, and
-        its own pool where its strategy does not share one (as ``keys`` counts them)."""
-        f = _interpolate(self.probes, key, strategy)
-        if not self.background:
-            return f.own_bytes
-        return f.own_bytes + f.input_bytes + (0 if strategy in self.shared_strategies else f.pool_bytes)
+        ``CapturePlan.fit(max_bytes=...)``."""
+        return _interpolate(self.probes, key, strategy).own_bytes
 
     def fixed_bytes(self) -> int:
         """What a plan with this estimate's largest keys takes whatever else it holds: the pool and the warm-up."""
@@ -127,7 +119,7 @@ class MemoryEstimate:
         for k in self.keys:
             rows.append((str(k.key), k.strategy, _size(k.bytes), _size(k.own_bytes), _size(k.pool_bytes),
                          f"{k.capture_seconds * 1e3:.1f}", "probed" if k.probed else ""))
-        summary = (f"{len(self.keys)} keys on {self.backend}{' (background)' if self.background else ''}: capture "
+        summary = (f"{len(self.keys)} keys on {self.backend}: capture "
                    f"{_size(self.capture_bytes)} (pool {_size(self.pool_bytes)}, warm-up {_size(self.warmup_bytes)}, "
                    f"per key {_size(self.capture_bytes - self.pool_bytes - self.warmup_bytes)}), static inputs "
                    f"{_size(self.static_input_bytes)}; about {self.capture_seconds:.2f} s to capture")
@@ -135,7 +127,7 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "backend": self.backend, "background": self.background, "capture_bytes": self.capture_bytes,
+            "backend": self.backend, "capture_bytes": self.capture_bytes,
             "total_bytes": self.total_bytes, "pool_bytes": self.pool_bytes, "warmup_bytes": self.warmup_bytes,
             "static_input_bytes": self.static_input_bytes, "capture_seconds": self.capture_seconds,
             "keys": [{"key": attrs.asdict(k.key), "strategy": k.strategy, "bytes": k.bytes, "own_bytes": k.own_bytes,
@@ -236,7 +228,7 @@ class PoolEstimate:
                 "registries": [{"name": name, **part.to_dict()} for name, part in zip(self.names, self.parts)]}
 
 
-def estimate(parts: Sequence[Part], background: bool, sample: bool = False) -> list[MemoryEstimate]:
+def estimate(parts: Sequence[Part], sample: bool = False) -> list[MemoryEstimate]:
     """Measure and predict the capture of each part's keys by its job, the parts in order into their one pool, under
     the context a capture from this thread would run under, without recording it; one capture at a time; the per-key
     predictions are kept for inspection.  ``sample``: a sample of the whole-graph keys captured (``sampled``)."""
@@ -245,8 +237,7 @@ def estimate(parts: Sequence[Part], background: bool, sample: bool = False) -> l
         pool.refuse_if_held("estimate_memory()", part.job.name)
     contexts = [part.job.context_for(part.payload) for part in parts]
     with pool.lock:
-        found = estimate_memory(parts, [c.state.run for c in contexts], [c.payload for c in contexts],
-                                background=background, sample=sample)
+        found = estimate_memory(parts, [c.state.run for c in contexts], [c.payload for c in contexts], sample=sample)
     for part, one in zip(parts, found):
         part.job.predicted(one.keys)
     return found
@@ -273,11 +264,9 @@ def sampled(order: Sequence[Pair], every: Callable[[Pair], bool] = lambda pair: 
 
 
 def estimate_memory(
-    parts: Sequence[Part], runs: Sequence[Callable[..., Any]], payloads: Sequence[Any], *, background: bool,
-    sample: bool = False,
+    parts: Sequence[Part], runs: Sequence[Callable[..., Any]], payloads: Sequence[Any], *, sample: bool = False,
 ) -> list[MemoryEstimate]:
-    """Capture each part's keys (plan order; the parts in order) as ``capture(pairs, background=background)`` of each
-    registry would, into one scratch pool, measure each key, and let everything go (see the module's docstring);
+    """Capture each part's keys (plan order; the parts in order) as ``capture(pairs)`` of each registry would, into one scratch pool, measure each key, and let everything go (see the module's docstring);
     with ``sample``, a sample of each kind of whole-graph key (``sampled``), the others priced from it.
 
     ``runs[i](fn, *args, **kwargs)`` runs a capture under part i's capture context, whose eager breaks see ``payloads[i]``.
@@ -285,15 +274,15 @@ def estimate_memory(
     backend = parts[0].job.backend
     device_memory = getattr(backend, "device_memory", None)
     release = getattr(backend, "release_cached", None) or (lambda: None)
-    orders = [background_order(p.pairs) if background else list(p.pairs) for p in parts]
-    if not sample or background:  # a background key has inputs and (unless whole-graph) a pool of its own: each measured
+    orders = [list(p.pairs) for p in parts]
+    if not sample:
         captured = orders
     else:  # keys with eager work between their graphs keep tensors and reuse caches by what came before: each measured
         captured = [sampled(order, lambda pair: not _whole_graph(part, pair[1])) for part, order in zip(parts, orders)]
     gc.collect()
     release()
     try:
-        measured, held = _capture_all(parts, captured, runs, payloads, background, device_memory)
+        measured, held = _capture_all(parts, captured, runs, payloads, device_memory)
     finally:  # on an error too: nothing captured for the estimate outlives it (the error's frames are cleared)
         gc.collect()
         release()
@@ -312,23 +301,19 @@ def estimate_memory(
     found, at = [], 0
     for part, order, done in zip(parts, orders, captured):
         probes = [p for p, _ in measured[at:at + len(done)]]
-        found.append(_part_estimate(part, order, probes, taken[at:at + len(done)], background, device_memory is not None))
+        found.append(_part_estimate(part, order, probes, taken[at:at + len(done)], device_memory is not None))
         at += len(done)
     return found
 
 
-def _part_estimate(part: Part, order: Sequence[Pair], probes: list[Probe], taken: list[int], background: bool,
-                   measures: bool) -> MemoryEstimate:
+def _part_estimate(part: Part, order: Sequence[Pair], probes: list[Probe], taken: list[int], measures: bool) -> MemoryEstimate:
     """One part's estimate of the keys of ``order`` from the probes of those captured and what each took in the joint
     order; a key not captured adds its price (``key_bytes``) and takes its kind's interpolated seconds."""
     job = part.job
     if measures:
         probes = _priced_first(probes)
-    shared = [p for p in probes if not background or _whole_graph(part, p.strategy)]
-    pool_bytes = max((p.pool_bytes for p in shared), default=0) if measures else 0
-    sharing = frozenset(name for name in {p[1] for p in part.pairs} if _whole_graph(part, name))
-    estimate = MemoryEstimate(job.backend.name, background, (), pool_bytes, 0, _storage_bytes(job.buffers.values()),
-                              tuple(probes), sharing)
+    pool_bytes = max((p.pool_bytes for p in probes), default=0) if measures else 0
+    estimate = MemoryEstimate(job.backend.name, (), pool_bytes, 0, _storage_bytes(job.buffers.values()), tuple(probes))
     measured = {(p.key, p.strategy): KeyMemory(p.key, p.strategy, t, estimate.key_bytes(p.key, p.strategy),
                                                 p.pool_bytes, p.seconds, True) for p, t in zip(probes, taken)}
     warmup = max(0, sum(taken) - pool_bytes - sum(k.own_bytes for k in measured.values())) if measures else 0
@@ -361,7 +346,7 @@ def _adds_like(probes: Sequence[Probe], key: BatchDescriptor, strategy: str) -> 
 
 def _capture_all(
     parts: Sequence[Part], orders: Sequence[Sequence[Pair]], runs: Sequence[Callable[..., Any]], payloads: Sequence[Any],
-    background: bool, device_memory: Callable[[], tuple[int, int]] | None,
+    device_memory: Callable[[], tuple[int, int]] | None,
 ) -> tuple[list[tuple[Probe, int]], int]:
     """Each part's keys captured into one scratch pool, in order, all alive until the last is measured (as the plans'
     entries are while they are captured), then dropped: each key's probe and what it took of the device (cpu: the
@@ -370,37 +355,32 @@ def _capture_all(
     A key's price (``Probe.own_bytes``) is what stays of its capture whatever else is captured: what it took outside the
     caching allocator (the driver's graph objects) and the tensors it keeps alive in it (results kept between eager
     breaks: 64 KiB a token on the Hugging Face engine).  The rest (the pool growing to its need, the warm-up's cache)
-    is the pool and warm-up every plan pays, priced once (``fixed_bytes``); in the background its own inputs and pool
-    are its own (``key_bytes`` adds them)."""
+    is the pool and warm-up every plan pays, priced once (``fixed_bytes``)."""
     backend = parts[0].job.backend
     pool = backend.new_pool()
     live = getattr(backend, "live_bytes", None) or (lambda: 0)
     before_inputs = device_memory()[0] if device_memory is not None else 0
-    inputs = [None if background else {name: buf.sized(buf.capacity) for name, buf in part.job.buffers.items()}
-              for part in parts]
+    inputs = [{name: buf.sized(buf.capacity) for name, buf in part.job.buffers.items()} for part in parts]
     scratch_inputs = device_memory()[0] - before_inputs if device_memory is not None else 0  # a capture has its own
     entries: list[Any] = []
     measured = []
     try:
-        with PausedGC():
+        with paused_gc():
             for part, order, run, payload, part_inputs in zip(parts, orders, runs, payloads, inputs):
                 for key, name in order:
                     strategy = part.job.strategy(name)
-                    shares = not background or _whole_graph(part, name)
                     before, live_before = (device_memory(), live()) if device_memory is not None else ((0, 0), 0)
-                    mode = scratch(pool if shares else None, part_inputs, as_background=background)
                     with part.job.pool_streams():  # as the capture will run: its warm-up's cache is per stream
-                        entry = run(part.job.capture_entry, key, name, strategy, payload, mode)
+                        entry = run(part.job.capture_entry, key, name, strategy, payload, scratch(pool, part_inputs))
                     entries.append(entry)
                     if device_memory is None:  # the emulator counts a graph's bytes, and nothing else
                         measured.append((Probe(key, name, 0, entry.memory_bytes, 0, 0, entry.capture_seconds), entry.memory_bytes))
                         continue
                     used, reserved = device_memory()
-                    own_inputs = _storage_bytes(entry.buffers or ()) if background else 0
                     outside = max(0, (used - before[0]) - (reserved - before[1]))
-                    kept = max(0, live() - live_before - own_inputs)  # tensors it keeps alive (results kept between eager breaks)
+                    kept = max(0, live() - live_before)  # tensors it keeps alive (results kept between eager breaks)
                     price = outside + kept
-                    measured.append((Probe(key, name, entry.memory_bytes, price, 0, own_inputs, entry.capture_seconds, kept),
+                    measured.append((Probe(key, name, entry.memory_bytes, price, 0, 0, entry.capture_seconds, kept),
                                      entry.device_bytes))
         if device_memory is None:
             return measured, 0

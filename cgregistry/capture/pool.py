@@ -1,7 +1,6 @@
 """GraphPool: the memory pool graphs are captured into, the graphs alive in it, and the lock that lets one capture at
 a time into it.  Registries given one GraphPool (a drafter beside its target) share their graphs' memory: their
-graphs never replay at once, so what one step's graph holds between kernels the other may reuse.  Handover: the
-pools of their own that background entries a weight sync drops leave to their keys' next captures."""
+graphs never replay at once, so what one step's graph holds between kernels the other may reuse."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from typing import Any
 from cgregistry.contracts.protocols import Backend
 from cgregistry.warn import warn
 
-__all__ = ["GraphPool", "Handover"]
+__all__ = ["GraphPool", "keep_pool"]
 
 
 class GraphPool:
@@ -35,7 +34,7 @@ class GraphPool:
         self.handle: Any = backend.new_pool()
         # What keeps the handle's pool usable with no graph in it: made now (a memory estimate before the first capture
         # then measures a process that holds it, as the capture will), and after a renewal at the next capture.
-        self._keeper: Any = keep_pool(backend, self.handle, beside_serving=False)
+        self._keeper: Any = keep_pool(backend, self.handle)
         self._graphs: weakref.WeakSet[Any] = weakref.WeakSet()  # entries alive whose graphs are in this handle
         self._used = False  # a graph was captured into this handle
         self._left = (0, 0)  # (device_bytes, memory_bytes) of dropped entries whose memory the kept pool still holds
@@ -115,17 +114,17 @@ class GraphPool:
         """Whether a graph was captured into the current handle (a pool never used has nothing to renew)."""
         return self._used
 
-    def begin(self, registry: str, key: Any, strategy: str, beside_serving: bool = False) -> None:
+    def begin(self, registry: str, key: Any, strategy: str) -> None:
         """Hold the lock for one capture of ``key`` [``strategy``] by ``registry`` on this thread, into ``handle`` (a fresh
         one if every graph captured into the current one died; kept from now on, where the backend keeps pools, by a
-        keeper made on this thread, ``beside_serving`` or not); refused on a thread whose capture holds it already."""
+        keeper made on this thread); refused on a thread whose capture holds it already."""
         if self.holder() is not None:
             self.refuse_if_held(f"a capture of {key} [{strategy}]", registry)
         self.lock.acquire()
         try:
             self.for_capture()
             if self._keeper is None:
-                self._keeper = keep_pool(self.backend, self.handle, beside_serving)
+                self._keeper = keep_pool(self.backend, self.handle)
         except BaseException:
             self.lock.release()
             raise
@@ -175,70 +174,17 @@ class GraphPool:
         return f"GraphPool({self.backend.name}, {self.live_graphs} live graphs)"
 
 
-class Handover:
-    """The pools of their own that background entries a ``refresh()`` drops hand to their keys' next captures, where
-    the backend keeps pools usable (``keep_pool``): a strategy that runs eager code while it captures takes one (that
-    code really writes the pool).  Such a pool is taken again only once armed (``arm``) by the serving thread's next
-    ``run()``, which ends the validity of the dropped graph's outputs, and once the device has done the work queued
-    before that ``run()`` on its stream (the dropped graph's last replay); a key captured before takes a new pool.
-    Entries in the registry's pool leave what they accounted for in it (``GraphPool.left_by``).  Let go once the
-    capture thread has nothing left, and at ``clear()`` and ``sleep()`` (``drop``)."""
-
-    def __init__(self, backend: Backend, pool: GraphPool) -> None:
-        self._backend = backend
-        self._pool = pool
-        self._unarmed: dict[Any, tuple[Any, Any, tuple[int, int]]] = {}  # (handle, keeper, what it held)
-        self._armed: dict[Any, tuple[Any, Any, tuple[int, int], Any]] = {}  # ... and the fence to wait for
-
-    def leave(self, entries: list[Any], pools: bool) -> None:
-        """``entries`` go for good and their keys are captured again (in the background where ``pools``): those in the
-        registry's pool leave what they accounted for in it; where ``pools``, the others leave their kept pools."""
-        self._pool.left_by([e for e in entries if e.own_pool is None])
-        if pools:
-            for entry in entries:
-                if entry.own_pool is not None:
-                    self._unarmed[entry.pair] = (*entry.own_pool, (entry.device_bytes, entry.memory_bytes))
-
-    def arm(self) -> None:
-        """At the start of a ``run()`` (the serving thread, on the stream it replays on): the pools left so far may be
-        taken once the device has done what was queued before it."""
-        if self._unarmed:
-            fence = getattr(self._backend, "fence", None)
-            done = fence() if fence is not None else None
-            left, self._unarmed = self._unarmed, {}
-            for pair, (handle, keeper, held) in left.items():
-                self._armed[pair] = (handle, keeper, held, done)
-
-    def own_pool(self, pair: Any) -> tuple[Any, Any, tuple[int, int]]:
-        """A pool of its own for ``pair``'s background capture, what keeps it (None where nothing does) and the memory
-        it accounts for, (device_bytes, memory_bytes): its dropped entry's if armed, once the fence is passed, else a
-        new one."""
-        spare = self._armed.pop(pair, None)
-        if spare is not None:
-            handle, keeper, held, fence = spare
-            if fence is not None:
-                fence()
-            return handle, keeper, held
-        handle = self._backend.new_pool()
-        return handle, keep_pool(self._backend, handle, beside_serving=True), (0, 0)
-
-    def drop(self) -> None:
-        self._unarmed.clear()
-        self._armed.clear()
-
-
 _unkept: weakref.WeakSet[Any] = weakref.WeakSet()  # backends that failed to keep a pool (warned once each)
 
 
-def keep_pool(backend: Backend, handle: Any, beside_serving: bool) -> Any:
-    """What keeps ``handle``'s pool taking captures once its graphs died (``backend.keep_pool``; made on this thread,
-    ``beside_serving`` or not), or None where the backend keeps no pool, or failed to (warned once: keys captured
-    again then take new memory)."""
+def keep_pool(backend: Backend, handle: Any) -> Any:
+    """What keeps ``handle``'s pool taking captures once its graphs died (``backend.keep_pool``, made on this thread),
+    or None where the backend keeps no pool, or failed to (warned once: keys captured again then take new memory)."""
     keep = getattr(backend, "keep_pool", None)
     if keep is None:
         return None
     try:
-        return keep(handle, beside_serving)
+        return keep(handle)
     except Exception as exc:
         if backend not in _unkept:
             _unkept.add(backend)

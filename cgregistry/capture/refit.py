@@ -1,9 +1,9 @@
 """The adapter: adaptation wired into a registry (``GraphRegistry(adapt=...)``).
 
-On the serving thread it counts the actual shape of every step, and now and then harvests the
+On the owner thread it counts the actual shape of every step, and now and then harvests the
 counts into a ``TrafficHistogram``; when ``Adaptation.due`` says so it queues a refit (the pure
-policy, :func:`cgregistry.plan.adapt.propose`) on the capture thread, and applies the change that
-comes back between two steps: cold keys released, new keys queued for background capture.
+policy, :func:`cgregistry.plan.adapt.propose`) as a piece of the pending captures, and applies the
+change it proposes as that piece ends, between two steps: cold keys released, new keys pending capture.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from cgregistry.plan.adapt import Adaptation, PlanChange, TrafficHistogram, propose
-from cgregistry.capture.background import BackgroundCapture
+from cgregistry.capture.queue import PendingCaptures
 from cgregistry.capture.job import CaptureJob
 from cgregistry.store.catalog import Catalog
 from cgregistry.key.descriptor import BatchDescriptor
@@ -29,15 +29,17 @@ RANKS_WOULD_DIVERGE = ", and without adaptation (each rank would refit to its ow
 
 
 def refuse_with_collectives(what: str = "capture(background=True)", more: str = "") -> None:
-    """Background capture runs the step's warm-up on another thread: its collectives would interleave with the serving
-    thread's.  Adaptation captures in the background, and each rank would refit to its own traffic (different keys)."""
+    """Pending captures run in pieces at times each rank decides alone (its own budget and step times), so a warm-up's
+    collectives would pair with another rank's step.  Adaptation captures that way, and each rank would refit to its
+    own traffic (different keys)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError(
             f"{what} with torch.distributed initialized (world size "
-            f"{dist.get_world_size()}): the capture thread runs the step's warm-up, and its collectives would "
-            f"interleave with the serving thread's on the same communicator (ranks would hang); capture in the foreground{more}"
+            f"{dist.get_world_size()}): pending keys are captured in pieces between steps at times each rank decides "
+            f"alone, so a warm-up's collectives would pair with another rank's step on the same communicator (ranks "
+            f"would hang); capture in the foreground{more}"
         )
 
 
@@ -45,12 +47,12 @@ class Adapter:
     """Counts steps, queues refits, applies their changes."""
 
     __slots__ = (
-        "adapt", "plan_changes", "_catalog", "_job", "_background", "_events", "_name", "_traffic", "_observed",
+        "adapt", "plan_changes", "_catalog", "_job", "_pending", "_events", "_name", "_traffic", "_observed",
         "_unharvested", "_harvest_at", "_refit_running", "_warned",
     )
 
     def __init__(
-        self, adapt: Adaptation, catalog: Catalog, job: CaptureJob, background: BackgroundCapture, events: Events, name: str,
+        self, adapt: Adaptation, catalog: Catalog, job: CaptureJob, pending: PendingCaptures, events: Events, name: str,
     ) -> None:
         refuse_with_collectives("GraphRegistry(adapt=...)", RANKS_WOULD_DIVERGE)
         for entry in adapt.fit({}):  # the widest keys any refit keeps
@@ -66,7 +68,7 @@ class Adapter:
         self.plan_changes: collections.deque[PlanChange] = collections.deque(maxlen=PLAN_CHANGES_KEPT)
         self._catalog = catalog
         self._job = job
-        self._background = background
+        self._pending = pending
         self._events = events
         self._name = name
         self._traffic = TrafficHistogram()  # what refits fit to
@@ -111,11 +113,11 @@ class Adapter:
         catalog = self._catalog
         current = list(dict.fromkeys([*catalog.entries, *catalog.pending, *catalog.capturing, *catalog.owed]))
         cap = self._catalog.routes.cap
-        preference = self._catalog.routes.matcher.preference  # read here: the task runs on the capture thread
+        preference = self._catalog.routes.matcher.preference  # as the refit is queued
         served = traffic.observed  # every step harvested (the histogram is never replaced): PlanChange.observed
-        self._job.current(RECORDED_AT_REFIT)  # a registry that only adapts records its capture context here, on the serving thread
+        self._job.current(RECORDED_AT_REFIT)  # a registry that only adapts records its capture context here
         self._refit_running = True
-        self._background.submit_task(
+        self._pending.submit_task(
             lambda: propose(weights, current, adapt, preference=preference, observed=served,
                             max_padding_tokens=cap.max_tokens, max_padding_ratio=cap.max_ratio),
             self._apply,
@@ -132,7 +134,7 @@ class Adapter:
         return max(1, min(4096, max(adapt.every_steps - traffic.fresh, adapt.min_steps - traffic.observed)))
 
     def _apply(self, change: PlanChange | None, error: BaseException | None) -> None:
-        """A refit's change, on the serving thread: cold keys released, new ones queued for background capture.
+        """A refit's change, between steps: cold keys released, new ones pending capture.
 
         Keys whose capture failed before, or that this registry cannot capture (a key wider than the static
         inputs, a class its strategy declares it cannot serve), are left out of the change; a change with
@@ -165,8 +167,9 @@ class Adapter:
             return
         change = attrs.evolve(change, added=tuple(added), removed=tuple(removed))
         released = catalog.release_pairs(removed)
-        self._background.discard(removed)
-        self._background.submit(added, self._job.current(RECORDED_AT_REFIT))
+        self._pending.discard(removed)
+        self._job.current(RECORDED_AT_REFIT)
+        self._pending.submit(added)
         self.plan_changes.append(change)
         catalog.counters.plan_changes += 1
         self._events.released(released)

@@ -66,20 +66,13 @@ class Backend(Protocol):
     def synchronize(self) -> None: ...
 
     # Optional, read with getattr (not part of the protocol's members):
-    # - ``background_context()``, a context manager under which a capture beside a serving thread runs (the cuda
-    #   backend: a stream of the pool's, made current, not the serving thread's);
-    # - ``step_pacer()``, an object whose ``step()`` is called at the start of each step while such a capture runs
-    #   (the cuda backend: it keeps the serving thread a few steps ahead of the device at most);
-    # - ``collects_before_capture``, whether a plan's capture runs a full collection before it freezes the heap, to
-    #   free device memory that garbage holds (default True; the cpu emulator says False: only the young generations,
-    #   whose garbage the freeze would otherwise move to the oldest);
-    # - ``keep_pool(pool, beside_serving)``, what keeps ``pool`` taking captures once its graphs died, made on the
-    #   calling thread (the cuda backend: a one-kernel graph in it), so that keys captured again reuse the dropped
-    #   graphs' memory; where it raises, the pool is used as one nothing keeps (warned once);
+    # - ``collects_before_capture``, whether a plan's capture runs a full collection first, to free device memory that
+    #   garbage holds (default True; the cpu emulator says False);
+    # - ``keep_pool(pool)``, what keeps ``pool`` taking captures once its graphs died, made on the calling thread (the
+    #   cuda backend: a one-kernel graph in it), so that keys captured again reuse the dropped graphs' memory; where it
+    #   raises, the pool is used as one nothing keeps (warned once);
     # - ``streams_of(owner)``, a context manager under which a capture runs on the streams kept for ``owner`` (a
-    #   registry's pool), whichever thread captures;
-    # - ``fence()``, a callable that waits for the work queued so far on the calling thread's stream (before a
-    #   dropped graph's memory goes to a capture on another stream).
+    #   registry's pool), whichever registry captures.
 
 
 @runtime_checkable

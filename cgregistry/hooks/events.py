@@ -2,9 +2,9 @@
 
 Observer hooks are called one implementation at a time (``notify``), a raising one reported as a warning; an event
 nobody observes costs a test of its implementations, and builds no argument.  Hooks are given the registry as a
-:class:`~cgregistry.contracts.protocols.RegistryView`: something to read, not to drive.  Events hold it weakly: the
-capture thread, which reports through them, never keeps a registry the engine dropped alive (hooks of a
-registry already collected are not called).
+:class:`~cgregistry.contracts.protocols.RegistryView`: something to read, not to drive.  Events hold it weakly: nothing that
+reports through them keeps a registry the engine dropped alive (hooks of a registry already collected are not
+called).
 """
 
 from __future__ import annotations

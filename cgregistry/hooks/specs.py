@@ -185,9 +185,9 @@ def cgregistry_released(registry: RegistryView, key: BatchDescriptor, strategy: 
 def cgregistry_plan_changed(registry: RegistryView, change: PlanChange) -> None:
     """Adaptation (``GraphRegistry(adapt=...)``) changed the plan to follow the traffic.
 
-    Called on the serving thread, at the start of the ``run()`` that installs the refit (the
-    fit itself ran on the capture thread), after the removed keys were released (each also
-    reported by ``cgregistry_released``) and the added ones queued for background capture.
+    Called on the owner thread, as the refit (a piece of the pending captures, run between two
+    steps) ends, after the removed keys were released (each also reported by
+    ``cgregistry_released``) and the added ones became pending.
 
     :param registry: the registry.
     :param change: what changed and why (``cgregistry.plan.adapt.PlanChange``: keys added and
@@ -201,11 +201,11 @@ def cgregistry_refreshed(registry: RegistryView, result: Refreshed) -> None:
     """``reg.refresh()`` ran after a weight update.
 
     Called on the thread that called ``refresh()``, after the stale entries were released (each
-    also reported by ``cgregistry_released``) and captured again (or queued for the capture thread).
+    also reported by ``cgregistry_released``) and captured again (or made pending).
 
     :param registry: the registry.
     :param result: ``cgregistry.inspection.Refreshed``: the keys kept, the keys captured again, the
-        watched tensors that had moved, and whether the new captures run in the background.
+        watched tensors that had moved, and whether the new captures run between the steps that follow.
     :return: ignored.  Since 0.2.
     """
 

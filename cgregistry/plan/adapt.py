@@ -299,7 +299,7 @@ def replay(
     """Serve ``steps`` (in order) starting from the ``current`` keys, adapting as a registry with ``adaptation`` would.
 
     Every ``harvest`` steps are served with the keys held, then added to the histogram, and a due refit's
-    change holds from the next harvest on (a registry captures the added keys in the background meanwhile,
+    change holds from the next harvest on (a registry captures the added keys between steps meanwhile,
     serving their batches from other keys or eagerly: a little later, not more padded).  What to tune
     ``every_steps``, ``min_steps`` and ``decay`` on, with a trace of your own traffic (docs/adaptive.md).
     """

@@ -20,7 +20,7 @@ import attrs
 from cgregistry.key.descriptor import BatchDescriptor
 
 __all__ = [
-    "BreakContext", "BreakSite", "FrozenReadWarning", "Recording", "RecordingBatch", "axis_rows", "background_capture", "barrier", "batch", "begin_phase", "capture_strategy", "cpu_capturing", "current_batch", "eager_batch", "end_phase", "foreground_layout", "marked",
+    "BreakContext", "BreakSite", "FrozenReadWarning", "Recording", "RecordingBatch", "axis_rows", "barrier", "between_steps", "batch", "begin_phase", "capture_strategy", "cpu_capturing", "current_batch", "eager_batch", "end_phase", "marked",
     "on_mark", "phase_clock", "recording", "see_compiled", "site", "timed_phase", "unrecorded",
 ]
 
@@ -54,13 +54,9 @@ capture_strategy: contextvars.ContextVar[Any] = contextvars.ContextVar("cgregist
 # Row counts of the batch axes (tokens, requests, requests + 1) in the step being warmed up or captured,
 # as its static input views have them: what the piecewise compiler makes symbolic.
 axis_rows: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("cgregistry_axis_rows", default=frozenset())
-# The entry being captured is captured beside a serving thread (the cuda backend then captures in
-# thread-local mode, so that thread's CUDA calls stay legal).
-background_capture: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_background_capture", default=False)
-# The entry is a foreground estimate's scratch capture: as safe as a background one, but warmed up on the
-# capture's own stream, as a foreground capture is (the caching allocator keeps a cache per stream, so the
-# background's warm-up stream would make the memory measured differ from what the capture then takes).
-foreground_layout: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_foreground_layout", default=False)
+# The capture on this thread runs between the engine's steps (a piece inside run() or capture_pending(), a lazy key):
+# the cuda backend then waits for the capture's own streams only, not for the steps the engine has queued.
+between_steps: contextvars.ContextVar[bool] = contextvars.ContextVar("cgregistry_between_steps", default=False)
 
 
 @attrs.define(slots=True)

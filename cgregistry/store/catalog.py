@@ -1,4 +1,4 @@
-"""The store: every key a registry holds (captured entries, lazy keys, keys being captured in the background,
+"""The store: every key a registry holds (captured entries, lazy keys, keys pending capture between steps,
 failures), the memory budget, the counters, and the routes that serve batches from them.
 
 An :class:`Entry` is one captured graph with its counters.  A *route* holds everything the hot path needs for one
@@ -39,8 +39,8 @@ class Entry:
 
     __slots__ = (
         "key", "strategy", "graph", "replay", "slicer", "capture_seconds", "memory_bytes",
-        "replays", "padded_tokens", "graph_tokens", "last_step", "_key_class", "has_breaks", "buffers", "weights",
-        "generation", "read_live_batch", "device_bytes", "phases", "own_pool", "__weakref__",
+        "replays", "padded_tokens", "graph_tokens", "last_step", "_key_class", "has_breaks", "weights",
+        "generation", "read_live_batch", "device_bytes", "phases", "__weakref__",
     )
 
     def __init__(self, key: BatchDescriptor, strategy: str, graph: Any, slicer: OutputSlicer, seconds: float) -> None:
@@ -57,7 +57,6 @@ class Entry:
         self.last_step = 0
         self._key_class: str | None = None
         self.has_breaks = bool(getattr(graph, "breaks", 0))  # eager breaks read current_batch() at replay
-        self.buffers: tuple[Any, ...] | None = None  # static inputs of its own (captured in the background), else shared
         self.weights: Mapping[str, Any] = {}  # the watched tensors' layouts at its capture (WeightWatch.seen)
         self.read_live_batch = False  # its recording read current_batch().actual or .payload outside an eager break
         self.generation = 0  # the watch's generation at its capture: a replay in a later one checks the addresses first
@@ -65,7 +64,6 @@ class Entry:
         # the graph's own count; what memory_budget sums.
         self.device_bytes = self.memory_bytes
         self.phases: CapturePhases | None = None  # where its capture seconds went (compile, warm-up, record, instantiate)
-        self.own_pool: tuple[Any, Any] | None = None  # a pool of its own and what keeps it usable, if kept (Handover)
 
     @property
     def pair(self) -> Pair:
@@ -163,7 +161,7 @@ class RouteTable:
         self._matcher: Matcher | None = None  # over the keys as they were at its build; None: built at the next need
         self.cache: dict[BatchDescriptor, Route] = {}  # plain runs, by actual batch
         self.variant_cache: dict[tuple[BatchDescriptor, Variant], Route] = {}  # other runs, by (actual, variant)
-        self.capturing: tuple[Pair, ...] = ()  # keys being captured in the background (not served yet)
+        self.capturing: tuple[Pair, ...] = ()  # keys pending capture between steps (not served yet)
         self.asleep = False  # the registry sleeps: every miss is "asleep"
         # Changes so far: a route built across a change (a hook's match() on another thread racing the serving
         # thread's changes) is handed back but never cached.  The lock orders that check and the cache write with
@@ -219,8 +217,6 @@ class RouteTable:
         fits = self.too_large(actual) is None  # more requests than a relaxed key's buffers hold: eager
         match = self.choose(target, exclude) if fits else None
         entry = self._entries.get((match.key, match.strategy)) if match is not None else None
-        if entry is not None and entry.buffers is not None:  # captured in the background: its own static inputs
-            copies = [(own, rows) for own, (_, rows) in zip(entry.buffers, copies)]
         reason = None if match is not None else self.miss_reason(target, exclude)
         route = Route(actual, entry, match, tuple(copies), out_rows, reason)
         if reason == "no_key_for_class":
@@ -332,7 +328,7 @@ class Catalog:
     """Entries by (key, strategy), lazy keys, keys being captured, failures, the budget, counters and routes."""
 
     __slots__ = (
-        "entries", "pending", "failures", "capturing", "owed", "asleep", "memory_budget", "routes", "counters", "predicted", "took",
+        "entries", "pending", "failures", "capturing", "owed", "asleep", "memory_budget", "routes", "counters", "predicted",
         "_retired", "follows_plans",
     )
 
@@ -345,7 +341,7 @@ class Catalog:
         self.entries: dict[Pair, Entry] = {}
         self.pending: dict[Pair, None] = {}  # lazy keys, captured on first need (evicted ones return here)
         self.failures: dict[Pair, BaseException] = {}
-        self.capturing: tuple[Pair, ...] = ()  # keys queued for, or in, background capture (not served yet)
+        self.capturing: tuple[Pair, ...] = ()  # keys pending capture between steps (not served yet)
         self.owed: dict[Pair, None] = {}  # keys a refresh or wake dropped to capture again, until captured or released
         self.asleep = False  # reg.sleep(): no graph, every batch eager (miss reason "asleep") until reg.wake()
         self.memory_budget = memory_budget
@@ -353,7 +349,6 @@ class Catalog:
                                  self.pending)
         self.counters = Counters()
         self.predicted: dict[Pair, int] = {}  # device bytes per key, as the last memory estimate predicted them
-        self.took: dict[Pair, float] = {}  # seconds per key, as its last foreground capture took them (one per planned key)
         self._retired: dict[str, list[int]] = {}  # counters of removed entries, per key class
 
     # ---------------------------------------------------------------- reading
@@ -427,8 +422,6 @@ class Catalog:
         self.owed.pop(pair, None)
         if background:
             self.counters.background_captures += 1
-        else:
-            self.took[pair] = entry.capture_seconds
         evicted = self._evict_over_budget(keep=pair)
         self._changed()
         return evicted
@@ -456,13 +449,13 @@ class Catalog:
         self._changed()
 
     def unplan(self, pairs: Iterable[Pair]) -> None:
-        """Lazy keys that go to the capture thread instead (listed in ``capturing`` from then on, never in both)."""
+        """Lazy keys that go to the pending captures instead (listed in ``capturing`` from then on, never in both)."""
         for pair in pairs:
             self.pending.pop(pair, None)
         self._changed()
 
     def set_capturing(self, pairs: Sequence[Pair]) -> None:
-        """The keys the capture thread holds now (their batches' miss reason is ``capturing``)."""
+        """The keys pending capture now (their batches' miss reason is ``capturing``)."""
         pairs = tuple(pairs)
         if pairs != self.capturing:
             self.capturing = pairs
@@ -505,6 +498,14 @@ class Catalog:
                 removed.append(self._drop(entry))
             self.pending.pop(pair, None)
             self.owed.pop(pair, None)
+        self._changed()
+        return removed
+
+    def swap_out(self, stale: Iterable[Pair], owed: Iterable[Pair]) -> list[Entry]:
+        """Entries of ``stale`` keys dropped to be captured again, every key of ``owed`` (theirs included) owed until it
+        is captured or released: marked owed first, so that nothing between the two loses a key; the removed entries."""
+        self.owed.update(dict.fromkeys(owed))
+        removed = [self._drop(self.entries[pair]) for pair in stale if pair in self.entries]
         self._changed()
         return removed
 

@@ -244,7 +244,7 @@ class StaticBuffer:
         return v
 
     def sized(self, rows: int) -> StaticBuffer:
-        """A new buffer like this one holding ``rows`` rows, at the capture fill (a background entry's own input)."""
+        """A new buffer like this one holding ``rows`` rows, at the capture fill (a memory estimate's own input)."""
         return StaticBuffer(self.name, attrs.evolve(self.spec, shape=(rows, *self.spec.shape[1:])), self._device)
 
     def reset(self) -> None:
@@ -576,19 +576,12 @@ def check_fits(buffers: Mapping[str, StaticBuffer], key: BatchDescriptor) -> Non
             )
 
 
-def capture_inputs(
-    buffers: Mapping[str, StaticBuffer], key: BatchDescriptor, own: bool,
-) -> tuple[Mapping[str, StaticBuffer], dict[str, torch.Tensor]]:
-    """The buffers a capture of ``key`` runs on and their views sized for it, every row at its capture fill (the step
-    may write engine state at the indices it reads, so never an earlier batch's rows): ``buffers`` reset, or with
-    ``own``, new buffers of their own sized for the key (a capture beside a serving thread, whose batch the shared
-    ones hold)."""
-    if own:
-        buffers = {name: buf.sized(key_rows(buf, key)) for name, buf in buffers.items()}
-    else:
-        for buf in buffers.values():
-            buf.reset()
-    return buffers, {name: buf.view(key_rows(buf, key)) for name, buf in buffers.items()}
+def capture_inputs(buffers: Mapping[str, StaticBuffer], key: BatchDescriptor) -> dict[str, torch.Tensor]:
+    """Views sized for ``key`` of the buffers a capture of it runs on, reset to their capture fills first (the step may
+    write engine state at the indices it reads, so never an earlier batch's rows)."""
+    for buf in buffers.values():
+        buf.reset()
+    return {name: buf.view(key_rows(buf, key)) for name, buf in buffers.items()}
 
 
 def checked_outputs(

@@ -11,7 +11,7 @@ from cgregistry import BatchDescriptor as B
 from cgregistry.capture.memory import MemoryEstimate, Probe
 
 SETTINGS = dict(max_num_seqs=16, max_num_tokens=64, mode="full_and_breakable")
-ESTIMATE = MemoryEstimate("cpu", False, (), 640, 0, 0, (Probe(B(64), "full", 640, 64, 0, 0, 0.64),))
+ESTIMATE = MemoryEstimate("cpu", (), 640, 0, 0, (Probe(B(64), "full", 640, 64, 0, 0, 0.64),))
 
 
 @pytest.mark.parametrize("budget", [True, 1.5, "1GiB"])

@@ -65,8 +65,6 @@ def test_a_sampled_estimate_captures_a_few_whole_graph_keys_and_prices_the_rest_
     tokens = [k.num_tokens for k, _ in full]
     assert {max(tokens), min(tokens)} <= {k.num_tokens for k, s in probed if s == "full"}
     assert set(seen) == {k.num_tokens for k, _ in probed}, "the estimate ran the probed keys and no other"
-    background = reg.estimate_memory(plan, background=True, sample=True).keys
-    assert len(background) == len(plan) and all(k.probed for k in background), "a background estimate: every key"
     reg.capture(plan)
     actual = {(e.key, e.strategy): e.device_bytes for e in reg.entries()}
     assert abs(estimate.capture_bytes - sum(actual.values())) <= 0.05 * sum(actual.values()), estimate.table()
@@ -75,8 +73,7 @@ def test_a_sampled_estimate_captures_a_few_whole_graph_keys_and_prices_the_rest_
         assert abs(k.bytes - actual[(k.key, k.strategy)]) <= 0.1 * largest, (k, actual[(k.key, k.strategy)])
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_the_estimate_keeps_no_graph_alive_once_it_returns(background: bool) -> None:
+def test_the_estimate_keeps_no_graph_alive_once_it_returns() -> None:
     """Every scratch graph is dropped before the estimate measures what it left (a graph kept alive would hold its pool,
     counted as left behind and taken off the prediction), and its steps wrote the KV cache at the scratch slot only."""
     from cgregistry.store.catalog import Entry
@@ -89,13 +86,12 @@ def test_the_estimate_keeps_no_graph_alive_once_it_returns(background: bool) -> 
     reg = make(engine)
     cache = engine.cache.clone()
     before = alive()
-    assert reg.estimate_memory(PLAN, background=background).capture_bytes > 0
+    assert reg.estimate_memory(PLAN).capture_bytes > 0
     assert alive() == before, "a scratch entry outlived the estimate"
     assert torch.equal(engine.cache[:SCRATCH], cache[:SCRATCH]), "the scratch captures wrote outside the scratch slot"
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_an_estimate_whose_capture_fails_keeps_nothing_while_its_error_is_held(background: bool) -> None:
+def test_an_estimate_whose_capture_fails_keeps_nothing_while_its_error_is_held() -> None:
     """A key that fails to capture mid-plan: the error reaches the caller, and the keys captured before it are already
     dropped while the caller still holds the error (whose traceback keeps the estimate's frames)."""
     from cgregistry.store.catalog import Entry
@@ -113,20 +109,19 @@ def test_an_estimate_whose_capture_fails_keeps_nothing_while_its_error_is_held(b
     gc.collect()
     before = sum(type(o) is Entry for o in gc.get_objects())
     with pytest.raises(cg.CaptureError, match="no graph for") as caught:
-        reg.estimate_memory(PLAN, background=background)
+        reg.estimate_memory(PLAN)
     gc.collect()
     assert caught.value is not None and sum(type(o) is Entry for o in gc.get_objects()) == before
     assert len(reg) == 0 and reg.stats().hits == 0
 
 
-def test_an_estimate_for_a_background_capture_and_of_keys_already_held() -> None:
+def test_an_estimate_of_keys_then_captured_between_steps_and_of_keys_already_held() -> None:
     reg = make(Engine())
     reg.capture(PLAN.entries[:3])
-    estimate = reg.estimate_memory(PLAN, background=True)
+    estimate = reg.estimate_memory(PLAN)
     assert {(k.key, k.strategy) for k in estimate.keys} == {(e.descriptor, e.strategy) for e in PLAN.entries[3:]}, "held keys excluded"
-    assert estimate.background and "background" in estimate.table()
     reg.capture(PLAN, background=True)
-    assert reg.wait_captured(timeout=60)
+    assert reg.wait_captured()
     captured = {(e.key, e.strategy): e.device_bytes for e in reg.entries()}
     assert all(k.bytes == captured[(k.key, k.strategy)] for k in estimate.keys)
 
@@ -155,8 +150,8 @@ def test_bad_estimate_calls_are_refused_like_capture() -> None:
     reg = make(Engine())
     with pytest.raises(ValueError, match="needs 65 tokens"):
         reg.estimate_memory([(B.decode(65), "full")])
-    with pytest.raises(TypeError, match=r"estimate_memory\(background=...\) takes a bool"):
-        reg.estimate_memory(PLAN, background=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"estimate_memory\(sample=...\) takes a bool"):
+        reg.estimate_memory(PLAN, sample=None)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- fitting under bytes
@@ -232,20 +227,10 @@ def test_adaptation_under_a_byte_budget_refits_within_it() -> None:
 
 def test_interpolation_between_probes_is_linear_in_tokens() -> None:
     probes = (Probe(B(64), "full", 640, 64, 0, 0, 0.64), Probe(B(16), "full", 160, 16, 0, 0, 0.16))
-    estimate = MemoryEstimate("x", False, (), 640, 0, 0, probes)
+    estimate = MemoryEstimate("x", (), 640, 0, 0, probes)
     assert estimate.key_bytes(B(40), "full") == 40 and estimate.key_bytes(B(8), "full") == 16 and estimate.key_bytes(B(99), "full") == 64
     with pytest.raises(ValueError, match=r"prices no key of strategy 'breakable' \(it prices \['full'\]\)"):
         estimate.key_bytes(B(8), "breakable")
-
-
-def test_a_background_estimate_prices_a_key_with_its_own_inputs_and_pool() -> None:
-    """In the background each key gets static inputs of its own, and a key of a strategy that does not share the pool
-    (eager breaks) a pool of its own: key_bytes, the price fit(max_bytes=...) pays, says so, as keys[i].bytes does."""
-    probes = (Probe(B(16), "breakable", 100, 10, 0, 5, 0.1), Probe(B(16), "full", 100, 10, 0, 5, 0.1))
-    background = MemoryEstimate("x", True, (), 100, 0, 0, probes, frozenset({"full"}))
-    foreground = MemoryEstimate("x", False, (), 100, 0, 0, probes, frozenset({"full"}))
-    assert background.key_bytes(B(16), "breakable") == 115 and background.key_bytes(B(16), "full") == 15
-    assert foreground.key_bytes(B(16), "breakable") == foreground.key_bytes(B(16), "full") == 10
 
 
 def test_an_estimate_takes_the_breaks_payload_records_no_context_and_is_refused_asleep() -> None:

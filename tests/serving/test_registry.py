@@ -241,21 +241,26 @@ def test_entries_report_measured_capture(backend: str) -> None:
     assert "entries on " + backend in reg.table()
 
 
-def test_gc_is_frozen_during_capture_and_restored_after(backend: str) -> None:
-    seen: list[tuple[bool, int]] = []
+@pytest.mark.parametrize("engine_gc", ["enabled", "disabled"])
+def test_the_collector_is_paused_during_capture_and_left_as_the_engine_had_it(backend: str, engine_gc: str) -> None:
+    """No collection runs while the step is captured; the heap is never frozen and the collector's thresholds never
+    change; afterwards the collector is on or off as the engine had it."""
+    seen: list[tuple[bool, int, tuple[int, ...]]] = []
 
     def step(batch: B, x: torch.Tensor) -> torch.Tensor:
-        seen.append((gc.isenabled(), gc.get_freeze_count()))
+        seen.append((gc.isenabled(), gc.get_freeze_count(), gc.get_threshold()))
         return x + 1
 
-    before = gc.get_freeze_count()
-    gc.collect()
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend)
-    reg.capture([(B(8), "full"), (B(4), "full")])
-    assert seen and all(not enabled for enabled, _ in seen), "no collection runs during capture"
-    if before == 0:
-        assert all(frozen > 0 for _, frozen in seen), "the heap is frozen during capture"
-    assert gc.isenabled() and gc.get_freeze_count() == before
+    before = (gc.get_freeze_count(), gc.get_threshold())
+    gc.disable() if engine_gc == "disabled" else gc.enable()
+    try:
+        reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend)
+        reg.capture([(B(8), "full"), (B(4), "full")])
+        assert seen and all(not enabled for enabled, _, _ in seen), "no collection runs during capture"
+        assert all((frozen, threshold) == before for _, frozen, threshold in seen), "the heap frozen or the thresholds changed"
+        assert gc.isenabled() is (engine_gc == "enabled") and (gc.get_freeze_count(), gc.get_threshold()) == before
+    finally:
+        gc.enable()
 
 
 @pytest.mark.cuda

@@ -260,7 +260,7 @@ def test_without_debug_mode_outputs_are_plain_tensors(backend: str) -> None:
 # ---------------------------------------------------------------- threads
 
 
-def test_a_concurrent_run_is_refused_and_the_running_one_is_unharmed(backend: str) -> None:
+def test_a_run_from_another_thread_than_the_owner_is_refused_and_the_running_one_is_unharmed(backend: str) -> None:
     entered, release = threading.Event(), threading.Event()
 
     @cg.eager_break
@@ -275,19 +275,28 @@ def test_a_concurrent_run_is_refused_and_the_running_one_is_unharmed(backend: st
         return y * 2
 
     device = device_of(backend)
-    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=make_plugins())
-    reg.capture([(B(8), "breakable")])
-    results: dict[str, torch.Tensor] = {}
     x = torch.arange(4.0, device=device)
-    worker = threading.Thread(target=lambda: results.setdefault("out", reg.run(B(4, 2), x=x, context="block").clone()))
+    made: list[cg.GraphRegistry] = []
+    results: dict[str, torch.Tensor] = {}
+
+    def serve() -> None:  # the engine's serving thread makes, captures and serves the registry
+        reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend=backend, plugins=make_plugins())
+        reg.capture([(B(8), "breakable")])
+        made.append(reg)
+        results["out"] = reg.run(B(4, 2), x=x, context="block").clone()
+
+    worker = threading.Thread(target=serve, name="serving-loop")
     worker.start()
     assert entered.wait(10)
-    with pytest.raises(cg.ConcurrentRunError, match="while another run\\(\\) is in progress"):
+    reg = made[0]
+    with pytest.raises(cg.ConcurrentRunError, match="belongs to thread 'serving-loop'") as info:
         reg.run(B(4, 2), x=torch.zeros(4, device=device))
+    assert isinstance(info.value, cg.errors.OwnerThreadError)
     release.set()
     worker.join(10)
     torch.testing.assert_close(results["out"], (x + 1) * 2)
-    torch.testing.assert_close(reg.run(B(4, 2), x=x), (x + 1) * 2)  # and it serves the next caller
+    torch.testing.assert_close(reg.run(B(4, 2), x=x), (x + 1) * 2)  # its owner ended: the next thread serves it
+    assert reg.owner == threading.current_thread().name
 
 
 # ---------------------------------------------------------------- stateful fault injection

@@ -1,0 +1,249 @@
+"""A registry belongs to one thread, the one that serves it: another thread's run() or change to its graphs is refused
+with an error naming the owner, or handed over with call_on_owner() to run before the owner's next step, so nothing
+that changes graphs ever runs beside a replay; reading it is free from any thread."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import cgregistry as cg
+from cgregistry import BatchDescriptor as B
+from cgregistry.errors import OwnerThreadError
+from tests.background.test_background import PLAN, Engine, batch_inputs, eager, make
+from tests.serving_threads import run_in_thread
+
+
+def on_another_thread(fn: Callable[[], Any], name: str = "trainer") -> dict[str, Any]:
+    """``fn()`` on a thread named ``name``: its result or error (``{"value": ...}`` or ``{"error": ...}``)."""
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001
+            result["error"] = exc
+
+    thread = threading.Thread(target=target, name=name)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    return result
+
+
+CHANGES: dict[str, Callable[[cg.GraphRegistry], Any]] = {
+    "run()": lambda reg: reg.run(*_batch()[:1], **_batch()[1]),
+    "capture()": lambda reg: reg.capture([(B.decode(2), "full")]),
+    "capture(background)": lambda reg: reg.capture([(B.decode(2), "full")], background=True),
+    "refresh()": lambda reg: reg.refresh(),
+    "sleep()": lambda reg: reg.sleep(),
+    "wake()": lambda reg: reg.wake(),
+    "release()": lambda reg: reg.release(B.decode(4)),
+    "clear()": lambda reg: reg.clear(),
+    "estimate_memory()": lambda reg: reg.estimate_memory([(B.decode(2), "full")]),
+    "capture_pending()": lambda reg: reg.capture_pending(1.0),
+}
+
+
+def _batch() -> tuple[B, dict[str, torch.Tensor]]:
+    return batch_inputs(3, 0)
+
+
+@pytest.mark.parametrize("call", list(CHANGES))
+def test_a_call_that_changes_graphs_or_runs_the_step_from_another_thread_is_refused_naming_the_owner(call: str) -> None:
+    engine = Engine()
+    reg = make(engine)
+    reg.capture([(B.decode(4), "full"), (B.decode(8), "full")])
+    reg.capture([(B.decode(16), "full")], background=True)
+    before = (sorted(str(e.key) for e in reg.entries()), reg.capturing(), reg.stats().hits, len(engine.calls))
+    outcome = on_another_thread(lambda: CHANGES[call](reg))
+    error = outcome.get("error")
+    assert isinstance(error, OwnerThreadError) and isinstance(error, cg.ConcurrentRunError), outcome
+    assert f"{call.split('(')[0]}() on registry" in str(error)
+    assert "from thread 'trainer'" in str(error) and "belongs to thread 'MainThread'" in str(error)
+    assert "reg.call_on_owner" in str(error)
+    after = (sorted(str(e.key) for e in reg.entries()), reg.capturing(), reg.stats().hits, len(engine.calls))
+    assert after == before, "a refused call changed nothing and ran no step"
+
+
+def test_reading_the_registry_from_another_thread_is_free() -> None:
+    reg = make(Engine())
+    reg.capture(PLAN)
+    reg.capture([(B.decode(3), "full")], background=True)
+    batch, _ = batch_inputs(3, 0)
+    outcome = on_another_thread(lambda: (
+        reg.stats(), reg.entries(), reg.explain(batch), reg.match(batch), reg.capturing(), reg.pending(),
+        reg.snapshot(), reg.table(), reg.failures(), reg.memory_bytes(), reg.watched(), len(reg), reg.owner))
+    assert "value" in outcome, outcome
+    assert outcome["value"][-1] == "MainThread"
+
+
+@pytest.mark.parametrize("in_place_refresh", [False, True])
+def test_a_trainer_thread_hands_its_weight_syncs_to_the_serving_loop_and_every_step_equals_eager(in_place_refresh: bool) -> None:
+    """The serving loop calls run() back to back on a step that writes a KV cache; a trainer thread replaces the
+    weights (an assign sync) and asks for refresh(): called directly it is refused, handed over with call_on_owner() it
+    runs before one of the owner's steps.  Every step equals eager under the weights current at that step, also while
+    keys are captured again between steps, and every sync is applied."""
+    engine = Engine()
+    model = nn.Linear(16, 16)
+    engine.weight = model.weight  # the step reads it through the engine: watched
+    reg = make(engine, in_place_refresh=in_place_refresh)
+    reg.watch(model, "model.")
+    reg.capture(PLAN)
+    syncs, refused, stop = [], [], threading.Event()
+
+    def sync(seed: int) -> None:
+        torch.manual_seed(seed)
+        model.weight = nn.Parameter(torch.randn(16, 16))
+        engine.weight = model.weight
+        reg.refresh(background=True)
+
+    def trainer() -> None:
+        for seed in range(5):
+            try:
+                reg.refresh()
+            except OwnerThreadError as exc:
+                refused.append(exc)
+            syncs.append(reg.call_on_owner(sync, seed))
+            syncs[-1].result(timeout=30)  # applied before one of the owner's steps
+        stop.set()
+
+    thread = threading.Thread(target=trainer, name="trainer")
+    thread.start()
+    steps = 0
+    with torch.no_grad():
+        while not stop.is_set() or steps < 50:
+            batch, inputs = batch_inputs(1 + steps % 16, steps)
+            out = reg.run(batch, **inputs)
+            torch.testing.assert_close(out, eager(engine, batch, inputs), atol=1e-5, rtol=1e-5)
+            steps += 1
+            assert steps < 20_000
+    thread.join(30)
+    assert len(refused) == 5 and all(s.done() and s.exception() is None for s in syncs)
+    assert reg.wait_captured() and len(reg) == len(PLAN)
+
+
+def test_calls_handed_over_run_in_order_before_the_next_step_and_report_results_and_errors() -> None:
+    order: list[str] = []
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        order.append("step")
+        return x * 2
+
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu")
+    first = reg.call_on_owner(lambda: order.append("first") or 1)
+    failing = reg.call_on_owner(lambda: 1 / 0)
+    cancelled = reg.call_on_owner(lambda: order.append("cancelled"))
+    last = reg.call_on_owner(lambda x: order.append(f"last {x}") or x, 7)
+    assert cancelled.cancel() and not first.done()
+    reg.run(B(3), x=torch.ones(3))  # no graph: the step runs eagerly, after the handed calls
+    assert order == ["first", "last 7", "step"]
+    assert first.result() == 1 and last.result() == 7 and isinstance(failing.exception(), ZeroDivisionError)
+    with pytest.raises(TypeError, match="call_on_owner\\(\\) takes a callable"):
+        reg.call_on_owner(7)  # type: ignore[arg-type]
+
+
+def test_adopt_moves_the_registry_to_the_thread_that_serves_it_and_an_ended_owner_leaves_it_to_the_next() -> None:
+    engine = Engine()
+    reg = make(engine)
+    reg.capture(PLAN)
+    adopted, go_on, served = threading.Event(), threading.Event(), []
+
+    def serve() -> None:
+        reg.adopt()
+        adopted.set()
+        batch, inputs = batch_inputs(5, 0)
+        served.append(reg.run(batch, **inputs))
+        assert go_on.wait(30)
+
+    thread = threading.Thread(target=serve, name="serving-loop")
+    thread.start()
+    assert adopted.wait(30) and reg.owner == "serving-loop"
+    with pytest.raises(OwnerThreadError, match="belongs to thread 'serving-loop'"):
+        reg.clear()
+    go_on.set()
+    thread.join(30)
+    assert len(served) == 1 and len(reg) == len(PLAN)
+    batch, inputs = batch_inputs(5, 1)
+    torch.testing.assert_close(reg.run(batch, **inputs), eager(engine, batch, inputs), atol=1e-5, rtol=1e-5)
+    assert reg.owner == "MainThread", "the owner ended: the next thread that used the registry took it"
+
+
+def test_wait_captured_on_another_thread_waits_for_the_owners_steps_to_capture_every_key() -> None:
+    engine = Engine()
+    reg = make(engine, capture_budget=1e-9)
+    reg.capture(PLAN, background=True)
+    seen: list[list[Any]] = []
+    done, result = [False], {}
+
+    def watcher() -> None:
+        result["waited"] = reg.wait_captured(timeout=60)
+        seen.append(reg.capturing())
+        done[0] = True
+
+    thread = threading.Thread(target=watcher)
+    thread.start()
+    steps = 0
+    while not done[0] and steps < 10_000:
+        batch, inputs = batch_inputs(1 + steps % 16, steps)
+        reg.run(batch, **inputs)
+        steps += 1
+    thread.join(30)
+    assert result == {"waited": True} and seen == [[]] and len(reg) == len(PLAN)
+    assert steps >= len(PLAN), "the keys were captured by the owner's steps, one piece a step"
+    finished, waited = run_in_thread(lambda: reg.wait_captured(timeout=0), timeout=10)
+    assert finished and waited == {"value": True}
+
+
+def test_a_run_called_back_from_the_step_is_refused_as_a_reentry_not_as_another_thread() -> None:
+    holder: list[cg.GraphRegistry] = []
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        if batch.num_tokens == 5:
+            holder[0].run(B(2), x=x[:2])
+        return x * 2
+
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu")
+    holder.append(reg)
+    with pytest.raises(cg.ConcurrentRunError, match="from inside a run\\(\\) of the same registry") as info:
+        reg.run(B(5), x=torch.ones(5))
+    assert not isinstance(info.value, OwnerThreadError)
+    for call in ("refresh", "clear", "capture_pending", "sleep"):
+        def step_calling(batch: B, x: torch.Tensor, call: str = call) -> torch.Tensor:
+            getattr(holder[1], call)(*([0] if call == "capture_pending" else []))
+            return x
+
+        holder[1:] = [cg.GraphRegistry(step_calling, {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu")]
+        with pytest.raises(cg.ConcurrentRunError, match=f"{call}\\(\\) on registry .* from inside one of its run"):
+            holder[1].run(B(3), x=torch.ones(3))
+    torch.testing.assert_close(reg.run(B(3), x=torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_an_interrupt_from_the_step_or_a_handed_call_leaves_the_registry_usable_between_steps() -> None:
+    interrupt = [False]
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        if interrupt[0]:
+            interrupt[0] = False
+            raise KeyboardInterrupt
+        return x * 2
+
+    reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu")
+    reg.capture([(B(8), "full")])
+    x = torch.ones(3)
+    interrupt[0] = True
+    with pytest.raises(KeyboardInterrupt):
+        reg.run(B(3, 3, uniform=False), x=x, exclude=("full",))  # excluded: the step runs eagerly, and is interrupted
+    reg.call_on_owner(lambda: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        reg.run(B(3), x=x)
+    assert reg.wait_captured() and reg.refresh().recaptured == ()
+    reg.capture([(B(4), "full")], background=True)
+    assert reg.capture_pending(None) and len(reg) == 2
+    torch.testing.assert_close(reg.run(B(3), x=x), x * 2)
+    assert reg.stats().hits == 1
