@@ -4,8 +4,8 @@
    mode="full")`` (19 keys), decode batches of 1..64 requests with ``run()`` called back to back in
    two loops: a sync of the serving stream after each step (a sampler reading tokens), and no host
    sync at all (async scheduling).  Reported against the foreground capture time and eager's p99
-   in the same loop: the first graph-served step, every key captured, p99 step latency while
-   capturing; every graph then checked against eager.
+   in the same loop: the first graph-served step (its index and time), every key captured, p99 step
+   latency while capturing; every graph then checked against eager.
 2. The engine of examples/hf_llama.py (Llama-3.2-1B shape, random weights, bf16) serves trace
    requests eagerly, then with ``full_and_breakable`` captured in the background; the same figures,
    and every logit checked against Hugging Face's own forward.
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import cgregistry as cg
-from cgregistry.capture.background import background_order
+from cgregistry.capture.queue import capture_order
 from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
 from cgregistry.plan.workload import SchedulerConfig, read_trace, schedule
 
@@ -65,7 +65,7 @@ def timed_steps(run: Callable[[Any, dict], Any], steps: list[tuple[Any, dict]]) 
 
 class MissCounter:
     """Counts misses (a cgregistry_miss hook): a step with no miss was served by a graph; and notes when each
-    capture finished (on the capture thread)."""
+    capture finished."""
 
     def __init__(self) -> None:
         self.n = 0
@@ -115,7 +115,7 @@ def demo(n_steps: int, rows: list[tuple[str, str]]) -> None:
         torch.cuda.synchronize()
         foreground_s = time.perf_counter() - t0
         per_key = statistics.median(e.capture_seconds for e in fg.entries())
-        first_key = background_order((e.descriptor, e.strategy) for e in plan)[0]
+        first_key = capture_order((e.descriptor, e.strategy) for e in plan)[0]
         first_key_s = next(e.capture_seconds for e in fg.entries() if (e.key, e.strategy) == first_key)
         fg.clear()
         print(f"  foreground capture {foreground_s * 1e3:.0f} ms ({len(plan)} keys, median {per_key * 1e3:.1f} ms a key)")
@@ -127,7 +127,7 @@ def demo(n_steps: int, rows: list[tuple[str, str]]) -> None:
             misses = MissCounter()
             reg = cg.GraphRegistry(model, demo_inputs(cfg), name="bg", plugins=cg.Plugins(cg.plugin.make_plugin_manager([misses])))
             lat: list[float] = []
-            first_graph = all_keys = None
+            first_graph = all_keys = first_index = None
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             reg.capture(plan, background=True)
@@ -144,7 +144,7 @@ def demo(n_steps: int, rows: list[tuple[str, str]]) -> None:
                 if all_keys is None:
                     lat.append((now - t) * 1e3)
                 if first_graph is None and misses.n == before:
-                    first_graph = now - t0
+                    first_graph, first_index = now - t0, k + 1
                 if all_keys is None and len(reg) == len(plan):
                     all_keys = now - t0
                 k += 1
@@ -155,11 +155,11 @@ def demo(n_steps: int, rows: list[tuple[str, str]]) -> None:
             for batch, inputs in steps[:64]:  # every graph against eager after the capture
                 worst = max(worst, (reg.run(batch, **inputs).float() - model(batch, **inputs).float()).abs().max().item())
             p99, p99_eager = percentile(lat, 0.99), percentile(eager, 0.99)
-            first_ms = f"{first_graph * 1e3:.0f} ms" if first_graph is not None else "never"
+            first_ms = f"step {first_index}, {first_graph * 1e3:.0f} ms" if first_graph is not None else "never"
             bg_seconds = sorted(e.capture_seconds for e in reg.entries())
             all_ms = f"{all_keys * 1e3:.0f} ms ({all_keys / foreground_s:.2f}x foreground)" if all_keys is not None else f"{len(reg)} of {len(plan)} in 20 s"
             print(f"  {label}: eager step median {eager_step:.2f} ms, p99 {p99_eager:.2f} ms")
-            print(f"    capture seconds beside the loop: median {statistics.median(bg_seconds) * 1e3:.1f} ms, max {bg_seconds[-1] * 1e3:.1f} ms a key")
+            print(f"    capture seconds between the loop's steps: median {statistics.median(bg_seconds) * 1e3:.1f} ms, max {bg_seconds[-1] * 1e3:.1f} ms a key")
             print(f"    first graph-served step {first_ms} (target <= the first key, {first_key[0]}, + one step = "
                   f"{(first_key_s + eager_step / 1e3) * 1e3:.0f} ms); "
                   f"all keys {all_ms}; steps while capturing {summary(lat)}; p99 / eager p99 {p99 / p99_eager:.2f}; "
@@ -175,10 +175,10 @@ def demo(n_steps: int, rows: list[tuple[str, str]]) -> None:
 
 def adaptation(n_steps: int, every: int, rows: list[tuple[str, str]]) -> None:
     """The demo decoder serves ``n_steps`` trace steps from vLLM's default ladder ('full', 51 graphs) with
-    ``adapt=Adaptation(max_graphs=51, ...)``: refits on the capture thread, new keys captured in the background.
+    ``adapt=Adaptation(max_graphs=51, ...)``: refits and the new keys captured between steps.
 
-    Reported: the refits (changes, keys added, seconds each on the capture thread), step latency while the
-    capture thread works (a refit or its captures) against the same steps served by a registry that keeps the
+    Reported: the refits (changes, keys added, seconds each), step latency while the
+    registry refits or captures against the same steps served by a registry that keeps the
     default plan (its graphs), every 10th output against eager, and padding over all the steps of the default
     plan, the adapted keys, and a plan fitted offline to the same steps at the same budget.
     """
@@ -226,7 +226,7 @@ def adaptation(n_steps: int, every: int, rows: list[tuple[str, str]]) -> None:
             working: list[bool] = []
             worst, mismatches = 0.0, 0
             for k, (batch, inputs) in enumerate(steps):
-                busy = bool(reg.capturing())  # keys queued or in flight on the capture thread
+                busy = bool(reg.capturing())  # keys pending capture (a refit runs as a piece among them)
                 t = time.perf_counter()
                 out = reg.run(batch, **inputs)
                 sync()
@@ -256,9 +256,9 @@ def adaptation(n_steps: int, every: int, rows: list[tuple[str, str]]) -> None:
     ratio = percentile(window, 0.99) / percentile(same, 0.99) if window else float("nan")
     p_default, p_adapted, p_offline = padding(start), padding(held), padding(offline)
     print(f"  refits run {len(refit_s)}, changes {len(changes)} ({added} keys added, {removed} released), "
-          f"refit seconds on the capture thread: median {statistics.median(refit_s) if refit_s else 0:.2f}, "
+          f"refit seconds: median {statistics.median(refit_s) if refit_s else 0:.2f}, "
           f"max {max(refit_s, default=0):.2f}; graphs held at the end {len(reg)}; failures {len(reg.failures())}")
-    print(f"  steps while the capture thread worked   {summary(window)}")
+    print(f"  steps while refitting or capturing      {summary(window)}")
     print(f"  default plan's graphs on those steps    {summary(same)}   p99 ratio {ratio:.2f}")
     print(f"  all steps: adapting {summary(lat)}")
     print(f"  all steps: default  {summary(base)}")
@@ -269,7 +269,7 @@ def adaptation(n_steps: int, every: int, rows: list[tuple[str, str]]) -> None:
     print(f"  served: {stats.hits} graph steps, {stats.misses} eager ({dict(stats.misses_by_reason)}), "
           f"{stats.background_captures} background captures, {stats.plan_changes} plan changes")
     rows.append(("adapt: refits / changes / keys added", f"{len(refit_s)} / {len(changes)} / {added}"))
-    rows.append(("adapt: refit on the capture thread (max)", f"{max(refit_s, default=0):.2f} s"))
+    rows.append(("adapt: refit (max)", f"{max(refit_s, default=0):.2f} s"))
     rows.append(("adapt: p99 while working / default plan", f"{ratio:.2f} ({summary(window)})"))
     rows.append(("adapt: every 10th step vs eager", f"{mismatches} mismatches, max abs error {worst:.3g}"))
     rows.append(("adapt: padding default / adapted / offline", f"{p_default:.2f}% / {p_adapted:.2f}% / {p_offline:.2f}% "

@@ -6,12 +6,12 @@
    requests, and over the same steps run eagerly twice), and every logit against Hugging Face's own forward with the new weights.
 2. ``sleep()`` / ``wake(background=True)``: bytes released (``torch.cuda.mem_get_info``) against what
    ``capture(plan)`` took, and the time from ``wake()`` to the first graph-served step.
-3. ``--windows``: the by-assign recapture window again, once per setting of the capture thread's knobs
-   (``cgregistry.capture.background``), in this process, against the same steps run eagerly.
+3. The by-assign recapture window again in a loop that gives idle time between bursts: ``capture_budget=0``
+   (no piece inside a step) and ``capture_pending(--idle)`` after every ``--burst`` steps; the same figures.
 4. ``--in-place-refresh``: a registry with ``in_place_refresh=True``; syncs by assign copied back by ``refresh()``,
    the next steps' p99 against the same steps eager, and the memory the sync leaves allocated.
 
-    PYTHONPATH=. python3 benchmarks/gpu_lifecycle.py [--requests 64] [--config llama-3.2-1b] [--windows NAME=KNOB:VALUE,...]
+    PYTHONPATH=. python3 benchmarks/gpu_lifecycle.py [--requests 64] [--config llama-3.2-1b] [--burst 4 --idle 0.05]
         [--in-place-refresh]
 """
 
@@ -93,20 +93,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--config", default="llama-3.2-1b")
     parser.add_argument("--mode", default="full_and_breakable")
-    parser.add_argument("--wait-limit", type=float, help="seconds a step waits for the key being captured (default: the library's)")
+    parser.add_argument("--burst", type=int, default=4, help="steps between the idle gaps of the idle-time window")
+    parser.add_argument("--idle", type=float, default=0.05, help="seconds of each idle gap the loop offers capture_pending()")
     parser.add_argument("--eager-runs", type=int, default=2, help="eager runs of the window's requests, the reference "
                         "each window's p99 is held against (and, pooled, the pooled windows')")
     parser.add_argument("--steps", action="store_true", help="print every step of the background recapture window on stderr")
     parser.add_argument("--in-place-refresh", action="store_true", help="after the rest, a registry with "
                         "in_place_refresh=True: three syncs by assign, each copied back by refresh(background=True)")
-    parser.add_argument("--windows", nargs="*", default=[], metavar="NAME=KNOB:VALUE,...",
-                        help="after the rest, serve the recapture window again once per spec, in this process, with "
-                             "cgregistry.capture.background's knobs set as given (e.g. share0=CAPTURE_SHARE:0,"
-                             "STAND_ASIDE_BY:profile; an empty spec is the library's defaults)")
     args = parser.parse_args()
-    if args.wait_limit is not None:
-        import cgregistry.capture.background as background
-        background.WAIT_LIMIT_S = args.wait_limit
     hf = _load_hf()
     device = torch.device("cuda")
     shape = hf.EngineShape(max_num_seqs=64, max_num_tokens=512, block_size=16, max_blocks_per_req=64)
@@ -123,8 +117,11 @@ def main() -> None:
             self.cpu_ms: list[float] = []  # the serving thread's CPU time in each step
             self.gc_ms: list[float] = []  # the serving thread's time in garbage collections in each step
             self.t0 = time.perf_counter()
+            self.idle: tuple[int, float] | None = None  # (burst, seconds): capture_pending() between bursts
 
         def run_step(self, batch: Any) -> torch.Tensor:
+            if self.idle is not None and self.reg is not None and self.steps and len(self.steps) % self.idle[0] == 0:
+                self.reg.capture_pending(self.idle[1])  # the loop's idle time, outside any step's time
             misses = counter.misses
             t, cpu, collecting = time.perf_counter(), time.thread_time(), gc_clock.ms
             out = super().run_step(batch)
@@ -253,10 +250,27 @@ def main() -> None:
     rows.append(("sleep: released / capture took", f"{released / 2**20:.0f} / {captured_bytes / 2**20:.0f} MiB ({released / captured_bytes:.2f})"))
     rows.append(("wake: first graph-served step after wake()", f"{first * 1e3:.0f} ms"))
     rows.append(("wake: max |logit - HF|", f"{err_wake:.3g}"))
-    if args.windows:
-        compare_windows(args.windows, model, reg, eng_factory=lambda: Timed(model, shape, reg, keep_logits=False),
-                        requests=requests, new_weights=new_weights, same=same, foreground_s=foreground_s, rows=rows,
-                        steps=args.steps)
+    # 3. by assign again, in a loop that gives idle time between bursts: no piece inside a step
+    model.load_state_dict(new_weights(13), assign=True)
+    reg.capture_budget = 0
+    eng = Timed(model, shape, reg, keep_logits=True)
+    eng.idle = (args.burst, args.idle)
+    start = len(counter.finished)
+    t0 = time.perf_counter()
+    result = reg.refresh(background=True)
+    res = eng.serve(requests(5))
+    reg.wait_captured()
+    done = counter.finished[start + planned - 1] - t0 if len(counter.finished) >= start + planned else float("nan")
+    err_idle = hf.check_against_hf(model, res.finished)
+    reg.capture_budget = None
+    window = [ms for ms, at, _ in eng.steps if at <= done] or [ms for ms, _, _ in eng.steps]
+    same_a, same_b = (steps[:len(window)] for steps in same[:2])
+    ratio = " and ".join(f"{percentile(window, 0.99) / percentile(steps, 0.99):.2f}" for steps in (same_a, same_b))
+    print(f"by assign, idle {args.idle * 1e3:.0f} ms after every {args.burst} steps, capture_budget=0: every key back "
+          f"{done:.2f} s after refresh() ({done / foreground_s:.2f}x foreground); {len(window)} steps meanwhile, p99 / the "
+          f"same steps eager {ratio}; max |logit - HF(new weights)| {err_idle:.3g}")
+    rows.append(("weight sync by assign, idle between bursts: every key back", f"{done:.2f} s ({done / foreground_s:.2f}x foreground)"))
+    rows.append(("weight sync by assign, idle between bursts: p99 / the same steps eager", ratio))
     if args.in_place_refresh:
         reg.clear()
         del reg, eng, res
@@ -314,89 +328,6 @@ def sharing_kept(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.
     for name, tensor in model.state_dict().items():
         state[name] = state[first.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset()), name)]
     return state
-
-
-def knob_settings(spec: str) -> tuple[str, dict[str, Any]]:
-    """'name=KNOB:VALUE,...' as (name, {knob: value}); values are read as Python literals where they parse."""
-    import ast
-
-    name, _, body = spec.partition("=")
-    knobs: dict[str, Any] = {}
-    for item in filter(None, body.split(",")):
-        knob, _, text = item.partition(":")
-        try:
-            knobs[knob] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            knobs[knob] = text
-    return name, knobs
-
-
-def compare_windows(specs: list[str], model: Any, reg: Any, *, eng_factory: Any, requests: Any, new_weights: Any,
-                    same: list[list[float]], foreground_s: float, rows: list[tuple[str, str]], steps: bool = False) -> None:
-    """The assign-sync recapture window once per spec, in this process: its steps' p99 against the same steps run
-    eagerly, its worst steps, what the caching allocator holds more afterwards, and when every key was back (a serve that outlasts the recapture counts its later
-    steps too, and says so)."""
-    import cgregistry.capture.background as background
-
-    defaults = {name: getattr(background, name) for name in background.__all__ if name.isupper()}
-    eager_p99 = [percentile(steps, 0.99) for steps in same[:2]]
-    pooled: dict[tuple[tuple[str, Any], ...], tuple[list[str], list[float]]] = {}  # settings -> (windows, their steps)
-    alone = eng_factory()
-    alone.reg = None
-    alone.serve(requests(5))
-    alone_wall, alone_cpu = statistics.median([ms for ms, _, _ in alone.steps]), statistics.median(alone.cpu_ms)
-    for i, spec in enumerate(specs):
-        name, knobs = knob_settings(spec)
-        for knob, value in {**defaults, **knobs}.items():
-            if knob not in defaults:
-                raise SystemExit(f"--windows {spec!r}: {knob} is not a knob of cgregistry.capture.background ({sorted(defaults)})")
-            setattr(background, knob, value)
-        try:
-            model.load_state_dict(new_weights(100 + i), assign=True)
-            eng = eng_factory()
-            torch.cuda.synchronize()
-            reserved = torch.cuda.memory_reserved()
-            t0 = time.perf_counter()
-            reg.refresh(background=True)
-            eng.serve(requests(5))
-            beside = bool(reg.capturing())  # every step served beside the recapture
-            reg.wait_captured()
-            done = time.perf_counter() - t0
-            torch.cuda.synchronize()
-            grown = (torch.cuda.memory_reserved() - reserved) / 2**20
-        finally:
-            for knob, value in defaults.items():
-                setattr(background, knob, value)
-        print(f"  window {name}, the keys captured again: {phases_of(reg)}")
-        window = [ms for ms, _, _ in eng.steps]
-        names, steps_of = pooled.setdefault(tuple(sorted(knobs.items())), ([], []))
-        names.append(name)
-        steps_of.extend(window)
-        eager_steps = [i for i, (_, _, hit) in enumerate(eng.steps) if not hit]
-        eager_wall = statistics.median([window[i] for i in eager_steps]) if eager_steps else float("nan")
-        eager_cpu = statistics.median([eng.cpu_ms[i] for i in eager_steps]) if eager_steps else float("nan")
-        worst = sorted(window)[-4:]
-        ratio = " and ".join(f"{percentile(window, 0.99) / p:.2f}" for p in eager_p99)
-        print(f"window {name} {knobs}: all keys back {done:.2f} s ({done / foreground_s:.2f}x the foreground capture); "
-              f"{len(window)} steps{'' if beside else ' (the last ones after every key was back)'}, worst {', '.join(f'{ms:.1f}' for ms in worst)} ms; p99 / the same steps eager {ratio}; "
-              f"reserved memory {grown:+.0f} MiB; {len(eager_steps)} eager-served steps, median {eager_wall:.1f} ms wall, "
-              f"{eager_cpu:.1f} ms serving-thread CPU (eager alone: {alone_wall:.1f} / {alone_cpu:.1f})")
-        if steps:
-            for (ms, at, hit), cpu, collecting, (tokens, reqs), ms_alone in zip(eng.steps, eng.cpu_ms, eng.gc_ms, eng.sizes, same[0]):
-                print(f"  {name} step at {at:6.3f} s: {ms:7.1f} ms, CPU {cpu:5.1f}, gc {collecting:4.1f} (eager alone {ms_alone:5.1f}), {tokens:3d} tokens "
-                      f"{reqs:2d} requests, {'graph' if hit else 'eager'}", file=sys.stderr)
-        rows.append((f"window {name}: p99 / the same steps eager", ratio))
-        rows.append((f"window {name}: reserved memory afterwards", f"{grown:+.0f} MiB"))
-    # Over 47 steps a window's p99 is its worst step; windows of the same settings pooled, against every eager run of
-    # the same requests pooled, give a p99 of a few hundred steps on each side.
-    reference = [ms for run in same for ms in run]
-    for settings, (names, steps_of) in pooled.items():
-        if len(names) < 2:
-            continue
-        ratio = percentile(steps_of, 0.99) / percentile(reference, 0.99)
-        print(f"windows {'+'.join(names)} {dict(settings)} pooled: {len(steps_of)} steps, p99 {percentile(steps_of, 0.99):.1f} ms "
-              f"against {len(reference)} eager steps of the same requests, p99 {percentile(reference, 0.99):.1f} ms: {ratio:.2f}")
-        rows.append((f"windows {'+'.join(names)} pooled: p99 / the same steps eager pooled", f"{ratio:.2f}"))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ an 8 GiB stand-in for the KV cache (allocated between the two, as the recipe has
 Target: the predicted ``capture_bytes`` within 5% (or 32 MiB, whichever is larger) of what capture
 took.  Then ``clear()`` and a second estimate, which must leave nothing behind.  Configurations: the
 demo decoder in ``full``, ``full_and_piecewise``, ``full_and_breakable``, with LoRA counts and spec
-depths, and the Hugging Face Llama engine of examples/hf_llama.py; two of them also captured in the
-background (estimated with ``background=True``).  The estimate is the default one (every key captured), or
+depths, and the Hugging Face Llama engine of examples/hf_llama.py; two of them also captured between steps
+(``capture(plan, background=True)``: the same pool and inputs, so the same estimate).  The estimate is the default one (every key captured), or
 with ``--sample`` ``estimate_memory(sample=True)`` (a sample of the whole-graph keys); each configuration's
 capture is also timed alone in a fresh process ("alone s"), and "start-up" is (estimate + capture) / capture
 alone: what the estimate adds to an engine's start-up.
@@ -146,7 +146,7 @@ def one(name: str, sample: bool = False) -> dict[str, Any]:
         torch.cuda.empty_cache()
         free0, reserved0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
         t = time.perf_counter()
-        cold = reg.estimate_memory(plan, background=background, sample=sample)  # the process's first graphs, as an engine's estimate is
+        cold = reg.estimate_memory(plan, sample=sample)  # the process's first graphs, as an engine's estimate is
         estimate_s = time.perf_counter() - t
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -168,7 +168,7 @@ def one(name: str, sample: bool = False) -> dict[str, Any]:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free3 = torch.cuda.mem_get_info()[0]
-        est = reg.estimate_memory(plan, background=background, sample=sample)  # a second, once graphs were captured and dropped: it must leave nothing
+        est = reg.estimate_memory(plan, sample=sample)  # a second, once graphs were captured and dropped: it must leave nothing
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free4 = torch.cuda.mem_get_info()[0]

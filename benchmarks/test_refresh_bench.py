@@ -1,6 +1,6 @@
 """refresh() after a weight sync (cpu backend).
 
-- By assign, at 500 and 2,000 stale keys: the call drops every graph and hands the keys to the background thread;
+- By assign, at 500 and 2,000 stale keys: the call drops every graph and makes the keys pending capture;
   its cost should grow with the key count, not its square: the 2,000-key row near 4x the 500-key row, not 16x.
 - In place, 32 decoder-shaped layers: every graph is kept; the call reads every watched address once, against the
   engine reading them itself (1.7-1.9x that on this machine; 4.5x before each submodule was looked up once a read).

@@ -127,8 +127,9 @@ def _wait_for(stream: torch.cuda.Stream) -> None:
         torch.cuda.synchronize()
 
 
-# What CUDA says when a side stream forked from the capture stream was not joined back before the capture ended.
-_UNJOINED = ("unjoined", "StreamCaptureUnjoined")
+# What CUDA says when a side stream forked from the capture stream was not joined back before the capture ended
+# (cudaErrorStreamCaptureUnjoined: "capture sequence contains a fork that was not joined to the primary stream").
+_UNJOINED = ("not joined", "unjoined", "StreamCaptureUnjoined")
 
 
 class CudaSegment:

@@ -384,8 +384,8 @@ class CaptureJob:
         return list(dict.fromkeys((e.descriptor, e.strategy) for e in todo))
 
     def capture_plan(self, plan: Any, payload: Any, progress: bool | None) -> list[EntryInfo]:
-        """``capture(plan)`` in the foreground with no capture thread at work: ``prepare``, then capture what is not
-        captured yet (``capture_all``)."""
+        """``capture(plan)`` in the foreground with nothing pending: ``prepare``, then capture what is not captured
+        yet (``capture_all``)."""
         entries = self._catalog.entries
         pairs = [p for p in self.prepare(plan, payload, rebase=True) if p not in entries]
         try:

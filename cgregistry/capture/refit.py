@@ -79,7 +79,7 @@ class Adapter:
         self._warned: set[Any] = set()  # keys a refit proposed that this registry cannot capture (warned once)
 
     def observe(self, actual: BatchDescriptor) -> None:
-        """Count a step (on the serving thread); harvest when a refit may be due (or every 4096 steps), then queue it."""
+        """Count a step (on the owner thread); harvest when a refit may be due (or every 4096 steps), then queue it."""
         observed = self._observed
         observed[actual] = observed.get(actual, 0) + 1
         self._unharvested += 1

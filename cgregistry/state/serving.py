@@ -1,19 +1,19 @@
-"""The serving thread's state a step's result depends on: taken when a capture is asked for, put back on
-whichever thread captures, and checked where graphs are replayed.
+"""The serving thread's state a step's result depends on: taken when a capture is asked for, put back for every
+capture, whichever call makes it, and checked where graphs are replayed.
 
 A capture runs the engine's step, and what the step computes depends on state of the thread
 running it: autocast (on or off, and its dtype), the default device, the current CUDA device and
-the context variables.  A capture thread starts with none of the serving thread's (a key captured
-there under ``torch.autocast`` in the serving thread returned float32 where eager returned
-bfloat16), and an engine may serve under another state than the one it captured under.  So a
+the context variables.  A key captured between steps runs inside whatever ``run()`` or
+``capture_pending()`` takes its piece, a ``refresh()`` may be called outside the engine's autocast
+block, and an engine may serve under another state than the one it captured under.  So a
 registry records one ``ServingState`` (at ``capture()``, or at the first refit of a registry that
 only adapts), every capture path runs the step under it, and a replay under a state whose results
 would differ (autocast, the default dtype, the TF32 and reduced-precision matmul flags) is refused
 with :class:`ServingStateError`, at a cost of two C calls per replay (dynamo's global state guard,
 and the one recorded flag it does not compare, cuDNN's TF32), and so is a replay in a context where
 what the step reaches through a context variable is another module (a Python frame per replay, for
-such steps only).  The default dtype and the matmul flags are process-wide, so a capture cannot set them on its thread: a capture (on the capture
-thread, say) that starts or ends while they differ from the record fails with the same error, and
+such steps only).  The default dtype and the matmul flags are process-wide, so a capture cannot set them
+for itself: a capture that starts or ends while they differ from the record fails with the same error, and
 its graph is never installed.  Grad mode is not part of it:
 captures always run under ``torch.inference_mode()`` (a replay records no autograd graph), and grad
 mode does not change what a replayed graph computes.  Imports nothing of the package but ``errors``.

@@ -163,7 +163,7 @@ class RouteTable:
         self.variant_cache: dict[tuple[BatchDescriptor, Variant], Route] = {}  # other runs, by (actual, variant)
         self.capturing: tuple[Pair, ...] = ()  # keys pending capture between steps (not served yet)
         self.asleep = False  # the registry sleeps: every miss is "asleep"
-        # Changes so far: a route built across a change (a hook's match() on another thread racing the serving
+        # Changes so far: a route built across a change (a match() on another thread racing the owner
         # thread's changes) is handed back but never cached.  The lock orders that check and the cache write with
         # the change; the hot path's cache reads take no lock.
         self._lock = threading.Lock()
