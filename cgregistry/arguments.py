@@ -41,14 +41,22 @@ def check_budget(value: object) -> None:
 
 
 def check_timeout(call: str, timeout: object, name: str = "timeout") -> None:
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):
-        raise TypeError(f"{call}({name}=...) takes seconds >= 0 (an int or float, inf allowed) or None, got {timeout!r}")
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{call}({name}=...) takes seconds (an int or float, inf allowed) or None, got {timeout!r}")
+    if not timeout >= 0:
+        raise ValueError(f"{call}({name}=...) takes seconds >= 0 (inf allowed) or None, got {timeout!r}")
 
 
 def check_capture_budget(value: object) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
-        raise TypeError(f"capture_budget takes seconds >= 0 (an int or float; 0: no capture while serving) or None (an "
-                        f"eager step's time), got {value!r}")
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"capture_budget takes seconds (an int or float) or None (an eager step's time), got {value!r}")
+    if not value >= 0:
+        raise ValueError(f"capture_budget takes seconds >= 0 (an int or float; 0: no capture while serving) or None (an "
+                         f"eager step's time), got {value!r}")
 
 
 def check_inputs(inputs: Mapping[str, object]) -> None:

@@ -19,6 +19,7 @@ import itertools
 import math
 import time
 import types
+import weakref
 from _thread import get_ident
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
@@ -137,6 +138,7 @@ class GraphRegistry:
             adapter.plan_changes if adapter is not None else collections.deque(maxlen=PLAN_CHANGES_KEPT)
         )
         self._owner = owner = Owner(self.name)
+        weakref.finalize(self, owner.cancel_handed)  # calls handed over to a registry that is gone never run
         parts = (step, catalog, job, pending, adapter, events, frozenset(buffers), self.name, owner)
         self._server = DebugServer(*parts, watch=job.watch) if self.debug else Server(*parts)
         self._lifecycle = Lifecycle(catalog, job, pending, adapter, events, buffers, self.backend, self.name)
@@ -215,7 +217,11 @@ class GraphRegistry:
                 check_flag("capture", "progress", progress)
         if lazy and background:
             raise ValueError("capture(lazy=True, background=True): choose one; lazy captures a key at its first use, background ahead of it")
-        self._guard("capture()")
+        with self._busy("capture()", touches=not (lazy or background)):  # only a capture now writes the buffers
+            return self._capture(plan, progress, lazy, context, background)
+
+    def _capture(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], progress: bool | None,
+                 lazy: bool, context: Any, background: bool) -> list[EntryInfo]:
         if self._lifecycle.asleep is not None:
             self._lifecycle.refuse_asleep("capture()")
         if not (lazy or background or self._pending.busy):
@@ -244,10 +250,11 @@ class GraphRegistry:
         only while it is expected to fit in the time left); True when nothing is left pending.  Calls handed over with
         ``call_on_owner`` run first.  None: until nothing is left.  On the owner thread, between steps."""
         check_timeout("capture_pending", seconds, name="seconds")
-        self._guard("capture_pending()")
+        self._server.guard("capture_pending()")
         self._job.refuse_inside("capture_pending()")
         self._owner.run_handed()
-        self._pending.work(math.inf if seconds is None else seconds)
+        with self._busy("capture_pending()"):
+            self._pending.work(math.inf if seconds is None else seconds)
         return not self._pending.busy
 
     def wait_captured(self, timeout: float | None = None) -> bool:
@@ -257,16 +264,17 @@ class GraphRegistry:
         owner = self._owner
         if owner.elsewhere():
             return self._pending.wait(timeout)
-        self._guard("wait_captured()")
+        self._server.guard("wait_captured()")
         self._job.refuse_inside("wait_captured()")
         self.pool.refuse_if_held("wait_captured()", self.name)
         owner.run_handed()
         deadline = math.inf if timeout is None else time.monotonic() + timeout
-        while self._pending.busy:  # a piece is never cut short: the last one may end past the deadline
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            self._pending.work(left, first=True)
+        with self._busy("wait_captured()"):
+            while self._pending.busy:  # a piece is never cut short: the last one may end past the deadline
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._pending.work(left, first=True)
         return True
 
     def call_on_owner(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
@@ -280,9 +288,9 @@ class GraphRegistry:
     def adopt(self) -> None:
         """The calling thread owns the registry from now on (it serves it, and changes its graphs): the engine moved
         its serving loop to this thread.  Refused while a ``run()`` is in progress."""
-        if self._owner.serving:
-            raise ConcurrentRunError(f"adopt() on registry {self.name!r} while a run() is in progress: call it once the "
-                                     "old owner has stopped serving")
+        if self._owner.busy:
+            raise ConcurrentRunError(f"adopt() on registry {self.name!r} while a run() or a capture is in progress: call "
+                                     "it once the old owner has stopped serving")
         self._owner.take()
 
     @property
@@ -290,16 +298,17 @@ class GraphRegistry:
         """The name of the thread the registry belongs to: it serves the registry and changes its graphs."""
         return self._owner.name
 
-    def _guard(self, call: str) -> None:
-        """``call`` runs the step or changes graphs: on the owner thread (or one that takes over from an owner thread
-        that has ended), never from inside a ``run()``."""
+    def _busy(self, call: str, *, touches: bool = True) -> _Busy:
+        """``call`` runs the step or changes graphs: checked for the owner thread (or one that takes over from an owner
+        thread that has ended) and refused from inside a ``run()`` or another such call; busy while it runs."""
         owner = self._owner
-        if owner.ident != get_ident() or owner.serving:
+        if owner.ident != get_ident() or owner.busy:
             self._server.guard(call)
+        return _Busy(self, touches)
 
     def capturing(self) -> list[Pair]:
-        """Keys pending capture between steps, in capture order (not served by a graph yet)."""
-        return self._pending.queued()
+        """Keys pending capture between steps, in capture order (not served by a graph yet); from any thread."""
+        return list(self._catalog.capturing)
 
     def estimate_memory(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], *,
                         context: Any = None, sample: bool = False) -> MemoryEstimate:
@@ -312,12 +321,13 @@ class GraphRegistry:
         ``capture(context=...)`` takes it.  It runs the step: on the owner thread.  See docs/integration.md."""
         check_flag("estimate_memory", "sample", sample)
         todo = self._estimate_check(plan, "estimate_memory()")
-        return estimate([self._estimate_part(todo, context)], sample)[0]
+        with self._busy("estimate_memory()", touches=False):
+            return estimate([self._estimate_part(todo, context)], sample)[0]
 
     def _estimate_check(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], call: str) -> list[PlanEntry]:
         """``plan`` checked for an estimate (``call``): refused on another thread than the owner, asleep or from inside
-        a capture; nothing changes."""
-        self._guard(call)
+        a run() or a capture; nothing changes."""
+        self._server.guard(call)
         self._lifecycle.refuse_asleep(call)
         self._job.refuse_inside(call)
         return self._job.check(plan)
@@ -367,15 +377,15 @@ class GraphRegistry:
         the plan ``wake()`` captures)."""
         if not isinstance(key, BatchDescriptor):
             raise TypeError(f"release() needs a BatchDescriptor, got {key!r}")
-        self._guard("release()")
-        return self._lifecycle.release(key, strategy)
+        with self._busy("release()"):
+            return self._lifecycle.release(key, strategy)
 
     def clear(self) -> int:
         """Remove every entry and pending key; return how many.  The pool goes back to the
         allocator (and to the driver on ``torch.cuda.empty_cache()``); counters are kept.
         Pending captures are dropped.  Asleep: it empties the plan ``wake()`` would capture."""
-        self._guard("clear()")
-        return self._lifecycle.clear()
+        with self._busy("clear()"):
+            return self._lifecycle.clear()
 
     def refresh(self, background: bool = False) -> Refreshed:
         """Call after a weight update: graphs that read the watched weights where they are now stay (an in-place update
@@ -386,27 +396,29 @@ class GraphRegistry:
         the module-level names its code uses) and whatever ``watch()`` names are watched.  On the owner thread: a sync
         on another thread hands both over, ``reg.call_on_owner(sync_and_refresh)``."""
         check_flag("refresh", "background", background)
-        self._guard("refresh()")
-        return self._lifecycle.refresh(background)
+        with self._busy("refresh()"):
+            return self._lifecycle.refresh(background)
 
     def sleep(self) -> Slept:
         """Release every graph, the pool and the static inputs to the device; the plan, counters and adaptation's history
         stay.  ``run()`` serves eagerly meanwhile (miss reason ``asleep``); ``capture()`` is refused until ``wake()``."""
-        self._guard("sleep()")
-        return self._lifecycle.sleep()
+        with self._busy("sleep()"):
+            return self._lifecycle.sleep()
 
     def wake(self, background: bool = True) -> tuple[Pair, ...]:
         """Take the static inputs back and capture again what was captured (or pending) at ``sleep()``, hottest first
         (``background``: in pieces between the steps ``run()`` serves; lazy keys stay lazy); the keys it captures.
         Awake, it captures what an interrupted or failed ``wake()`` or ``refresh()`` left to capture again."""
         check_flag("wake", "background", background)
-        self._guard("wake()")
-        return self._lifecycle.wake(background)
+        with self._busy("wake()"):
+            return self._lifecycle.wake(background)
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module, prefix: str = "") -> None:
         """Tensors graphs read beside what the step reaches (found unnamed): ``(name, tensor)`` pairs, a module or a list
-        of modules (tensors by name: a replaced one is caught); compared from their addresses now (no graph goes stale)."""
-        self._job.watch.watch(named, prefix)
+        of modules (tensors by name: a replaced one is caught); compared from their addresses now (no graph goes stale).
+        On the owner thread, between steps."""
+        with self._busy("watch()", touches=False):
+            self._job.watch.watch(named, prefix)
 
     def watched(self) -> list[str]:
         """The names of the tensors replays check: static inputs, what the step reaches, what ``watch()`` named."""
@@ -489,6 +501,26 @@ class GraphRegistry:
         lines = entries_table(self.entries(used=True if used_only else None, sort=sort))
         lines.append(stats_line(self.stats(), len(self), self.backend.name, self.memory_bytes()))
         return "\n".join(lines)
+
+
+class _Busy:
+    """A call that runs the step or changes graphs, in progress: a ``run()`` or such a call the step or a hook makes
+    meanwhile is refused; after it, debug mode hears that earlier outputs may be overwritten."""
+
+    __slots__ = ("_registry", "_touches")
+
+    def __init__(self, registry: GraphRegistry, touches: bool) -> None:
+        self._registry = registry
+        self._touches = touches
+
+    def __enter__(self) -> None:
+        self._registry._owner.busy = True
+
+    def __exit__(self, *exc: object) -> None:
+        registry = self._registry
+        registry._owner.busy = False
+        if self._touches and registry.debug:
+            registry._server.touched()
 
 
 # ``GraphRegistry.run`` as defined above: a registry whose class still has it binds its server's run instead (__init__).

@@ -29,7 +29,7 @@ from cgregistry.capture.refit import Adapter
 from cgregistry.capture.queue import PendingCaptures
 from cgregistry.capture.job import CaptureJob
 from cgregistry.store.catalog import NO_EXCLUSION, Catalog, Entry, Route, Variant, not_a_descriptor
-from cgregistry.state.debug import checked, check_addresses, plain
+from cgregistry.state.debug import Clock, checked, check_addresses, plain
 from cgregistry.state.weights import WeightWatch
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.distributed import agree
@@ -51,33 +51,45 @@ ABOVE_LARGEST_HINT_AFTER = 16
 class Owner:
     """The thread a registry belongs to, and the calls other threads hand it (``call_on_owner``)."""
 
-    __slots__ = ("ident", "serving", "_thread", "handed", "_registry")
+    __slots__ = ("ident", "busy", "_thread", "handed", "_registry", "_draining")
 
     def __init__(self, registry: str) -> None:
         self.ident = 0  # the owner thread's identity
         self._thread = threading.current_thread()
         self.take()  # the thread that makes the registry, until another adopts it
-        self.serving = False  # a run() is in progress (on the owner thread: no other thread gets that far)
+        # A run() or a call that changes graphs is in progress (on the owner thread: no other thread gets that far); a
+        # run() or a change asked for meanwhile (from the step or a hook) is refused.
+        self.busy = False
         self.handed: collections.deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = collections.deque()
         self._registry = registry
+        self._draining = False  # handed calls are running: one they hand over waits for the next step
 
     @property
     def name(self) -> str:
         """The owner thread's name."""
-        return self._thread.name
+        return self._live().name
+
+    def _live(self) -> threading.Thread:
+        """The owner thread: the one recorded, or, once it ended, a running thread that has its identity now (the
+        system hands a finished thread's identity to a later one, which then passes the owner test as the owner)."""
+        if not self._thread.is_alive():
+            successor = next((t for t in threading.enumerate() if t.ident == self.ident), None)
+            if successor is not None:
+                self._thread = successor
+        return self._thread
 
     def check(self, call: str) -> None:
         """The calling thread may make ``call``: it owns the registry, or takes it over from an owner thread that has
         ended; any other thread is refused with ``OwnerThreadError``."""
         if self.ident == get_ident():
             return
-        if self._thread.is_alive():
+        if self._live().is_alive():
             raise self.refusal(call)
         self.take()
 
     def elsewhere(self) -> bool:
         """Whether another thread, still running, owns the registry."""
-        return self.ident != get_ident() and self._thread.is_alive()
+        return self.ident != get_ident() and self._live().is_alive()
 
     def take(self) -> None:
         """The calling thread owns the registry from now on."""
@@ -94,26 +106,41 @@ class Owner:
             "serving")
 
     def hand(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[Any]:
-        """``fn(*args, **kwargs)`` to run on the owner thread, before its next step; its future."""
+        """``fn(*args, **kwargs)`` to run on the owner thread, before its next step; its future.  Called on the owner
+        thread between calls, or once the owner thread has ended (the caller takes the registry), it runs now."""
         future: Future[Any] = Future()
         self.handed.append((future, fn, args, kwargs))
+        if not self.busy and not self._draining and not self.elsewhere():
+            self.take()
+            self.run_handed()
         return future
 
     def run_handed(self) -> None:
-        """The calls handed over so far, in order, on the owner thread: each one's result or error goes to its future
-        (an interrupt also goes on to the caller)."""
+        """The calls handed over before this call, in order, on the owner thread: each one's result or error goes to
+        its future (an interrupt also goes on to the caller); one they hand over meanwhile waits for the next step."""
+        draining, self._draining = self._draining, True
+        try:
+            for _ in range(len(self.handed)):
+                if not self.handed:  # a handed call ran the rest (its capture_pending(), say)
+                    break
+                future, fn, args, kwargs = self.handed.popleft()
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as exc:
+                    future.set_exception(exc)
+                    if not isinstance(exc, Exception):
+                        raise
+                else:
+                    future.set_result(result)
+        finally:
+            self._draining = draining
+
+    def cancel_handed(self) -> None:
+        """The registry is gone: the calls still handed over never run (their futures are cancelled)."""
         while self.handed:
-            future, fn, args, kwargs = self.handed.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:
-                future.set_exception(exc)
-                if not isinstance(exc, Exception):
-                    raise
-            else:
-                future.set_result(result)
+            self.handed.popleft()[0].cancel()
 
 
 class Server:
@@ -148,20 +175,20 @@ class Server:
     def guard(self, call: str) -> None:
         """``call`` changes graphs or runs the step: only on the owner thread, and never from inside a ``run()``."""
         self._owner.check(call)
-        if self._owner.serving:
+        if self._owner.busy:
             raise ConcurrentRunError(
-                f"{call} on registry {self._name!r} from inside one of its run() calls (from the step or a hook): the "
-                "run() in progress is using the static buffers and graphs; call it between steps")
+                f"{call} on registry {self._name!r} from inside one of its calls (a run(), or a capture: from the step or "
+                "a hook): the call in progress is using the static buffers and graphs; call it between steps")
 
     def run(
         self, actual: BatchDescriptor, /, *, context: Any = None, group: Any = None, exclude: Any = None, **inputs: torch.Tensor
     ) -> Any:
         """``GraphRegistry.run``: a registry hands this method out as its own ``run`` (no call in between)."""
         owner = self._owner
-        if owner.serving or get_ident() != owner.ident:
+        if owner.busy or get_ident() != owner.ident:
             self._enter()
         try:
-            owner.serving = True  # set inside the try: an interrupt anywhere after the check leaves it cleared
+            owner.busy = True  # set inside the try: an interrupt anywhere after the check leaves it cleared
             if self._adapter is not None or self._pending.busy or owner.handed:
                 inputs = self._between_steps(actual, inputs)
             if group is None and exclude is None:
@@ -223,44 +250,53 @@ class Server:
                 return out.detach()  # a fresh view per run: a caller's unsqueeze_() or t_() stays with the caller
             return entry.slicer.sliced(route.out_rows)
         finally:
-            owner.serving = False
+            owner.busy = False
 
     def _enter(self) -> None:
         """The hot path's one test failed: a ``run()`` from inside one in progress (the step or a hook called back) is
         refused; one from a thread that does not own the registry is refused, or takes an unowned registry."""
-        if self._owner.serving and get_ident() == self._owner.ident:
+        if self._owner.busy and get_ident() == self._owner.ident:
             raise ConcurrentRunError(
-                f"run() on registry {self._name!r} called from inside a run() of the same registry (from the step or a "
-                "hook): the outer run() is using the static buffers and graph outputs, so it is refused; a step or a "
-                "hook must not call run() back, have the engine's loop make the next call")
+                f"run() on registry {self._name!r} called from inside a run() of the same registry, or one of its "
+                "captures (from the step or a hook): the call in progress is using the static buffers and graph "
+                "outputs, so it is refused; a step or a hook must not call run() back, have the engine's loop make the "
+                "next call")
         self._owner.check("run()")
 
     def _between_steps(self, actual: BatchDescriptor, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Before a step: the calls other threads handed over, adaptation counting the step, and pieces of the pending
         captures within the budget (the key this batch needs first); the inputs to serve the step with."""
-        owner = self._owner
+        owner, pending = self._owner, self._pending
+        pieces = pending.busy and pending.budget != 0
+        if owner.handed or pieces:
+            # a handed call or a piece may reset the static buffers and record into the pool, which an input may alias
+            # (an earlier output, a view of a static buffer): the inputs are read as they are now
+            inputs = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
         if owner.handed:  # between steps: they may change graphs (this step's route is looked up after them)
-            owner.serving = False
+            owner.busy = False
             try:
                 owner.run_handed()
             finally:
-                owner.serving = True
+                owner.busy = True
+            self._touched()
         if self._adapter is not None and type(actual) is BatchDescriptor:
             self._adapter.observe(actual)
-        pending = self._pending
-        if pending.busy and pending.budget != 0:
+        if pieces:
             if type(actual) is BatchDescriptor:
                 route = self._cache.get(actual) or self._routes.route(actual)
                 if route.entry is None and route.miss_reason == "capturing":
                     pending.to_front(actual)
-            # a piece resets the static buffers and records into the pool, which an input may alias (an earlier output)
-            inputs = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
             if pending.before_step():
                 self._touched()
         return inputs
 
     def _touched(self) -> None:
-        """The static buffers were written outside a replay (a capture reset them)."""
+        """The static buffers were written outside a replay (a capture reset them), or graphs changed: earlier outputs
+        may be overwritten (debug mode's stale-output check hears of it)."""
+
+    def touched(self) -> None:
+        """A call between steps changed graphs or the static buffers (a capture, a release): ``_touched``."""
+        self._touched()
 
     def _capture_lazily(
         self, actual: BatchDescriptor, route: Route, variant: Variant | None, inputs: dict[str, torch.Tensor]
@@ -432,13 +468,13 @@ class DebugServer(Server):
     def __init__(self, *args: Any, watch: WeightWatch) -> None:
         super().__init__(*args)
         self._watch = watch
-        self._clock = [0]  # run() count, for the stale-output check
+        self._clock = Clock()  # for the stale-output check
         self._touches = 0  # how often runs wrote the static buffers outside a replay (only grows)
 
     def run(
         self, actual: BatchDescriptor, /, *, context: Any = None, group: Any = None, exclude: Any = None, **inputs: torch.Tensor
     ) -> Any:
-        if self._owner.serving or get_ident() != self._owner.ident:
+        if self._owner.busy or get_ident() != self._owner.ident:
             self._enter()  # another thread's call is refused before it reads anything
         if self._catalog.entries:  # with no graph, nothing reads the watched addresses yet
             if not self._state():  # the serving state first: a model rebound in a context variable is named so
@@ -452,15 +488,19 @@ class DebugServer(Server):
             out = super().run(actual, context=context, group=group, exclude=exclude, **inputs)
         except BaseException as exc:
             if self._touches != touches or not isinstance(exc, Exception):
-                clock[0] += 1  # the static buffers may have been written before the refusal: earlier outputs are stale
+                clock.ran()  # the static buffers may have been written before the refusal: earlier outputs are stale
             raise
-        clock[0] += 1
+        clock.ran()
         if self._counters.eager_fallbacks != eager_before:
             return out
-        return checked(out, clock[0], clock)
+        return checked(out, clock)
 
     def _touched(self) -> None:
         self._touches += 1
+
+    def touched(self) -> None:
+        self._touches += 1
+        self._clock.changed()  # between steps: the outputs of the runs so far are stale from now on
 
     def _replay_failed(self, *args: Any) -> Any:
         self._touched()  # the inputs were copied in and the graph ran

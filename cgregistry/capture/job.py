@@ -37,7 +37,7 @@ import torch
 
 from cgregistry.capture.pool import GraphPool
 from cgregistry.contracts.protocols import Backend
-from cgregistry.errors import CaptureError, PluginError, ServingStateError, WeightsMovedError
+from cgregistry.errors import CaptureError, ConcurrentRunError, PluginError, ServingStateError, WeightsMovedError
 from cgregistry.hooks.events import Events
 from cgregistry.hooks.manager import Plugins
 from cgregistry.inspection import CapturePhases, EntryInfo
@@ -348,7 +348,7 @@ class CaptureJob:
         """``call`` from a hook or the step inside a capture on this same thread: refused (a ``clear()`` would drop the
         capture context the rest of the plan runs under, a ``capture()`` would wait for the lock its capture holds)."""
         if getattr(self._here, "depth", 0):
-            raise RuntimeError(
+            raise ConcurrentRunError(
                 f"{call} on registry {self.name!r} from inside one of its captures on the same thread (a hook or the "
                 f"step called it while capturing): refused, the capture in progress would wait for itself or lose its "
                 f"context; call it after capture() (or the run() that captures) returns"

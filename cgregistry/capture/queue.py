@@ -189,6 +189,11 @@ class PendingCaptures:
                 job.record_graph(warmed, between_steps=True, queued=True)
             except CaptureError as exc:
                 self._failed(warmed.pair, exc)
+            except BaseException:  # an interrupt: the key is warmed up again, unless its entry went live already
+                if warmed.pair in self._catalog.entries:
+                    self._warmed = None
+                    self._changed()
+                raise
             self._warmed = None
             self._timed(warmed.pair, RECORD, started)
             self._changed()
@@ -201,6 +206,10 @@ class PendingCaptures:
                 result, error = item.run(), None
             except Exception as exc:  # reported through on_done, never lost
                 result, error = None, exc
+            except BaseException:  # an interrupt: the task runs again as the next piece
+                self._queue.appendleft(item)
+                self._changed()
+                raise
             self._timed(None, TASK, started)
             item.on_done(result, error)
             return False
@@ -211,12 +220,20 @@ class PendingCaptures:
             warmed = None
         else:
             self._timed(item, WARM_UP, started)
-        self._queue.popleft()
+        self._drop(item)
         self._warmed = warmed
         self._changed()
         if warmed is not None and warmed.skipped:  # no warm-up ran (warm_up_again=False): the recording is this piece
             return self._piece()
         return True
+
+    def _drop(self, item: Pair) -> None:
+        """``item``, just warmed up, leaves the queue (wherever it is now: the queue may have changed meanwhile)."""
+        queue = self._queue
+        if queue and queue[0] is item:
+            queue.popleft()
+        else:
+            self._queue = deque(other for other in queue if other is not item)
 
     def _failed(self, pair: Pair, error: CaptureError) -> None:
         self._catalog.fail_capture(pair, error)

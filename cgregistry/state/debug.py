@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from cgregistry.errors import DebugError, MovedTensorError, StaleOutputError
 from cgregistry.state.weights import WeightWatch
 
-__all__ = ["AddressWatch", "CheckedOutput", "DebugError", "MovedTensorError", "StaleOutputError", "check_addresses"]
+__all__ = ["AddressWatch", "CheckedOutput", "Clock", "DebugError", "MovedTensorError", "StaleOutputError", "check_addresses"]
 
 
 # The address watch lives in cgregistry.state.weights (refresh() compares addresses too); its old name stays here.
@@ -58,12 +58,34 @@ def _metadata_readers() -> frozenset[Any]:
 _METADATA = _metadata_readers()
 
 
+class Clock:
+    """What wrote graph memory last: ``version`` grows with each run() and each change between runs (a capture, a
+    release) that may overwrite earlier outputs; ``runs`` numbers the runs; ``writer`` says which came last."""
+
+    __slots__ = ("version", "runs", "writer")
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.runs = 0
+        self.writer = ""
+
+    def ran(self) -> None:
+        self.runs += 1
+        self.version += 1
+        self.writer = f"run {self.runs}"
+
+    def changed(self) -> None:
+        self.version += 1
+        self.writer = f"a change to the graphs after run {self.runs} (a capture, a release or a refresh between steps)"
+
+
 class CheckedOutput(torch.Tensor):
     """A view of graph output memory that refuses to be read after the next ``run()``."""
 
     _cg_label: str
-    _cg_run: int
-    _cg_clock: list[int]
+    _cg_run: int  # the run that made it
+    _cg_version: int  # the clock's version then
+    _cg_clock: Clock
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -89,24 +111,26 @@ class CheckedOutput(torch.Tensor):
                 if isinstance(t, CheckedOutput):
                     return t
                 source = storages.get(t.untyped_storage().data_ptr()) if t.untyped_storage().nbytes() else None
-                return t if source is None else _mark(t, source._cg_label, source._cg_run, source._cg_clock)
+                return t if source is None else _mark(t, source._cg_label, source._cg_clock, source._cg_run, source._cg_version)
 
             return tree_map_only(torch.Tensor, derived, result)
 
 
 def _check_fresh(leaf: CheckedOutput, reader: object) -> None:
-    if leaf._cg_clock[0] != leaf._cg_run:
+    clock = leaf._cg_clock
+    if clock.version != leaf._cg_version:
         raise StaleOutputError(
-            f"{leaf._cg_label} of run {leaf._cg_run} was read (by {reader}) after run {leaf._cg_clock[0]} "
+            f"{leaf._cg_label} of run {leaf._cg_run} was read (by {reader}) after {clock.writer} "
             "overwrote it; clone() what you keep past the next run()"
         )
 
 
-def _mark(tensor: torch.Tensor, label: str, run: int, clock: list[int]) -> CheckedOutput:
+def _mark(tensor: torch.Tensor, label: str, clock: Clock, run: int, version: int) -> CheckedOutput:
     out = tensor.as_subclass(CheckedOutput)
     out._cg_label = label
-    out._cg_run = run
     out._cg_clock = clock
+    out._cg_run = run
+    out._cg_version = version
     return out
 
 
@@ -119,12 +143,12 @@ def plain(value: Any) -> Any:
         return value.as_subclass(torch.Tensor)
 
 
-def checked(outputs: Any, run: int, clock: list[int]) -> Any:
-    """``outputs`` with each tensor leaf as a CheckedOutput of run number ``run``."""
+def checked(outputs: Any, clock: Clock) -> Any:
+    """``outputs`` of the run just counted on ``clock``, each tensor leaf as a CheckedOutput."""
     leaves, spec = tree_flatten(outputs)
     wrapped = []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            leaf = _mark(leaf, "output" if len(leaves) == 1 else f"output leaf {i}", run, clock)
+            leaf = _mark(leaf, "output" if len(leaves) == 1 else f"output leaf {i}", clock, clock.runs, clock.version)
         wrapped.append(leaf)
     return spec.unflatten(wrapped)

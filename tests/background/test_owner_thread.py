@@ -47,6 +47,7 @@ CHANGES: dict[str, Callable[[cg.GraphRegistry], Any]] = {
     "clear()": lambda reg: reg.clear(),
     "estimate_memory()": lambda reg: reg.estimate_memory([(B.decode(2), "full")]),
     "capture_pending()": lambda reg: reg.capture_pending(1.0),
+    "watch()": lambda reg: reg.watch([("bias", torch.zeros(4))]),
 }
 
 
@@ -60,14 +61,14 @@ def test_a_call_that_changes_graphs_or_runs_the_step_from_another_thread_is_refu
     reg = make(engine)
     reg.capture([(B.decode(4), "full"), (B.decode(8), "full")])
     reg.capture([(B.decode(16), "full")], background=True)
-    before = (sorted(str(e.key) for e in reg.entries()), reg.capturing(), reg.stats().hits, len(engine.calls))
+    before = (sorted(str(e.key) for e in reg.entries()), reg.capturing(), reg.stats().hits, len(engine.calls), reg.watched())
     outcome = on_another_thread(lambda: CHANGES[call](reg))
     error = outcome.get("error")
     assert isinstance(error, OwnerThreadError) and isinstance(error, cg.ConcurrentRunError), outcome
     assert f"{call.split('(')[0]}() on registry" in str(error)
     assert "from thread 'trainer'" in str(error) and "belongs to thread 'MainThread'" in str(error)
     assert "reg.call_on_owner" in str(error)
-    after = (sorted(str(e.key) for e in reg.entries()), reg.capturing(), reg.stats().hits, len(engine.calls))
+    after = (sorted(str(e.key) for e in reg.entries()), reg.capturing(), reg.stats().hits, len(engine.calls), reg.watched())
     assert after == before, "a refused call changed nothing and ran no step"
 
 
@@ -136,14 +137,19 @@ def test_calls_handed_over_run_in_order_before_the_next_step_and_report_results_
         return x * 2
 
     reg = cg.GraphRegistry(step, {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu")
-    first = reg.call_on_owner(lambda: order.append("first") or 1)
-    failing = reg.call_on_owner(lambda: 1 / 0)
-    cancelled = reg.call_on_owner(lambda: order.append("cancelled"))
-    last = reg.call_on_owner(lambda x: order.append(f"last {x}") or x, 7)
-    assert cancelled.cancel() and not first.done()
+    handed = on_another_thread(lambda: [
+        reg.call_on_owner(lambda: order.append("first") or 1),
+        reg.call_on_owner(lambda: 1 / 0),
+        reg.call_on_owner(lambda: order.append("cancelled")),
+        reg.call_on_owner(lambda x: order.append(f"last {x}") or x, 7),
+    ])
+    first, failing, cancelled, last = handed["value"]
+    assert cancelled.cancel() and not first.done() and order == []
     reg.run(B(3), x=torch.ones(3))  # no graph: the step runs eagerly, after the handed calls
     assert order == ["first", "last 7", "step"]
     assert first.result() == 1 and last.result() == 7 and isinstance(failing.exception(), ZeroDivisionError)
+    now = reg.call_on_owner(lambda: order.append("now") or 2)  # the owner itself, between steps: it runs at once
+    assert now.result(timeout=0) == 2 and order[-1] == "now"
     with pytest.raises(TypeError, match="call_on_owner\\(\\) takes a callable"):
         reg.call_on_owner(7)  # type: ignore[arg-type]
 
@@ -219,7 +225,7 @@ def test_a_run_called_back_from_the_step_is_refused_as_a_reentry_not_as_another_
             return x
 
         holder[1:] = [cg.GraphRegistry(step_calling, {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu")]
-        with pytest.raises(cg.ConcurrentRunError, match=f"{call}\\(\\) on registry .* from inside one of its run"):
+        with pytest.raises(cg.ConcurrentRunError, match=f"{call}\\(\\) on registry .* from inside one of its calls \\(a run\\(\\)"):
             holder[1].run(B(3), x=torch.ones(3))
     torch.testing.assert_close(reg.run(B(3), x=torch.ones(3)), torch.full((3,), 2.0))
 
@@ -239,11 +245,162 @@ def test_an_interrupt_from_the_step_or_a_handed_call_leaves_the_registry_usable_
     interrupt[0] = True
     with pytest.raises(KeyboardInterrupt):
         reg.run(B(3, 3, uniform=False), x=x, exclude=("full",))  # excluded: the step runs eagerly, and is interrupted
-    reg.call_on_owner(lambda: (_ for _ in ()).throw(KeyboardInterrupt))
+    handed = on_another_thread(lambda: reg.call_on_owner(lambda: (_ for _ in ()).throw(KeyboardInterrupt)))["value"]
     with pytest.raises(KeyboardInterrupt):
         reg.run(B(3), x=x)
+    assert isinstance(handed.exception(), KeyboardInterrupt)
     assert reg.wait_captured() and reg.refresh().recaptured == ()
     reg.capture([(B(4), "full")], background=True)
     assert reg.capture_pending(None) and len(reg) == 2
     torch.testing.assert_close(reg.run(B(3), x=x), x * 2)
     assert reg.stats().hits == 1
+
+
+def test_a_thread_given_an_ended_owners_identity_is_the_owner_and_others_are_refused() -> None:
+    """The system gives an ended thread's identity to a later thread (glibc reuses a thread's slot at once), which then
+    passes the owner test: that thread is the owner (named so), and no other thread takes the registry over beside it."""
+    reg = make(Engine())
+    reg.capture(PLAN)
+    ended = threading.Thread(target=reg.adopt, name="old-loop")
+    ended.start()
+    ended.join(30)
+    release, started = threading.Event(), threading.Event()
+    later = threading.Thread(target=lambda: (started.set(), release.wait(30)), name="new-loop")
+    later.start()
+    assert started.wait(30)
+    try:
+        if later.ident != ended.ident:
+            pytest.skip("this system gave the new thread another identity")
+        assert reg.owner == "new-loop"
+        with pytest.raises(OwnerThreadError, match="belongs to thread 'new-loop'"):
+            reg.clear()
+        assert len(reg) == len(PLAN)
+    finally:
+        release.set()
+        later.join(30)
+    assert reg.clear() == len(PLAN) and reg.owner == "MainThread", "once it ended, the next thread took the registry"
+
+
+def _calling_back_from_the_step(call: Callable[[cg.GraphRegistry], Any]) -> tuple[cg.GraphRegistry, Engine, list[BaseException]]:
+    """A registry whose step makes ``call(reg)`` at each of its captures' warm-ups (refused errors kept)."""
+    engine = Engine()
+    refused: list[BaseException] = []
+    step = engine.step
+
+    def calling(batch: B, input_ids: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        if cg.current_batch().key is not None and not refused:
+            try:
+                call(reg)
+            except cg.ConcurrentRunError as exc:
+                refused.append(exc)
+        return step(batch, input_ids, slot_mapping)
+
+    engine.step = calling  # type: ignore[method-assign]
+    reg = make(engine)
+    return reg, engine, refused
+
+
+@pytest.mark.parametrize("call", ["run", "release", "clear", "wait_captured", "adopt from another thread"])
+def test_a_call_from_the_step_during_capture_pending_is_refused_and_no_key_is_lost(call: str) -> None:
+    calls: dict[str, Callable[[cg.GraphRegistry], Any]] = {
+        "run": lambda reg: reg.run(*_batch()[:1], **_batch()[1]),
+        "release": lambda reg: reg.release(B.decode(16)),
+        "clear": lambda reg: reg.clear(),
+        "wait_captured": lambda reg: reg.wait_captured(),
+        "adopt from another thread": lambda reg: _raise(on_another_thread(reg.adopt).get("error")),
+    }
+    reg, engine, refused = _calling_back_from_the_step(calls[call])
+    reg.capture([(B.decode(16), "full"), (B.decode(4), "full")], background=True)
+    assert reg.capture_pending(None)
+    assert len(refused) == 1, "the call was refused"
+    assert any(said in str(refused[0]) for said in ("while a run() or a capture is in progress", "from inside")), refused
+    assert reg.owner == "MainThread" and len(reg) == 2 and reg.failures() == {} and reg.capturing() == []
+    batch, inputs = batch_inputs(3, 1)
+    torch.testing.assert_close(reg.run(batch, **inputs), eager(engine, batch, inputs), atol=1e-5, rtol=1e-5)
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
+def test_capturing_is_read_from_another_thread_while_the_owner_queues_and_captures() -> None:
+    reg = make(Engine(), capture_budget=1e-9)
+    stop, errors, reads = threading.Event(), [], [0]
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                keys = reg.capturing()
+                reg.snapshot()
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+                return
+            assert all(isinstance(pair, tuple) for pair in keys)
+            reads[0] += 1
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for round in range(20):
+            reg.capture(PLAN, background=True)
+            for i in range(6):
+                batch, inputs = batch_inputs(1 + (round + i) % 16, i)
+                reg.run(batch, **inputs)
+            reg.clear()
+    finally:
+        stop.set()
+        thread.join(30)
+    assert errors == [] and reads[0] > 0
+
+
+def test_a_call_handed_to_an_ended_owner_runs_on_the_caller_which_takes_the_registry() -> None:
+    reg = make(Engine())
+    ended = threading.Thread(target=reg.adopt, name="old-loop")
+    ended.start()
+    ended.join(30)
+    outcome = on_another_thread(lambda: (reg.call_on_owner(lambda: len(reg.capture(PLAN))).result(timeout=5), reg.owner),
+                                name="new-loop")
+    assert outcome == {"value": (len(PLAN), "new-loop")}
+
+
+def test_calls_handed_to_a_registry_that_is_gone_are_cancelled() -> None:
+    import gc
+
+    reg = make(Engine())
+    future = on_another_thread(lambda: reg.call_on_owner(lambda: 1))["value"]
+    assert not future.done()
+    del reg
+    gc.collect()
+    assert future.cancelled()
+
+
+def test_a_handed_call_that_hands_another_leaves_it_to_the_next_step() -> None:
+    reg = make(Engine())
+    ticks: list[int] = []
+
+    def tick() -> None:
+        ticks.append(len(ticks))
+        reg.call_on_owner(tick)  # a periodic job: again before the next step
+
+    on_another_thread(lambda: reg.call_on_owner(tick))
+    for i in range(3):
+        batch, inputs = batch_inputs(3, i)
+        reg.run(batch, **inputs)
+        assert ticks == list(range(i + 1))
+
+
+def test_a_capture_handed_over_reads_an_input_that_aliases_a_static_buffer_as_it_was_when_run_was_called() -> None:
+    """A handed call runs before the step and may reset the static buffers (a capture): an input that is a view of one
+    is served with the values it had when run() was called."""
+    engine = Engine()
+    reg = make(engine, capture_budget=0)
+    reg.capture([(B.decode(8), "full")])
+    for i, n in enumerate((2, 16, 32)):
+        on_another_thread(lambda n=n: reg.call_on_owner(reg.capture, [(B.decode(n), "full")]))
+        batch, inputs = batch_inputs(5, i)
+        ids = reg.static_inputs["input_ids"][:5]
+        ids.copy_(inputs["input_ids"])
+        out = reg.run(batch, input_ids=ids, slot_mapping=inputs["slot_mapping"])
+        torch.testing.assert_close(out, eager(engine, batch, inputs), atol=1e-5, rtol=1e-5)
+    assert len(reg) == 4

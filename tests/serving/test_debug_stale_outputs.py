@@ -116,6 +116,26 @@ def test_a_refused_step_after_a_capture_piece_makes_earlier_outputs_stale_and_on
             before.tolist()
 
 
+@pytest.mark.parametrize("between", ["capture_pending", "handed capture", "release"])
+def test_a_call_between_steps_that_changes_graphs_makes_earlier_outputs_stale(between: str) -> None:
+    """capture_pending(), a capture handed over with call_on_owner() and release() reset the static buffers or record
+    into (or free) the pool between steps: an output kept from the run before may be overwritten, and debug mode says
+    so at its next read."""
+    reg = cg.GraphRegistry(lambda batch, x: x * 2, {"x": cg.StaticInput((8,), torch.float32)}, backend="cpu",
+                           plugins=make_plugins(), debug=True)
+    reg.capture([(B(4), "full")], progress=False)
+    before = reg.run(B(3), x=torch.ones(3))
+    if between == "capture_pending":
+        reg.capture([(B(8), "full")], background=True, progress=False)
+        assert reg.capture_pending(None)
+    elif between == "handed capture":
+        reg.call_on_owner(reg.capture, [(B(8), "full")]).result(timeout=0)
+    else:
+        reg.release(B(4))
+    with pytest.raises(cg.StaleOutputError):
+        before.tolist()
+
+
 def test_a_weight_change_on_another_thread_mid_check_does_not_let_a_cudnn_flag_change_through(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state test is read whole: a ``failing()`` from another thread between its parts must not mix them."""
 
