@@ -8,11 +8,14 @@
    ``capture(plan)`` took, and the time from ``wake()`` to the first graph-served step.
 3. The by-assign recapture window again in a loop that gives idle time between bursts: ``capture_budget=0``
    (no piece inside a step) and ``capture_pending(--idle)`` after every ``--burst`` steps; the same figures.
-4. ``--in-place-refresh``: a registry with ``in_place_refresh=True``; syncs by assign copied back by ``refresh()``,
-   the next steps' p99 against the same steps eager, and the memory the sync leaves allocated.
+4. ``--loader-syncs N``: N weight syncs streamed, one ``(name, tensor)`` pair at a time, from a trainer's own copy of
+   the weights into the engine with ``reg.load_weights`` under ``torch.inference_mode()``, a few requests served after
+   each and every logit compared with Hugging Face's forward at the new weights: graphs kept, keys captured again,
+   the loader's time per sync, and the p99 of the graph steps after each sync against the graph steps before any.
+   ``--loader-only`` skips 1-3.
 
     PYTHONPATH=. python3 benchmarks/gpu_lifecycle.py [--requests 64] [--config llama-3.2-1b] [--burst 4 --idle 0.05]
-        [--in-place-refresh]
+        [--loader-syncs 64] [--loader-only]
 """
 
 from __future__ import annotations
@@ -98,8 +101,9 @@ def main() -> None:
     parser.add_argument("--eager-runs", type=int, default=2, help="eager runs of the window's requests, the reference "
                         "each window's p99 is held against (and, pooled, the pooled windows')")
     parser.add_argument("--steps", action="store_true", help="print every step of the background recapture window on stderr")
-    parser.add_argument("--in-place-refresh", action="store_true", help="after the rest, a registry with "
-                        "in_place_refresh=True: three syncs by assign, each copied back by refresh(background=True)")
+    parser.add_argument("--loader-syncs", type=int, default=0, help="after the rest, this many syncs streamed in place "
+                        "with reg.load_weights under inference_mode, every logit checked")
+    parser.add_argument("--loader-only", action="store_true", help="only the loader's syncs (--loader-syncs, 64 if unset)")
     args = parser.parse_args()
     hf = _load_hf()
     device = torch.device("cuda")
@@ -140,6 +144,12 @@ def main() -> None:
         g = torch.Generator(device="cuda").manual_seed(seed)
         return {k: (v.float() + 0.02 * torch.randn(v.shape, generator=g, device="cuda")).to(v.dtype) for k, v in model.state_dict().items()}
 
+    if args.loader_only:
+        loader_syncs(hf, model, shape, args.mode, timed=Timed, counter=counter, syncs=args.loader_syncs or 64, rows=rows)
+        print("\nsummary")
+        for name, value in rows:
+            print(f"  {name:55s} {value}")
+        return
     eager = Timed(model, shape, None, keep_logits=False)
     eager.serve(requests(1))  # warm-up: every kernel, the allocator
     eager = Timed(model, shape, None, keep_logits=False)
@@ -271,63 +281,71 @@ def main() -> None:
           f"same steps eager {ratio}; max |logit - HF(new weights)| {err_idle:.3g}")
     rows.append(("weight sync by assign, idle between bursts: every key back", f"{done:.2f} s ({done / foreground_s:.2f}x foreground)"))
     rows.append(("weight sync by assign, idle between bursts: p99 / the same steps eager", ratio))
-    if args.in_place_refresh:
+    if args.loader_syncs:
         reg.clear()
         del reg, eng, res
-        in_place(hf, model, shape, args.mode, timed=Timed, requests=requests, new_weights=new_weights, same=same, rows=rows)
+        loader_syncs(hf, model, shape, args.mode, timed=Timed, counter=counter, syncs=args.loader_syncs, rows=rows)
     print("\nsummary")
     for name, value in rows:
         print(f"  {name:55s} {value}")
     print(f"  median eager step {statistics.median(eager_ms):.1f} ms")
 
 
-def in_place(hf: Any, model: Any, shape: Any, mode: str, *, timed: Any, requests: Any, new_weights: Any,
-             same: list[list[float]], rows: list[tuple[str, str]]) -> None:
-    """Syncs by assign under ``in_place_refresh``: refresh()'s time, what it copied and captured again, the next steps'
-    p99 against the same steps eager, every logit against HF with the new weights, and the device memory the sync
-    leaves allocated once the handed-over tensors are dropped."""
+def loader_syncs(hf: Any, model: Any, shape: Any, mode: str, *, timed: Any, counter: Counter, syncs: int,
+                 rows: list[tuple[str, str]]) -> None:
+    """``syncs`` weight syncs streamed from a trainer's own copy of the weights with ``reg.load_weights`` under
+    ``torch.inference_mode()``, a few requests served after each (every logit against HF's forward at the weights of
+    that moment): the loader's time per sync (its copies included: the stream is synchronized), graphs kept, keys
+    captured again, and the p99 of the graph-served steps after the syncs against those before any."""
     gc.collect()
     torch.cuda.empty_cache()
-    reg = hf.build_registry(model, shape, mode, in_place_refresh=True)
-    planned = len(reg)
-    eager_p99 = [percentile(steps, 0.99) for steps in same[:2]]
-    for i in range(3):
-        eng = res = None
-        gc.collect()
-        torch.cuda.synchronize()
-        allocated = torch.cuda.memory_allocated()
-        model.load_state_dict(sharing_kept(model, new_weights(200 + i)), assign=True)  # the dict is dropped at once
-        t = time.perf_counter()
-        result = reg.refresh(background=True)
-        refresh_ms = (time.perf_counter() - t) * 1e3
-        torch.cuda.synchronize()
-        grown = (torch.cuda.memory_allocated() - allocated) / 2**20  # the new weights' memory, freed once copied back
+    reg = hf.build_registry(model, shape, mode, plugins=cg.Plugins(cg.plugin.make_plugin_manager([counter])))
+    planned, captured = len(reg), len(counter.finished)
+    trainer = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}  # the trainer's memory
+    tied = sum(1 for _ in model.state_dict()) - len({t.data_ptr() for t in model.state_dict().values()})
+
+    def served(seed: int) -> tuple[list[float], float]:
         eng = timed(model, shape, reg, keep_logits=True)
-        res = eng.serve(requests(5))
-        reg.wait_captured()
-        err = hf.check_against_hf(model, res.finished)
-        alone = timed(model, shape, None, keep_logits=True)  # the same requests eagerly: HF's difference at these weights
-        err_eager = hf.check_against_hf(model, alone.serve(requests(5)).finished)
-        steps = [ms for ms, _, _ in eng.steps]
-        eager_steps = sum(1 for _, _, hit in eng.steps if not hit)
-        ratio = " and ".join(f"{percentile(steps, 0.99) / p:.2f}" for p in eager_p99)
-        print(f"by assign, in place: refresh(background=True) {refresh_ms:.1f} ms; {len(result.moved)} moved, "
-              f"{len(result.copied)} copied back, {len(result.kept)} of {planned} keys kept, {len(result.recaptured)} "
-              f"captured again{f' ({result.not_copied[0]})' if result.not_copied else ''}; the next {len(steps)} steps: "
-              f"{eager_steps} eager, p99 {percentile(steps, 0.99):.1f} ms, p99 / the same steps eager {ratio}; "
-              f"allocated {grown:+.0f} MiB; max |logit - HF(new weights)| {err:.3g} (served eagerly: {err_eager:.3g})")
-        rows.append((f"sync by assign, in place {i + 1}: refresh / kept / again", f"{refresh_ms:.1f} ms / {len(result.kept)} / {len(result.recaptured)}"))
-        rows.append((f"sync by assign, in place {i + 1}: next steps p99 / eager", ratio))
-        rows.append((f"sync by assign, in place {i + 1}: max |logit - HF| (eager's), allocated", f"{err:.3g} ({err_eager:.3g}), {grown:+.0f} MiB"))
+        res = eng.serve(hf.trace_requests(8, shape, model.config.vocab_size, 48, 8, seed=seed))
+        return [ms for ms, _, hit in eng.steps if hit], hf.check_against_hf(model, res.finished)
 
-
-def sharing_kept(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with one tensor for the names whose tensors share memory in ``model`` now (tied embeddings), as a
-    trainer's sync of a tied model sends one."""
-    first: dict[tuple[int, int], str] = {}
-    for name, tensor in model.state_dict().items():
-        state[name] = state[first.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset()), name)]
-    return state
+    before: list[float] = []
+    for seed in range(4):  # the graph steps before any sync (the first serve warms the engine up)
+        steps, _ = served(300 + seed)
+        before += steps if seed else []
+    after: list[float] = []
+    loader_ms: list[float] = []
+    worst = 0.0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for i in range(syncs):
+        with torch.no_grad():  # the trainer's step: new values in its own tensors
+            for tensor in trainer.values():
+                if tensor.is_floating_point():
+                    tensor.add_(torch.randn(tensor.shape, generator=g, device="cuda", dtype=tensor.dtype), alpha=1e-3)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            loaded = reg.load_weights(iter(trainer.items()))  # streamed: one (name, tensor) pair at a time
+        torch.cuda.synchronize()
+        loader_ms.append((time.perf_counter() - t) * 1e3)
+        assert len(loaded) == len(trainer)
+        steps, err = served(400 + i)
+        after += steps
+        worst = max(worst, err)
+    moved = [name for name, tensor in model.state_dict().items() if tensor.data_ptr() != trainer[name].data_ptr()]
+    again = len(counter.finished) - captured
+    gigabytes = sum(t.numel() * t.element_size() for t in trainer.values()) / 1e9
+    ratio = percentile(after, 0.99) / percentile(before, 0.99)
+    print(f"loader: {syncs} syncs of {len(trainer)} tensors ({tied} tied, {gigabytes:.2f} GB) streamed under inference_mode: "
+          f"load_weights median {statistics.median(loader_ms):.2f} ms, max {max(loader_ms):.2f} ms per sync; {len(reg)} of "
+          f"{planned} graphs kept, {again} keys captured again, {reg.stats().misses} misses; graph steps p99 after the "
+          f"syncs {percentile(after, 0.99):.2f} ms over {len(after)} steps, before {percentile(before, 0.99):.2f} ms over "
+          f"{len(before)} ({ratio:.3f}x); max |logit - HF(weights of the moment)| {worst:.3g}; parameters sharing the "
+          f"trainer's memory: {len(model.state_dict()) - len(moved)}")
+    rows.append(("loader: load_weights per sync, median / max", f"{statistics.median(loader_ms):.2f} / {max(loader_ms):.2f} ms"))
+    rows.append(("loader: graphs kept / keys captured again", f"{len(reg)} of {planned} / {again}"))
+    rows.append(("loader: graph steps p99 after / before the syncs", f"{ratio:.3f}"))
+    rows.append(("loader: max |logit - HF(new weights)|", f"{worst:.3g}"))
 
 
 if __name__ == "__main__":

@@ -107,15 +107,12 @@ class EntryInfo:
 @attrs.frozen(slots=True)
 class Refreshed:
     """What ``refresh()`` did: keys kept (their graphs read the weights where they are), keys captured again (now, or
-    pending capture between the steps that follow with ``background``), the watched tensors that had moved and, with
-    ``in_place_refresh``, the parameters copied back into the memory the graphs read and why others were not."""
+    pending capture between the steps that follow with ``background``), and the watched tensors that had moved."""
 
     kept: tuple[tuple[BatchDescriptor, str], ...]
     recaptured: tuple[tuple[BatchDescriptor, str], ...]
     moved: tuple[str, ...]
     background: bool
-    copied: tuple[str, ...] = ()
-    not_copied: tuple[str, ...] = ()
 
 
 @attrs.frozen(slots=True)

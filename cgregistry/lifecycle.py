@@ -27,8 +27,6 @@ from cgregistry.capture.queue import PendingCaptures
 from cgregistry.store.io import StaticBuffer
 from cgregistry.capture.job import CaptureJob
 from cgregistry.store.catalog import Catalog, Entry, Pair
-from cgregistry.state.copy_back import copy_back, tensors_in
-from cgregistry.state.weights import aliases_beside
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.hooks.events import Events
 from cgregistry.inspection import Refreshed, Slept
@@ -137,22 +135,14 @@ class Lifecycle:
     def refresh(self, background: bool) -> Refreshed:
         """After a weight update: keep the graphs that read the weights where they are, capture the others again."""
         self._job.refuse_inside("refresh()")
-        self._job.refuse_rebound("refresh()")
         watch = self._job.watch
 
         def read() -> dict[str, Any]:
-            self._job.watch_step()  # a module the step reaches through a global or a container since
+            self._job.watch_step()  # a module the step is given since (a rebound attribute)
             return watch.now()  # one read of every address (what was added to a watched module since included)
 
-        now = self._job.in_recorded_context(read)  # a context variable read as every capture reads it
+        now = read()
         moved = tuple(watch.moved(now))
-        copied: tuple[str, ...] = ()
-        not_copied: tuple[str, ...] = ()
-        if moved and watch.hold:
-            self._backend.synchronize()  # the replays queued so far read the old values to their end
-            copied, not_copied = self._job.in_recorded_context(lambda: self._copy_back(now))
-            if copied:
-                now = self._job.in_recorded_context(read)
         verdicts: dict[int, bool] = {}  # entries captured in one generation share what they read: compared once
         stale = []
         for pair, entry in self._catalog.entries.items():
@@ -176,7 +166,7 @@ class Lifecycle:
         self._released(removed, release=False)  # the keys captured again reuse the pool
         if again and self.asleep is None:
             self._recapture(again, background, ordered=False)
-        result = Refreshed(kept, tuple(again), moved, background, copied, not_copied)
+        result = Refreshed(kept, tuple(again), moved, background)
         self._events.refreshed(result)
         return result
 
@@ -189,21 +179,6 @@ class Lifecycle:
             self._pending.submit(pairs, ordered=ordered)
             return
         self._job.capture_all(pairs, progress=None, untried_lazily=True)
-
-    def _copy_back(self, now: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """``in_place_refresh``: each moved parameter whose graphs' memory is still held gets its new values copied
-        there and is pointed at it (``copy_back``); the names done, and why each other one was left."""
-        watch = self._job.watch
-        entries = list(self._catalog.entries.values())
-        moves, others, aliases, unheld = watch.moves(now, (entry.weights for entry in entries))
-        done: list[str] = []
-        refused: list[str] = []
-        if moves:
-            beside = aliases_beside(entry.weights for entry in entries)
-            done, refused = copy_back(moves, others, aliases, tensors_in(entry.graph for entry in entries), beside)
-        copied = set(done)
-        watch.announce(m for m in moves if m.name in copied)
-        return tuple(done), (*refused, *unheld)
 
     # ---------------------------------------------------------------- sleep, wake
 
@@ -243,7 +218,6 @@ class Lifecycle:
             if owed:
                 self._recapture(owed, background, ordered=True)
             return tuple(owed)
-        self._job.refuse_rebound("wake()")  # its captures would read what capture() saw
         keys = [p for p in slept.keys if p not in self._catalog.entries]
         self._catalog.owed.update(dict.fromkeys(keys))  # owed before it wakes: an interrupt from here on loses none
         for buf in self._buffers.values():

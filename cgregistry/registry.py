@@ -48,6 +48,7 @@ from cgregistry.hooks.manager import Plugins
 from cgregistry.server import DebugServer, Owner, Server
 from cgregistry.errors import CaptureError, ConcurrentRunError, OwnerThreadError
 from cgregistry.warn import warn
+from cgregistry.weights.load import load_in_place
 
 __all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "OwnerThreadError", "Stats", "estimate_pool_memory"]  # records re-exported
 
@@ -65,6 +66,8 @@ class GraphRegistry:
     the next ``run``, and only while the registry lives.  A registry belongs to one thread, the one that serves it (the
     thread that made it; ``adopt()`` moves it): another thread's ``run()`` or change is refused with
     ``OwnerThreadError``, and ``call_on_owner`` hands a call over to the owner's next step.
+    ``watch``: modules (or ``(name, tensor)`` pairs) the step reads beside what it is given (itself, a bound method's
+    object, closure cells, ``partial`` arguments, and what they hold): a module-level model, say (``reg.watch()``).
     ``capture_budget``: seconds each ``run()`` may spend capturing pending keys before its step (``capture(plan,
     background=True)``, ``refresh(background=True)``, ``wake()``, refits); None (the default): as long as an eager step
     of this registry takes, measured; 0: never while serving (``capture_pending()`` in idle time does it instead).
@@ -98,8 +101,8 @@ class GraphRegistry:
         adapt: Adaptation | None = None,
         pool: GraphPool | None = None,
         warm_up_again: bool = True,
-        in_place_refresh: bool = False,
         capture_budget: float | None = None,
+        watch: Any = None,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable, got {step!r}")
@@ -107,7 +110,6 @@ class GraphRegistry:
         if type(warmup_runs) is not int or warmup_runs < 1:
             raise ValueError(f"warmup_runs must be an int >= 1, got {warmup_runs!r}")
         check_flag("GraphRegistry", "warm_up_again", warm_up_again)
-        check_flag("GraphRegistry", "in_place_refresh", in_place_refresh)
         check_budget(memory_budget)
         check_capture_budget(capture_budget)
         cap = PaddingCap(max_padding_tokens, max_padding_ratio)
@@ -130,7 +132,12 @@ class GraphRegistry:
         self.pool = pool if pool is not None else GraphPool(self.backend)
         self._job = job = CaptureJob(step, buffers, self.backend, output_axes, warmup_runs, self.pool, catalog, events,
                                      self.plugins, self.name, warm_up_again=warm_up_again)
-        job.watch.hold = in_place_refresh
+        if watch is not None:
+            job.watch.watch(watch)
+            job.watch.named = True
+        if self.debug:  # debug mode also watches the module-level models the step's code names (checked every replay)
+            job.watch.module_level = True
+            job.watch_step()
         self._pending = pending = PendingCaptures(job, catalog, self.name, capture_budget)
         adapter = Adapter(adapt, catalog, job, pending, events, self.name) if adapt is not None else None
         # The changes adaptation made, oldest first: the last 256 (stats().plan_changes counts them all).
@@ -388,16 +395,28 @@ class GraphRegistry:
             return self._lifecycle.clear()
 
     def refresh(self, background: bool = False) -> Refreshed:
-        """Call after a weight update: graphs that read the watched weights where they are now stay (an in-place update
-        keeps them all; with ``in_place_refresh``, so does a replacement of the same layout, copied back first); the
+        """Call after a weight update by assignment (``load_state_dict(assign=True)``, a replaced module): graphs that
+        read the watched weights where they are now stay (an update in place, ``load_weights`` say, keeps them all); the
         others are dropped at once and captured again, now or, with ``background``, in pieces between the steps that
         ``run()`` serves meanwhile (eagerly until a key is back).  Until then a replay against moved weights raises
-        ``WeightsMovedError``.  The modules the step reaches (itself, its object, closure cells, ``partial`` arguments,
-        the module-level names its code uses) and whatever ``watch()`` names are watched.  On the owner thread: a sync
+        ``WeightsMovedError``.  The modules and tensors the step is given (itself, its object, closure cells,
+        ``partial`` arguments, and what they hold) and whatever ``watch`` names are watched.  On the owner thread: a sync
         on another thread hands both over, ``reg.call_on_owner(sync_and_refresh)``."""
         check_flag("refresh", "background", background)
         with self._busy("refresh()"):
             return self._lifecycle.refresh(background)
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                     module: torch.nn.Module | None = None) -> tuple[str, ...]:
+        """A weight sync that keeps every graph: copy ``weights`` (a state dict, or ``(name, tensor)`` pairs as a trainer
+        streams them) into the parameters and buffers of ``module`` (left out: the one module the step reads) where they
+        are, so the graphs read the new values and none is captured again, no ``refresh()``.  Every name, shape, dtype
+        and device is checked before anything is written (``ValueError`` naming each, nothing written); tied
+        parameters get one copy; works under ``torch.inference_mode()``.  The names loaded.  The copies are queued on
+        the current stream after the steps before them: keep the sources unchanged until it reaches them.  On the
+        owner thread: a trainer thread hands it over with ``reg.call_on_owner(reg.load_weights, weights)``."""
+        with self._busy("load_weights()", touches=False):
+            return load_in_place(module if module is not None else self._job.watch.the_module(), weights)
 
     def sleep(self) -> Slept:
         """Release every graph, the pool and the static inputs to the device; the plan, counters and adaptation's history
@@ -414,11 +433,12 @@ class GraphRegistry:
             return self._lifecycle.wake(background)
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | torch.nn.Module, prefix: str = "") -> None:
-        """Tensors graphs read beside what the step reaches (found unnamed): ``(name, tensor)`` pairs, a module or a list
-        of modules (tensors by name: a replaced one is caught); compared from their addresses now (no graph goes stale).
-        On the owner thread, between steps."""
+        """Tensors graphs read beside what the step is given (a module-level model, say): ``(name, tensor)`` pairs, a
+        module or a list of modules (tensors by name: a replaced one is caught); compared from their addresses now (no
+        graph goes stale).  On the owner thread, between steps."""
         with self._busy("watch()", touches=False):
             self._job.watch.watch(named, prefix)
+            self._job.watch.named = True
 
     def watched(self) -> list[str]:
         """The names of the tensors replays check: static inputs, what the step reaches, what ``watch()`` named."""

@@ -30,7 +30,7 @@ from cgregistry.capture.queue import PendingCaptures
 from cgregistry.capture.job import CaptureJob
 from cgregistry.store.catalog import NO_EXCLUSION, Catalog, Entry, Route, Variant, not_a_descriptor
 from cgregistry.state.debug import Clock, checked, check_addresses, plain
-from cgregistry.state.weights import WeightWatch
+from cgregistry.weights.watch import WeightWatch
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.distributed import agree
 from cgregistry.errors import ConcurrentRunError, InputError, OwnerThreadError

@@ -1002,7 +1002,6 @@ def decoder(model: LlamaForCausalLM) -> Any:
 def build_registry(
     model: LlamaForCausalLM, shape: EngineShape, mode: str, backend: str = "auto", background: bool = False,
     adapt: cg.Adaptation | None = None, progress: bool | None = None, plugins: cg.Plugins | None = None, inductor: bool = False,
-    in_place_refresh: bool = False,
 ) -> cg.GraphRegistry | None:
     """A registry for ``mode`` with its plan captured (None for mode 'none': the engine runs eagerly).
 
@@ -1012,7 +1011,7 @@ def build_registry(
     """
     if mode == "none":
         return None
-    reg, plan = new_registry(model, shape, mode, backend, adapt, plugins, inductor=inductor, in_place_refresh=in_place_refresh)
+    reg, plan = new_registry(model, shape, mode, backend, adapt, plugins, inductor=inductor)
     with torch.inference_mode():
         reg.capture(plan, background=background, progress=progress, context=capture_context(mode))
     return reg
@@ -1020,10 +1019,9 @@ def build_registry(
 
 def new_registry(
     model: LlamaForCausalLM, shape: EngineShape, mode: str, backend: str = "auto", adapt: cg.Adaptation | None = None,
-    plugins: cg.Plugins | None = None, inductor: bool = False, in_place_refresh: bool = False,
+    plugins: cg.Plugins | None = None, inductor: bool = False,
 ) -> tuple[cg.GraphRegistry, cg.CapturePlan]:
     """``build_registry`` without the capture: the registry (watching the model's weights) and its plan.
-    ``in_place_refresh``: a weight sync by assignment is copied back into the graphs' memory (docs/lifecycle.md).
 
     ``inductor``: the decoder compiled once, by Inductor in pieces around the attention op, and every key served by
     those pieces: ``full`` keys with the attention inline in one graph, ``piecewise`` ones with it eager between them
@@ -1031,8 +1029,7 @@ def new_registry(
     preference = ("full", "piecewise", "breakable")
     # The step makes nothing on a first run (the KV cache exists before capture): keys captured again after a weight
     # sync or a wake are recorded without a warm-up (docs/lifecycle.md).
-    options: dict[str, Any] = {"preference": preference, "name": f"hf-{mode}", "plugins": plugins, "warm_up_again": False,
-                               "in_place_refresh": in_place_refresh}
+    options: dict[str, Any] = {"preference": preference, "name": f"hf-{mode}", "plugins": plugins, "warm_up_again": False}
     reg: cg.GraphRegistry
     forward = decoder(model)
     if "piecewise" in mode or inductor:

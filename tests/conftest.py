@@ -42,6 +42,16 @@ def device_of(backend: str) -> torch.device:
     return torch.device("cuda") if backend == "cuda" else torch.device("cpu")
 
 
+def capture_warned_of_attributes(reg: cg.GraphRegistry, plan: object) -> None:
+    """``reg.capture(plan)`` of a step that reads its model through an engine object's attributes: the one warning is
+    that run() does not see the attribute rebound (and nothing else is warned about)."""
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        reg.capture(plan)  # type: ignore[arg-type]
+    said = [str(w.message) for w in warned]
+    assert len(said) == 1 and "(an attribute: rebinding it is found by refresh(), not by run())" in said[0], said
+
+
 def capture_quietly(reg: cg.GraphRegistry, plan: object) -> None:
     """``reg.capture(plan)``, failing the test on any warning it gives (a false alarm is a defect too)."""
     with warnings.catch_warnings():

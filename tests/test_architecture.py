@@ -101,7 +101,7 @@ def test_leaf_modules_import_nothing_of_the_package(leaf: str) -> None:
 REGISTRY_PARTS = [
     "cgregistry.store.catalog", "cgregistry.store.io", "cgregistry.hooks.events", "cgregistry.capture.job", "cgregistry.capture.pool",
     "cgregistry.capture.queue", "cgregistry.capture.refit", "cgregistry.server", "cgregistry.state.serving",
-    "cgregistry.state.weights",
+    "cgregistry.weights.watch", "cgregistry.weights.load",
 ]
 
 
@@ -480,7 +480,7 @@ lm_head, embed = torch.nn.Linear(32, 100), torch.nn.Embedding(100, 32)
 def forward(batch, input_ids, seq_lens):  # the README's step
     return lm_head(embed(input_ids))
 
-reg = cg.GraphRegistry(forward, backend="cpu", inputs={
+reg = cg.GraphRegistry(forward, backend="cpu", watch=[embed, lm_head], inputs={
     "input_ids": cg.StaticInput((256,), torch.long, fill=0),
     "seq_lens": cg.StaticInput((64,), torch.int32, axis="reqs", fill=1),
 })

@@ -47,7 +47,7 @@ from cgregistry.plan.build import CapturePlan, PlanEntry
 from cgregistry.state import runtime
 from cgregistry.state.runtime import BreakContext
 from cgregistry.state.serving import RECORDED_AT_CAPTURE, ServingState, StateTest
-from cgregistry.state.weights import WeightWatch
+from cgregistry.weights.watch import Reached, WeightWatch
 from cgregistry.store.catalog import Catalog, Entry, Pair
 from cgregistry.store.io import OutputAxes, StaticBuffer, capture_inputs, check_fits, checked_outputs, output_slicer
 from cgregistry.warn import warn
@@ -162,11 +162,10 @@ class CaptureJob:
         # capture of it on a thread that has warmed up a key before (its lazy per-thread state made) skips the warm-up.
         self._warm_up_again = warm_up_again
         self._warm_specs: dict[Pair, Any] = {}
-        self._warned_unwatched = False
+        self._said_unseen = False
         self._warned_no_break = False
         self._said_uncovered = False
-        self._opaque: list[str] = []  # what the step reads without its contents being looked into
-        self._bound: Any = None  # what the state test compares through context variables
+        self._reached: Reached = Reached([], [], [])  # what the step is given, and what the registry cannot see
         self.watch_step()
 
     # ---------------------------------------------------------------- checks
@@ -222,7 +221,7 @@ class CaptureJob:
         ``recorded_at`` says where (``capture()``, or a refit): what a replay refused for its state is told to do."""
         held = self.context
         if held is not None and (self._catalog.entries or self._catalog.pending or self._catalog.capturing):
-            found = held.state.differences(self.watch.through)
+            found = held.state.differences()
             if found:
                 raise ServingStateError(
                     f"capture() on registry {self.name!r} under another state than the graphs it holds were captured "
@@ -250,15 +249,12 @@ class CaptureJob:
         return CaptureContext(payload, ServingState.current(self.device.type))
 
     def watch_step(self, rebase: bool = False) -> None:
-        """Watch every module and tensor the step reaches (itself, a bound method's object, closure cells, ``partial``
-        arguments, the module-level names its code uses); looked for again at each ``capture()``, so one made or rebound
-        since is seen.  ``rebase``: where no graph is held, every watched address is taken anew as its baseline."""
+        """Watch every module and tensor the step is given (itself, a bound method's object, closure cells, ``partial``
+        arguments, and what they hold); looked for again at each ``capture()`` and ``refresh()``, so one made or
+        rebound since is seen.  ``rebase``: where no graph is held, every watched address is taken anew as its
+        baseline."""
         held = bool(self._catalog.entries or self._catalog.capturing)  # what is new to the step now, its graphs miss
-        self._opaque = self.watch.watch_step(self.step, added=held, rebase=rebase and not held)
-        through = self.watch.through  # a replay reaching another module through a context variable is refused
-        if self.context is not None and (through.groups or self._bound is not None):  # (each walk makes a new check)
-            self._bound = through
-            self.state_test.bind(through)
+        self._reached = self.watch.watch_step(self.step, added=held, rebase=rebase and not held)
 
     def say_uncovered(self, plan: object) -> None:
         """Once per registry, in the ``cgregistry`` log (INFO): the token ranges a plan leaves to eager steps (a default
@@ -280,49 +276,38 @@ class CaptureJob:
             _log.info("registry %r: no key serves %s%s: they run eagerly (plan.uncovered() lists them)",
                       self.name, "; ".join(said), more)
 
-    def warn_unwatched(self) -> None:
-        """Once per registry: the step reads values not looked into and no module is watched, so a weight replaced by
-        assignment inside them would go unseen."""
-        if self.watch.modules_watched or not self._opaque or self._warned_unwatched:
+    def say_unseen(self) -> None:
+        """Once per registry, a warning naming what the step reads that ``run()`` cannot check: what the registry cannot
+        see (a module-level model or tensor, a context variable, a table too large to look into), and the modules it
+        reads through attributes of plain objects, whose rebinding (``engine.model = new``) only ``refresh()`` finds.
+        Where the engine named what its step reads (``watch=``), the ``cgregistry`` log (INFO) says it instead."""
+        if self._said_unseen:
             return
-        self._warned_unwatched = True
-        warn(
-            f"cgregistry: registry {self.name!r} found no module the step reads, and it reads "
-            f"{', '.join(map(repr, self._opaque[:4]))} without their contents being looked into; a weight in them "
-            "replaced by assignment (load_state_dict(assign=True), a new nn.Parameter) would go unseen and graphs would "
-            "read the old memory: name what the step reads with reg.watch(model)")
+        self._said_unseen = True
+        unseen = self._reached.unseen + [f"{name} (an attribute: rebinding it is found by refresh(), not by run())"
+                                         for name in self._reached.attributes]
+        if not unseen:
+            return
+        if self.watch.named:  # the engine named what its step reads: it knows
+            _log.info("registry %r: run() does not check what the step reads through %s", self.name, ", ".join(unseen[:4]))
+            return
+        warn(f"cgregistry: registry {self.name!r}: the step reads {', '.join(unseen[:4])}, which run() cannot check: a "
+             "weight replaced there would go unseen and graphs would read the old memory. Load new weights in place "
+             "with reg.load_weights (every graph stays valid), or call reg.refresh() after any other sync; name the "
+             "modules the step reads with GraphRegistry(..., watch=[...]) (debug=True checks before every replay)")
 
     def forget(self) -> None:
         """No context (after ``clear()``): the next capture request records one, and every key warms up again."""
         self.context = None
         self.state_test.passing()
-        self._bound = None
-        self.watch.forget_through()  # nothing of the old binding is held once no graph reads it
         self._warm_specs.clear()
-
-    def in_recorded_context(self, fn: Callable[[], _T]) -> _T:
-        """``fn()`` in a copy of the context variables capture() recorded (as every capture of this registry runs):
-        a refresh from a thread that binds none of them reads what the graphs read."""
-        return self.context.state.context.copy().run(fn) if self.context is not None else fn()
-
-    def refuse_rebound(self, what: str) -> None:
-        """Raise ``ServingStateError`` where the calling context binds a context variable the step reaches a module
-        through to another object than capture() saw (``what``, a refresh, would capture again under the old one)."""
-        if self.context is None:
-            return
-        found = self.context.state.rebound(self.watch.through, bound_only=True)
-        if found:
-            raise ServingStateError(
-                f"{what} on registry {self.name!r} in a context that binds another object than capture() saw: "
-                f"{'; '.join(found)}. Its graphs, and every capture it makes, read what capture() saw through it; "
-                "reg.clear() and capture() again under the new binding")
 
     def refuse_other_state(self) -> None:
         """After ``state_test()`` said no: raise ``ServingStateError`` naming how the caller's state differs from the
         capture context's in what a replay computes; a difference that changes no result (grad mode) becomes the state
         ``state_test`` compares with from now on."""
         if self.context is not None:
-            self.context.state.check(self.name, self.watch.through)
+            self.context.state.check(self.name)
         self.state_test.take(self.device.type)
 
     def check_weights(self, entry: Entry) -> None:
@@ -379,7 +364,7 @@ class CaptureJob:
         if self._catalog.follows_plans and isinstance(plan, CapturePlan):  # its decode strategy first
             self._catalog.follow_plan((e.descriptor, e.strategy) for e in todo)
         self.record(payload, rebase=rebase)
-        self.warn_unwatched()
+        self.say_unseen()
         self.say_uncovered(plan)
         return list(dict.fromkeys((e.descriptor, e.strategy) for e in todo))
 

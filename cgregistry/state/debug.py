@@ -26,7 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from cgregistry.errors import DebugError, MovedTensorError, StaleOutputError
-from cgregistry.state.weights import WeightWatch
+from cgregistry.weights.watch import WeightWatch
 
 __all__ = ["AddressWatch", "CheckedOutput", "Clock", "DebugError", "MovedTensorError", "StaleOutputError", "check_addresses"]
 

@@ -10,9 +10,7 @@ registry records one ``ServingState`` (at ``capture()``, or at the first refit o
 only adapts), every capture path runs the step under it, and a replay under a state whose results
 would differ (autocast, the default dtype, the TF32 and reduced-precision matmul flags) is refused
 with :class:`ServingStateError`, at a cost of two C calls per replay (dynamo's global state guard,
-and the one recorded flag it does not compare, cuDNN's TF32), and so is a replay in a context where
-what the step reaches through a context variable is another module (a Python frame per replay, for
-such steps only).  The default dtype and the matmul flags are process-wide, so a capture cannot set them
+and the one recorded flag it does not compare, cuDNN's TF32).  The default dtype and the matmul flags are process-wide, so a capture cannot set them
 for itself: a capture that starts or ends while they differ from the record fails with the same error, and
 its graph is never installed.  Grad mode is not part of it:
 captures always run under ``torch.inference_mode()`` (a replay records no autograd graph), and grad
@@ -24,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import torch
@@ -90,16 +88,6 @@ def _matmul_flags() -> tuple[bool, ...]:
 
 def _describe(autocast: tuple[tuple[str, torch.dtype], ...]) -> str:
     return ", ".join(f"autocast({d}, {dtype})" for d, dtype in autocast) or "no autocast"
-
-
-class Reached(Protocol):
-    """The test of what the step reaches through context variables (``cgregistry.state.weights.ThroughCheck``)."""
-
-    def __bool__(self) -> bool: ...
-
-    def passes(self) -> bool: ...
-
-    def differences(self, bound_only: bool = False) -> list[str]: ...
 
 
 @attrs.frozen(slots=True)
@@ -197,37 +185,24 @@ class ServingState:
                 "reg.clear() and capture again under the new ones"
             )
 
-    def differences(self, through: Reached | None = None) -> list[str]:
+    def differences(self) -> list[str]:
         """How the calling thread's state differs from this one in what a replay computes (empty: it does not):
-        autocast, the process-wide flags, and each module or tensor the step reaches through a context variable
-        (``through``) that the calling context reaches otherwise."""
+        autocast and the process-wide flags."""
         found = []
         now = _autocast_now(self.device_types)
         if now != self.autocast:
             found.append(f"{_describe(now)} now, {_describe(self.autocast)} at capture")
-        return found + self._process_wide_differences("at capture") + self.rebound(through)
+        return found + self._process_wide_differences("at capture")
 
-    @staticmethod
-    def rebound(through: Reached | None, bound_only: bool = False) -> list[str]:
-        """What the calling context reaches through context variables otherwise than capture() did (``bound_only``:
-        not counting a variable it leaves unset, as a thread that binds none of them)."""
-        return through.differences(bound_only) if through else []
-
-    def check(self, registry: str, through: Reached | None = None) -> None:
+    def check(self, registry: str) -> None:
         """Raise ``ServingStateError`` naming what differs, if the calling thread's state differs from this one; the
         advice depends on where the record was taken (``capture()``, or the refit of a registry that only adapts)."""
-        found = self.differences(through)
+        found = self.differences()
         if found:
-            rebound = self.rebound(through)
-            why = ("A graph reads what capture() reached through a context variable, so it would compute with that "
-                   "where eager uses what is bound now; reg.clear() and capture() again under the new binding, or serve "
-                   "in a context that binds what capture() saw (a graph cannot select a model per request through a "
-                   "context variable: capture one registry per model)") if rebound else (
-                   "A graph keeps the precision it was captured with, so it would return what eager does not; "
-                   f"{_ADVICE.get(self.recorded_at, _ADVICE[RECORDED_AT_CAPTURE])}")
             raise ServingStateError(
                 f"run() on registry {registry!r} under another state than its graphs were captured under: "
-                f"{'; '.join(found)}. {why}"
+                f"{'; '.join(found)}. A graph keeps the precision it was captured with, so it would return what eager "
+                f"does not; {_ADVICE.get(self.recorded_at, _ADVICE[RECORDED_AT_CAPTURE])}"
             )
 
 
@@ -245,7 +220,7 @@ class StateTest:
     ``ServingState.differences()`` of the record, and ``take``s the state again if there is none.
     """
 
-    __slots__ = ("parts", "_base", "_through")
+    __slots__ = ("parts",)
 
     def __init__(self) -> None:
         self.passing()
@@ -256,26 +231,7 @@ class StateTest:
 
     def passing(self) -> None:
         """Pass whatever the state (nothing recorded to compare with)."""
-        self._through: Reached | None = None
-        self._set((_TRUE, _TRUE, True))
-
-    def bind(self, through: Reached) -> None:
-        """Also fail while the calling context reaches, through a context variable, otherwise than capture() did (a
-        Python frame per replay, only for a step that reads a context variable)."""
-        self._through = through if through else None
-        self._set(self._base)
-
-    def _set(self, base: tuple[Callable[[], Any], Callable[[], Any], Any]) -> None:
-        self._base = base
-        if not self._through:
-            self.parts = base
-            return
-        flag, flag_was, passes = base[1], base[2], self._through.passes
-
-        def flag_and_through() -> bool:
-            return flag() == flag_was and passes()
-
-        self.parts = (base[0], flag_and_through, True)
+        self.parts: tuple[Callable[[], Any], Callable[[], Any], Any] = (_TRUE, _TRUE, True)
 
     def take(self, device_type: str = "cpu", recorded_at: str = RECORDED_AT_CAPTURE) -> ServingState:
         """Pass while the calling thread's state is what it is now, in every field ``ServingState.differences()``
@@ -283,7 +239,7 @@ class StateTest:
         Call it on the thread it will check."""
         now = ServingState.current(device_type, recorded_at)
         if GlobalStateGuard is None:
-            self._set(((lambda: not now.differences()), _TRUE, True))
+            self.parts = ((lambda: not now.differences()), _TRUE, True)
             return now
         guard = GlobalStateGuard().check
         rest = [(read, was) for (name, read), was in zip(_MATMUL_FLAGS, now.matmul_flags) if name not in _GUARDED_FLAGS]
@@ -293,7 +249,7 @@ class StateTest:
         ]
         if len(rest) == 1:  # the usual case: cuDNN's TF32 flag alone
             ((read, was),) = rest
-            self._set((guard, read, was))
+            self.parts = (guard, read, was)
         else:
-            self._set(((lambda: guard() and all(read() == was for read, was in rest)), _TRUE, True))
+            self.parts = ((lambda: guard() and all(read() == was for read, was in rest)), _TRUE, True)
         return now

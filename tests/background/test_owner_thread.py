@@ -84,33 +84,54 @@ def test_reading_the_registry_from_another_thread_is_free() -> None:
     assert outcome["value"][-1] == "MainThread"
 
 
-@pytest.mark.parametrize("in_place_refresh", [False, True])
-def test_a_trainer_thread_hands_its_weight_syncs_to_the_serving_loop_and_every_step_equals_eager(in_place_refresh: bool) -> None:
-    """The serving loop calls run() back to back on a step that writes a KV cache; a trainer thread replaces the
-    weights (an assign sync) and asks for refresh(): called directly it is refused, handed over with call_on_owner() it
-    runs before one of the owner's steps.  Every step equals eager under the weights current at that step, also while
-    keys are captured again between steps, and every sync is applied."""
-    engine = Engine()
-    model = nn.Linear(16, 16)
-    engine.weight = model.weight  # the step reads it through the engine: watched
-    reg = make(engine, in_place_refresh=in_place_refresh)
-    reg.watch(model, "model.")
+class Served:
+    """A step that writes a KV cache and reads a model (a module the registry watches, as the step's closure cell)."""
+
+    def __init__(self) -> None:
+        self.engine = Engine()
+        self.model = nn.Linear(16, 16)
+        engine, model = self.engine, self.model
+
+        def step(batch: B, input_ids: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+            return model(engine.step(batch, input_ids, slot_mapping))
+
+        self.step = step
+
+    def eager(self, batch: B, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(eager(self.engine, batch, inputs))
+
+
+@pytest.mark.parametrize("sync", ["load_weights", "assign and refresh"])
+def test_a_trainer_thread_hands_its_weight_syncs_to_the_serving_loop_and_every_step_equals_eager(sync: str) -> None:
+    """The serving loop calls run() back to back on a step that writes a KV cache; a trainer thread syncs new weights:
+    called directly, refresh() and load_weights() are refused; handed over with call_on_owner() the sync runs before
+    one of the owner's steps.  Every step equals eager under the weights current at that step, also while keys are
+    captured again between steps, and every sync is applied."""
+    served = Served()
+    reg = cg.GraphRegistry(served.step, {
+        "input_ids": cg.StaticInput((64,), torch.long, fill=0),
+        "slot_mapping": cg.StaticInput((64,), torch.long, fill=127),
+    }, backend="cpu")
     reg.capture(PLAN)
     syncs, refused, stop = [], [], threading.Event()
 
-    def sync(seed: int) -> None:
-        torch.manual_seed(seed)
-        model.weight = nn.Parameter(torch.randn(16, 16))
-        engine.weight = model.weight
-        reg.refresh(background=True)
+    def sync_weights(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        new = {"weight": torch.randn(16, 16, generator=g), "bias": torch.randn(16, generator=g)}
+        if sync == "load_weights":
+            assert reg.load_weights(new) == ("weight", "bias")
+        else:
+            served.model.load_state_dict(new, assign=True)
+            reg.refresh(background=True)
 
     def trainer() -> None:
         for seed in range(5):
-            try:
-                reg.refresh()
-            except OwnerThreadError as exc:
-                refused.append(exc)
-            syncs.append(reg.call_on_owner(sync, seed))
+            for direct in (reg.refresh, lambda: reg.load_weights({})):
+                try:
+                    direct()
+                except OwnerThreadError as exc:
+                    refused.append(exc)
+            syncs.append(reg.call_on_owner(sync_weights, seed))
             syncs[-1].result(timeout=30)  # applied before one of the owner's steps
         stop.set()
 
@@ -121,12 +142,14 @@ def test_a_trainer_thread_hands_its_weight_syncs_to_the_serving_loop_and_every_s
         while not stop.is_set() or steps < 50:
             batch, inputs = batch_inputs(1 + steps % 16, steps)
             out = reg.run(batch, **inputs)
-            torch.testing.assert_close(out, eager(engine, batch, inputs), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out, served.eager(batch, inputs), atol=1e-5, rtol=1e-5)
             steps += 1
             assert steps < 20_000
     thread.join(30)
-    assert len(refused) == 5 and all(s.done() and s.exception() is None for s in syncs)
+    assert len(refused) == 10 and all(s.done() and s.exception() is None for s in syncs)
     assert reg.wait_captured() and len(reg) == len(PLAN)
+    if sync == "load_weights":
+        assert reg.stats().background_captures == 0, "a sync in place keeps every graph"
 
 
 def test_calls_handed_over_run_in_order_before_the_next_step_and_report_results_and_errors() -> None:

@@ -1,5 +1,5 @@
 """A stateful oracle for what a graph was captured under: weight updates in place and by assignment (announced or not;
-of the same layout or another, with and without in_place_refresh), watch() at any time, refresh() in the foreground
+of the same layout or another; loaded in place by reg.load_weights), watch() at any time, refresh() in the foreground
 and the background with injected capture failures, new keys, sleep, wake, clear and release, and autocast / inference
 mode around run(), on the cpu emulator and on one that keeps its pool usable once the graphs in it died, as cuda does.
 Every output equals eager under the same state, or run() is refused with a named error; no key is ever lost; nothing
@@ -51,19 +51,18 @@ class CapturedUnder(RuleBasedStateMachine):
         self.keys: set[tuple[B, str]] = set()  # every key asked for and not released or cleared since
         self.asleep = False
 
-    @rule(closure=st.booleans(), kept=st.booleans(), in_place=st.booleans())
+    @rule(closure=st.booleans(), kept=st.booleans())
     @precondition(lambda self: self.reg is None)
-    def build(self, closure: bool, kept: bool, in_place: bool) -> None:
+    def build(self, closure: bool, kept: bool) -> None:
         net = self.net
         self.closure = closure
         step = (lambda batch, x: net(batch, x)) if closure else net
         inputs = {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)}
         if kept:
             self.kept = KeptPools()
-            self.reg = cg.GraphRegistry(step, inputs, backend=self.kept.name, plugins=make_plugins(self.kept),
-                                        in_place_refresh=in_place)
+            self.reg = cg.GraphRegistry(step, inputs, backend=self.kept.name, plugins=make_plugins(self.kept))
         else:
-            self.reg = cg.GraphRegistry(step, inputs, backend="cpu", in_place_refresh=in_place)
+            self.reg = cg.GraphRegistry(step, inputs, backend="cpu")
 
     @rule(sizes=st.sets(st.sampled_from(SIZES), min_size=1), lazy=st.booleans(), background=st.booleans(),
           autocast=st.booleans())
@@ -83,11 +82,20 @@ class CapturedUnder(RuleBasedStateMachine):
         with torch.no_grad():
             self.net.linear.weight.mul_(factor)
 
+    @rule(seed=st.integers(0, 1000), inference=st.booleans())
+    @precondition(lambda self: self.reg is not None)
+    def load_weights(self, seed: int, inference: bool) -> None:
+        """A trainer's sync streamed in place: no graph goes stale, none is captured."""
+        g = torch.Generator().manual_seed(seed)
+        state = {k: torch.randn(v.shape, generator=g) for k, v in self.net.state_dict().items()}
+        with torch.inference_mode() if inference else torch.no_grad():
+            assert self.reg.load_weights(iter(state.items()), module=self.net) == tuple(state)
+
     @rule(seed=st.integers(0, 1000), column_major=st.booleans())
     def update_by_assignment(self, seed: int, column_major: bool) -> None:
         g = torch.Generator().manual_seed(seed)
         state = {k: torch.randn(v.shape, generator=g) for k, v in self.net.linear.state_dict().items()}
-        if column_major:  # another layout: not copied back by in_place_refresh, captured again
+        if column_major:  # another layout: a replay would read it wrongly, captured again
             state["weight"] = state["weight"].t().contiguous().t()
         self.net.linear.load_state_dict(state, assign=True)
 

@@ -1,9 +1,12 @@
-"""The registry finds the weights a step reads however the engine holds its model, and nothing the step does not read:
-after an assign-style sync of any of them a replay is refused (or, for a change torch does not announce, refresh()
-captures again), and every served output equals eager."""
+"""The registry finds the modules a step is given by its structure (the step, a bound method's object, closure cells,
+partial arguments, defaults, and what they hold), never by its code: after an assign-style sync of any of them a
+replay is refused (or, for a change torch does not announce, refresh() captures again), and every served output
+equals eager.  What it cannot see (a module-level model, a Python module's attribute) it says once at capture, naming
+the fix; watch= names it."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 import warnings
@@ -16,13 +19,13 @@ from torch import nn
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from tests.conftest import capture_quietly
+from tests.conftest import capture_quietly, capture_warned_of_attributes
 
 WIDTH = 8
 INPUTS = {"x": cg.StaticInput((8, WIDTH), torch.float32)}
 KEY = [(B(8), "full")]
 X = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0))
-MODEL = nn.Linear(WIDTH, WIDTH)  # a module-level model, read by StepModule.forward
+MODEL = nn.Linear(WIDTH, WIDTH)  # a module-level model, read by StepModule.forward and global_step
 
 
 def assign_new(module: nn.Module) -> None:
@@ -38,7 +41,7 @@ class Runner:
 
 
 class Engine:
-    """The model one object down, and bookkeeping the step writes but never reads."""
+    """The model one object down, and bookkeeping the step writes."""
 
     def __init__(self) -> None:
         self.runner = Runner()
@@ -53,6 +56,10 @@ class Engine:
 class StepModule(nn.Module):
     def forward(self, batch: B, x: torch.Tensor) -> torch.Tensor:
         return MODEL(x)
+
+
+def global_step(batch: B, x: torch.Tensor) -> torch.Tensor:
+    return MODEL(x)
 
 
 def engine_method() -> tuple[Callable[..., Any], nn.Module]:
@@ -74,15 +81,27 @@ def default_argument() -> tuple[Callable[..., Any], nn.Module]:
     return step, model
 
 
-def python_module_attribute() -> tuple[Callable[..., Any], nn.Module]:
-    state = types.ModuleType("engine_state")
-    state.model = nn.Linear(WIDTH, WIDTH)  # type: ignore[attr-defined]
-    sys.modules["engine_state"] = state
-    return (lambda batch, x: state.model(x)), state.model  # type: ignore[attr-defined]
+def partial_argument() -> tuple[Callable[..., Any], nn.Module]:
+    model = nn.Linear(WIDTH, WIDTH)
+
+    def forward(model: nn.Module, batch: B, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    return functools.partial(forward, model), model
 
 
-def module_reading_a_global() -> tuple[Callable[..., Any], nn.Module]:
-    return StepModule(), MODEL
+def layers_in_a_list_and_adapters_in_a_dict() -> tuple[Callable[..., Any], nn.Module]:
+    layers, adapters = [nn.Linear(WIDTH, WIDTH) for _ in range(2)], {"a0": nn.Linear(WIDTH, WIDTH)}
+
+    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
+        return adapters["a0"](layers[1](layers[0](x)))
+
+    return step, adapters["a0"]
+
+
+def a_module_held_by_the_step() -> tuple[Callable[..., Any], nn.Module]:
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH))
+    return (lambda batch, x: model(x)), model[0]
 
 
 def two_closures_over_two_models() -> tuple[Callable[..., Any], nn.Module]:
@@ -94,25 +113,97 @@ def two_closures_over_two_models() -> tuple[Callable[..., Any], nn.Module]:
     return (lambda batch, x: first(x) + second(x)), draft
 
 
-LAYOUTS = {f.__name__: f for f in (engine_method, callable_object, default_argument, python_module_attribute,
-                                   module_reading_a_global, two_closures_over_two_models)}
+def a_wrapped_model() -> tuple[Callable[..., Any], nn.Module]:
+    model = nn.Linear(WIDTH, WIDTH)
+
+    def wrapped(x: torch.Tensor) -> torch.Tensor:  # a decorator's wrapper, as functools.cache or reg.compile make
+        return x
+
+    wrapped.__wrapped__ = model  # type: ignore[attr-defined]
+    return (lambda batch, x: wrapped.__wrapped__(x)), model  # type: ignore[attr-defined]
+
+
+LAYOUTS = {f.__name__: f for f in (engine_method, callable_object, default_argument, partial_argument,
+                                   layers_in_a_list_and_adapters_in_a_dict, a_module_held_by_the_step,
+                                   two_closures_over_two_models, a_wrapped_model)}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_an_assigned_model_is_refused_then_refreshed_however_the_engine_holds_it(layout: str) -> None:
+def test_an_assigned_model_is_refused_then_refreshed_however_the_engine_hands_it_to_the_step(layout: str) -> None:
     step, model = LAYOUTS[layout]()
-    saved = {k: v.clone() for k, v in model.state_dict().items()}
     reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
-    capture_quietly(reg, KEY)
+    if layout in ("engine_method", "callable_object"):  # the model is an attribute of an engine object: said once
+        capture_warned_of_attributes(reg, KEY)
+    else:
+        capture_quietly(reg, KEY)
+    assign_new(model)
+    with pytest.raises(cg.WeightsMovedError):
+        reg.run(B(8), x=X)
+    assert reg.refresh().recaptured == tuple(KEY)
+    with torch.inference_mode():
+        torch.testing.assert_close(reg.run(B(8), x=X), step(B(8), X))
+
+
+def _python_module_step() -> Callable[..., Any]:
+    state = types.ModuleType("engine_state")
+    state.model = MODEL  # type: ignore[attr-defined]
+    sys.modules["engine_state"] = state
+    return lambda batch, x: state.model(x)  # type: ignore[attr-defined]
+
+
+UNSEEN = {
+    "a function reading a module-level model": (lambda: global_step, "module-level name 'MODEL' \\(Linear\\)"),
+    "a module whose forward reads one": (StepModule, None),
+    "a Python module's attribute": (_python_module_step, "Python module 'state'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNSEEN))
+def test_what_the_registry_cannot_see_is_said_once_at_capture_and_watch_names_it(case: str) -> None:
+    make, said = UNSEEN[case]
+    saved = {k: v.clone() for k, v in MODEL.state_dict().items()}
     try:
-        assign_new(model)
-        with pytest.raises(cg.WeightsMovedError):
-            reg.run(B(8), x=X)
-        assert reg.refresh().recaptured == tuple(KEY)
+        step = make()
+        reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
+        if said is None:  # a module's forward reads what its code reads: its own module is watched, nothing named
+            reg.capture(KEY)
+        else:
+            with pytest.warns(RuntimeWarning, match=rf"reads {said}, which run\(\) cannot check.*watch=") as warned:
+                reg.capture(KEY)
+                reg.capture([(B(4), "full")])  # said once per registry
+            assert len([w for w in warned if "cannot check" in str(w.message)]) == 1
+        watching = cg.GraphRegistry(step, INPUTS, backend="cpu", watch=[MODEL])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            watching.capture(KEY)
+        assign_new(MODEL)
+        with pytest.raises(cg.WeightsMovedError, match=r"\[0\]\.weight"):
+            watching.run(B(8), x=X)
+        assert watching.refresh().recaptured == tuple(KEY)
         with torch.inference_mode():
-            torch.testing.assert_close(reg.run(B(8), x=X), step(B(8), X))
+            torch.testing.assert_close(watching.run(B(8), x=X), MODEL(X))
     finally:
-        model.load_state_dict(saved, assign=True)
+        MODEL.load_state_dict(saved, assign=True)
+
+
+def test_a_model_rebound_on_the_engine_object_is_said_once_at_capture_found_by_refresh_and_by_debug() -> None:
+    engine = Engine()
+    reg = cg.GraphRegistry(engine.step, INPUTS, backend="cpu")
+    with pytest.warns(RuntimeWarning) as warned:
+        reg.capture(KEY)
+        reg.capture([(B(4), "full")])
+    said = [str(w.message) for w in warned if "run() cannot check" in str(w.message)]
+    assert len(said) == 1 and "step.runner.model (an attribute: rebinding it is found by refresh(), not by run())" in said[0]
+    assert "reg.refresh()" in said[0] and "reg.load_weights" in said[0], said
+    engine.runner.model = nn.Linear(WIDTH, WIDTH)  # registers nothing anywhere: run() cannot see it
+    assert reg.refresh().recaptured == (*KEY, (B(4), "full")), "refresh() reads the attribute anew"
+    with torch.inference_mode():
+        torch.testing.assert_close(reg.run(B(8), x=X), engine.step(B(8), X))
+    debug = cg.GraphRegistry(engine.step, INPUTS, backend="cpu", debug=True, watch=[engine.runner.model])
+    capture_quietly(debug, KEY)  # the engine named its model: no warning
+    engine.runner.model = nn.Linear(WIDTH, WIDTH)
+    with pytest.raises(cg.DebugError, match=r"step\.runner\.model\.weight moved"):
+        debug.run(B(8), x=X)
 
 
 def test_an_adapter_registered_on_a_watched_module_is_refused_at_the_next_run() -> None:
@@ -149,28 +240,10 @@ def test_an_adapter_put_in_a_plain_dict_the_step_reads_is_found_by_refresh() -> 
         torch.testing.assert_close(reg.run(B(8), x=X), step(B(8), X))
 
 
-def test_a_rebound_global_that_was_a_submodule_is_found_by_refresh() -> None:
-    scope: dict[str, Any] = {}
-    exec(  # a module of the engine's own: globals the step reads, one of them an alias of a submodule
-        "import torch\n"
-        "model = torch.nn.ModuleDict({'body': torch.nn.Linear(8, 8), 'head': torch.nn.Linear(8, 8)})\n"
-        "head = model['head']\n"
-        "def step(batch, x):\n"
-        "    return head(model['body'](x))\n",
-        scope,
-    )
-    reg = cg.GraphRegistry(scope["step"], INPUTS, backend="cpu")
-    reg.capture(KEY)
-    scope["head"] = nn.Linear(WIDTH, WIDTH)
-    assert reg.refresh().recaptured == tuple(KEY)
-    with torch.inference_mode():
-        torch.testing.assert_close(reg.run(B(8), x=X), scope["step"](B(8), X))
-
-
-def test_bookkeeping_the_step_writes_but_never_reads_is_not_watched() -> None:
+def test_bookkeeping_tensors_on_the_engine_object_are_not_watched() -> None:
     step, model = engine_method()
     reg = cg.GraphRegistry(step, INPUTS, backend="cpu", debug=True)
-    reg.capture(KEY)
+    capture_warned_of_attributes(reg, KEY)
     for _ in range(3):  # each step rebinds engine.last_logits: no DebugError, no recapture
         reg.run(B(8), x=X).clone()
     with torch.no_grad():
@@ -181,7 +254,7 @@ def test_bookkeeping_the_step_writes_but_never_reads_is_not_watched() -> None:
 def test_capturing_again_watches_nothing_twice() -> None:
     step, _ = engine_method()
     reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
-    reg.capture(KEY)
+    capture_warned_of_attributes(reg, KEY)
     watched = reg.watched()
     for _ in range(2):
         reg.capture(KEY)
@@ -227,21 +300,10 @@ def test_a_buffer_the_step_registers_at_its_first_call_refuses_no_graph() -> Non
     assert reg.refresh().recaptured == ()
 
 
-def test_an_attribute_name_is_not_taken_for_a_global_of_the_same_name() -> None:
-    scope: dict[str, Any] = {}
-    exec("import torch\nweight = torch.randn(8, 8)\nmodel = torch.nn.Linear(8, 8)\n"
-         "def step(batch, x):\n    return x @ model.weight.T\n", scope)
-    reg = cg.GraphRegistry(scope["step"], INPUTS, backend="cpu")
-    reg.capture(KEY)
-    assert "weight" not in reg.watched() and "model.weight" in reg.watched()
-    scope["weight"] = torch.randn(WIDTH, WIDTH)  # an unrelated global rebound: nothing to capture again
-    assert reg.refresh().recaptured == ()
-
-
 def test_debug_mode_refuses_moved_weights_with_an_error_the_plain_mode_handler_catches() -> None:
     step, model = engine_method()
     reg = cg.GraphRegistry(step, INPUTS, backend="cpu", debug=True)
-    reg.capture(KEY)
+    capture_warned_of_attributes(reg, KEY)
     assign_new(model)
     with pytest.raises(cg.WeightsMovedError):
         reg.run(B(8), x=X)
@@ -283,10 +345,10 @@ class Deep:
 def test_a_model_deep_in_an_engine_behind_a_property_and_slots_is_watched() -> None:
     engine = Deep()
     reg = cg.GraphRegistry(engine.step, INPUTS, backend="cpu")
-    reg.capture(KEY)
-    assert "step.executor.worker.runner.wrapper.model.weight" not in reg.watched()  # named by where the code reads it
-    assert any(n.endswith("wrapper.model.weight") for n in reg.watched()) and "step.adapter_b" in reg.watched()
-    engine.adapter_b = torch.ones(WIDTH)  # a plain tensor rebound: refresh() finds it
+    capture_warned_of_attributes(reg, KEY)
+    assert "step._executor.worker.runner.wrapper.model.weight" in reg.watched()  # named by where it is held
+    assert "step.adapter_b" not in reg.watched(), "a tensor on the engine object is the engine's bookkeeping"
+    engine.executor.worker.runner.wrapper.model = nn.Linear(WIDTH, WIDTH)  # rebound: refresh() finds it
     assert reg.refresh().recaptured == tuple(KEY)
     with torch.inference_mode():
         torch.testing.assert_close(reg.run(B(8), x=X), engine.step(B(8), X))
@@ -302,28 +364,6 @@ def test_a_weight_re_registered_as_a_view_at_the_same_address_is_refused() -> No
     assert reg.refresh().recaptured == tuple(KEY)
     with torch.inference_mode():
         torch.testing.assert_close(reg.run(B(8), x=X), lin(X))
-
-
-@pytest.mark.parametrize("name", [None, 7])
-def test_a_step_made_by_exec_with_an_odd_module_name_is_read(name: object) -> None:
-    scope: dict[str, Any] = {"__name__": name, "lin": nn.Linear(WIDTH, WIDTH)}
-    exec("def step(batch, x):\n    return lin(x)\n", scope)
-    reg = cg.GraphRegistry(scope["step"], INPUTS, backend="cpu")
-    assert "lin.weight" in reg.watched()
-
-
-def test_an_engine_object_that_raises_when_looked_at_is_opaque_not_fatal() -> None:
-    class Hostile:
-        def __getattribute__(self, name: str) -> Any:
-            raise RuntimeError(f"proxy: {name}")
-
-        def __call__(self, x: torch.Tensor) -> torch.Tensor:
-            return x
-
-    hostile = Hostile()
-    reg = cg.GraphRegistry(lambda batch, x: hostile(x) * 2, INPUTS, backend="cpu")  # builds; capture warns what it missed
-    with pytest.warns(RuntimeWarning, match="found no module the step reads, and it reads 'hostile'"):
-        reg.capture(KEY)
 
 
 def test_watched_roots_read_as_new_modules_each_time_are_each_their_own() -> None:
@@ -348,19 +388,6 @@ def test_watched_roots_read_as_new_modules_each_time_are_each_their_own() -> Non
         torch.testing.assert_close(reg.run(B.decode(4), x=x), step(B.decode(4), x))
 
 
-def test_a_step_whose_code_holds_an_unhashable_constant_is_still_read() -> None:
-    """Code rewritten by a bytecode tool may hold an unhashable constant (a list): the model it reads is still found."""
-    model = nn.Linear(WIDTH, WIDTH)
-
-    def step(batch: B, x: torch.Tensor) -> torch.Tensor:
-        return model(x)
-
-    step.__code__ = step.__code__.replace(co_consts=(*step.__code__.co_consts, []))
-    reg = cg.GraphRegistry(step, INPUTS, backend="cpu")
-    capture_quietly(reg, KEY)
-    assert "model.weight" in reg.watched()
-
-
 def test_a_submodule_shadowed_in_the_instance_dict_is_read_where_forward_reads_it() -> None:
     """A submodule set past nn.Module.__setattr__ (into the instance dict) is what ``forward`` calls: its replacement
     is found, as attribute lookup finds it."""
@@ -382,3 +409,24 @@ def test_a_submodule_shadowed_in_the_instance_dict_is_read_where_forward_reads_i
         assert not refreshed.kept
         x = torch.randn(4, WIDTH)
         torch.testing.assert_close(reg.run(B.decode(4), x=x), model(x))
+
+
+def test_an_engine_object_that_raises_when_looked_at_is_not_fatal() -> None:
+    class Hostile:
+        __slots__ = ("model",)
+
+        def __init__(self) -> None:
+            self.model = nn.Linear(WIDTH, WIDTH)
+
+        def __getattribute__(self, name: str) -> Any:
+            if name == "model":
+                raise RuntimeError(f"proxy: {name}")
+            return object.__getattribute__(self, name)
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    hostile = Hostile()
+    reg = cg.GraphRegistry(lambda batch, x: hostile(x) * 2, INPUTS, backend="cpu")
+    reg.capture(KEY)
+    torch.testing.assert_close(reg.run(B(8), x=X), X * 2)
