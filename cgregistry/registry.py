@@ -18,7 +18,6 @@ import collections
 import itertools
 import math
 import time
-import types
 import weakref
 from _thread import get_ident
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,7 +31,7 @@ from cgregistry.capture.refit import PLAN_CHANGES_KEPT, Adapter, refuse_with_col
 from cgregistry.arguments import Delegated, check_budget, check_capture_budget, check_flag, check_inputs, check_pool, check_timeout
 from cgregistry.plan.adapt import Adaptation, PlanChange
 from cgregistry.capture.queue import PendingCaptures
-from cgregistry.store.io import OutputAxes, StaticBuffer, StaticInput
+from cgregistry.store.io import OutputAxes, StaticBuffer, StaticInput, StaticInputs
 from cgregistry.capture.job import CaptureJob
 from cgregistry.capture.pool import GraphPool
 from cgregistry.store.catalog import Catalog, Pair, not_a_descriptor
@@ -173,7 +172,7 @@ class GraphRegistry:
     def static_inputs(self) -> Mapping[str, torch.Tensor]:
         """The static input tensors that graphs captured in the foreground read, by name (read them to inspect
         padding or fills; a write changes what the next replay reads)."""
-        return types.MappingProxyType({name: buf.tensor for name, buf in self._job.buffers.items()})
+        return StaticInputs(self._job.buffers, self.name)
 
     # A torch.compile backend for this registry's ``piecewise`` entries (see cgregistry.strategies.compiler):
     # ``torch.compile(model, backend=reg.compile_backend(), dynamic=True, fullgraph=True)``.

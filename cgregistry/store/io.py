@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import attrs
@@ -32,6 +32,7 @@ from cgregistry.key.descriptor import BatchDescriptor
 
 __all__ = [
     "AXES", "REPEAT_LAST", "UNSET", "InputError", "OutputAxes", "OutputError", "OutputSlicer", "StaticBuffer", "StaticInput",
+    "StaticInputs",
     "capture_inputs", "check_fits", "checked_outputs", "describe_rows", "flatten", "key_rows", "output_slicer", "rows_for",
     "staging", "unflatten",
 ]
@@ -212,10 +213,34 @@ class StaticInput:
         return 0 if fill is None or fill is REPEAT_LAST else fill  # type: ignore[return-value]
 
 
+class StaticInputs(Mapping[str, torch.Tensor]):
+    """The static input tensors by name, as ``reg.static_inputs`` shows them: a read while they are released
+    (``sleep()``) raises, naming why, instead of handing out a tensor with no memory."""
+
+    __slots__ = ("_buffers", "_registry")
+
+    def __init__(self, buffers: Mapping[str, StaticBuffer], registry: str) -> None:
+        self._buffers = buffers
+        self._registry = registry
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        buf = self._buffers[name]
+        if buf.released:
+            raise RuntimeError(f"static input {name!r} of registry {self._registry!r} was released by sleep(): it has no "
+                               "memory until wake() (a view taken before sleep() keeps what it held)")
+        return buf.tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._buffers)
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+
 class StaticBuffer:
     """One allocated static input and the views of it that graphs and copies use."""
 
-    __slots__ = ("name", "spec", "tensor", "dirty", "_views", "_shapes", "_device", "dtype")
+    __slots__ = ("name", "spec", "tensor", "dirty", "released", "_views", "_shapes", "_device", "dtype")
 
     def __init__(self, name: str, spec: StaticInput, device: torch.device) -> None:
         self.name = name
@@ -223,6 +248,7 @@ class StaticBuffer:
         self.dtype = spec.dtype
         self.tensor = torch.full(spec.shape, spec.capture_fill, dtype=spec.dtype, device=device)
         self.dirty = 0  # rows [0, dirty) may hold live data rather than the fill value
+        self.released = False  # its memory was given back (sleep()): no tensor to read until restore()
         self._views: dict[int, torch.Tensor] = {}
         self._shapes: dict[int, torch.Size] = {}
         self._device = self.tensor.device
@@ -253,17 +279,21 @@ class StaticBuffer:
         self.dirty = 0
 
     def release(self) -> int:
-        """Give the memory back (its storage emptied; the tensor and its views stay, for ``restore``); the bytes freed."""
-        storage = self.tensor.untyped_storage()
-        freed = storage.nbytes()
-        storage.resize_(0)
+        """Give the memory back: the tensor is emptied (its memory goes once nothing else holds it; a view the engine
+        kept goes on reading the memory it holds, never freed memory); the bytes it held."""
+        if self.released:
+            return 0
+        freed = self.tensor.untyped_storage().nbytes()
+        self._views.clear()
+        self.tensor.set_(torch.empty(0, dtype=self.dtype, device=self._device))
+        self.released = True
         return freed
 
     def restore(self) -> None:
         """Memory again after ``release`` (a new address, at the capture fill): views and copies work as before."""
-        storage = self.tensor.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(self.tensor.numel() * self.tensor.element_size())
+        if self.released:
+            self.tensor.set_(torch.empty(self.spec.shape, dtype=self.dtype, device=self._device))
+            self.released = False
             self.reset()
 
     def check(self, live: torch.Tensor, rows: int) -> None:

@@ -324,7 +324,9 @@ def test_sleep_releases_everything_keeps_counters_and_wake_captures_the_plan_hot
         serve(reg, model, n)
     slept = reg.sleep()
     assert [k.num_tokens for k, _ in slept.keys] == [8, 16, 32] and slept.input_bytes == MAX_TOKENS * WIDTH * 4
-    assert len(reg) == 0 and reg.static_inputs["x"].untyped_storage().nbytes() == 0
+    assert len(reg) == 0
+    with pytest.raises(RuntimeError, match="released by sleep"):
+        reg.static_inputs["x"]
     serve(reg, model, 4)  # eagerly
     assert reg.stats().misses_by_reason["asleep"] == 1 and reg.stats().hits == 6, "counters kept"
     with pytest.raises(RuntimeError, match="while it sleeps: reg.wake\\(\\) first"):
@@ -344,6 +346,43 @@ def test_lifecycle_arguments_are_checked() -> None:
     with pytest.raises(TypeError, match=r"wake\(background=...\) takes a bool, got 1"):
         reg.wake(background=1)  # type: ignore[arg-type]
     assert reg.wake() == (), "waking an awake registry does nothing"
+
+
+SLEEP_READS = """
+import torch
+import cgregistry as cg
+from cgregistry import BatchDescriptor as B
+
+reg = cg.GraphRegistry(lambda batch, x: x * 2, {"x": cg.StaticInput((32, 16), torch.float32)}, backend=BACKEND)
+reg.capture([(B.decode(8), "full")])
+kept = reg.static_inputs["x"][:4]  # a view the engine took before sleep()
+held = reg.static_inputs
+reg.sleep()
+for read in (lambda: reg.static_inputs["x"], lambda: held["x"]):
+    try:
+        read()
+    except RuntimeError as exc:
+        assert "released by sleep()" in str(exc) and "wake()" in str(exc), exc
+    else:
+        raise AssertionError("a read of a released static input was not refused")
+assert float(kept.sum()) == 0.0 and list(held) == ["x"]  # the view reads what it held: never freed memory
+reg.wake(background=False)
+assert reg.static_inputs["x"].shape == (32, 16)
+x = torch.randn(8, 16, device=reg.device)
+torch.testing.assert_close(reg.run(B.decode(8), x=x), x * 2)
+print("ok")
+"""
+
+
+def test_a_static_input_read_while_asleep_is_refused_and_a_view_kept_from_before_reads_without_a_crash(backend: str) -> None:
+    """sleep() gives the static inputs' memory back: reading ``reg.static_inputs`` then raises, naming why, and a view
+    taken before reads the memory it holds (in a process of its own: a read of freed memory would kill it)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SLEEP_READS.replace("BACKEND", repr(backend))], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
 
 
 @pytest.mark.cuda
