@@ -98,6 +98,14 @@ def test_leaf_modules_import_nothing_of_the_package(leaf: str) -> None:
     assert GRAPH[leaf] == set(), f"{leaf} imports {GRAPH[leaf]}"
 
 
+def test_kv_cache_memory_is_the_engines_not_the_registrys() -> None:
+    """``kvcache/`` (memory reserved before it is backed) is a tool the engine uses beside the registry: no other wing
+    imports it, so the graph machinery never depends on it."""
+    wing = "cgregistry.kvcache"
+    importers = sorted(m for m, deps in GRAPH.items() if unit(m) != wing and any(unit(d) == wing for d in deps))
+    assert importers == [], importers
+
+
 REGISTRY_PARTS = [
     "cgregistry.store.catalog", "cgregistry.store.io", "cgregistry.hooks.events", "cgregistry.capture.job", "cgregistry.capture.pool",
     "cgregistry.capture.queue", "cgregistry.capture.refit", "cgregistry.server", "cgregistry.state.serving",

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import cgregistry as cg
-import cgregistry.backends.reserved as reserved
-from cgregistry.backends import ReservedMemory
+import cgregistry.kvcache.reserved as reserved
+from cgregistry.kvcache import ReservedMemory
 from tests.conftest import BACKENDS, device_of
 
 MiB = 1 << 20
