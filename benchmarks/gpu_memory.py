@@ -19,7 +19,7 @@ alone: what the estimate adds to an engine's start-up.
     PYTHONPATH=. python3 benchmarks/gpu_memory.py --capture-first       # no estimate: capture, then back the KV cache
 
 ``--capture-first`` is the other way to size a KV cache: its addresses reserved before capture
-(``cgregistry.backends.ReservedMemory``), the plan captured with no estimate, the cache backed with what the
+(``cgregistry.kvcache.ReservedMemory``), the plan captured with no estimate, the cache backed with what the
 device has left after it.  It reports that start-up against the capture alone and what stayed unbacked.
 """
 
@@ -113,7 +113,7 @@ def capture_first(name: str) -> dict[str, Any]:
     """No estimate: a stand-in KV cache's address range reserved for the whole device with one granule backed, the
     configuration captured, then the range backed with everything the device has left (``ReservedMemory``); the
     seconds of each part and what was left unbacked (target: within 64 MiB)."""
-    from cgregistry.backends import ReservedMemory
+    from cgregistry.kvcache import ReservedMemory
 
     reg, plan, background = _configuration(name)
     device = torch.device("cuda")

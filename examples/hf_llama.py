@@ -73,7 +73,7 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, apply_rotary_pos_emb
 
 import cgregistry as cg
-from cgregistry.backends import ReservedMemory
+from cgregistry.kvcache import ReservedMemory
 from cgregistry.distributed import HostAgreement
 from cgregistry.plan.workload import read_trace
 

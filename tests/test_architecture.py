@@ -98,6 +98,36 @@ def test_leaf_modules_import_nothing_of_the_package(leaf: str) -> None:
     assert GRAPH[leaf] == set(), f"{leaf} imports {GRAPH[leaf]}"
 
 
+def test_kv_cache_memory_is_the_engines_not_the_registrys() -> None:
+    """``kvcache/`` (memory reserved before it is backed) is a tool the engine uses beside the registry: no other wing
+    imports it, so the graph machinery never depends on it (nor on its optional cuda-bindings)."""
+    wing = "cgregistry.kvcache"
+    importers = sorted(m for m, deps in GRAPH.items() if unit(m) != wing and any(unit(d) == wing for d in deps))
+    assert importers == [], importers
+
+
+# Import names of pyproject's optional dependencies: cuda-bindings (kvcache), matplotlib (plot), transformers (hf).
+OPTIONAL_IMPORTS = ("cuda", "matplotlib", "transformers")
+
+
+def test_optional_dependencies_are_imported_only_inside_the_functions_that_need_them() -> None:
+    """The package imports, and serves on the cpu backend, with none of its extras installed: an optional dependency is
+    imported in the function that needs it (cuda-bindings at the first CUDA reservation, matplotlib for a plot), never
+    when a module loads."""
+    found = []
+    for path in MODULES.values():
+        tree = ast.parse(path.read_text())
+        functions = [f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        in_functions = {id(n) for f in functions for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if id(node) in in_functions:
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in OPTIONAL_IMPORTS]
+    assert found == [], found
+
+
 REGISTRY_PARTS = [
     "cgregistry.store.catalog", "cgregistry.store.io", "cgregistry.hooks.events", "cgregistry.capture.job", "cgregistry.capture.pool",
     "cgregistry.capture.queue", "cgregistry.capture.refit", "cgregistry.server", "cgregistry.state.serving",

@@ -3,13 +3,11 @@
 A backend runs a callable eagerly for warm-up, captures it into a replayable
 graph inside a shared pool, and says how captured outputs are held.  The
 contract is :class:`cgregistry.contracts.protocols.Backend` (and ``SegmentedBackend`` for
-strategies that capture in segments); the names are re-exported here.  ``ReservedMemory`` is device
-memory whose address is fixed before it is backed (a KV cache sized after capture).
+strategies that capture in segments); the names are re-exported here.
 """
 
 from __future__ import annotations
 
-from cgregistry.backends.reserved import ReservedMemory
 from cgregistry.contracts.protocols import Backend, Graph, Segment, SegmentedBackend
 
-__all__ = ["Backend", "Graph", "Segment", "ReservedMemory", "SegmentedBackend"]
+__all__ = ["Backend", "Graph", "Segment", "SegmentedBackend"]

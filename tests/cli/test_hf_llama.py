@@ -153,7 +153,7 @@ def test_an_engine_that_captures_first_and_backs_its_cache_after_serves_like_hug
     """serve(..., capture_first=True): no estimate; every layer's cache reserved with its scratch block backed, the
     plan captured, then the cache backed with what the budget leaves after the graphs (two requests at a time): every
     request finishes at the addresses the graphs baked in, every logit equals HF's forward."""
-    import cgregistry.backends.reserved as reserved
+    import cgregistry.kvcache.reserved as reserved
 
     monkeypatch.setattr(reserved, "CPU_GRANULARITY", 64)  # the tiny model's blocks are a few KiB
     model = hf.build_model("tiny", CPU, SHAPE)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from cgregistry.backends import ReservedMemory
+from cgregistry.kvcache import ReservedMemory
 
 MiB = 1 << 20
 

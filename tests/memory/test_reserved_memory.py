@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import cgregistry as cg
-import cgregistry.backends.reserved as reserved
-from cgregistry.backends import ReservedMemory
+import cgregistry.kvcache.reserved as reserved
+import cgregistry.kvcache.vmm as vmm
+from cgregistry.kvcache import ReservedMemory
+from cgregistry.kvcache.vmm import CudaVmm
 from tests.conftest import BACKENDS, device_of
 
 MiB = 1 << 20
@@ -107,6 +109,85 @@ def test_backed_bytes_never_counts_past_the_range_and_leave_bytes_is_kept_free(m
 def test_bad_arguments_name_themselves(call, error, message) -> None:
     with pytest.raises(error, match=message):
         call()
+
+
+def test_a_cuda_reservation_without_cuda_bindings_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda-bindings is an optional dependency: the cpu backend never imports it, and a CUDA reservation without it
+    raises ImportError naming what to install, before it touches the device (so here too, without a GPU)."""
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # importing it now fails, as where it is not installed
+    assert ReservedMemory(4 * MiB, device="cpu").back(4 * MiB) == 4 * MiB
+    with pytest.raises(ImportError, match=r"through NVIDIA's cuda-bindings, which cannot be imported .*"
+                                          r"pip install 'cgregistry\[kvcache\]', or cuda-bindings of the driver's CUDA major"):
+        ReservedMemory(4 * MiB, device="cuda:0")
+
+
+def test_driver_failures_name_the_call_and_the_error() -> None:
+    """The allocation properties are cuda-bindings' own structures, and a failed driver call raises naming the call
+    and the driver's error: out of memory as torch.OutOfMemoryError (what back_free() backs less on), anything else
+    as RuntimeError."""
+    driver = pytest.importorskip("cuda.bindings.driver")
+    calls = CudaVmm(3)
+    assert (calls.prop.type, calls.prop.location.type, calls.prop.location.id) == (
+        driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED, driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE, 3)
+    assert (calls.access.location.id, calls.access.flags) == (3, driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+    assert calls.check((driver.CUresult.CUDA_SUCCESS, 7), "cuMemCreate") == 7
+    assert calls.check((driver.CUresult.CUDA_SUCCESS,), "cuMemUnmap") is None
+    with pytest.raises(torch.OutOfMemoryError, match=r"^cuMemCreate\(4096 bytes\) failed: CUDA_ERROR_OUT_OF_MEMORY$"):
+        calls.check((driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None), "cuMemCreate(4096 bytes)")
+    with pytest.raises(RuntimeError, match=r"^cuMemMap failed: CUDA_ERROR_INVALID_VALUE$") as raised:
+        calls.check((driver.CUresult.CUDA_ERROR_INVALID_VALUE,), "cuMemMap")
+    assert not isinstance(raised.value, torch.OutOfMemoryError)
+
+
+class RecordingDriver:
+    """cuda.bindings.driver's types, with driver calls that record their arguments and fail where ``fail`` says."""
+
+    def __init__(self, real: object, fail: dict[str, str]) -> None:
+        self.real, self.fail, self.calls = real, fail, []
+
+    def __getattr__(self, name: str) -> object:
+        if not name.startswith("cuMem"):
+            return getattr(self.real, name)
+
+        def call(*args: object) -> tuple[object, ...]:
+            self.calls.append((name, args))
+            err = getattr(self.real.CUresult, self.fail.get(name, "CUDA_SUCCESS"))
+            return (err, self.real.CUmemGenericAllocationHandle(77)) if name == "cuMemCreate" else (err,)
+
+        return call
+
+
+@pytest.mark.parametrize(("fail", "error", "message", "undone"), [
+    ({}, None, None, []),
+    ({"cuMemCreate": "CUDA_ERROR_OUT_OF_MEMORY"}, torch.OutOfMemoryError, r"cuMemCreate\(4194304 bytes\) failed", []),
+    ({"cuMemMap": "CUDA_ERROR_OUT_OF_MEMORY"}, torch.OutOfMemoryError, r"cuMemMap failed: CUDA_ERROR_OUT_OF_MEMORY",
+     ["cuMemRelease"]),
+    ({"cuMemSetAccess": "CUDA_ERROR_INVALID_DEVICE", "cuMemUnmap": "CUDA_ERROR_INVALID_VALUE"}, RuntimeError,
+     r"cuMemSetAccess failed: CUDA_ERROR_INVALID_DEVICE", ["cuMemUnmap", "cuMemRelease"]),
+])
+def test_a_chunk_that_fails_to_map_leaves_nothing_created_or_mapped(monkeypatch: pytest.MonkeyPatch, fail, error, message,
+                                                                     undone) -> None:
+    """Backing a chunk is three calls (create, map, set access); where one fails, what the others did is undone and its
+    own error is the one raised (a failed undo does not hide it), so a failed back() keeps no memory."""
+    driver = RecordingDriver(pytest.importorskip("cuda.bindings.driver"), fail)
+    monkeypatch.setattr(vmm, "driver", lambda: driver)
+    calls, ptr, size = CudaVmm(0), 0x7F0000000000, 4 * MiB
+    if error is None:
+        assert calls.map(ptr, size) == 77
+    else:
+        with pytest.raises(error, match=message):
+            calls.map(ptr, size)
+    made = ["cuMemCreate", "cuMemMap", "cuMemSetAccess"]
+    made = made[: made.index(next(iter(fail))) + 1] if fail else made
+    assert [name for name, _ in driver.calls] == made + undone
+    args = dict(driver.calls)
+    assert args["cuMemCreate"] == (size, calls.prop, 0)
+    if "cuMemMap" in args:
+        assert args["cuMemMap"][:3] == (ptr, size, 0) and int(args["cuMemMap"][3]) == 77 and args["cuMemMap"][4] == 0
+    if "cuMemSetAccess" in args:
+        assert args["cuMemSetAccess"] == (ptr, size, [calls.access], 1)
+    if "cuMemRelease" in args:
+        assert int(args["cuMemRelease"][0]) == 77
 
 
 def _paged_step(cache: torch.Tensor):

@@ -6,8 +6,10 @@ has to know beforehand what the graphs will take (``reg.estimate_memory``, which
 only a small head backed by memory (where capture's padded rows write: the scratch block), the engine
 captures, and then backs as much of the range as the device has left (``back_free``).  The addresses never
 move, so the graphs stay valid; on CUDA this is the driver's virtual memory management (``cuMemAddressReserve``,
-``cuMemCreate``, ``cuMemMap``), the calls vLLM's sleep mode makes.  On the ``cpu`` backend the range is one host
-allocation and backing is bookkeeping, so the same engine code runs in tests.
+``cuMemCreate``, ``cuMemMap``), the calls vLLM's sleep mode makes, made in ``cgregistry.kvcache.vmm`` through NVIDIA's
+``cuda-bindings`` (an optional dependency: ``pip install 'cgregistry[kvcache]'``).  On the ``cpu`` backend the range is
+one host allocation and backing is bookkeeping, so the same engine code runs in tests, with or without
+``cuda-bindings``.
 
 What is not backed must not be touched: a kernel that reads or writes past ``backed_bytes`` faults on CUDA
 (the CUDA context is lost).  Memory newly backed holds whatever it held; zero what is read before it is written.
@@ -17,8 +19,6 @@ read of a cell nobody wrote, and ``check_unbacked()`` a write where CUDA would f
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 import operator
 import os
@@ -27,11 +27,11 @@ import warnings
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from cgregistry.backends.cuda import DeviceSpan
+from cgregistry.kvcache.vmm import CudaVmm
 
 __all__ = ["CHUNK_BYTES", "CPU_GRANULARITY", "CPU_MARKED_MAX", "UNSET_BYTE", "ReservedMemory"]
 
@@ -45,68 +45,6 @@ UNSET_BYTE = 0xFF
 # fault on CUDA) is found by ``check_unbacked()`` and by the next ``back()``; a larger one is left untouched (filling
 # it would make the whole host range resident).
 CPU_MARKED_MAX = 1 << 30
-
-_CU_MEM_ALLOCATION_TYPE_PINNED = 1
-_CU_MEM_LOCATION_TYPE_DEVICE = 1
-_CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
-_CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
-_CUDA_ERROR_OUT_OF_MEMORY = 2
-
-
-class _Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _AllocFlags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
-
-
-class _AllocationProp(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
-
-
-class _AccessDesc(ctypes.Structure):
-    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
-
-
-class _Driver:
-    """The few CUDA driver calls a reservation makes, through ctypes (torch links the runtime, not these)."""
-
-    def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        u64, size_t, p = ctypes.c_uint64, ctypes.c_size_t, ctypes.POINTER
-        signatures: dict[str, list[Any]] = {
-            "cuMemGetAllocationGranularity": [p(size_t), p(_AllocationProp), ctypes.c_int],
-            "cuMemAddressReserve": [p(u64), size_t, size_t, u64, u64],
-            "cuMemAddressFree": [u64, size_t],
-            "cuMemCreate": [p(u64), size_t, p(_AllocationProp), u64],
-            "cuMemRelease": [u64],
-            "cuMemMap": [u64, size_t, size_t, u64, u64],
-            "cuMemUnmap": [u64, size_t],
-            "cuMemSetAccess": [u64, size_t, p(_AccessDesc), size_t],
-            "cuGetErrorName": [ctypes.c_int, p(ctypes.c_char_p)],
-        }
-        for name, argtypes in signatures.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
-            setattr(self, name, fn)
-
-    def check(self, result: int, call: str) -> None:
-        if result == 0:
-            return
-        name = ctypes.c_char_p()
-        self.cuGetErrorName(result, ctypes.byref(name))  # type: ignore[attr-defined]
-        text = f"{call} failed: {name.value.decode() if name.value else result}"
-        if result == _CUDA_ERROR_OUT_OF_MEMORY:
-            raise torch.OutOfMemoryError(text)
-        raise RuntimeError(text)
-
-
-@functools.cache
-def _driver() -> _Driver:
-    return _Driver()
 
 
 def _round_up(nbytes: int, granularity: int) -> int:
@@ -142,28 +80,20 @@ class ReservedMemory:
             raise ValueError(f"device must be a cuda or cpu device, got {str(self.device)!r}")
         self._lock = threading.Lock()
         self._chunks: list[tuple[int, int, int]] = []  # (offset, bytes, driver handle; 0 on cpu), in address order
+        self._vmm: CudaVmm | None = None
         if self.device.type == "cuda":
-            self._prop = _AllocationProp()
-            self._prop.type = _CU_MEM_ALLOCATION_TYPE_PINNED
-            self._prop.location = _Location(_CU_MEM_LOCATION_TYPE_DEVICE, self.device.index)
+            self._vmm = vmm = CudaVmm(self.device.index)  # first: without cuda-bindings, ImportError saying what to install
             with torch.cuda.device(self.device):  # the device's primary context, current on this thread
                 torch.cuda.mem_get_info(self.device)
-                drv = _driver()
-                granule = ctypes.c_size_t()
-                drv.check(drv.cuMemGetAllocationGranularity(ctypes.byref(granule), ctypes.byref(self._prop),  # type: ignore[attr-defined]
-                                                            _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity")
-                self.granularity = granule.value
+                self.granularity = vmm.granularity()
                 self._size = _round_up(self._max, self.granularity)
-                ptr = ctypes.c_uint64()
-                drv.check(drv.cuMemAddressReserve(ctypes.byref(ptr), self._size, self.granularity, 0, 0),  # type: ignore[attr-defined]
-                          f"cuMemAddressReserve({self._size} bytes)")
-                self._ptr = ptr.value
-                self._release = weakref.finalize(self, _free_range, self._ptr, self._size, self._chunks, self.device)
+                self._ptr = vmm.reserve(self._size, self.granularity)
+                self._release = weakref.finalize(self, _free_range, vmm, self._ptr, self._size, self._chunks, self.device)
                 self._map_to(max(backed, 1))  # torch looks the pointer up: its first granule is backed
             self._span = DeviceSpan(self._ptr, self._max)
             self._tensor = torch.as_tensor(self._span, device=self.device)
             self._release.detach()
-            self._finalizer = weakref.finalize(self._span, _free_range, self._ptr, self._size, self._chunks, self.device)
+            self._finalizer = weakref.finalize(self._span, _free_range, vmm, self._ptr, self._size, self._chunks, self.device)
         else:
             self.granularity = CPU_GRANULARITY
             self._size = _round_up(self._max, self.granularity)
@@ -273,7 +203,7 @@ class ReservedMemory:
                 torch.cuda.synchronize(self.device)  # nothing in flight reads what is given back
             while self._chunks and self._chunks[-1][0] >= target:
                 offset, size, handle = self._chunks.pop()
-                _unmap(self._ptr, offset, size, handle, self.device)
+                self._unmap(offset, size, handle)
             if self.device.type == "cpu" and self._marked:
                 self._tensor[self.backed_bytes:].fill_(UNSET_BYTE)
 
@@ -303,44 +233,26 @@ class ReservedMemory:
                 offset += size
         except BaseException:
             for offset, size, handle in reversed(made):
-                _unmap(self._ptr, offset, size, handle, self.device)
+                self._unmap(offset, size, handle)
             raise
         self._chunks.extend(made)
         if self.device.type == "cpu" and not self._marked:
             self._tensor[start:self.backed_bytes].fill_(UNSET_BYTE)
 
     def _map_chunk(self, offset: int, size: int) -> int:
-        if self.device.type == "cpu":
+        if self._vmm is None:
             return 0
-        drv = _driver()
-        handle = ctypes.c_uint64()
         with torch.cuda.device(self.device):
-            drv.check(drv.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(self._prop), 0),  # type: ignore[attr-defined]
-                      f"cuMemCreate({size} bytes)")
-            try:
-                drv.check(drv.cuMemMap(self._ptr + offset, size, 0, handle.value, 0), "cuMemMap")  # type: ignore[attr-defined]
-                try:
-                    access = _AccessDesc(_Location(_CU_MEM_LOCATION_TYPE_DEVICE, self.device.index), _CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
-                    drv.check(drv.cuMemSetAccess(self._ptr + offset, size, ctypes.byref(access), 1), "cuMemSetAccess")  # type: ignore[attr-defined]
-                except BaseException:
-                    drv.cuMemUnmap(self._ptr + offset, size)  # type: ignore[attr-defined]
-                    raise
-            except BaseException:
-                drv.cuMemRelease(handle.value)  # type: ignore[attr-defined]
-                raise
-        return handle.value
+            return self._vmm.map(self._ptr + offset, size)
+
+    def _unmap(self, offset: int, size: int, handle: int) -> None:
+        if self._vmm is None:
+            return
+        with torch.cuda.device(self.device):
+            self._vmm.unmap(self._ptr + offset, size, handle)
 
 
-def _unmap(ptr: int, offset: int, size: int, handle: int, device: torch.device) -> None:
-    if device.type == "cpu":
-        return
-    drv = _driver()
-    with torch.cuda.device(device):
-        drv.check(drv.cuMemUnmap(ptr + offset, size), "cuMemUnmap")  # type: ignore[attr-defined]
-        drv.check(drv.cuMemRelease(handle), "cuMemRelease")  # type: ignore[attr-defined]
-
-
-def _free_range(ptr: int, size: int, chunks: list[tuple[int, int, int]], device: torch.device) -> None:
+def _free_range(vmm: CudaVmm, ptr: int, size: int, chunks: list[tuple[int, int, int]], device: torch.device) -> None:
     """Unmap every chunk and give the address range back (no tensor over it is left).  Where that cannot be done
     safely (a capture in progress on this thread, which a device sync would break) or fails, the range is kept and a
     warning says so: memory lost, not memory freed under a running kernel."""
@@ -349,10 +261,11 @@ def _free_range(ptr: int, size: int, chunks: list[tuple[int, int, int]], device:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("a CUDA graph capture is in progress on this thread")
             torch.cuda.synchronize(device)  # nothing in flight reads it
-        while chunks:
-            offset, chunk, handle = chunks.pop()
-            _unmap(ptr, offset, chunk, handle, device)
-        _driver().check(_driver().cuMemAddressFree(ptr, size), "cuMemAddressFree")  # type: ignore[attr-defined]
+            while chunks:
+                offset, chunk, handle = chunks[-1]
+                vmm.unmap(ptr + offset, chunk, handle)
+                chunks.pop()
+            vmm.free(ptr, size)
     except Exception as e:
         if not sys.is_finalizing():  # at interpreter exit the driver goes with the process
             warnings.warn(f"cgregistry: a ReservedMemory range at {ptr:#x} on {device} was not given back ({e}); its "
