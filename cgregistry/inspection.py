@@ -421,11 +421,12 @@ class Snapshot:
         return filter_entries(self.entries, **filters)
 
     def explain(self, actual: BatchDescriptor) -> Explanation:
-        """How the snapshot's keys would serve ``actual`` under its padding cap (pending keys not included)."""
+        """How the snapshot's keys would serve ``actual`` under its padding cap (lazy keys not included; keys pending
+        capture between steps listed as such, as ``GraphRegistry.explain`` lists them)."""
         return Matcher(
             ((e.key, e.strategy) for e in self.entries), self.preference or DEFAULT_PREFERENCE,
             max_padding_tokens=self.max_padding_tokens, max_padding_ratio=self.max_padding_ratio,
-        ).explain(actual)
+        ).explain(actual, capturing=self.capturing)
 
     def table(self, **filters: Any) -> str:
         lines = entries_table(self.filtered(**filters))

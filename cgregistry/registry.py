@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import threading
 import time
 import weakref
 from _thread import get_ident
@@ -45,6 +46,7 @@ from cgregistry.capture.memory import MemoryEstimate, Part, PoolEstimate, estima
 from cgregistry.plan.build import CapturePlan, PlanEntry
 from cgregistry.hooks.manager import Plugins
 from cgregistry.server import DebugServer, Owner, Server
+from cgregistry.state.debug import Clock
 from cgregistry.errors import CaptureError, ConcurrentRunError, OwnerThreadError
 from cgregistry.warn import warn
 from cgregistry.weights.load import load_in_place
@@ -52,6 +54,7 @@ from cgregistry.weights.load import load_in_place
 __all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "OwnerThreadError", "Stats", "estimate_pool_memory"]  # records re-exported
 
 _names = itertools.count(1)  # default registry names: registry-1, registry-2, ...
+_joining = threading.Lock()  # registries joining a pool (GraphPool.registries, its debug clock), from any thread
 
 
 class GraphRegistry:
@@ -146,11 +149,35 @@ class GraphRegistry:
         self._owner = owner = Owner(self.name)
         weakref.finalize(self, owner.cancel_handed)  # calls handed over to a registry that is gone never run
         parts = (step, catalog, job, pending, adapter, events, frozenset(buffers), self.name, owner)
-        self._server = DebugServer(*parts, watch=job.watch) if self.debug else Server(*parts)
+        clock = self._join_pool()
+        self._server = DebugServer(*parts, watch=job.watch, clock=clock) if self.debug else Server(*parts)
         self._lifecycle = Lifecycle(catalog, job, pending, adapter, events, buffers, self.backend, self.name)
         if type(self).run is _DEFINED_RUN:  # not overridden by a subclass (nor patched on the class): see run()
             self.run = self._server.run  # type: ignore[method-assign]  # the hot path itself: no call in between
         events.registry_created()
+
+    def _join_pool(self) -> Clock | None:
+        """This registry captures into its pool from now on.  In debug mode: the stale-output clock of the pool's
+        registries in debug mode (a replay of any may overwrite the outputs of every one: on CUDA their graphs reuse one
+        pool's memory).  A pool that holds registries in debug mode and others not is warned about: the replays of
+        those the check does not see."""
+        pool = self.pool
+        with _joining:
+            others = [r for r in list(pool.registries) if r is not self]
+            pool.registries.add(self)
+            clock = None
+            if self.debug:
+                if pool.debug_clock is None:
+                    pool.debug_clock = Clock()
+                clock = pool.debug_clock
+        unlike = [r.name for r in others if r.debug != self.debug]
+        if unlike:
+            debug, plain = ([self.name], unlike) if self.debug else (unlike, [self.name])
+            warn(f"cgregistry: registr{'ies' if len(debug) > 1 else 'y'} {', '.join(map(repr, debug))} (debug=True) and "
+                 f"{', '.join(map(repr, plain))} (debug=False) share one graph pool: a replay of any of them may overwrite "
+                 "the outputs of all, and debug mode's stale-output check sees the replays of registries in debug mode "
+                 "only; give every registry of a pool the same debug setting")
+        return clock
 
     # Bytes of measured graph memory to stay under (least recently replayed entries are evicted); None: no limit.
     memory_budget = Delegated("_catalog", "memory_budget", check=check_budget)

@@ -29,7 +29,7 @@ from cgregistry.capture.refit import Adapter
 from cgregistry.capture.queue import PendingCaptures
 from cgregistry.capture.job import CaptureJob
 from cgregistry.store.catalog import NO_EXCLUSION, Catalog, Entry, Route, Variant, not_a_descriptor
-from cgregistry.state.debug import Clock, checked, check_addresses, plain
+from cgregistry.state.debug import Clock, Runs, checked, check_addresses, plain
 from cgregistry.weights.watch import WeightWatch
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.distributed import agree
@@ -465,10 +465,11 @@ class DebugServer(Server):
     and a failed replay (an interrupt, which may come anywhere, counts as touching).
     """
 
-    def __init__(self, *args: Any, watch: WeightWatch) -> None:
+    def __init__(self, *args: Any, watch: WeightWatch, clock: Clock | None = None) -> None:
         super().__init__(*args)
         self._watch = watch
-        self._clock = Clock()  # for the stale-output check
+        # For the stale-output check: its runs on the clock of its graph pool's debug registries (its own if none given).
+        self._runs = Runs(clock if clock is not None else Clock(), self._name)
         self._touches = 0  # how often runs wrote the static buffers outside a replay (only grows)
 
     def run(
@@ -482,25 +483,26 @@ class DebugServer(Server):
             check_addresses(self._watch)
         inputs = {name: plain(value) for name, value in inputs.items()}  # outputs of earlier runs: read while still fresh
         eager_before = self._counters.eager_fallbacks
-        clock = self._clock
+        runs = self._runs
         touches = self._touches
         try:
             out = super().run(actual, context=context, group=group, exclude=exclude, **inputs)
         except BaseException as exc:
             if self._touches != touches or not isinstance(exc, Exception):
-                clock.ran()  # the static buffers may have been written before the refusal: earlier outputs are stale
+                runs.ran()  # the static buffers may have been written before the refusal: earlier outputs are stale
             raise
-        clock.ran()
-        if self._counters.eager_fallbacks != eager_before:
+        if self._counters.eager_fallbacks != eager_before:  # an eager step: graph memory untouched, unless a capture
+            runs.ran(replayed=self._touches != touches)  # or a failed replay ran first
             return out
-        return checked(out, clock)
+        runs.ran()
+        return checked(out, runs)
 
     def _touched(self) -> None:
         self._touches += 1
 
     def touched(self) -> None:
         self._touches += 1
-        self._clock.changed()  # between steps: the outputs of the runs so far are stale from now on
+        self._runs.changed()  # between steps: the outputs of the runs so far are stale from now on
 
     def _replay_failed(self, *args: Any) -> Any:
         self._touched()  # the inputs were copied in and the graph ran

@@ -41,6 +41,10 @@ class GraphPool:
         self._left_lock = threading.Lock()
         self._holder = threading.local()  # .name: the registry whose capture holds the lock on this thread
         self._sharers: weakref.WeakSet[Any] = weakref.WeakSet()  # each registry's capture job (its holds_graphs())
+        self.registries: weakref.WeakSet[Any] = weakref.WeakSet()  # the registries that capture into it, alive
+        # Debug mode's stale-output clock, one for the registries in debug mode that capture into it (their outputs are
+        # valid until the next replay of any of them); made by the first.
+        self.debug_clock: Any = None
 
     @property
     def live_graphs(self) -> int:

@@ -108,11 +108,18 @@ class BatchDescriptor:
 
     @classmethod
     def from_query_lens(cls, query_lens: Sequence[int], num_active_loras: int = 0, *,
-                        spec_depth: int | None = None, num_ubatches: int = 1) -> BatchDescriptor:
+                        spec_depth: int | None = 0, num_ubatches: int = 1) -> BatchDescriptor:
         """The batch of requests with these query lengths (new tokens per request this step), so that the engine need
-        not decide uniformity and depth by hand: uniform when every request has the same length ``1 + d`` (spec depth
-        ``d``; with ``spec_depth`` given, only when ``d`` is that depth: other equal lengths are a mixed batch), mixed
-        otherwise.  ``num_ubatches``: the micro-batches the engine splits this step into."""
+        not count tokens and requests by hand: uniform when every request has ``1 + spec_depth`` tokens, mixed
+        otherwise.
+
+        ``spec_depth``: the drafts per request this step verifies, as the engine knows it.  The default, 0, makes a
+        pure decode step uniform (every request one token) and any other batch mixed: equal lengths above one are
+        prefill chunks as often as verify steps (``[18]`` is one request's 18-token prompt chunk), and a prefill is
+        never taken for speculative decoding unless the caller says so.  A verify step of depth ``d`` passes
+        ``spec_depth=d``: its batch is uniform at that depth when every request has ``1 + d`` tokens.  ``None`` reads
+        any common length ``1 + d`` as depth ``d``: only for an engine whose every such step is a verify step.
+        ``num_ubatches``: the micro-batches the engine splits this step into."""
         lens = list(query_lens)
         if not lens:
             raise ValueError("from_query_lens() needs at least one request's query length, got none")

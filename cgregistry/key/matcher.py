@@ -52,6 +52,7 @@ class Candidate:
     chosen: bool
     reason: str
     padding: Padding | None
+    capturing: bool = False  # a key pending capture between steps: listed, but it serves nothing until captured
 
 
 @attrs.frozen(slots=True)
@@ -63,6 +64,9 @@ class Explanation:
     candidates: tuple[Candidate, ...]
     refused: str | None = None  # why no key may serve the batch at all (more requests than a static input holds, say)
     hint: str | None = None  # how the engine may describe the batch so that a key serves it (a decode batch not marked uniform)
+    # No captured key serves the batch, and this key pending capture will once captured: until then the batch runs
+    # eagerly (run() counts it under the miss reason "capturing").
+    capturing: Match | None = None
 
     def to_dict(self) -> dict:
         """The explanation as JSON-serialisable data."""
@@ -70,23 +74,30 @@ class Explanation:
         def key(d: BatchDescriptor) -> dict:
             return attrs.asdict(d)
 
+        def match(m: Match | None) -> dict | None:
+            return None if m is None else {"key": key(m.key), "strategy": m.strategy, "padding": list(m.padding)}
+
         return {
             "actual": key(self.actual),
             "refused": self.refused,
             "hint": self.hint,
-            "match": None if self.match is None else {"key": key(self.match.key), "strategy": self.match.strategy, "padding": list(self.match.padding)},
+            "match": match(self.match),
+            "capturing": match(self.capturing),
             "candidates": [
                 {"key": key(c.key), "strategy": c.strategy, "covers": c.covers, "chosen": c.chosen, "reason": c.reason,
-                 "padding": None if c.padding is None else list(c.padding)}
+                 "padding": None if c.padding is None else list(c.padding), "capturing": c.capturing}
                 for c in self.candidates
             ],
         }
 
     def __str__(self) -> str:
+        waits = self.capturing
         head = f"actual {self.actual}: " + (
             f"matched {self.match.key} [{self.match.strategy}], padding {tuple(self.match.padding)}"
             if self.match
             else f"runs eagerly: {self.refused}" if self.refused
+            else (f"runs eagerly until a key pending capture is captured: {waits.key} [{waits.strategy}] will serve it, "
+                  f"padding {tuple(waits.padding)} (miss reason 'capturing')") if waits
             else "every covering key is excluded or over the padding cap (runs eagerly)" if any(c.covers for c in self.candidates)
             else "no covering key (runs eagerly)"
         )
@@ -317,14 +328,20 @@ class Matcher:
         found.sort(key=lambda item: (item[0], item[1]))
         return [m for _, _, m in found]
 
-    def explain(self, actual: BatchDescriptor, exclude: Iterable[str] = ()) -> Explanation:
-        """Every key with the reason it won or lost against ``actual`` (``exclude`` as for ``match``)."""
+    def explain(
+        self, actual: BatchDescriptor, exclude: Iterable[str] = (), capturing: Iterable[tuple[BatchDescriptor, str]] = (),
+    ) -> Explanation:
+        """Every key with the reason it won or lost against ``actual`` (``exclude`` as for ``match``).
+
+        ``capturing``: keys pending capture between steps, which serve nothing yet: each is listed as such, and when no
+        key of this matcher serves the batch, the best of them that would (by this matcher's rule) is the
+        explanation's ``capturing``: the batch runs eagerly until it is captured."""
         skip = excluded(exclude)
         chosen = self.match(actual, skip)
         rows: list[tuple[tuple[int, ...], Candidate]] = []
         for key, strategy in self._pairs:
             if not key.covers(actual):
-                rows.append(((1, self._rank[strategy], key.num_tokens), Candidate(key, strategy, False, False, _why_not(key, actual), None)))
+                rows.append(((2, self._rank[strategy], key.num_tokens), Candidate(key, strategy, False, False, _why_not(key, actual), None)))
                 continue
             pad = key.padding(actual)
             if strategy in skip:
@@ -349,9 +366,67 @@ class Matcher:
                 if pad == chosen.padding:
                     reason = "covers with equal padding; lost the tie (uniform, then exact request count)"
             rows.append(((0, self._rank[strategy], *pad), Candidate(key, strategy, True, False, reason, pad)))
+        waits = self._explain_capturing(actual, skip, chosen, capturing, rows)
         rows.sort(key=lambda r: r[0])
         hint = None if chosen is not None else self.uniform_hint(actual, skip)
-        return Explanation(actual, chosen, tuple(c for _, c in rows), hint=hint)
+        return Explanation(actual, chosen, tuple(c for _, c in rows), hint=hint, capturing=waits)
+
+    def _explain_capturing(
+        self, actual: BatchDescriptor, skip: frozenset[str], chosen: Match | None,
+        capturing: Iterable[tuple[BatchDescriptor, str]], rows: list[tuple[tuple[int, ...], Candidate]],
+    ) -> Match | None:
+        """``explain``'s rows for the keys pending capture (added to ``rows``, after the captured keys that cover the
+        batch); the best of them that would serve the batch when no captured key does."""
+        live = set(self._pairs)
+        pairs = [pair for pair in dict.fromkeys(capturing) if pair not in live]
+        if not pairs:
+            return None
+        last = len(self._rank)
+
+        def rank(strategy: str) -> int:
+            return self._rank.get(strategy, last)
+
+        prefix = "pending capture between steps"
+        serving: list[tuple[tuple[int, ...], Match]] = []
+        for key, strategy in pairs:
+            if not key.covers(actual):
+                reason = f"{prefix}; {_why_not(key, actual)}"
+                rows.append(((1, 2, rank(strategy), key.num_tokens), Candidate(key, strategy, False, False, reason, None, True)))
+                continue
+            pad = key.padding(actual)
+            if strategy in skip:
+                reason = f"{prefix}; covers, but strategy {strategy!r} is excluded for this call"
+            elif self.refused_for_padding(key, actual):
+                reason = f"{prefix}; covers, but pads {pad.tokens} tokens for {actual.num_tokens}: over the cap ({self.cap.describe()})"
+            else:
+                serving.append(((rank(strategy), *_order(key, actual)), Match(key, strategy, pad)))
+                continue
+            rows.append(((1, 1, rank(strategy), *pad), Candidate(key, strategy, True, False, reason, pad, True)))
+        if not serving:
+            return None
+        serving.sort(key=lambda item: item[0])
+        top_order, top = serving[0]
+        if chosen is None:
+            reason = f"{prefix}: serves it once captured; the batch runs eagerly until then"
+            rows.append(((1, -1), Candidate(top.key, top.strategy, True, False, reason, top.padding, True)))
+            rival, rival_order = top, top_order
+        else:
+            rival, rival_order = chosen, (rank(chosen.strategy), *_order(chosen.key, actual))
+            if top_order < rival_order:
+                reason = f"{prefix}: once captured, serves it instead of {chosen.key} [{chosen.strategy}]"
+                rows.append(((1, -1), Candidate(top.key, top.strategy, True, False, reason, top.padding, True)))
+                rival, rival_order = top, top_order
+        for order, m in serving:
+            if m is rival:
+                continue
+            if order[0] > rival_order[0]:
+                reason = f"{prefix}; covers, but strategy {m.strategy!r} is less preferred than {rival.strategy!r}"
+            elif m.padding != rival.padding:
+                reason = f"{prefix}; covers, but pads more: {tuple(m.padding)} vs {tuple(rival.padding)}"
+            else:
+                reason = f"{prefix}; covers with equal padding; lost the tie (uniform, then exact request count)"
+            rows.append(((1, 0, *order), Candidate(m.key, m.strategy, True, False, reason, m.padding, True)))
+        return top if chosen is None else None
 
     def uniform_hint(self, actual: BatchDescriptor, exclude: Iterable[str] = ()) -> str | None:
         """For a batch no key serves that is not marked uniform, but whose every request could have ``1 + d`` query tokens

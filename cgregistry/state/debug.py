@@ -14,6 +14,11 @@
    Reading metadata (``.shape``, ``.dtype``) is always fine.  (Poisoning the old
    outputs' memory instead was rejected: an output may alias a static input or a
    weight, which poison would corrupt, and a NaN read is found late and unnamed.)
+   Registries that share a graph pool (a drafter beside its target) share one
+   :class:`Clock`: on CUDA a graph's outputs are memory of the pool that any graph
+   captured into it may reuse, so the next ``run()`` of any of them may overwrite
+   the outputs of all (the cpu backend keeps each graph's memory apart, yet the
+   check is the same, so that it catches there what would be garbage on CUDA).
 
 Both checks cost a few microseconds per ``run()``; leave debug mode off in serving.
 """
@@ -28,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from cgregistry.errors import DebugError, MovedTensorError, StaleOutputError
 from cgregistry.weights.watch import WeightWatch
 
-__all__ = ["AddressWatch", "CheckedOutput", "Clock", "DebugError", "MovedTensorError", "StaleOutputError", "check_addresses"]
+__all__ = ["AddressWatch", "CheckedOutput", "Clock", "DebugError", "MovedTensorError", "Runs", "StaleOutputError", "check_addresses"]
 
 
 # The address watch lives in cgregistry.state.weights (refresh() compares addresses too); its old name stays here.
@@ -59,33 +64,68 @@ _METADATA = _metadata_readers()
 
 
 class Clock:
-    """What wrote graph memory last: ``version`` grows with each run() and each change between runs (a capture, a
-    release) that may overwrite earlier outputs; ``runs`` numbers the runs; ``writer`` says which came last."""
+    """What wrote graph memory last, for the debug registries of one graph pool (one registry's, unless it shares its
+    pool): ``version`` grows with each replay and each change between runs (a capture, a release) of any of them, which
+    may overwrite the outputs of every one (on CUDA their graphs reuse one pool's memory); ``writer`` says which came
+    last; ``registries``: how many share it (past one, the messages name the registry)."""
 
-    __slots__ = ("version", "runs", "writer")
+    __slots__ = ("version", "writer", "registries")
 
     def __init__(self) -> None:
         self.version = 0
-        self.runs = 0
         self.writer = ""
+        self.registries = 0
 
-    def ran(self) -> None:
-        self.runs += 1
+    @property
+    def shared(self) -> bool:
+        return self.registries > 1
+
+    def wrote(self, writer: str) -> None:
+        """``writer`` (a replay, a change) may have overwritten every output handed out so far."""
         self.version += 1
-        self.writer = f"run {self.runs}"
+        self.writer = writer
+
+
+class Runs:
+    """One registry's runs, on the :class:`Clock` of its graph pool.  Its outputs are valid until its next ``run()``
+    (``version``, its own), and until the next replay or change of graphs of any registry on the clock (the clock's
+    ``version``): an eager step writes no graph memory, so it stales only its own registry's outputs."""
+
+    __slots__ = ("clock", "name", "runs", "version", "writer")
+
+    def __init__(self, clock: Clock, name: str) -> None:
+        self.clock = clock
+        self.name = name
+        self.runs = 0
+        self.version = 0
+        self.writer = ""
+        clock.registries += 1
+
+    def ran(self, replayed: bool = True) -> None:
+        """A run; ``replayed``: it may have written graph memory (a replay, a capture, anything but a plain eager step)."""
+        self.runs += 1
+        self._wrote(f"run {self.runs}" + (f" of registry {self.name!r}" if self.clock.shared else ""), replayed)
 
     def changed(self) -> None:
+        of = f" of registry {self.name!r} after its run" if self.clock.shared else " after run"
+        self._wrote(f"a change to the graphs{of} {self.runs} (a capture, a release or a refresh between steps)", True)
+
+    def _wrote(self, writer: str, graphs: bool) -> None:
         self.version += 1
-        self.writer = f"a change to the graphs after run {self.runs} (a capture, a release or a refresh between steps)"
+        self.writer = writer
+        if graphs:
+            self.clock.wrote(writer)
 
 
 class CheckedOutput(torch.Tensor):
-    """A view of graph output memory that refuses to be read after the next ``run()``."""
+    """A view of graph output memory that refuses to be read after the next ``run()`` of its registry, or the next
+    replay of a registry sharing its graph pool."""
 
     _cg_label: str
-    _cg_run: int  # the run that made it
-    _cg_version: int  # the clock's version then
-    _cg_clock: Clock
+    _cg_runs: Runs  # its registry's runs
+    _cg_run: str  # the run that made it ("run 3", or "run 3 of registry 'draft'" on a shared clock)
+    _cg_own: int  # its registry's version then
+    _cg_version: int  # the pool clock's version then
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -111,25 +151,33 @@ class CheckedOutput(torch.Tensor):
                 if isinstance(t, CheckedOutput):
                     return t
                 source = storages.get(t.untyped_storage().data_ptr()) if t.untyped_storage().nbytes() else None
-                return t if source is None else _mark(t, source._cg_label, source._cg_clock, source._cg_run, source._cg_version)
+                return t if source is None else _mark(t, source._cg_label, source._cg_runs, source._cg_run, source._cg_own,
+                                                      source._cg_version)
 
             return tree_map_only(torch.Tensor, derived, result)
 
 
 def _check_fresh(leaf: CheckedOutput, reader: object) -> None:
-    clock = leaf._cg_clock
+    runs = leaf._cg_runs
+    clock = runs.clock
     if clock.version != leaf._cg_version:
-        raise StaleOutputError(
-            f"{leaf._cg_label} of run {leaf._cg_run} was read (by {reader}) after {clock.writer} "
-            "overwrote it; clone() what you keep past the next run()"
-        )
+        writer = clock.writer  # a replay or change in the pool (its own registry's, or another's)
+    elif runs.version != leaf._cg_own:
+        writer = runs.writer  # its registry ran again (eagerly)
+    else:
+        return
+    raise StaleOutputError(
+        f"{leaf._cg_label} of {leaf._cg_run} was read (by {reader}) after {writer} overwrote it; clone() what you keep "
+        "past the next run()" + (" of any registry sharing its graph pool (their graphs reuse one memory)" if clock.shared else "")
+    )
 
 
-def _mark(tensor: torch.Tensor, label: str, clock: Clock, run: int, version: int) -> CheckedOutput:
+def _mark(tensor: torch.Tensor, label: str, runs: Runs, run: str, own: int, version: int) -> CheckedOutput:
     out = tensor.as_subclass(CheckedOutput)
     out._cg_label = label
-    out._cg_clock = clock
+    out._cg_runs = runs
     out._cg_run = run
+    out._cg_own = own
     out._cg_version = version
     return out
 
@@ -143,12 +191,13 @@ def plain(value: Any) -> Any:
         return value.as_subclass(torch.Tensor)
 
 
-def checked(outputs: Any, clock: Clock) -> Any:
-    """``outputs`` of the run just counted on ``clock``, each tensor leaf as a CheckedOutput."""
+def checked(outputs: Any, runs: Runs) -> Any:
+    """``outputs`` of the run just counted on ``runs``, each tensor leaf as a CheckedOutput."""
     leaves, spec = tree_flatten(outputs)
     wrapped = []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            leaf = _mark(leaf, "output" if len(leaves) == 1 else f"output leaf {i}", clock, clock.runs, clock.version)
+            leaf = _mark(leaf, "output" if len(leaves) == 1 else f"output leaf {i}", runs, runs.writer, runs.version,
+                         runs.clock.version)
         wrapped.append(leaf)
     return spec.unflatten(wrapped)

@@ -268,13 +268,17 @@ class RouteTable:
         return "above_largest_key"
 
     def explain(self, actual: BatchDescriptor, exclude: frozenset[str] = NO_EXCLUSION) -> Explanation:
-        """The matcher's explanation, refused as a whole when no graph can take the batch."""
-        explanation = self.matcher.explain(actual, exclude)
+        """The matcher's explanation, with the keys pending capture between steps listed as such (the batch waits for
+        one of them when no captured key serves it: the miss reason ``capturing``), refused as a whole when no graph
+        can take the batch.  Read-only, from any thread: the pending keys are the tuple ``capturing`` (the owner
+        thread replaces it whole), never the queue."""
+        capturing = self.capturing
+        explanation = self.matcher.explain(actual, exclude, capturing)
         refused = self.too_large(actual)
         if refused is None:
             return explanation
         candidates = tuple(attrs.evolve(c, chosen=False) for c in explanation.candidates)
-        return attrs.evolve(explanation, match=None, candidates=candidates, refused=refused)
+        return attrs.evolve(explanation, match=None, candidates=candidates, refused=refused, capturing=None)
 
     def choose(self, actual: BatchDescriptor, exclude: frozenset[str] = NO_EXCLUSION) -> Match | None:
         """The matcher's best covering key (outside ``exclude``), unless a policy plugin picks another candidate."""

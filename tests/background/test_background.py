@@ -281,6 +281,27 @@ def test_the_explanation_of_a_batch_names_the_pending_key_that_will_serve_it() -
     reg.run(batch, **inputs)
     assert reg.stats().misses_by_reason["capturing"] == 1
     assert reg.match(batch) is None
+    explanation = reg.explain(batch)
+    assert explanation.match is None and explanation.capturing is not None
+    waits = explanation.capturing
+    assert (waits.key, waits.strategy) == (B(4, 4), "full") and tuple(waits.padding) == (1, 1, 0)  # the smallest that covers
+    text = str(explanation)
+    assert "no covering key" not in text
+    assert f"runs eagerly until a key pending capture is captured: {B(4, 4)} [full] will serve it" in text
+    assert "miss reason 'capturing'" in text
+    # every key pending capture is in the table, marked as pending, none chosen
+    listed = {(c.key, c.strategy) for c in explanation.candidates}
+    assert listed == set(reg.capturing()) and all(c.capturing and not c.chosen for c in explanation.candidates)
+    reasons = {c.key: c.reason for c in explanation.candidates}
+    assert reasons[B(4, 4)].startswith("pending capture between steps: serves it once captured")
+    assert reasons[B(2, 2)] == "pending capture between steps; too few tokens: 2 < 3"
+    data = explanation.to_dict()
+    assert data["capturing"]["key"]["num_tokens"] == 4 and all(c["capturing"] for c in data["candidates"])
+    assert cg.load_snapshot(reg.snapshot()).explain(batch).to_dict() == data  # offline, from the snapshot's pending keys
+    reg.wait_captured()
+    explanation = reg.explain(batch)  # captured now: matched, nothing pending
+    assert explanation.match.key == B(4, 4) and explanation.capturing is None
+    assert not any(c.capturing for c in explanation.candidates)
 
 
 # --------------------------------------------------------------------------- adaptation

@@ -132,3 +132,84 @@ def test_a_pool_argument_is_checked() -> None:
         cg.GraphRegistry(lambda batch, x: x, spec, backend="cpu", pool=3)
     cpu = cg.GraphRegistry(lambda batch, x: x, spec, backend="cpu")
     assert isinstance(cpu.pool, GraphPool)
+
+
+def debug_pair(backend: str = "cpu") -> tuple[cg.GraphRegistry, cg.GraphRegistry, torch.nn.Module, torch.nn.Module]:
+    device = device_of(backend)
+    target_layer, draft_layer = torch.nn.Linear(16, 16, device=device), torch.nn.Linear(16, 16, device=device)
+    spec = {"x": cg.StaticInput((8, 16), torch.float32)}
+    target = cg.GraphRegistry(lambda batch, x: target_layer(x).relu(), spec, backend=backend, name="target", debug=True)
+    drafter = cg.GraphRegistry(lambda batch, x: draft_layer(x) * 3, spec, backend=backend, name="drafter", debug=True,
+                               pool=target.pool)
+    with torch.inference_mode():
+        target.capture(PLAN, progress=False)
+        drafter.capture(PLAN, progress=False)
+    return target, drafter, target_layer, draft_layer
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_debug_mode_refuses_a_draft_read_after_the_target_replayed_into_the_shared_pool(backend: str) -> None:
+    target, drafter, target_layer, draft_layer = debug_pair(backend)
+    x = torch.randn(3, 16, device=device_of(backend))
+    with torch.inference_mode():
+        draft = drafter.run(B.decode(3), x=x)
+        kept = draft.clone()
+        verified = target.run(B.decode(3), x=draft)  # the draft as the target's input: read before the replay, fine
+        torch.testing.assert_close(verified, target_layer(kept).relu())
+        with pytest.raises(cg.StaleOutputError, match=r"output of run 1 of registry 'drafter' was read \(by .*\) after "
+                                                      r"run 1 of registry 'target' overwrote it; .*graph pool"):
+            draft.sum()  # on CUDA the target's graph may have reused this memory
+        with pytest.raises(cg.StaleOutputError):
+            draft[:1].clone()
+        torch.testing.assert_close(kept, draft_layer(x) * 3)  # the clone is the caller's
+        verified.sum()  # the target's own output: valid until the next replay in the pool
+        drafter.run(B.decode(3), x=x)
+        with pytest.raises(cg.StaleOutputError, match="after run 2 of registry 'drafter' overwrote it"):
+            verified.sum()
+
+
+def test_the_cpu_emulation_keeps_pool_partners_memory_apart_so_only_debug_mode_shows_the_stale_read() -> None:
+    target, drafter, _, draft_layer = pair("cpu")
+    with torch.inference_mode():
+        target.capture(PLAN, progress=False)
+        drafter.capture(PLAN, progress=False)
+        x = torch.randn(3, 16)
+        draft = drafter.run(B.decode(3), x=x)
+        target.run(B.decode(3), x=torch.randn(3, 16))
+        torch.testing.assert_close(draft, draft_layer(x) * 3)  # intact on cpu (on CUDA it may not be): the contract
+        # is the same on both backends, which is why debug mode refuses the read above on cpu too
+
+
+def test_a_change_to_the_partners_graphs_stales_the_draft_and_an_eager_step_does_not() -> None:
+    target, drafter, _, _ = debug_pair()
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        draft = drafter.run(B.decode(3), x=x)
+        target.run(B(20, 2), x=torch.randn(20, 16))  # larger than any key: an eager step, no graph memory written
+        assert target.stats().eager_fallbacks == 1
+        draft.sum()  # still valid: the pool's graphs did not run
+        target.release(B(8, 8))  # a change to the target's graphs between steps
+        with pytest.raises(cg.StaleOutputError, match="after a change to the graphs of registry 'target' after its run 1"):
+            draft.sum()
+        mine = drafter.run(B.decode(3), x=x)
+        drafter.run(B(20, 2), x=torch.randn(20, 16))  # an eager step of its own registry: valid until its next run()
+        with pytest.raises(cg.StaleOutputError, match="after run 3 of registry 'drafter' overwrote it"):
+            mine.sum()
+
+
+def test_debug_registries_with_a_pool_each_do_not_stale_each_other() -> None:
+    spec = {"x": cg.StaticInput((8, 16), torch.float32)}
+    a = cg.GraphRegistry(lambda batch, x: x * 2, spec, backend="cpu", debug=True)
+    b = cg.GraphRegistry(lambda batch, x: x * 3, spec, backend="cpu", debug=True)
+    a.capture(PLAN, progress=False)
+    b.capture(PLAN, progress=False)
+    out = a.run(B.decode(2), x=torch.ones(2, 16))
+    b.run(B.decode(2), x=torch.ones(2, 16))
+    assert float(out.sum()) == 64.0
+
+
+def test_a_pool_shared_by_registries_in_debug_mode_and_not_is_warned_about() -> None:
+    spec = {"x": cg.StaticInput((8, 16), torch.float32)}
+    target = cg.GraphRegistry(lambda batch, x: x, spec, backend="cpu", name="target")
+    with pytest.warns(RuntimeWarning, match=r"'drafter' \(debug=True\) and 'target' \(debug=False\) share one graph pool"):
+        cg.GraphRegistry(lambda batch, x: x, spec, backend="cpu", name="drafter", debug=True, pool=target.pool)

@@ -73,6 +73,23 @@ def test_explain_agrees_with_match(keys: list, actual: BatchDescriptor) -> None:
         assert c.covers == c.key.covers(actual)
 
 
+@settings(max_examples=100, deadline=None)
+@given(keys=st.lists(st.tuples(descriptors(), st.sampled_from(STRATEGIES)), min_size=1, max_size=20, unique=True),
+       split=st.integers(0, 20), actual=descriptors(), cap=st.one_of(st.none(), st.integers(0, 8)))
+def test_explain_lists_keys_pending_capture_and_the_one_the_batch_waits_for(
+    keys: list, split: int, actual: BatchDescriptor, cap: int | None,
+) -> None:
+    live, capturing = keys[:split], keys[split:]
+    explanation = Matcher(live, max_padding_tokens=cap).explain(actual, capturing=capturing)
+    assert {(c.key, c.strategy) for c in explanation.candidates if c.capturing} == set(capturing)
+    assert not any(c.chosen for c in explanation.candidates if c.capturing)
+    assert explanation.match == Matcher(live, max_padding_tokens=cap).match(actual)  # pending keys serve nothing
+    # the key the batch waits for: the one the pending keys alone would match, when no captured key serves it
+    want = Matcher(capturing, max_padding_tokens=cap).match(actual) if explanation.match is None and capturing else None
+    assert explanation.capturing == want
+    assert ("runs eagerly until a key pending capture is captured" in str(explanation)) == (want is not None)
+
+
 def test_preferred_strategy_beats_padding() -> None:
     keys = [(B(64), "piecewise"), (B(8), "breakable"), (B(128, 64), "full")]
     m = Matcher(keys)
