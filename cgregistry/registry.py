@@ -79,10 +79,6 @@ class GraphRegistry:
     thread that has warmed it up before, about half the capture time; only for a step that makes nothing lazily on a
     first run that the engine may have freed since (a KV cache made by the first step and freed at ``sleep()`` would be
     made inside the graph, and wiped at every replay) and that calls no ``torch.compile`` of its own (docs/lifecycle.md).
-    ``in_place_refresh``: graphs keep the memory of the parameters they read alive, and ``refresh()`` copies a replaced
-    parameter's new values into it and points the parameter there (``load_state_dict(assign=True)`` becomes an
-    in-place update: every graph kept, nothing captured again); the parameter then no longer shares memory with the
-    tensor it was given.  The old memory stays allocated until ``refresh()``, ``clear()`` or ``sleep()``.
     """
 
     def __init__(

@@ -33,11 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from cgregistry.errors import DebugError, MovedTensorError, StaleOutputError
 from cgregistry.weights.watch import WeightWatch
 
-__all__ = ["AddressWatch", "CheckedOutput", "Clock", "DebugError", "MovedTensorError", "Runs", "StaleOutputError", "check_addresses"]
-
-
-# The address watch lives in cgregistry.state.weights (refresh() compares addresses too); its old name stays here.
-AddressWatch = WeightWatch
+__all__ = ["CheckedOutput", "Clock", "DebugError", "MovedTensorError", "Runs", "StaleOutputError", "check_addresses"]
 
 
 def check_addresses(watch: WeightWatch) -> None:

@@ -210,7 +210,7 @@ def test_refresh_outside_the_autocast_block_does_not_let_a_replay_outside_it_thr
         torch.testing.assert_close(reg.run(B.decode(3), x=x), lin(B.decode(3), x))
 
 
-def test_watch_after_capture_keeps_every_graph_at_the_next_in_place_refresh() -> None:
+def test_watch_after_capture_keeps_every_graph_at_a_refresh_after_an_update_in_place() -> None:
     lin, other = Model(), torch.nn.Linear(WIDTH, WIDTH)
     reg = cg.GraphRegistry(lin, INPUTS, backend="cpu")
     reg.capture(PLAN)
