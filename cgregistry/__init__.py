@@ -21,7 +21,7 @@ from cgregistry.registry import GraphRegistry, estimate_pool_memory
 # Models with eager parts: attention as an eager break, piecewise compilation
 from cgregistry.strategies.breaks import capture_barrier, eager_break, graph_break
 from cgregistry.strategies.compiler import compile_piecewise
-from cgregistry.state.runtime import FrozenReadWarning, current_batch, eager_batch
+from cgregistry.contracts.runtime import FrozenReadWarning, current_batch, eager_batch
 
 # Snapshots written by reg.snapshot() (the other records: cgregistry.inspection)
 from cgregistry.inspection import load_snapshot

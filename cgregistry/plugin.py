@@ -21,7 +21,7 @@ from cgregistry.hooks.manager import (
     StrategyRegistrar,
     make_plugin_manager,
 )
-from cgregistry.state.runtime import BreakContext
+from cgregistry.contracts.runtime import BreakContext
 from cgregistry.strategies.breakable import BreakableStrategy
 from cgregistry.strategies.full import FullStrategy
 

@@ -46,7 +46,7 @@ from cgregistry.capture.memory import MemoryEstimate, Part, PoolEstimate, estima
 from cgregistry.plan.build import CapturePlan, PlanEntry
 from cgregistry.hooks.manager import Plugins
 from cgregistry.server import DebugServer, Owner, Server
-from cgregistry.state.debug import Clock
+from cgregistry.store.debug import Clock
 from cgregistry.errors import CaptureError, ConcurrentRunError, OwnerThreadError
 from cgregistry.warn import warn
 from cgregistry.weights.load import load_in_place

@@ -24,19 +24,19 @@ from typing import Any
 
 import torch
 
-from cgregistry.state import runtime
+from cgregistry.contracts import runtime
 from cgregistry.capture.refit import Adapter
 from cgregistry.capture.queue import PendingCaptures
 from cgregistry.capture.job import CaptureJob
 from cgregistry.store.catalog import NO_EXCLUSION, Catalog, Entry, Route, Variant, not_a_descriptor
-from cgregistry.state.debug import Clock, Runs, checked, check_addresses, plain
+from cgregistry.store.debug import Clock, Runs, checked, check_addresses, plain
 from cgregistry.weights.watch import WeightWatch
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.distributed import agree
 from cgregistry.errors import ConcurrentRunError, InputError, OwnerThreadError
 from cgregistry.hooks.events import Events
 from cgregistry.key.matcher import Match, excluded
-from cgregistry.state.runtime import BreakContext
+from cgregistry.contracts.runtime import BreakContext
 from cgregistry.warn import warn
 
 __all__ = ["ConcurrentRunError", "DebugServer", "Owner", "OwnerThreadError", "Server"]

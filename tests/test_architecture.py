@@ -130,7 +130,7 @@ def test_optional_dependencies_are_imported_only_inside_the_functions_that_need_
 
 REGISTRY_PARTS = [
     "cgregistry.store.catalog", "cgregistry.store.io", "cgregistry.hooks.events", "cgregistry.capture.job", "cgregistry.capture.pool",
-    "cgregistry.capture.queue", "cgregistry.capture.refit", "cgregistry.server", "cgregistry.state.serving",
+    "cgregistry.capture.queue", "cgregistry.capture.refit", "cgregistry.server", "cgregistry.capture.serving_state",
     "cgregistry.weights.watch", "cgregistry.weights.load",
 ]
 

@@ -26,7 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cgregistry.state import runtime
+from cgregistry.contracts import runtime
 from cgregistry.errors import GraphUnsafeOpError
 from cgregistry.contracts.markers import hookimpl
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cgregistry.state import runtime
+from cgregistry.contracts import runtime
 from cgregistry.contracts.markers import hookimpl
 
 if TYPE_CHECKING:

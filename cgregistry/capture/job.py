@@ -2,7 +2,7 @@
 
 Plan checks (the strategy is registered, serves the key's class, the key fits the static inputs), the one capture
 context every capture runs under (the ``context=`` payload and the serving thread's state, see
-:mod:`cgregistry.state.serving`), and a key's capture in two pieces, its warm-up (``warm_up``) and its recording
+:mod:`cgregistry.capture.serving_state`), and a key's capture in two pieces, its warm-up (``warm_up``) and its recording
 (``record_graph``: between the capture_started and capture_finished hooks, one capture at a time into the pool, the entry
 live as it ends).  ``capture_key`` runs both at once; the pending captures of :mod:`cgregistry.capture.queue` run them
 in separate steps.  A :class:`Mode` value says where a capture goes: ``FOREGROUND`` (the shared pool and static
@@ -44,9 +44,9 @@ from cgregistry.inspection import CapturePhases, EntryInfo
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.key.kinds import check_serves
 from cgregistry.plan.build import CapturePlan, PlanEntry
-from cgregistry.state import runtime
-from cgregistry.state.runtime import BreakContext
-from cgregistry.state.serving import RECORDED_AT_CAPTURE, ServingState, StateTest
+from cgregistry.contracts import runtime
+from cgregistry.contracts.runtime import BreakContext
+from cgregistry.capture.serving_state import RECORDED_AT_CAPTURE, ServingState, StateTest
 from cgregistry.weights.watch import Reached, WeightWatch
 from cgregistry.store.catalog import Catalog, Entry, Pair
 from cgregistry.store.io import OutputAxes, StaticBuffer, capture_inputs, check_fits, checked_outputs, output_slicer

@@ -19,7 +19,7 @@ from cgregistry.capture.job import CaptureJob
 from cgregistry.store.catalog import Catalog
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.hooks.events import Events
-from cgregistry.state.serving import RECORDED_AT_REFIT
+from cgregistry.capture.serving_state import RECORDED_AT_REFIT
 from cgregistry.warn import warn
 
 __all__ = ["PLAN_CHANGES_KEPT", "Adapter", "refuse_with_collectives"]

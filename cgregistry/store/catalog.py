@@ -25,7 +25,7 @@ from cgregistry.errors import InputError, PluginError
 from cgregistry.inspection import MISS_REASONS, CapturePhases, ClassStats, EntryInfo, Stats, key_class
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.key.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher, PaddingCap
-from cgregistry.state.runtime import BreakContext
+from cgregistry.contracts.runtime import BreakContext
 from cgregistry.store.io import OutputAxes, OutputSlicer, StaticBuffer, describe_rows, rows_for, staging
 
 __all__ = ["NO_EXCLUSION", "ROUTE_CACHE_LIMIT", "Catalog", "Chooser", "Counters", "Entry", "Pair", "Route", "RouteTable", "Variant", "not_a_descriptor"]

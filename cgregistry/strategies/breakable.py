@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from cgregistry.strategies import breaks
-from cgregistry.state import runtime
+from cgregistry.contracts import runtime
 from cgregistry.contracts.protocols import Backend, Graph, SegmentedBackend
 from cgregistry.errors import BreakError, OutputError
 from cgregistry.builtins import BUILTIN_RELAXES

@@ -28,8 +28,8 @@ from typing import Any, TypeVar, overload
 import torch
 from torch import nn
 
-from cgregistry.state import runtime
-from cgregistry.state.runtime import BreakContext, current_batch
+from cgregistry.contracts import runtime
+from cgregistry.contracts.runtime import BreakContext, current_batch
 
 __all__ = ["BreakContext", "capture_barrier", "current_batch", "eager_break", "graph_break"]
 

@@ -31,7 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._sympy.value_ranges import ValueRanges
 
 from cgregistry.strategies import breaks
-from cgregistry.state import runtime
+from cgregistry.contracts import runtime
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.errors import PiecewiseError
 

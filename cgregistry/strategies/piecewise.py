@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from cgregistry.state import runtime
+from cgregistry.contracts import runtime
 from cgregistry.backends import Backend
 from cgregistry.builtins import BUILTIN_RELAXES
 from cgregistry.contracts.markers import hookimpl

@@ -11,7 +11,7 @@ import torch
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry.inspection import CapturePhases
-from cgregistry.state import runtime
+from cgregistry.contracts import runtime
 
 from tests.strategies.test_piecewise import demo_registry
 

@@ -194,7 +194,7 @@ def test_background_capture_while_serving_then_the_hf_check(mode: str) -> None:
 def _as_warm_up_of(key: cg.BatchDescriptor, strategy: object, call: object) -> object:
     """``call()`` as a registry's warm-up of ``key`` with ``strategy`` runs the step (no capture: the cpu emulator
     cannot record Inductor's kernels)."""
-    from cgregistry.state import runtime
+    from cgregistry.contracts import runtime
 
     tokens = (runtime.batch.set(runtime.BreakContext(key, key)),
               runtime.axis_rows.set(frozenset({key.num_tokens, key.num_tokens + 1})), runtime.capture_strategy.set(strategy))

@@ -19,7 +19,7 @@ from torch import nn
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry.backends.cpu import CpuBackend
-from cgregistry.state.runtime import RecordingBatch
+from cgregistry.contracts.runtime import RecordingBatch
 from cgregistry.testing import make_plugins
 
 WIDTH, MAX_TOKENS = 8, 32

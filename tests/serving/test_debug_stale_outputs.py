@@ -13,7 +13,7 @@ import pytest
 import torch
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.state import serving as serving_state
+from cgregistry.capture import serving_state
 from cgregistry.testing import make_plugins
 from tests.serving.test_serving_safety import Tiny
 

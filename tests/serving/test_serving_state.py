@@ -13,7 +13,7 @@ import torch
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry.plan.adapt import Adaptation
-from cgregistry.state.serving import ServingState, ServingStateError
+from cgregistry.capture.serving_state import ServingState, ServingStateError
 from tests.conftest import device_of
 
 WIDTH, MAX_TOKENS = 64, 32

@@ -120,7 +120,7 @@ def test_full_and_piecewise_keys_over_inductor_pieces_write_the_cache_through_th
     """Inductor compiles the pieces around the op once; full keys run them with the op inline, piecewise keys with
     the op between them; the cache gets exactly the rows the op was given (run as a registry's warm-up does: the cpu
     emulator cannot record Inductor's kernels)."""
-    from cgregistry.state import runtime
+    from cgregistry.contracts import runtime
     from cgregistry.strategies.full import FullStrategy
     from cgregistry.strategies.piecewise import PiecewiseStrategy
 

@@ -372,7 +372,7 @@ def test_unreachable_module_is_a_clear_error() -> None:
 def _warm_up_as(compiled: cg.PiecewiseModel, strategy: object, key: B, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """Call ``compiled`` as the registry's warm-up of ``key`` with ``strategy`` does (no capture: Inductor's kernels
     can run on the cpu, which the emulator cannot record)."""
-    from cgregistry.state import runtime
+    from cgregistry.contracts import runtime
 
     tokens = (
         runtime.batch.set(runtime.BreakContext(key, key)),
