@@ -30,7 +30,7 @@ import torch
 
 import cgregistry as cg
 from cgregistry.capture.queue import capture_order
-from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
+from cgregistry.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
 from cgregistry.plan.workload import SchedulerConfig, read_trace, schedule
 
 

@@ -24,7 +24,7 @@ from breakable_cuda_graphs import BreakableCUDAGraph, breakable_graph, no_graph
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.cli.demo_model import (
+from cgregistry.demo_model import (
     DemoConfig,
     DemoDecoder,
     attention_kernel_into,

@@ -26,7 +26,7 @@ import torch
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry.inspection import CapturePhases
-from cgregistry.cli.demo_model import (
+from cgregistry.demo_model import (
     DemoConfig,
     DemoDecoder,
     attention_kernel_into,

@@ -56,7 +56,7 @@ CONFIGS = {
 
 def _demo(options: dict[str, Any]) -> tuple[cg.GraphRegistry, cg.CapturePlan]:
     from cgregistry.strategies.breaks import eager_break
-    from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs
+    from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs
 
     device = torch.device("cuda")
     cfg = DemoConfig.for_device(device)

@@ -17,7 +17,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs, random_batch
+from cgregistry.demo_model import DemoConfig, DemoDecoder, attention_kernel_into, demo_inputs, random_batch
 
 try:
     from benchmarks.timing import per_call_us, per_step_on_gpu, reduce_overhead_warmed

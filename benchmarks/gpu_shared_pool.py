@@ -16,7 +16,7 @@ import time
 import torch
 
 import cgregistry as cg
-from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
+from cgregistry.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
 
 try:
     from benchmarks.timing import clean_device, used_device_bytes

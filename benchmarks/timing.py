@@ -110,7 +110,7 @@ def reduce_overhead_warmed(model: Callable[..., object], cfg: object, sizes: Ite
     """``torch.compile(model, mode="reduce-overhead", dynamic=True)`` warmed up at each token size (three calls
     per size: what records its graph) on the demo decoder's random batches, and the seconds that took."""
     from cgregistry import BatchDescriptor
-    from cgregistry.cli.demo_model import random_batch
+    from cgregistry.demo_model import random_batch
 
     ro = torch.compile(model, mode="reduce-overhead", dynamic=True)
     torch.cuda.synchronize()

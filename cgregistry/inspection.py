@@ -19,7 +19,7 @@ import attrs
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.errors import SnapshotError
 from cgregistry.key.matcher import DEFAULT_PREFERENCE, Candidate, Explanation, Match, Matcher
-from cgregistry.text import text_table
+from cgregistry.messages import text_table
 
 __all__ = [
     "PLAN_CHANGE_REASONS", "SNAPSHOT_SCHEMA", "Candidate", "CapturePhases", "ClassStats", "EntryInfo", "Explanation", "Match", "PlanChange", "PlanScore", "Refreshed", "Slept", "Snapshot", "SnapshotError",

@@ -48,7 +48,7 @@ from cgregistry.hooks.manager import Plugins
 from cgregistry.server import DebugServer, Owner, Server
 from cgregistry.store.debug import Clock
 from cgregistry.errors import CaptureError, ConcurrentRunError, OwnerThreadError
-from cgregistry.warn import warn
+from cgregistry.messages import warn
 from cgregistry.weights.load import load_in_place
 
 __all__ = ["CaptureError", "ConcurrentRunError", "EntryInfo", "GraphRegistry", "OwnerThreadError", "Stats", "estimate_pool_memory"]  # records re-exported

@@ -37,7 +37,7 @@ from cgregistry.errors import ConcurrentRunError, InputError, OwnerThreadError
 from cgregistry.hooks.events import Events
 from cgregistry.key.matcher import Match, excluded
 from cgregistry.contracts.runtime import BreakContext
-from cgregistry.warn import warn
+from cgregistry.messages import warn
 
 __all__ = ["ConcurrentRunError", "DebugServer", "Owner", "OwnerThreadError", "Server"]
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from cgregistry.store.io import StaticInput
-from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
+from cgregistry.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.plan.build import CapturePlan
 from cgregistry.hooks.manager import Plugins, make_plugin_manager

@@ -8,7 +8,7 @@ length 1) has its own registry.  Every output is checked against eager.
 import torch
 
 import cgregistry as cg
-from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, demo_inputs
+from cgregistry.demo_model import DemoConfig, DemoDecoder, demo_inputs
 from cgregistry.plan.workload import SchedulerConfig
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -536,3 +536,8 @@ def test_one_foreground_capture_walks_few_modules() -> None:
     assert len(modules) <= 10 and back <= 20, (modules, back)
     modules, back = walked["run"]
     assert len(modules) <= 3 and back <= 2, (modules, back)
+
+
+def test_the_conformance_suite_does_not_depend_on_the_command_line() -> None:
+    """A plugin author's tests import ``cgregistry.testing``: the demo decoder it captures lives outside ``cli/``."""
+    assert "cgregistry.cli" not in UNIT_GRAPH["cgregistry.testing"], UNIT_GRAPH["cgregistry.testing"]

@@ -60,7 +60,7 @@ _COPY_OPS = {"to", "_to_copy", "_copy_from", "_copy_from_and_resize"}
 
 
 # Modules of the package that hold model code (what a user's step is), not machinery.
-_MODEL_MODULES = frozenset({"cgregistry.cli.demo_model"})
+_MODEL_MODULES = frozenset({"cgregistry.demo_model"})
 
 
 def _is_machinery(module: str) -> bool:

@@ -50,7 +50,7 @@ from cgregistry.capture.serving_state import RECORDED_AT_CAPTURE, ServingState, 
 from cgregistry.weights.watch import Reached, WeightWatch
 from cgregistry.store.catalog import Catalog, Entry, Pair
 from cgregistry.store.io import OutputAxes, StaticBuffer, capture_inputs, check_fits, checked_outputs, output_slicer
-from cgregistry.warn import warn
+from cgregistry.messages import warn
 
 __all__ = ["FOREGROUND", "UNWARMED", "CaptureContext", "CaptureError", "CaptureJob", "Mode", "Warmed", "paused_gc", "scratch"]
 

@@ -36,7 +36,7 @@ from cgregistry.store.io import StaticBuffer
 from cgregistry.capture.job import CaptureJob, paused_gc, scratch
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.store.catalog import Pair
-from cgregistry.text import text_table
+from cgregistry.messages import text_table
 
 __all__ = ["SAMPLE_PER_KIND", "KeyMemory", "MemoryEstimate", "Part", "PoolEstimate", "Probe", "estimate", "estimate_memory"]
 

@@ -9,7 +9,7 @@ import weakref
 from typing import Any
 
 from cgregistry.contracts.protocols import Backend
-from cgregistry.warn import warn
+from cgregistry.messages import warn
 
 __all__ = ["GraphPool", "keep_pool"]
 

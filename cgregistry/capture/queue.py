@@ -24,7 +24,7 @@ from cgregistry.capture.job import CaptureJob, Warmed
 from cgregistry.errors import CaptureError
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.store.catalog import Catalog, Pair
-from cgregistry.warn import warn
+from cgregistry.messages import warn
 
 __all__ = ["PendingCaptures", "Task", "capture_order"]
 

@@ -20,7 +20,7 @@ from cgregistry.store.catalog import Catalog
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.hooks.events import Events
 from cgregistry.capture.serving_state import RECORDED_AT_REFIT
-from cgregistry.warn import warn
+from cgregistry.messages import warn
 
 __all__ = ["PLAN_CHANGES_KEPT", "Adapter", "refuse_with_collectives"]
 

@@ -19,7 +19,7 @@ import attrs
 
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.plan.build import MODES, CapturePlan, PlanSettings, mode_preference
-from cgregistry.text import text_table
+from cgregistry.messages import text_table
 from cgregistry.plan.workload import SchedulerConfig
 
 __all__ = ["HelpFormatter", "build_parser", "main", "parse_descriptor", "parsers"]

@@ -18,7 +18,7 @@ import attrs
 import torch
 
 from cgregistry.strategies.breaks import eager_break
-from cgregistry.cli.demo_model import (
+from cgregistry.demo_model import (
     DemoConfig,
     DemoDecoder,
     attention_kernel_into,

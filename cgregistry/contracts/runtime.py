@@ -165,7 +165,7 @@ class RecordingBatch(BreakContext):
         return _PAYLOAD.__get__(self)
 
     def _frozen(self, field: str) -> None:
-        from cgregistry.warn import warn
+        from cgregistry.messages import warn
 
         self._recording.live_batch_reads += 1
         strategy = getattr(capture_strategy.get(), "name", None)

@@ -23,7 +23,7 @@ import attrs
 
 from cgregistry.builtins import DEFAULT_PREFERENCE
 from cgregistry.key.descriptor import BatchDescriptor, Padding
-from cgregistry.text import text_table
+from cgregistry.messages import text_table
 
 __all__ = ["DEFAULT_PREFERENCE", "Candidate", "Explanation", "Match", "Matcher", "PaddingCap", "excluded"]
 

@@ -61,7 +61,7 @@ def small_demo(monkeypatch: pytest.MonkeyPatch) -> None:
     """The demo with a one-layer model: what these tests check (the command, its modes, its output) does not
     depend on the model's size, and the CPU-sized one costs seconds a run.  The CPU size runs in the slow set
     (test_the_readmes_demo_command_runs_as_a_user_runs_it)."""
-    from cgregistry.cli.demo_model import DemoConfig
+    from cgregistry.demo_model import DemoConfig
 
     sized = DemoConfig.for_device
     small = attrs.evolve(sized("cpu"), layers=1, hidden=32, heads=2, ffn=64, vocab=128, context=8)

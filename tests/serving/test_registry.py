@@ -10,7 +10,7 @@ import torch
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.cli.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
+from cgregistry.demo_model import DemoConfig, DemoDecoder, demo_inputs, random_batch
 
 from tests.conftest import device_of
 

@@ -232,7 +232,7 @@ def test_an_unjoined_side_stream_is_a_capture_error_that_says_how_to_join_it() -
 
 
 def test_demo_model_with_a_break_per_layer(backend: str) -> None:
-    from cgregistry.cli.demo_model import (
+    from cgregistry.demo_model import (
         DemoConfig,
         DemoDecoder,
         attention_kernel_into,

@@ -8,7 +8,7 @@ from torch import nn
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
-from cgregistry.cli.demo_model import (
+from cgregistry.demo_model import (
     DemoConfig,
     DemoDecoder,
     attention_kernel_into,
