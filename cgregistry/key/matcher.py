@@ -25,7 +25,7 @@ from cgregistry.builtins import DEFAULT_PREFERENCE
 from cgregistry.key.descriptor import BatchDescriptor, Padding
 from cgregistry.messages import text_table
 
-__all__ = ["DEFAULT_PREFERENCE", "Candidate", "Explanation", "Match", "Matcher", "PaddingCap", "excluded"]
+__all__ = ["DEFAULT_PREFERENCE", "Candidate", "Explanation", "Match", "Matcher", "PaddingCap", "Verdict", "excluded"]
 
 
 # Above this many token slots a class falls back to bisect instead of a dense table.
@@ -205,21 +205,36 @@ class _Class:
         return None
 
 
+@attrs.frozen(slots=True)
+class Verdict:
+    """The matcher's answer for a batch: the key that serves it, or why none does (a miss reason,
+    ``inspection.MISS_REASONS``) and, where the engine could describe the batch so that a key serves it, how."""
+
+    match: Match | None
+    reason: str | None = None
+    hint: str | None = None
+
+
 class Matcher:
     """Chooses covering keys; built once from (key, strategy) pairs.
 
     ``preference``: strategy names, most preferred first (others follow in key order).
     ``max_padding_tokens`` / ``max_padding_ratio``: a :class:`PaddingCap`; a strategy whose
     best key pads more is skipped for that batch.  Both None (the default): no cap.
+    ``capturing`` and ``failed``: keys pending capture and keys whose capture failed, which serve nothing but say
+    why a batch runs eagerly (``verdict``).
     """
 
     def __init__(
         self, keys: Iterable[tuple[BatchDescriptor, str]], preference: Sequence[str] = DEFAULT_PREFERENCE, *,
         max_padding_tokens: int | None = None, max_padding_ratio: float | None = None,
+        capturing: Iterable[tuple[BatchDescriptor, str]] = (), failed: Iterable[tuple[BatchDescriptor, str]] = (),
     ) -> None:
         self.cap = PaddingCap(max_padding_tokens, max_padding_ratio)  # validated before anything else is built
         pairs = list(dict.fromkeys(keys))
         self._pairs = pairs
+        self._capturing = tuple(capturing)
+        self._failed = tuple(failed)
         strategies = list(dict.fromkeys(s for _, s in pairs))
         order = list(dict.fromkeys([*preference, *strategies]))
         self._rank = {s: i for i, s in enumerate(order)}
@@ -315,6 +330,38 @@ class Matcher:
                 # Each strategy has its own rank, so a group holds one strategy.
                 return Match(best, group[0].strategy, Padding(*best_order[:3]))  # type: ignore[index]
         return None
+
+    def verdict(self, actual: BatchDescriptor, exclude: frozenset[str] = frozenset()) -> Verdict:
+        """The key that serves ``actual`` (``match``), or why none does and how the engine could describe the batch
+        so that one does: the one question a route asks."""
+        match = self.match(actual, exclude)
+        if match is not None:
+            return Verdict(match)
+        reason = self._why_not(actual, exclude)
+        return Verdict(None, reason, self.uniform_hint(actual, exclude) if reason == "no_key_for_class" else None)
+
+    def _why_not(self, actual: BatchDescriptor, exclude: frozenset[str]) -> str:
+        """Why no key serves ``actual``: a key pending capture would (its strategy allowed, within the padding cap);
+        a key covers it but the padding cap refused every allowed strategy, or every covering key's strategy is
+        excluded; or a failed key covered it, none is of its class, none gives a request count, none is large enough."""
+        if any(strategy not in exclude and self.cap.serves(key, actual) for key, strategy in self._capturing):
+            return "capturing"
+        pairs = [*self._pairs, *self._capturing]  # keys pending capture count as keys for the reasons below
+        if not pairs:
+            return "no_graphs" if not self._failed else "failed"
+        covering = {strategy for key, strategy in pairs if key.covers(actual)}
+        if covering - exclude:
+            return "padding_cap"
+        if covering:
+            return "excluded"
+        if any(key.covers(actual) for key, _ in self._failed):
+            return "failed"
+        same_class = [key for key, _ in pairs if key.num_active_loras >= actual.num_active_loras and key.serves_kind(actual)]
+        if not same_class:
+            return "no_key_for_class"
+        if actual.num_reqs is None and all(key.num_reqs is not None for key in same_class):
+            return "no_request_count"
+        return "above_largest_key"
 
     def candidates(self, actual: BatchDescriptor, exclude: Iterable[str] = ()) -> list[Match]:
         """Every key that may serve ``actual`` as a Match, best first by this matcher's rule (a scan: not for

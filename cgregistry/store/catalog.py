@@ -24,7 +24,7 @@ import attrs
 from cgregistry.errors import InputError, PluginError
 from cgregistry.inspection import MISS_REASONS, CapturePhases, ClassStats, EntryInfo, Stats, key_class
 from cgregistry.key.descriptor import BatchDescriptor
-from cgregistry.key.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher, PaddingCap
+from cgregistry.key.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher, PaddingCap, Verdict
 from cgregistry.contracts.runtime import BreakContext
 from cgregistry.store.io import OutputAxes, OutputSlicer, StaticBuffer, describe_rows, rows_for, staging
 
@@ -176,7 +176,8 @@ class RouteTable:
             matcher = self._matcher
             if matcher is None:
                 matcher = self._matcher = Matcher(self._pairs(), self.preference, max_padding_tokens=self.cap.max_tokens,
-                                                  max_padding_ratio=self.cap.max_ratio)
+                                                  max_padding_ratio=self.cap.max_ratio, capturing=self.capturing,
+                                                  failed=tuple(self._failures))
             return matcher
 
     def _pairs(self) -> list[Pair]:
@@ -214,13 +215,15 @@ class RouteTable:
         if variant is not None:
             target = actual if variant.agreed is None else variant.agreed
             exclude = variant.exclude
-        fits = self.too_large(actual) is None  # more requests than a relaxed key's buffers hold: eager
-        match = self.choose(target, exclude) if fits else None
+        if self.too_large(actual) is not None:  # more requests than a relaxed key's buffers hold: eager
+            verdict = Verdict(None, "above_capacity")
+        else:
+            verdict = self.matcher.verdict(target, exclude)  # the one question: the key, or why none
+        match = self._chosen(target, exclude, verdict.match)
         entry = self._entries.get((match.key, match.strategy)) if match is not None else None
-        reason = None if match is not None else self.miss_reason(target, exclude)
+        reason = None if match is not None else "asleep" if self.asleep else verdict.reason
         route = Route(actual, entry, match, tuple(copies), out_rows, reason)
-        if reason == "no_key_for_class":
-            route.hint = self.matcher.uniform_hint(target, exclude)
+        route.hint = verdict.hint
         cache, cache_key = (self.cache, actual) if variant is None else (self.variant_cache, (actual, variant))
         with self._lock:
             if generation == self._generation:
@@ -237,36 +240,6 @@ class RouteTable:
                 return f"{describe_rows(buf.spec.axis, rows)} do not fit static input {buf.name!r}, which holds {buf.capacity}"
         return None
 
-    def miss_reason(self, actual: BatchDescriptor, exclude: frozenset[str] = NO_EXCLUSION) -> str:
-        """Why no key serves ``actual`` (a ``MISS_REASONS`` key); computed once per route, off the hot path.
-
-        ``capturing``: a key being captured would serve it (its strategy allowed, within the padding cap).
-        A key covers the batch yet none serves it: the padding cap refused every allowed
-        strategy (``padding_cap``), or every covering key's strategy is excluded (``excluded``).
-        """
-        if self.asleep:
-            return "asleep"
-        if self.too_large(actual) is not None:
-            return "above_capacity"
-        if any(strategy not in exclude and self.cap.serves(key, actual) for key, strategy in self.capturing):
-            return "capturing"
-        pairs = [*self._pairs(), *self.capturing]  # keys being captured count as keys for the reasons below
-        if not pairs:
-            return "no_graphs" if not self._failures else "failed"
-        covering = {strategy for key, strategy in pairs if key.covers(actual)}
-        if covering - exclude:
-            return "padding_cap"
-        if covering:
-            return "excluded"
-        if any(key.covers(actual) for key, _ in self._failures):
-            return "failed"
-        same_kind = [key for key, _ in pairs if _same_kind(key, actual)]
-        if not same_kind:
-            return "no_key_for_class"
-        if actual.num_reqs is None and all(key.num_reqs is not None for key in same_kind):
-            return "no_request_count"
-        return "above_largest_key"
-
     def explain(self, actual: BatchDescriptor, exclude: frozenset[str] = NO_EXCLUSION) -> Explanation:
         """The matcher's explanation, with the keys pending capture between steps listed as such (the batch waits for
         one of them when no captured key serves it: the miss reason ``capturing``), refused as a whole when no graph
@@ -280,9 +253,8 @@ class RouteTable:
         candidates = tuple(attrs.evolve(c, chosen=False) for c in explanation.candidates)
         return attrs.evolve(explanation, match=None, candidates=candidates, refused=refused, capturing=None)
 
-    def choose(self, actual: BatchDescriptor, exclude: frozenset[str] = NO_EXCLUSION) -> Match | None:
+    def _chosen(self, actual: BatchDescriptor, exclude: frozenset[str], match: Match | None) -> Match | None:
         """The matcher's best covering key (outside ``exclude``), unless a policy plugin picks another candidate."""
-        match = self.matcher.match(actual, exclude)
         if match is None or self._chooser is None:
             return match
         candidates = self.matcher.candidates(actual, exclude)
@@ -295,11 +267,6 @@ class RouteTable:
                 "which is not one of the candidates it was given (each a Match)"
             )
         return choice
-
-
-def _same_kind(key: BatchDescriptor, actual: BatchDescriptor) -> bool:
-    """Whether ``key`` would cover ``actual`` if it had enough tokens and requests."""
-    return key.num_active_loras >= actual.num_active_loras and key.serves_kind(actual)
 
 
 class Counters:
