@@ -325,7 +325,7 @@ def loader_syncs(hf: Any, model: Any, shape: Any, mode: str, *, timed: Any, coun
         torch.cuda.synchronize()
         t = time.perf_counter()
         with torch.inference_mode():
-            loaded = reg.load_weights(iter(trainer.items()))  # streamed: one (name, tensor) pair at a time
+            loaded = reg.load_weights(iter(trainer.items()), module=model)  # streamed: one (name, tensor) pair at a time
         torch.cuda.synchronize()
         loader_ms.append((time.perf_counter() - t) * 1e3)
         assert len(loaded) == len(trainer)

@@ -328,9 +328,10 @@ class WeightWatch:
         return found
 
     def the_module(self) -> nn.Module:
-        """The one module the step reads (``load_weights``' default target); ValueError naming them where it reads
-        none or several."""
-        modules = {id(m): (prefix.removesuffix("."), m) for read, prefix in self._roots if isinstance(m := read(), nn.Module)}
+        """The one module holding weights that the step reads (``load_weights``' target); else ValueError naming them."""
+        found = [(prefix.removesuffix("."), m) for read, prefix in self._roots if isinstance(m := read(), nn.Module) and m.state_dict()]
+        inner = {id(sub) for _, m in found for sub in list(m.modules())[1:]}  # a submodule: loaded through its parent
+        modules = {id(m): (name, m) for name, m in found if id(m) not in inner}
         if len(modules) != 1:
             names = [name for name, _ in modules.values()]
             raise ValueError(f"the step reads {len(modules)} modules{f' ({names})' if names else ''}: name the one to load "
