@@ -34,13 +34,14 @@ PLAN_CHANGE_REASONS: dict[str, str] = {
     "padding": "the fitted plan saves at least min_gain of the padded tokens",
 }
 
-SNAPSHOT_SCHEMA = 4  # 2: stats.bad_batches; 3: entries' device_bytes and predicted_bytes; 4: entries' phases
-_READABLE_SCHEMAS = (1, 2, 3, 4)  # older schemas lack only fields that have defaults
+# 2: stats.bad_batches; 3: entries' device_bytes and predicted_bytes; 4: entries' phases; 5: stats.misses_by_form
+SNAPSHOT_SCHEMA = 5
+_READABLE_SCHEMAS = (1, 2, 3, 4, 5)  # older schemas lack only fields that have defaults (misses_by_form: read as such)
 
 
 def key_class(key: BatchDescriptor, strategy: str) -> str:
-    """The class a key belongs to for statistics: strategy, kind (``BatchDescriptor.kind_label``), LoRA count."""
-    return f"{strategy}/{key.kind_label}/lora{key.num_active_loras}"
+    """The class a key belongs to for statistics: strategy, form (``BatchDescriptor.form_label``), LoRA count."""
+    return f"{strategy}/{key.form_label}/lora{key.num_active_loras}"
 
 
 @attrs.frozen(slots=True)
@@ -138,9 +139,9 @@ class ClassStats:
 # Why a batch ran eagerly, as counted in ``Stats.misses_by_reason``.
 MISS_REASONS = {
     "no_graphs": "run() before any capture: nothing captured or planned",
-    "no_key_for_class": "no key of the batch's kind (uniform or mixed, spec depth, LoRA count) at any size",
-    "above_largest_key": "keys of its kind exist, all smaller than the batch",
-    "no_request_count": "every key of its kind bakes in a request count, and the batch gives none (num_reqs=None)",
+    "no_key_for_class": "no key of the batch's form (uniform or mixed, spec depth) and LoRA count at any size",
+    "above_largest_key": "keys of its form and LoRA count exist, all smaller than the batch",
+    "no_request_count": "every key of its form bakes in a request count, and the batch gives none (num_reqs=None)",
     "above_capacity": "more tokens or requests than a static input holds",
     "failed": "the key that would serve it failed (at capture or replay) and was removed",
     "excluded": "every key covering it belongs to a strategy the call excluded (run(..., exclude=...))",
@@ -163,7 +164,7 @@ class Stats:
     by_strategy: Mapping[str, int]  # replays per strategy
     entry_failures: int = 0  # keys in failures(): captures that failed, entries removed because their replay raised
     by_class: Mapping[str, ClassStats] = attrs.field(factory=dict)
-    misses_by_kind: Mapping[str, int] = attrs.field(factory=dict)  # "uniform" / "mixed"
+    misses_by_form: Mapping[str, int] = attrs.field(factory=dict)  # "uniform" / "mixed"
     bad_batches: int = 0  # runs whose step raised on the batch itself when run eagerly (no entry was removed)
     lazy_captures: int = 0  # entries captured on a first miss
     evictions: int = 0  # entries dropped to stay under the memory budget
@@ -278,7 +279,7 @@ def _stats_to_dict(s: Stats) -> dict[str, Any]:
     data = attrs.asdict(s, recurse=False)
     data["by_class"] = {k: attrs.asdict(v) for k, v in s.by_class.items()}
     data["by_strategy"] = dict(s.by_strategy)
-    data["misses_by_kind"] = dict(s.misses_by_kind)
+    data["misses_by_form"] = dict(s.misses_by_form)
     data["misses_by_reason"] = dict(s.misses_by_reason)
     return data
 
@@ -414,6 +415,10 @@ class Snapshot:
         schema = data.get("schema") if isinstance(data, Mapping) else None
         if type(schema) is not int or schema not in _READABLE_SCHEMAS:
             raise SnapshotError(f"snapshot schema {schema!r} is not supported; this cgregistry reads schemas {_READABLE_SCHEMAS}")
+        stats = data.get("stats")
+        if schema < 5 and isinstance(stats, Mapping) and "misses_by_kind" in stats:  # the field's name before schema 5
+            stats = {("misses_by_form" if k == "misses_by_kind" else k): v for k, v in stats.items()}
+            data = {**data, "stats": stats}
         return _record(cls, data, "")
 
     def filtered(self, **filters: Any) -> list[EntryInfo]:

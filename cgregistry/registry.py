@@ -235,7 +235,7 @@ class GraphRegistry:
 
         With ``background=True`` it returns at once and the keys are captured while ``run()`` serves: on this
         thread, in pieces (a key's warm-up, then its recording) that each ``run()`` takes before its step within
-        ``capture_budget``, the largest key of each kind first, then the rest from the smallest up, and the key a
+        ``capture_budget``, the largest key of each family (strategy, form, LoRA count) first, then the rest from the smallest up, and the key a
         step's batch needs first; a batch no graph serves yet runs eagerly.  ``capture_pending(seconds)`` captures in
         idle time the engine has; ``wait_captured()`` captures the rest now (docs/background.md).
         """
@@ -345,7 +345,7 @@ class GraphRegistry:
         before capture by capturing the plan into a scratch pool and dropping it, on static inputs of their own
         (nothing of the engine's state is touched; what stays on the device, the capture reuses; no capture context is
         recorded).  A plan captured with ``background=True`` takes the same (its keys go into the same pool, on the
-        same inputs).  ``sample``: capture only a sample of the whole-graph (``full``) keys of each kind and price the
+        same inputs).  ``sample``: capture only a sample of the whole-graph (``full``) keys of each family and price the
         rest from it (less exact, much shorter: docs/integration.md).  ``context``: the payload eager breaks see, as
         ``capture(context=...)`` takes it.  It runs the step: on the owner thread.  See docs/integration.md."""
         check_flag("estimate_memory", "sample", sample)

@@ -44,7 +44,7 @@ __all__ = ["ConcurrentRunError", "DebugServer", "Owner", "OwnerThreadError", "Se
 _WARN_ONCE = ("no_graphs", "above_capacity", "no_request_count")  # misses that mean the engine is set up wrong, warned about once
 # Misses of batches not marked uniform that uniform keys would serve, before the one warning about them.
 UNIFORM_HINT_AFTER = 16
-# Misses above the largest key of their kind before the one warning, if they are at least half of the steps so far.
+# Misses above the largest key of their form before the one warning, if they are at least half of the steps so far.
 ABOVE_LARGEST_HINT_AFTER = 16
 
 
@@ -168,7 +168,7 @@ class Server:
         self._exclusions: dict[Any, frozenset[str]] = {}  # exclude= values already checked, to their strategy sets
         self._warned: set[str] = set()  # miss reasons already warned about
         self._unmarked = 0  # misses of batches that uniform keys would serve had they been marked uniform
-        self._above = 0  # misses of batches larger than every key of their kind
+        self._above = 0  # misses of batches larger than every key of their form
 
     # ---------------------------------------------------------------- run
 
@@ -336,27 +336,27 @@ class Server:
         return out
 
     def _warn_above_largest(self, actual: BatchDescriptor) -> None:
-        """Once: batches larger than every key of their kind are most of the steps so far (the plan's largest key is
+        """Once: batches larger than every key of their form are most of the steps so far (the plan's largest key is
         too small for this traffic)."""
         replays = self._catalog.stats().hits  # removed and recaptured entries' replays included
         if self._above * 2 < self._above + replays:
             return
         warn(
             f"cgregistry: registry {self._name!r}: {self._above} of the {self._above + replays} graph-eligible steps so "
-            f"far ran eagerly because no key of their kind is that large (such as {actual}); raise the plan's "
+            f"far ran eagerly because no key of their form is that large (such as {actual}); raise the plan's "
             "max_capture_size (CapturePlan.uncovered() lists the ranges left out; shown once; "
             "stats().misses_by_reason['above_largest_key'] counts every such miss)"
         )
 
     def _warn_miss(self, actual: BatchDescriptor, reason: str) -> None:
-        """The first miss of a kind an engine should not meet in steady serving (shown once per registry)."""
+        """The first miss of a sort an engine should not meet in steady serving (shown once per registry)."""
         if reason == "no_graphs":
             what = (
                 f"run({actual}) with no graph captured or planned (before any capture, after clear() or the release "
                 "of every key, or an empty plan): every batch runs eagerly until reg.capture(plan)"
             )
         elif reason == "no_request_count":
-            what = (f"{actual} runs eagerly: every key of its kind needs a request count, and the batch gives none; "
+            what = (f"{actual} runs eagerly: every key of its form needs a request count, and the batch gives none; "
                     "pass num_reqs to its BatchDescriptor (BatchDescriptor.from_query_lens counts them)")
         else:
             why = self._routes.too_large(actual) or "another rank's batch does not fit a static input"

@@ -42,7 +42,7 @@ from cgregistry.hooks.events import Events
 from cgregistry.hooks.manager import Plugins
 from cgregistry.inspection import CapturePhases, EntryInfo
 from cgregistry.key.descriptor import BatchDescriptor
-from cgregistry.key.kinds import check_serves
+from cgregistry.key.classes import check_serves
 from cgregistry.plan.build import CapturePlan, PlanEntry
 from cgregistry.contracts import runtime
 from cgregistry.contracts.runtime import BreakContext
@@ -268,7 +268,7 @@ class CaptureJob:
         ranges = uncovered(max_padding_tokens=cap.max_tokens, max_padding_ratio=cap.max_ratio)
         self._said_uncovered = True
         if ranges:
-            said = [f"{r.kind}{'' if r.spec_depth in (None, 0) else f' (spec {r.spec_depth})'}"
+            said = [f"{r.key_class}{'' if r.spec_depth in (None, 0) else f' (spec {r.spec_depth})'}"
                     f"{f' with {r.num_active_loras} LoRAs' if r.num_active_loras else ''} batches of {r.min_tokens}-"
                     f"{r.max_tokens} tokens{' (over the padding cap)' if r.reason == 'padding_cap' else ''}"
                     for r in ranges[:4]]

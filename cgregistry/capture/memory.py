@@ -8,8 +8,8 @@ device, drops everything, and predicts what dropping it gave back.  Keys capture
 (``capture(plan, background=True)``) go into the same pool on the same inputs: the same estimate.
 
 With ``sample=True`` it captures a sample of the plan's whole-graph keys (``full``), in the plan's order: of each
-kind (strategy, uniformity, LoRA count) the first in capture order (the largest, which sizes the pool), the last,
-and some between (``SAMPLE_PER_KIND``); every other such key is priced from its kind's sample (the tensors it keeps,
+family (strategy, form, LoRA count) the first in capture order (the largest, which sizes the pool), the last,
+and some between (``SAMPLE_PER_FAMILY``); every other such key is priced from its family's sample (the tensors it keeps,
 linear in token count, and the driver's graph objects, averaged).  Keys with eager work between their graphs
 (breakable, piecewise) are captured each: what they add depends on what was captured before them (kept tensors,
 the warm-up's cache; figures in docs/performance.md).  By default the whole plan is captured, which measures all of that to the byte.
@@ -38,11 +38,11 @@ from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.store.catalog import Pair
 from cgregistry.messages import text_table
 
-__all__ = ["SAMPLE_PER_KIND", "KeyMemory", "MemoryEstimate", "Part", "PoolEstimate", "Probe", "estimate", "estimate_memory"]
+__all__ = ["SAMPLE_PER_FAMILY", "KeyMemory", "MemoryEstimate", "Part", "PoolEstimate", "Probe", "estimate", "estimate_memory"]
 
 
-# Whole-graph keys of each kind a sampled estimate captures: the first (largest), the last, and evenly spaced between.
-SAMPLE_PER_KIND = 8
+# Whole-graph keys of each family a sampled estimate captures: the first (largest), the last, and evenly spaced between.
+SAMPLE_PER_FAMILY = 8
 
 
 @attrs.frozen(slots=True)
@@ -69,7 +69,7 @@ class KeyMemory:
     own_bytes: int  # its price, ``key_bytes``: graph objects, kept tensors
     pool_bytes: int  # what its capture grew its pool by (its own pool's size where it has one)
     capture_seconds: float
-    probed: bool  # measured; else priced from the measured keys of its kind (``key_bytes``, ``sampled``)
+    probed: bool  # measured; else priced from the measured keys of its family (``key_bytes``, ``sampled``)
 
 
 def _size(n: float) -> str:
@@ -136,7 +136,7 @@ class MemoryEstimate:
 
 
 def _interpolate(probes: Sequence[Probe], key: BatchDescriptor, strategy: str) -> Probe:
-    """A key's figures from the probes of its strategy (and kind and LoRA count, where probed), linear in token count."""
+    """A key's figures from the probes of its strategy (and form and LoRA count, where probed), linear in token count."""
     same = [p for p in probes if p.strategy == strategy]
     if not same:
         priced = sorted({p.strategy for p in probes})
@@ -147,7 +147,7 @@ def _interpolate(probes: Sequence[Probe], key: BatchDescriptor, strategy: str) -
     exact = [p for p in same if p.key == key]
     if exact:
         return exact[0]
-    lora = ([p for p in same if (p.key.kind, p.key.num_active_loras) == (key.kind, key.num_active_loras)]
+    lora = ([p for p in same if (p.key.form, p.key.num_active_loras) == (key.form, key.num_active_loras)]
             or [p for p in same if p.key.num_active_loras == key.num_active_loras] or same)
     ordered = sorted(lora, key=lambda p: p.key.num_tokens)
     tokens = [p.key.num_tokens for p in ordered]
@@ -244,22 +244,22 @@ def estimate(parts: Sequence[Part], sample: bool = False) -> list[MemoryEstimate
 
 
 def sampled(order: Sequence[Pair], every: Callable[[Pair], bool] = lambda pair: False,
-            per_kind: int = SAMPLE_PER_KIND) -> list[Pair]:
-    """The keys of ``order`` an estimate captures, in that order: every key ``every`` names, and of each other kind
-    (strategy, uniformity, LoRA count) the first, the last and evenly spaced ones between, ``per_kind`` in all."""
-    kinds: dict[tuple[Any, ...], list[Pair]] = {}
+            per_family: int = SAMPLE_PER_FAMILY) -> list[Pair]:
+    """The keys of ``order`` an estimate captures, in that order: every key ``every`` names, and of each other family
+    (strategy, uniformity, LoRA count) the first, the last and evenly spaced ones between, ``per_family`` in all."""
+    families: dict[tuple[Any, ...], list[Pair]] = {}
     chosen: set[Pair] = set()
     for pair in order:
         if every(pair):
             chosen.add(pair)
         else:
-            kinds.setdefault((pair[1], pair[0].kind, pair[0].num_active_loras), []).append(pair)
-    for pairs in kinds.values():
-        if len(pairs) <= per_kind:
+            families.setdefault((pair[1], pair[0].form, pair[0].num_active_loras), []).append(pair)
+    for pairs in families.values():
+        if len(pairs) <= per_family:
             chosen.update(pairs)
             continue
         last = len(pairs) - 1
-        chosen.update(pairs[round(i * last / (per_kind - 1))] for i in range(per_kind))
+        chosen.update(pairs[round(i * last / (per_family - 1))] for i in range(per_family))
     return [pair for pair in order if pair in chosen]
 
 
@@ -267,7 +267,7 @@ def estimate_memory(
     parts: Sequence[Part], runs: Sequence[Callable[..., Any]], payloads: Sequence[Any], *, sample: bool = False,
 ) -> list[MemoryEstimate]:
     """Capture each part's keys (plan order; the parts in order) as ``capture(pairs)`` of each registry would, into one scratch pool, measure each key, and let everything go (see the module's docstring);
-    with ``sample``, a sample of each kind of whole-graph key (``sampled``), the others priced from it.
+    with ``sample``, a sample of each family of whole-graph keys (``sampled``), the others priced from it.
 
     ``runs[i](fn, *args, **kwargs)`` runs a capture under part i's capture context, whose eager breaks see ``payloads[i]``.
     """
@@ -308,7 +308,7 @@ def estimate_memory(
 
 def _part_estimate(part: Part, order: Sequence[Pair], probes: list[Probe], taken: list[int], measures: bool) -> MemoryEstimate:
     """One part's estimate of the keys of ``order`` from the probes of those captured and what each took in the joint
-    order; a key not captured adds its price (``key_bytes``) and takes its kind's interpolated seconds."""
+    order; a key not captured adds its price (``key_bytes``) and takes its family's interpolated seconds."""
     job = part.job
     if measures:
         probes = _priced_first(probes)
@@ -331,16 +331,16 @@ def _part_estimate(part: Part, order: Sequence[Pair], probes: list[Probe], taken
 
 def _adds_like(probes: Sequence[Probe], key: BatchDescriptor, strategy: str) -> int | None:
     """What a whole-graph key not captured adds: the tensors it keeps (linear in token count, interpolated between the
-    captured keys of its kind) and the driver's graph objects, averaged over those keys after the first (the driver
+    captured keys of its family) and the driver's graph objects, averaged over those keys after the first (the driver
     hands out memory for graphs in chunks, so one key's share is lumpy, the first key's most, and only an average over
-    several is near the plan's); None with no key of its kind after the first."""
-    kind = (strategy, key.kind, key.num_active_loras)
-    of_kind = [p for p in probes if (p.strategy, p.key.kind, p.key.num_active_loras) == kind]
-    later = of_kind[1:]
+    several is near the plan's); None with no key of its family after the first."""
+    family = (strategy, key.form, key.num_active_loras)
+    of_family = [p for p in probes if (p.strategy, p.key.form, p.key.num_active_loras) == family]
+    later = of_family[1:]
     if not later:
         return None
     graphs = sum(p.own_bytes - p.kept_bytes for p in later) / len(later)
-    kept = _interpolate([attrs.evolve(p, own_bytes=p.kept_bytes) for p in of_kind], key, strategy).own_bytes
+    kept = _interpolate([attrs.evolve(p, own_bytes=p.kept_bytes) for p in of_family], key, strategy).own_bytes
     return int(graphs + kept)
 
 

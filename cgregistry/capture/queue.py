@@ -5,7 +5,7 @@ once); a refit is one.  ``run()`` takes pieces before its step, within the regis
 step may spend on them; None: as long as this registry's eager steps take, measured; 0: none while serving), and
 ``capture_pending(seconds)`` takes them in idle time the engine offers.  A piece is never cut short: one starts while
 the time given has some left and the piece is expected to fit in it (its own last time, else the median of recent
-pieces of its kind); a step always starts one, so that the capture gets on under any loop.  The key a step's batch
+pieces of its phase: warm-up, recording or refit); a step always starts one, so that the capture gets on under any loop.  The key a step's batch
 needs (no graph serves it yet) goes to the front.  Everything happens on the calling thread, in the call.
 """
 
@@ -28,7 +28,7 @@ from cgregistry.messages import warn
 
 __all__ = ["PendingCaptures", "Task", "capture_order"]
 
-WARM_UP, RECORD, TASK = "warm-up", "record", "task"  # the kinds of piece, for their expected seconds
+WARM_UP, RECORD, TASK = "warm-up", "record", "task"  # the phases a piece runs, for their expected seconds
 
 
 def _size(pair: Pair) -> tuple[int, int]:
@@ -36,17 +36,17 @@ def _size(pair: Pair) -> tuple[int, int]:
 
 
 def capture_order(pairs: Iterable[Pair]) -> list[Pair]:
-    """Capture order while serving: the largest key of each kind first, so that every batch a kind can serve gets a
-    graph soon (padded, but a padded replay beats an eager step), mixed kinds before uniform ones (a mixed key covers
+    """Capture order while serving: the largest key of each family (strategy, form, LoRA count) first, so that every batch a family can serve gets a
+    graph soon (padded, but a padded replay beats an eager step), mixed families before uniform ones (a mixed key covers
     uniform batches too, and a new request's first step is a prefill); then the others from the smallest up, so the
     padding of the small, frequent batches falls first."""
     pairs = list(pairs)
     largest: dict[tuple[Any, ...], Pair] = {}
     for pair in pairs:
         key, strategy = pair
-        kind = (strategy, key.kind, key.num_active_loras)
-        if kind not in largest or _size(pair) > _size(largest[kind]):
-            largest[kind] = pair
+        family = (strategy, key.form, key.num_active_loras)
+        if family not in largest or _size(pair) > _size(largest[family]):
+            largest[family] = pair
     first = sorted(largest.values(), key=lambda pair: (pair[0].uniform, _size(pair)))
     chosen = set(first)
     return first + sorted((p for p in pairs if p not in chosen), key=_size)
@@ -73,7 +73,7 @@ class PendingCaptures:
         self.busy = False  # something is pending (a plain attribute: run() reads it at every step)
         self.eager_s: float | None = None  # recent eager steps' seconds (a moving average): the budget when none is set
         self._took: dict[tuple[Pair | None, str], float] = {}  # each key's pieces' seconds at their last run
-        self._recent: dict[str, deque[float]] = {kind: deque(maxlen=16) for kind in (WARM_UP, RECORD, TASK)}
+        self._recent: dict[str, deque[float]] = {phase: deque(maxlen=16) for phase in (WARM_UP, RECORD, TASK)}
         self.idle = threading.Condition()  # notified when nothing is left: a wait_captured() on another thread
 
     # ---------------------------------------------------------------- what is pending
@@ -240,23 +240,23 @@ class PendingCaptures:
         warn(f"cgregistry: pending {error}; the key is dropped and its batches go to the next best key (or run "
              "eagerly); reg.failures() keeps the error")
 
-    def _timed(self, pair: Pair | None, kind: str, started: float) -> None:
+    def _timed(self, pair: Pair | None, phase: str, started: float) -> None:
         seconds = time.perf_counter() - started
-        self._took[(pair, kind)] = seconds
-        self._recent[kind].append(seconds)
+        self._took[(pair, phase)] = seconds
+        self._recent[phase].append(seconds)
 
     def _expected(self) -> float | None:
         """Seconds the next piece is expected to take: its own last time, else the median of recent pieces of its
-        kind; None while nothing is known."""
+        phase; None while nothing is known."""
         if self._warmed is not None:
-            pair, kind = self._warmed.pair, RECORD
+            pair, phase = self._warmed.pair, RECORD
         else:
             item = self._queue[0]
-            pair, kind = (None, TASK) if type(item) is Task else (item, WARM_UP)
-        own = self._took.get((pair, kind))
+            pair, phase = (None, TASK) if type(item) is Task else (item, WARM_UP)
+        own = self._took.get((pair, phase))
         if own is not None:
             return own
-        recent = self._recent[kind]
+        recent = self._recent[phase]
         return statistics.median(recent) if recent else None
 
     def _changed(self) -> None:

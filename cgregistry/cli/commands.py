@@ -278,12 +278,12 @@ def _plan(args: argparse.Namespace) -> int:
     for g in gaps:
         depth = "" if g.spec_depth is None else f" spec depth {g.spec_depth}"
         why = f", over the padding cap: every covering key pads more ({_cap_text(args)})" if g.reason == "padding_cap" else ""
-        print(f"uncovered (runs eagerly): {g.kind}{depth} batches of {g.min_tokens}..{g.max_tokens} tokens, {g.num_active_loras} LoRA{why}")
+        print(f"uncovered (runs eagerly): {g.key_class}{depth} batches of {g.min_tokens}..{g.max_tokens} tokens, {g.num_active_loras} LoRA{why}")
     return 0
 
 
 def _cap(args: argparse.Namespace) -> dict[str, Any]:
-    """The padding cap flags as ``uncovered`` and ``evaluate`` take them (None: no cap of that kind)."""
+    """The padding cap flags as ``uncovered`` and ``evaluate`` take them (None: no such cap)."""
     return {"max_padding_tokens": args.max_padding_tokens, "max_padding_ratio": args.max_padding_ratio}
 
 
@@ -450,7 +450,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     snap = load_snapshot(args.snapshot)
     _check_strategy(args.strategy, snap)
-    uniform = {"uniform": True, "mixed": False, None: None}[args.kind]
+    uniform = {"uniform": True, "mixed": False, None: None}[args.form]
     filters = {
         "strategy": args.strategy, "uniform": uniform, "spec_depth": args.spec_depth,
         "num_active_loras": args.loras, "used": True if args.used else None, "sort": args.sort,
@@ -479,7 +479,7 @@ def _inspect(args: argparse.Namespace) -> int:
         for line in text_table(rows):
             print(line)
     reasons = {k: v for k, v in s.misses_by_reason.items() if v}
-    print(f"misses: {dict(s.misses_by_kind)}, by reason {reasons or '{}'}; pending lazy keys: {len(snap.pending)}; "
+    print(f"misses: {dict(s.misses_by_form)}, by reason {reasons or '{}'}; pending lazy keys: {len(snap.pending)}; "
           f"failed entries: {len(snap.failures)}")
     if explanation is not None:
         print()
@@ -498,7 +498,7 @@ def _check_strategy(name: str | None, snap: Any) -> None:
 
 def _filter_text(args: argparse.Namespace) -> str:
     """The ``inspect`` filters given, as the user wrote them (empty: none)."""
-    given = [f"--strategy={args.strategy}" if args.strategy else "", f"--kind={args.kind}" if args.kind else "",
+    given = [f"--strategy={args.strategy}" if args.strategy else "", f"--form={args.form}" if args.form else "",
              f"--spec-depth={args.spec_depth}" if args.spec_depth is not None else "",
              f"--loras={args.loras}" if args.loras is not None else "", "--used" if args.used else ""]
     return " ".join(g for g in given if g)
@@ -693,7 +693,7 @@ _MODE_HELP = f"one of {', '.join(MODES)}, or DECODE,MIXED naming any registered 
 
 
 def _mode(text: str) -> str | tuple[str | None, str | None]:
-    """A mode name, or 'decode,mixed' strategy names ('none': no keys of that kind)."""
+    """A mode name, or 'decode,mixed' strategy names ('none': no keys of that class)."""
     if "," not in text:
         if text not in MODES:
             raise argparse.ArgumentTypeError(f"unknown mode {text!r}; {_MODE_HELP}")
@@ -768,7 +768,7 @@ def _add_plan(sub: Any) -> argparse.ArgumentParser:
                       help="most adapters active in a batch (default: no LoRA)")
     keys.add_argument("--separate-decode", action="store_true",
                       help="the step branches on uniformity (its own decode routine), so uniform batches get their own "
-                           "keys even where one strategy serves both kinds (default: off: one graph per token count)")
+                           "keys even where one strategy serves both classes (default: off: one graph per token count)")
     keys.add_argument("--size-multiple", type=int, default=None, metavar="N",
                       help="every key's token count a multiple of N, e.g. the tensor-parallel size under sequence "
                            "parallelism (default: the plan's own: 1)")
@@ -814,8 +814,8 @@ def _add_inspect(sub: Any) -> argparse.ArgumentParser:
     )
     inspect.add_argument("snapshot", metavar="SNAPSHOT.json", help="a snapshot written by reg.snapshot() or `demo --snapshot`")
     inspect.add_argument("--strategy", default=None, help="only entries of this strategy (default: every strategy)")
-    inspect.add_argument("--kind", choices=["uniform", "mixed"], default=None,
-                         help="only uniform decode keys or only mixed-batch keys (default: both)")
+    inspect.add_argument("--form", "--kind", dest="form", choices=["uniform", "mixed"], default=None,
+                         help="only uniform decode keys or only mixed-batch keys (default: both; --kind: the old name)")
     inspect.add_argument("--spec-depth", type=_at_least(0), default=None, metavar="D", help="only keys of this spec depth (default: any)")
     inspect.add_argument("--loras", type=_at_least(0), default=None, metavar="K", help="only keys of this active-LoRA count (default: any)")
     inspect.add_argument("--used", action="store_true", help="only entries replayed at least once")

@@ -12,7 +12,7 @@ from typing import Any, Generic, TypeVar
 
 from cgregistry.contracts.protocols import Backend, Strategy, protocol_members
 from cgregistry.errors import PluginError
-from cgregistry.key.kinds import declared_unsupported
+from cgregistry.key.classes import declared_unsupported
 
 __all__ = ["BackendRegistrar", "PluginError", "Registrar", "StrategyRegistrar"]
 

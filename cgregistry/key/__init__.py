@@ -1,4 +1,4 @@
-"""The key: ``BatchDescriptor`` (the only place the key's axes live), the kinds of keys, and matching a batch to the
+"""The key: ``BatchDescriptor`` (the only place the key's axes live), the key classes a strategy may not serve, and matching a batch to the
 closest key that covers it."""
 
 from __future__ import annotations

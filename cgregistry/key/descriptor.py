@@ -147,32 +147,32 @@ class BatchDescriptor:
             return False
         if self.num_reqs is not None and (actual.num_reqs is None or self.num_reqs < actual.num_reqs):
             return False
-        return self.serves_kind(actual)
+        return self.serves_form(actual)
 
-    # The key's kind: the axes a graph bakes in and a key therefore matches exactly (every other axis is a count that
-    # padding fills).  Every part of the package that groups, matches, labels or encodes keys by kind asks here, so a
+    # The key's form: the axes a graph bakes in and a key therefore matches exactly (every other axis is a count that
+    # padding fills).  Every part of the package that groups, matches, labels or encodes keys by form asks here, so a
     # new exact axis is added in this block and the fields above.
 
     @property
-    def kind(self) -> tuple[object, ...]:
-        """The exact-match axes as one hashable value: keys of one kind differ only in tokens, requests and LoRA slots."""
+    def form(self) -> tuple[object, ...]:
+        """The exact-match axes as one hashable value: keys of one form differ only in tokens, requests and LoRA slots."""
         return (self.uniform, self.spec_depth if self.uniform else None, self.num_ubatches)
 
     @property
-    def kind_label(self) -> str:
-        """The kind in words, for statistics and tables: ``mixed`` or ``uniform-d<spec depth>``, then ``-ub<n>`` for
+    def form_label(self) -> str:
+        """The form in words, for statistics and tables: ``mixed`` or ``uniform-d<spec depth>``, then ``-ub<n>`` for
         ``n`` micro-batches."""
         shape = f"uniform-d{self.spec_depth}" if self.uniform else "mixed"
         return shape if self.num_ubatches == 1 else f"{shape}-ub{self.num_ubatches}"
 
-    def serves_kind(self, actual: BatchDescriptor) -> bool:
-        """Whether a key of this kind may serve ``actual``'s kind (a uniform graph bakes in the query length)."""
+    def serves_form(self, actual: BatchDescriptor) -> bool:
+        """Whether a key of this form may serve ``actual``'s form (a uniform graph bakes in the query length)."""
         return self.num_ubatches == actual.num_ubatches and (
             not self.uniform or (actual.uniform and actual.spec_depth == self.spec_depth))
 
-    def kind_mismatch(self, actual: BatchDescriptor) -> str | None:
-        """Why a key of this kind cannot serve ``actual`` (None when it can), for ``explain()``."""
-        if self.serves_kind(actual):
+    def form_mismatch(self, actual: BatchDescriptor) -> str | None:
+        """Why a key of this form cannot serve ``actual`` (None when it can), for ``explain()``."""
+        if self.serves_form(actual):
             return None
         if self.num_ubatches != actual.num_ubatches:
             return f"key runs {self.num_ubatches} micro-batch(es), batch has {actual.num_ubatches}"

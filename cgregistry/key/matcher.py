@@ -7,9 +7,9 @@ cap (``max_padding_tokens``, ``max_padding_ratio``) refuses a strategy whose bes
 key pads more token slots than the cap allows, and goes on to the next strategy
 (or to eager).  Pure: no plugin or torch import.
 
-Keys are grouped into *classes* that differ only in token (and request) count:
-(strategy, uniform, spec depth of uniform keys, LoRA count, exact-reqs).  Per
-class a table maps an actual token count to the first key at or above it, so a
+Keys are grouped into *families* that differ only in token (and request) count:
+(strategy, form -- uniform, spec depth of uniform keys, micro-batches --, LoRA count, exact-reqs).  Per
+family a table maps an actual token count to the first key at or above it, so a
 lookup is a few list indexings whatever the number of keys.
 """
 
@@ -28,7 +28,7 @@ from cgregistry.messages import text_table
 __all__ = ["DEFAULT_PREFERENCE", "Candidate", "Explanation", "Match", "Matcher", "PaddingCap", "Verdict", "excluded"]
 
 
-# Above this many token slots a class falls back to bisect instead of a dense table.
+# Above this many token slots a family falls back to bisect instead of a dense table.
 _DENSE_TABLE_LIMIT = 1 << 20
 # Distinct actual shapes remembered by match() before its memo starts over.
 _MEMO_LIMIT = 1 << 16
@@ -110,7 +110,7 @@ class Explanation:
 
 @attrs.frozen(slots=True)
 class PaddingCap:
-    """The most token padding a key may add to a batch; None: no limit of that kind.
+    """The most token padding a key may add to a batch; None for either: no such limit.
 
     ``max_tokens``: padding token slots (``key.num_tokens - actual.num_tokens``).
     ``max_ratio``: padding token slots per real token, so ``0.25`` lets a 16-token
@@ -157,14 +157,14 @@ class PaddingCap:
         return ", ".join(parts) or "no cap"
 
 
-class _Class:
+class _Family:
     """Keys that differ only in token/request count, sorted, with a token lookup table."""
 
-    __slots__ = ("strategy", "kind", "loras", "exact_reqs", "keys", "tokens", "first_at")
+    __slots__ = ("strategy", "form", "loras", "exact_reqs", "keys", "tokens", "first_at")
 
-    def __init__(self, strategy: str, kind: tuple[object, ...], loras: int, exact_reqs: bool) -> None:
+    def __init__(self, strategy: str, form: tuple[object, ...], loras: int, exact_reqs: bool) -> None:
         self.strategy = strategy
-        self.kind = kind  # BatchDescriptor.kind of every key here
+        self.form = form  # BatchDescriptor.form of every key here
         self.loras = loras
         self.exact_reqs = exact_reqs
         self.keys: list[BatchDescriptor] = []
@@ -185,7 +185,7 @@ class _Class:
             self.first_at = table
 
     def best(self, actual: BatchDescriptor) -> BatchDescriptor | None:
-        """The smallest key of this class covering ``actual`` (class-level fields already checked)."""
+        """The smallest key of this family covering ``actual`` (the family's own fields already checked)."""
         t = actual.num_tokens
         tokens = self.tokens
         if t > tokens[-1]:
@@ -238,18 +238,18 @@ class Matcher:
         strategies = list(dict.fromkeys(s for _, s in pairs))
         order = list(dict.fromkeys([*preference, *strategies]))
         self._rank = {s: i for i, s in enumerate(order)}
-        classes: dict[tuple[str, tuple[object, ...], int, bool], _Class] = {}
+        families: dict[tuple[str, tuple[object, ...], int, bool], _Family] = {}
         for key, strategy in pairs:
-            sig = (strategy, key.kind, key.num_active_loras, key.num_reqs is not None)
-            cls = classes.get(sig)
-            if cls is None:
-                cls = classes[sig] = _Class(*sig)
-            cls.keys.append(key)
-        for cls in classes.values():
-            cls.freeze()
-        self._classes = sorted(classes.values(), key=lambda c: (self._rank[c.strategy], c.loras))
-        # (kind, loras) of an actual batch -> applicable classes grouped by strategy rank
-        self._plans: dict[tuple[tuple[object, ...], int], list[list[_Class]]] = {}
+            sig = (strategy, key.form, key.num_active_loras, key.num_reqs is not None)
+            family = families.get(sig)
+            if family is None:
+                family = families[sig] = _Family(*sig)
+            family.keys.append(key)
+        for family in families.values():
+            family.freeze()
+        self._families = sorted(families.values(), key=lambda f: (self._rank[f.strategy], f.loras))
+        # (form, loras) of an actual batch -> applicable families grouped by strategy rank
+        self._plans: dict[tuple[tuple[object, ...], int], list[list[_Family]]] = {}
         self._memo: dict[BatchDescriptor, Match | None] = {}
         self._excluded_memo: dict[tuple[BatchDescriptor, frozenset[str]], Match | None] = {}
 
@@ -265,17 +265,17 @@ class Matcher:
         """Whether this matcher's padding cap refuses ``key`` (which covers ``actual``)."""
         return bool(self.cap) and not self.cap.allows(key.num_tokens - actual.num_tokens, actual.num_tokens)
 
-    def _groups_for(self, actual: BatchDescriptor) -> list[list[_Class]]:
-        sig = (actual.kind, actual.num_active_loras)
+    def _groups_for(self, actual: BatchDescriptor) -> list[list[_Family]]:
+        sig = (actual.form, actual.num_active_loras)
         groups = self._plans.get(sig)
         if groups is None:
-            by_rank: dict[int, list[_Class]] = {}
-            for cls in self._classes:
-                if cls.loras < actual.num_active_loras:
+            by_rank: dict[int, list[_Family]] = {}
+            for family in self._families:
+                if family.loras < actual.num_active_loras:
                     continue
-                if not cls.keys[0].serves_kind(actual):
+                if not family.keys[0].serves_form(actual):
                     continue
-                by_rank.setdefault(self._rank[cls.strategy], []).append(cls)
+                by_rank.setdefault(self._rank[family.strategy], []).append(family)
             groups = self._plans[sig] = [by_rank[r] for r in sorted(by_rank)]
         return groups
 
@@ -310,14 +310,14 @@ class Matcher:
         return found
 
     def match_uncached(self, actual: BatchDescriptor, exclude: frozenset[str] = frozenset()) -> Match | None:
-        """``match`` without the memo: a table index per applicable key class."""
+        """``match`` without the memo: a table index per applicable key family."""
         for group in self._groups_for(actual):
             if exclude and group[0].strategy in exclude:
                 continue
             best: BatchDescriptor | None = None
             best_order: tuple[int, int, int, int, int] | None = None
-            for cls in group:
-                key = cls.best(actual)
+            for family in group:
+                key = family.best(actual)
                 if key is None:
                     continue
                 order = _order(key, actual)
@@ -343,7 +343,8 @@ class Matcher:
     def _why_not(self, actual: BatchDescriptor, exclude: frozenset[str]) -> str:
         """Why no key serves ``actual``: a key pending capture would (its strategy allowed, within the padding cap);
         a key covers it but the padding cap refused every allowed strategy, or every covering key's strategy is
-        excluded; or a failed key covered it, none is of its class, none gives a request count, none is large enough."""
+        excluded; or a failed key covered it, none is of its form and LoRA count, none gives a request count, none is
+        large enough."""
         if any(strategy not in exclude and self.cap.serves(key, actual) for key, strategy in self._capturing):
             return "capturing"
         pairs = [*self._pairs, *self._capturing]  # keys pending capture count as keys for the reasons below
@@ -356,10 +357,10 @@ class Matcher:
             return "excluded"
         if any(key.covers(actual) for key, _ in self._failed):
             return "failed"
-        same_class = [key for key, _ in pairs if key.num_active_loras >= actual.num_active_loras and key.serves_kind(actual)]
-        if not same_class:
+        same_form = [key for key, _ in pairs if key.num_active_loras >= actual.num_active_loras and key.serves_form(actual)]
+        if not same_form:
             return "no_key_for_class"
-        if actual.num_reqs is None and all(key.num_reqs is not None for key in same_class):
+        if actual.num_reqs is None and all(key.num_reqs is not None for key in same_form):
             return "no_request_count"
         return "above_largest_key"
 
@@ -533,4 +534,4 @@ def _why_not(key: BatchDescriptor, actual: BatchDescriptor) -> str:
             return "key needs a request count; the batch gives none"
         if key.num_reqs < actual.num_reqs:
             return f"too few requests: {key.num_reqs} < {actual.num_reqs}"
-    return key.kind_mismatch(actual) or "covers"
+    return key.form_mismatch(actual) or "covers"

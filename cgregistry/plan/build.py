@@ -17,7 +17,7 @@ import attrs
 from cgregistry.hooks.manager import Plugins
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.plan.fit import Workload, fit_families
-from cgregistry.key.kinds import KEY_CLASSES, declared_unsupported, key_classes
+from cgregistry.key.classes import KEY_CLASSES, declared_unsupported, key_classes
 from cgregistry.builtins import BUILTIN_RELAXES, DEFAULT_PREFERENCE, MODES
 from cgregistry.key.matcher import Matcher, PaddingCap
 
@@ -158,14 +158,14 @@ class PlanEntry:
 class UncoveredRange:
     """A run of actual batch shapes that no key in a plan serves (they run eagerly).
 
-    ``kind`` is "decode" (uniform batches of ``spec_depth``) or "mixed" (any
+    ``key_class`` is "decode" (uniform batches of ``spec_depth``) or "mixed" (any
     batch, checked at its worst-case request count ``min(tokens, max_num_seqs)``).
     ``reason`` is "no_key" (no key covers them) or "padding_cap" (keys cover them, but
     each pads more than the padding cap ``uncovered`` was given: the registry's
     ``padding_cap`` miss).
     """
 
-    kind: str
+    key_class: str
     num_active_loras: int
     spec_depth: int | None
     min_tokens: int
@@ -255,7 +255,7 @@ class PlanSettings:
 
     ``separate_decode``: the engine's step branches on uniformity (uniform decode batches
     run their own routine: other attention metadata or kernels), so uniform batches need
-    graphs of their own even where one strategy serves both kinds.  Without it (the
+    graphs of their own even where one strategy serves both classes.  Without it (the
     default), a mode whose decode and mixed strategies are the same (``full``) captures
     one graph per token count: each uniform width ``q * r`` (``q = 1 + spec depth``) up to
     the max capture size becomes a mixed key, which covers the uniform batches too.
@@ -767,7 +767,7 @@ def _change_points(keys: Sequence[BatchDescriptor], q: int, last: int, cap: Padd
 
 
 def _runs(
-    kind: str, n_loras: int, depth: int | None, points: list[int], last: int,
+    key_class: str, n_loras: int, depth: int | None, points: list[int], last: int,
     shape: Callable[[int], tuple[int, BatchDescriptor]], matcher: Matcher, uncapped: Matcher,
 ) -> list[UncoveredRange]:
     """Runs of sizes 1..``last`` that ``matcher`` serves no key for, split where the reason changes.
@@ -783,8 +783,8 @@ def _runs(
         now = None if matcher.match(actual) is not None else "no_key" if uncapped.match(actual) is None else "padding_cap"
         if now != reason:
             if reason is not None:
-                out.append(UncoveredRange(kind, n_loras, depth, start, shape(n - 1)[0], reason))  # type: ignore[arg-type]
+                out.append(UncoveredRange(key_class, n_loras, depth, start, shape(n - 1)[0], reason))  # type: ignore[arg-type]
             start, reason = tokens, now
     if reason is not None:
-        out.append(UncoveredRange(kind, n_loras, depth, start, shape(last)[0], reason))  # type: ignore[arg-type]
+        out.append(UncoveredRange(key_class, n_loras, depth, start, shape(last)[0], reason))  # type: ignore[arg-type]
     return out

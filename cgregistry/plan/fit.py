@@ -253,7 +253,7 @@ def fit_families(
     A folded plan (``settings.folded``) fits uniform batches up to the max capture size in
     the mixed family, exactly as the matcher serves them.  Downgrades are already in the
     settings' strategies: a spec depth outside ``uniform_depths`` has no family of its own
-    (its batches are mixed steps), and a kind without a strategy is not fitted (eager).
+    (its batches are mixed steps), and a class without a strategy is not fitted (eager).
 
     With ``max_bytes`` (and ``pricing``, a memory estimate), as well as or instead of ``max_graphs``: the
     plan's keys take at most ``max_bytes`` beside what any fitted plan takes (its largest keys' pool and
@@ -292,21 +292,21 @@ def fit_families(
             decode_hist[depth][_round_up(step.num_reqs, steps_of[depth])] += n  # type: ignore[arg-type]
         elif settings.mixed_strategy is not None and step.num_tokens <= top:
             mixed_hist[_round_up(step.num_tokens, m)] += n
-    kinds: list[tuple[str, int, str, BatchDescriptor]] = [
+    classes: list[tuple[str, int, str, BatchDescriptor]] = [
         ("decode", d, settings.decode_strategy, BatchDescriptor.decode(settings.widest[d], d)) for d in decode_hist  # type: ignore[misc]
     ]
     if settings.mixed_strategy is not None:
-        kinds.append(("mixed", 0, settings.mixed_strategy, BatchDescriptor(top)))
+        classes.append(("mixed", 0, settings.mixed_strategy, BatchDescriptor(top)))
     budget = max_graphs // per_size if max_graphs is not None else None
     prices: list[int] | None = None
     units: int | None = None
     if max_bytes is not None:
-        prices, units = _prices(kinds, settings, max_bytes, pricing)  # type: ignore[arg-type]
+        prices, units = _prices(classes, settings, max_bytes, pricing)  # type: ignore[arg-type]
     families: list[tuple[str, int, dict[int, tuple[int, list[int]]]]] = []
-    for i, (kind, depth, _, _) in enumerate(kinds):
+    for i, (key_class, depth, _, _) in enumerate(classes):
         most = [n for n in (budget, None if prices is None else units // prices[i]) if n is not None]  # type: ignore[operator]
-        hist, top_size, unit = (decode_hist[depth], settings.widest[depth], 1 + depth) if kind == "decode" else (mixed_hist, top, 1)
-        families.append((kind, depth, fit_sizes(hist, top_size, unit=unit, max_sizes=max(1, min(most)))))
+        hist, top_size, unit = (decode_hist[depth], settings.widest[depth], 1 + depth) if key_class == "decode" else (mixed_hist, top, 1)
+        families.append((key_class, depth, fit_sizes(hist, top_size, unit=unit, max_sizes=max(1, min(most)))))
     if budget is not None and len(families) > budget:
         raise ValueError(
             f"max_graphs={max_graphs} cannot hold one graph per key family ({len(families)} families "
@@ -320,9 +320,9 @@ def fit_families(
     chosen = _split_budget([f[2] for f in families], budget, prices, units)
     decode: dict[int, list[int]] = {}
     mixed: list[int] = []
-    for (kind, depth, curve), k in zip(families, chosen):
+    for (key_class, depth, curve), k in zip(families, chosen):
         sizes = curve[k][1]
-        if kind == "decode":
+        if key_class == "decode":
             decode[depth] = sizes
         else:
             mixed = sizes
@@ -334,7 +334,7 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def _prices(
-    kinds: list[tuple[str, int, str, BatchDescriptor]], settings: FitSettings, max_bytes: int, pricing: KeyPricing,
+    classes: list[tuple[str, int, str, BatchDescriptor]], settings: FitSettings, max_bytes: int, pricing: KeyPricing,
 ) -> tuple[list[int], int]:
     """Each family's price per size in byte steps (its widest key, once per LoRA count), and the steps ``max_bytes``
     leaves beside the fixed bytes."""
@@ -345,7 +345,7 @@ def _prices(
         )
     step = max(1, -(-room // _BYTE_STEPS))
     prices = []
-    for _, _, strategy, widest in kinds:
+    for _, _, strategy, widest in classes:
         price = sum(
             pricing.key_bytes(BatchDescriptor(widest.num_tokens, widest.num_reqs, lora, widest.spec_depth, widest.uniform), strategy)
             for lora in settings.used_lora_counts

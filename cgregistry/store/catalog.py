@@ -273,7 +273,7 @@ class Counters:
     """The registry-wide counters ``stats()`` reports beside the entries' own (replays, tokens)."""
 
     __slots__ = (
-        "clock", "misses", "eager_fallbacks", "eager_tokens", "bad_batches", "misses_by_kind", "misses_by_reason",
+        "clock", "misses", "eager_fallbacks", "eager_tokens", "bad_batches", "misses_by_form", "misses_by_reason",
         "lazy_captures", "evictions", "background_captures", "plan_changes", "stale_captures",
     )
 
@@ -283,14 +283,14 @@ class Counters:
     def reset(self) -> None:
         self.clock = itertools.count(1)  # numbers graph replays, for least-recently-used eviction
         self.misses = self.eager_fallbacks = self.eager_tokens = self.bad_batches = 0
-        self.misses_by_kind = {"uniform": 0, "mixed": 0}
+        self.misses_by_form = {"uniform": 0, "mixed": 0}
         self.misses_by_reason = dict.fromkeys(MISS_REASONS, 0)
         self.lazy_captures = self.evictions = self.background_captures = self.plan_changes = self.stale_captures = 0
 
     def count_miss(self, actual: BatchDescriptor, reason: str | None) -> None:
-        """A batch no graph served: counted by kind, and by reason (a ``MISS_REASONS`` key) when one is known."""
+        """A batch no graph served: counted by form (uniform or mixed), and by reason (a ``MISS_REASONS`` key) when one is known."""
         self.misses += 1
-        self.misses_by_kind["uniform" if actual.uniform else "mixed"] += 1
+        self.misses_by_form["uniform" if actual.uniform else "mixed"] += 1
         if reason is not None:
             self.misses_by_reason[reason] += 1
 
@@ -364,7 +364,7 @@ class Catalog:
             by_strategy=by_strategy,
             entry_failures=len(self.failures),
             by_class={label: ClassStats(*row) for label, row in sorted(classes.items())},
-            misses_by_kind=dict(c.misses_by_kind),
+            misses_by_form=dict(c.misses_by_form),
             bad_batches=c.bad_batches,
             lazy_captures=c.lazy_captures,
             evictions=c.evictions,

@@ -322,8 +322,8 @@ class StaticBuffer:
         if not isinstance(live, torch.Tensor):
             return InputError(f"input {self.name!r} must be a torch.Tensor, got {type(live).__name__}")
         if live.layout is not _STRIDED or live.is_nested:
-            kind = "nested" if live.is_nested else str(live.layout).removeprefix("torch.")
-            return InputError(f"input {self.name!r} is a {kind} tensor; expected a dense (strided) tensor")
+            layout = "nested" if live.is_nested else str(live.layout).removeprefix("torch.")
+            return InputError(f"input {self.name!r} is a {layout} tensor; expected a dense (strided) tensor")
         expected = (rows, *self.spec.shape[1:])
         if tuple(live.shape) != expected:
             return InputError(
@@ -432,25 +432,25 @@ def _flatten(obj: Any, path: str, leaves: list[Any], leaf: type) -> Spec:
         return None
     if obj is None:
         return ("const", None, None)
-    kind = type(obj)
+    container = type(obj)
     what = "tensors" if leaf is torch.Tensor else f"{leaf.__name__} leaves"
     if isinstance(obj, dict):
-        if kind not in (dict, OrderedDict):
-            raise OutputError(f"{path} is a {kind.__name__}; return a dict (or OrderedDict) of {what}")
+        if container not in (dict, OrderedDict):
+            raise OutputError(f"{path} is a {container.__name__}; return a dict (or OrderedDict) of {what}")
         keys = list(obj)
-        return (kind, keys, [_flatten(obj[k], f"{path}[{k!r}]", leaves, leaf) for k in keys])
+        return (container, keys, [_flatten(obj[k], f"{path}[{k!r}]", leaves, leaf) for k in keys])
     if isinstance(obj, (tuple, list)):
-        if kind not in (tuple, list) and not _rebuildable_tuple(kind):
-            raise OutputError(f"{path} is a {kind.__name__}; return a tuple, list or named tuple of {what}")
-        return (kind, None, [_flatten(v, f"{path}[{i}]", leaves, leaf) for i, v in enumerate(obj)])
-    raise OutputError(f"{path} is a {kind.__name__}; expected {what} (in tuples, lists or dicts) or None")
+        if container not in (tuple, list) and not _rebuildable_tuple(container):
+            raise OutputError(f"{path} is a {container.__name__}; return a tuple, list or named tuple of {what}")
+        return (container, None, [_flatten(v, f"{path}[{i}]", leaves, leaf) for i, v in enumerate(obj)])
+    raise OutputError(f"{path} is a {container.__name__}; expected {what} (in tuples, lists or dicts) or None")
 
 
 def _outline(spec: Spec) -> Any:
-    """``spec`` with sequence kinds merged and mapping kinds merged: what an axes tree must mirror."""
+    """``spec`` with sequence containers merged and mapping containers merged: what an axes tree must mirror."""
     if spec is None or spec[0] == "const":
         return spec
-    kind, keys, children = spec
+    container, keys, children = spec
     return ("map" if keys is not None else "seq", keys, [_outline(c) for c in children])
 
 
@@ -523,16 +523,16 @@ def leaf_paths(spec: Spec, path: str = "output") -> list[str]:
     (``output['logits']``, ``output[1]``), in leaf order."""
     if spec is None:
         return [path]
-    kind, keys, children = spec
-    if kind == "const":
+    container, keys, children = spec
+    if container == "const":
         return []
     names = [f"{path}[{k!r}]" for k in keys] if keys is not None else [f"{path}[{i}]" for i in range(len(children))]
     return [leaf for name, child in zip(names, children) for leaf in leaf_paths(child, name)]
 
 
-def _rebuildable_tuple(kind: type) -> bool:
+def _rebuildable_tuple(container: type) -> bool:
     """A named tuple, or a torch.return_types structseq (``topk``'s values and indices, say)."""
-    return issubclass(kind, tuple) and (hasattr(kind, "_make") or hasattr(kind, "n_fields"))
+    return issubclass(container, tuple) and (hasattr(container, "_make") or hasattr(container, "n_fields"))
 
 
 def unflatten(leaves: list[torch.Tensor], spec: Spec) -> Any:
@@ -546,17 +546,17 @@ def _builder(spec: Spec, leaf_index: list[int]) -> Callable[[list[torch.Tensor]]
         i = leaf_index[0]
         leaf_index[0] += 1
         return lambda leaves: leaves[i]
-    kind, keys, children = spec
-    if kind == "const":
+    container, keys, children = spec
+    if container == "const":
         return lambda leaves: None
     parts = [_builder(c, leaf_index) for c in children]
     if keys is not None:
-        return lambda leaves: kind(zip(keys, [part(leaves) for part in parts]))
-    if kind is tuple or kind is list:
-        return lambda leaves: kind([part(leaves) for part in parts])
-    if hasattr(kind, "_make"):
-        return lambda leaves: kind._make([part(leaves) for part in parts])  # named tuple
-    return lambda leaves: kind([part(leaves) for part in parts])  # torch.return_types structseq
+        return lambda leaves: container(zip(keys, [part(leaves) for part in parts]))
+    if container is tuple or container is list:
+        return lambda leaves: container([part(leaves) for part in parts])
+    if hasattr(container, "_make"):
+        return lambda leaves: container._make([part(leaves) for part in parts])  # named tuple
+    return lambda leaves: container([part(leaves) for part in parts])  # torch.return_types structseq
 
 
 class OutputSlicer:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry import CapturePlan
-from cgregistry.key.kinds import class_of
+from cgregistry.key.classes import class_of
 from cgregistry.testing import make_plugins
 from tests.plans.test_downgrade import LEVELS, Registers, vendor
 

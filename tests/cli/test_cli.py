@@ -82,7 +82,7 @@ def test_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(out)
     assert [e["key"]["num_tokens"] for e in data["entries"]] == [8, 4, 2, 1]
     assert data["uncovered"] == [
-        {"kind": "mixed", "num_active_loras": 0, "spec_depth": None, "min_tokens": 9, "max_tokens": 16, "reason": "no_key"}
+        {"key_class": "mixed", "num_active_loras": 0, "spec_depth": None, "min_tokens": 9, "max_tokens": 16, "reason": "no_key"}
     ]
 
 
@@ -236,7 +236,7 @@ def test_demo_snapshot_then_inspect(tmp_path: Path, small_demo: None) -> None:
     assert data["stats"]["misses"] == demo["misses"]
     assert data["explain"]["match"]["key"]["num_tokens"] == 4
     # mode full captures one graph per shape: decode batches are served by mixed keys
-    text = cli("inspect", str(snap), "--kind", "mixed")
+    text = cli("inspect", str(snap), "--form", "mixed")
     assert text.returncode == 0, text.stderr
     table = text.stdout.split("entries on cpu")[0]
     keys = [line for line in table.splitlines() if line.startswith("Batch(")]

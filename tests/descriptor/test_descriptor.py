@@ -103,7 +103,7 @@ def test_from_query_lens_by_default_makes_only_a_pure_decode_step_uniform(lens: 
 def test_one_prefill_chunk_is_a_mixed_batch_unless_the_caller_says_it_verifies_drafts() -> None:
     chunk = B.from_query_lens([18])  # one request's 18-token prompt chunk
     assert chunk == B(18, 1) and not chunk.uniform and chunk.spec_depth == 0
-    assert repr(chunk) == "Batch(tokens=18, reqs=1)" and chunk.kind_label == "mixed"
+    assert repr(chunk) == "Batch(tokens=18, reqs=1)" and chunk.form_label == "mixed"
     assert B.from_query_lens([5, 5]) == B(10, 2)  # two equal prompt chunks: still prefill
     assert B.from_query_lens([18], spec_depth=17) == B.decode(1, spec_depth=17)  # the caller says it is a verify step
     assert B.from_query_lens([2, 2, 2], spec_depth=1) is B.decode(3, spec_depth=1)
@@ -121,10 +121,10 @@ def test_a_warning_labels_a_prefill_chunk_as_a_prefill(recwarn: pytest.WarningsR
     chunk = B.from_query_lens([18])
     for _ in range(ABOVE_LARGEST_HINT_AFTER):
         reg.run(chunk, x=torch.ones(18, 4))
-    messages = [str(w.message) for w in recwarn if "no key of their kind is that large" in str(w.message)]
+    messages = [str(w.message) for w in recwarn if "no key of their form is that large" in str(w.message)]
     assert len(messages) == 1 and "such as Batch(tokens=18, reqs=1))" in messages[0], messages
     assert "spec=" not in messages[0] and "uniform" not in messages[0]
-    assert reg.stats().misses_by_kind == {"uniform": 0, "mixed": ABOVE_LARGEST_HINT_AFTER}
+    assert reg.stats().misses_by_form == {"uniform": 0, "mixed": ABOVE_LARGEST_HINT_AFTER}
 
 
 @pytest.mark.parametrize(("lens", "message"), [([], "at least one"), ([1, 0], "got 0"), ([1, 2.0], "got 2.0")])

@@ -52,12 +52,12 @@ def test_stats_per_strategy_class_and_kind() -> None:
     run(reg, B.decode(9, 1))  # miss (uniform, depth 1, 18 tokens > 4)
     s = reg.stats()
     assert (s.hits, s.misses, s.eager_fallbacks, s.padded_tokens, s.graph_tokens) == (2, 2, 2, 13, 23)
-    assert s.misses_by_kind == {"uniform": 1, "mixed": 1}
+    assert s.misses_by_form == {"uniform": 1, "mixed": 1}
     assert s.by_class["full/uniform-d0/lora0"] == cg.inspection.ClassStats(entries=2, replays=1, graph_tokens=3, padded_tokens=1)
     assert s.by_class["full/mixed/lora0"] == cg.inspection.ClassStats(entries=1, replays=1, graph_tokens=20, padded_tokens=12)
     assert s.by_class["full/uniform-d1/lora0"].replays == 0
     reg.reset_stats()
-    assert reg.stats().hits == 0 and reg.stats().misses_by_kind == {"uniform": 0, "mixed": 0}
+    assert reg.stats().hits == 0 and reg.stats().misses_by_form == {"uniform": 0, "mixed": 0}
 
 
 def test_explain_as_data() -> None:
@@ -91,9 +91,20 @@ def test_snapshot_round_trip_and_offline_explain(tmp_path) -> None:  # noqa: ANN
     assert "3 entries" not in snap.table() and "5 entries on cpu" in snap.table()
 
 
+def test_a_snapshot_written_before_schema_5_reads_its_misses_by_form() -> None:
+    """Schemas before 5 named the misses by uniform or mixed ``misses_by_kind``: read as ``misses_by_form``."""
+    reg = make()
+    reg.capture(PLAN)
+    reg.run(B(63, 9), x=torch.ones(63, 4))  # above every key: a mixed miss
+    data = reg.snapshot()
+    older = {**data, "schema": 4, "stats": {("misses_by_kind" if k == "misses_by_form" else k): v for k, v in data["stats"].items()}}
+    assert cg.load_snapshot(older).stats.misses_by_form == reg.stats().misses_by_form
+    assert reg.stats().misses_by_form["mixed"] == 1
+
+
 def test_bad_snapshots_are_named(tmp_path) -> None:  # noqa: ANN001
     data = make().snapshot()
-    with pytest.raises(cg.SnapshotError, match=r"snapshot schema 99 is not supported; this cgregistry reads schemas \(1, 2, 3, 4\)"):
+    with pytest.raises(cg.SnapshotError, match=r"snapshot schema 99 is not supported; this cgregistry reads schemas \(1, 2, 3, 4, 5\)"):
         cg.load_snapshot({**data, "schema": 99})
     broken = {**data, "entries": [{"key": {"num_tokens": 0}}]}
     with pytest.raises(cg.SnapshotError, match=r"entries\[0\].key: not a BatchDescriptor: BatchDescriptor.num_tokens must be positive"):

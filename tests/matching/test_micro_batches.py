@@ -100,7 +100,7 @@ def descriptors(draw: st.DrawFn) -> B:
 @settings(max_examples=300, deadline=None)
 @given(keys=st.lists(descriptors(), min_size=1, max_size=12, unique=True), actual=descriptors())
 def test_the_matcher_never_crosses_micro_batch_counts(keys: list[B], actual: B) -> None:
-    """Against a scan written from the fields: the least token padding among keys of the same split and kind."""
+    """Against a scan written from the fields: the least token padding among keys of the same split and form."""
     def fits(key: B) -> bool:
         return (key.num_ubatches == actual.num_ubatches and key.num_tokens >= actual.num_tokens
                 and (key.num_reqs is None or (actual.num_reqs is not None and key.num_reqs >= actual.num_reqs))

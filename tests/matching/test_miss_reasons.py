@@ -150,7 +150,7 @@ def test_a_batch_without_a_request_count_beside_keys_that_count_requests_is_its_
     so (and warns once, naming the field), rather than sending the engine to raise max_capture_size."""
     reg = cg.GraphRegistry(step, {"x": cg.StaticInput((256,), torch.float32)}, backend="cpu")
     reg.capture(cg.CapturePlan.build(max_num_seqs=64, max_num_tokens=256, mode="full"))
-    with pytest.warns(RuntimeWarning, match=r"Batch\(tokens=97, reqs=any\) runs eagerly: every key of its kind needs a "
+    with pytest.warns(RuntimeWarning, match=r"Batch\(tokens=97, reqs=any\) runs eagerly: every key of its form needs a "
                                             r"request count.*num_reqs"):
         reg.run(B(97), x=torch.ones(97))
     with warnings.catch_warnings():

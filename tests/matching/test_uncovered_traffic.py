@@ -1,4 +1,4 @@
-"""Batches larger than every key of their kind run eagerly: the capture says which ranges the plan leaves out (the
+"""Batches larger than every key of their form run eagerly: the capture says which ranges the plan leaves out (the
 cgregistry log), and run() warns once when such batches turn out to be at least half of the steps."""
 
 from __future__ import annotations

@@ -59,8 +59,8 @@ def test_a_sampled_estimate_captures_a_few_whole_graph_keys_and_prices_the_rest_
     probed = {(k.key, k.strategy) for k in estimate.keys if k.probed}
     assert [(k.key, k.strategy) for k in estimate.keys] == [(e.descriptor, e.strategy) for e in plan]
     full = [(e.descriptor, e.strategy) for e in plan if e.strategy == "full"]
-    assert len(full) > 2 * cg.capture.memory.SAMPLE_PER_KIND
-    assert len([p for p in full if p in probed]) == cg.capture.memory.SAMPLE_PER_KIND, "a sample of the full keys"
+    assert len(full) > 2 * cg.capture.memory.SAMPLE_PER_FAMILY
+    assert len([p for p in full if p in probed]) == cg.capture.memory.SAMPLE_PER_FAMILY, "a sample of the full keys"
     assert all(p in probed for e in plan for p in [(e.descriptor, e.strategy)] if e.strategy != "full"), "the rest each"
     tokens = [k.num_tokens for k, _ in full]
     assert {max(tokens), min(tokens)} <= {k.num_tokens for k, s in probed if s == "full"}
@@ -140,7 +140,7 @@ def test_snapshots_and_inspect_show_predicted_and_actual_bytes_per_key(tmp_path:
     estimate = reg.estimate_memory(PLAN)
     reg.capture(PLAN)
     snap = cg.load_snapshot(reg.snapshot())
-    assert snap.schema == 4
+    assert snap.schema == 5
     predicted = {(k.key, k.strategy): k.bytes for k in estimate.keys}
     assert all(e.predicted_bytes == predicted[(e.key, e.strategy)] and e.device_bytes == e.memory_bytes for e in snap.entries)
     assert "predicted" in reg.table().splitlines()[0]

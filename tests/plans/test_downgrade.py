@@ -17,7 +17,7 @@ import cgregistry as cg
 from cgregistry import BatchDescriptor, CapturePlan, Matcher
 from cgregistry.cli import main
 from cgregistry.plan.fit import evaluate
-from cgregistry.key.kinds import declared_unsupported
+from cgregistry.key.classes import declared_unsupported
 from cgregistry.plan import MODES, Downgrade
 from cgregistry.testing import make_plugins
 
@@ -60,7 +60,7 @@ def test_full_mode_without_mixed_keeps_full_decode_and_runs_mixed_eagerly() -> N
     assert plan.downgrades == (Downgrade("mixed", "full", None),)
     assert all(e.descriptor.uniform and e.strategy == "full" for e in plan) and len(plan) > 0
     gaps = plan.uncovered()
-    assert [(g.kind, g.min_tokens, g.max_tokens) for g in gaps] == [("mixed", 1, 256)]
+    assert [(g.key_class, g.min_tokens, g.max_tokens) for g in gaps] == [("mixed", 1, 256)]
 
 
 def test_full_and_piecewise_with_no_full_graphs_is_the_piecewise_plan() -> None:

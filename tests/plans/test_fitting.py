@@ -91,8 +91,8 @@ def test_fit_keeps_covering_guarantees_and_budget() -> None:
     for depth in (0, 1):
         assert any(d.uniform and d.spec_depth == depth and d.num_reqs == 64 for d in fitted.descriptors())
     assert max(d.num_tokens for d in fitted.descriptors() if not d.uniform) == max(d.num_tokens for d in default.descriptors() if not d.uniform)
-    assert {g.kind for g in fitted.uncovered()} <= {g.kind for g in default.uncovered()} | {"mixed"}
-    assert [g for g in fitted.uncovered() if g.kind == "decode"] == []
+    assert {g.key_class for g in fitted.uncovered()} <= {g.key_class for g in default.uncovered()} | {"mixed"}
+    assert [g for g in fitted.uncovered() if g.key_class == "decode"] == []
     assert evaluate(fitted, steps).padded_tokens <= evaluate(default, steps).padded_tokens
     with pytest.raises(ValueError, match="max_graphs=3 cannot hold one graph per key family"):
         cg.CapturePlan.fit(steps, 3, **kwargs)

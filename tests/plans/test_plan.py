@@ -52,7 +52,7 @@ def test_speculative_decode_keys_are_multiples_and_cover_widest(depth: int) -> N
     assert keys and all(d.uniform and d.num_tokens % q == 0 and d.num_tokens == d.num_reqs * q for d in keys)
     assert max(d.num_tokens for d in keys) == 48 * q, "the widest speculative batch is a key"
     assert all(d.num_reqs <= 48 for d in keys)
-    assert not [g for g in plan.uncovered() if g.kind == "decode"], "every uniform batch is covered"
+    assert not [g for g in plan.uncovered() if g.key_class == "decode"], "every uniform batch is covered"
 
 
 def test_lora_counts_multiply_keys() -> None:

@@ -82,7 +82,7 @@ def test_depth_schedule_limits_deep_keys_to_small_batches() -> None:
     for d in plan.descriptors():
         widest[d.spec_depth] = max(widest.get(d.spec_depth, 0), d.num_reqs)
     assert widest == {0: 64, 1: 64, 3: 8}
-    assert [g for g in plan.uncovered() if g.kind == "decode"] == [], "the widest batch of each depth is covered"
+    assert [g for g in plan.uncovered() if g.key_class == "decode"] == [], "the widest batch of each depth is covered"
     m = cg.Matcher((e.descriptor, e.strategy) for e in plan)
     assert m.match(B.decode(7, 3)).key == B.decode(8, 3)
 

@@ -26,7 +26,7 @@ caps = st.tuples(st.one_of(st.none(), st.integers(0, 12)), st.one_of(st.none(), 
 
 
 def shapes(plan: CapturePlan, widest: dict[int, int]) -> Iterator[tuple[tuple[str, int, int | None, int], BatchDescriptor]]:
-    """Every shape ``uncovered`` checks, by (kind, LoRA count, spec depth, tokens), written out from its docstring."""
+    """Every shape ``uncovered`` checks, by (key class, LoRA count, spec depth, tokens), written out from its docstring."""
     assert plan.max_num_seqs is not None and plan.max_num_tokens is not None
     for loras in range(max((e.descriptor.num_active_loras for e in plan), default=0) + 1):
         for depth, reqs in widest.items():
@@ -40,9 +40,9 @@ def reported(gaps: list[UncoveredRange], widest: dict[int, int]) -> dict[tuple[s
     """The uncovered ranges as one reason per shape."""
     out = {}
     for g in gaps:
-        q = 1 if g.kind == "mixed" else 1 + g.spec_depth  # type: ignore[operator]
+        q = 1 if g.key_class == "mixed" else 1 + g.spec_depth  # type: ignore[operator]
         for tokens in range(g.min_tokens, g.max_tokens + 1, q):
-            shape = (g.kind, g.num_active_loras, g.spec_depth, tokens)
+            shape = (g.key_class, g.num_active_loras, g.spec_depth, tokens)
             assert shape not in out, f"{shape} reported twice"
             out[shape] = g.reason
     return out
@@ -62,9 +62,9 @@ def check_against_oracle(plan: CapturePlan, widest: dict[int, int], max_tokens: 
         if not served:
             expected[shape] = "padding_cap" if covering else "no_key"
     assert got == expected
-    for a, b in zip(gaps, gaps[1:]):  # runs are maximal: two runs of one kind and reason never touch
-        q = 1 if a.kind == "mixed" else 1 + a.spec_depth  # type: ignore[operator]
-        same = (a.kind, a.num_active_loras, a.spec_depth, a.reason) == (b.kind, b.num_active_loras, b.spec_depth, b.reason)
+    for a, b in zip(gaps, gaps[1:]):  # runs are maximal: two runs of one key class and reason never touch
+        q = 1 if a.key_class == "mixed" else 1 + a.spec_depth  # type: ignore[operator]
+        same = (a.key_class, a.num_active_loras, a.spec_depth, a.reason) == (b.key_class, b.num_active_loras, b.spec_depth, b.reason)
         assert not (same and b.min_tokens == a.max_tokens + q), f"{a} and {b} should be one run"
 
 
@@ -101,7 +101,7 @@ def test_a_cap_turns_covered_shapes_into_padding_cap_gaps() -> None:
     plan = CapturePlan.build(max_num_seqs=8, max_num_tokens=32, mode="full")  # mixed keys of 1, 2, 4, 8, 16 tokens
     assert plan.uncovered() == [UncoveredRange("mixed", 0, None, 17, 32)]
     gaps = plan.uncovered(max_padding_ratio=0.25)
-    assert [(g.kind, g.min_tokens, g.max_tokens, g.reason) for g in gaps] == [
+    assert [(g.key_class, g.min_tokens, g.max_tokens, g.reason) for g in gaps] == [
         ("decode", 3, 3, "padding_cap"), ("decode", 5, 6, "padding_cap"),
         ("mixed", 3, 3, "padding_cap"), ("mixed", 5, 6, "padding_cap"), ("mixed", 9, 12, "padding_cap"),
         ("mixed", 17, 32, "no_key"),
@@ -149,7 +149,7 @@ def test_cli_plan_lists_padding_cap_gaps(capsys: pytest.CaptureFixture[str]) -> 
     assert main([*args, "--max-padding-tokens", "2", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["padding_cap"] == {"max_padding_tokens": 2, "max_padding_ratio": None}
-    assert {"kind": "mixed", "num_active_loras": 0, "spec_depth": None, "min_tokens": 9, "max_tokens": 13,
+    assert {"key_class": "mixed", "num_active_loras": 0, "spec_depth": None, "min_tokens": 9, "max_tokens": 13,
             "reason": "padding_cap"} in doc["uncovered"]
     with pytest.raises(SystemExit):
         main([*args, "--max-padding-ratio", "-1"])

@@ -394,9 +394,9 @@ def test_no_key_fails_to_cover_and_coverage_is_kept(
         return
     s = PlanSettings(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, mode=mode, spec_depths=tuple(depths), separate_decode=separate)
     plan = CapturePlan.build(s)
-    assert not [g for g in plan.uncovered() if g.kind == "decode"] or s.decode_strategy is None
+    assert not [g for g in plan.uncovered() if g.key_class == "decode"] or s.decode_strategy is None
     if s.mixed_strategy is not None:
-        assert [(g.min_tokens, g.max_tokens) for g in plan.uncovered() if g.kind == "mixed"] in (
+        assert [(g.min_tokens, g.max_tokens) for g in plan.uncovered() if g.key_class == "mixed"] in (
             [], [(s.used_max_capture_size + 1, max_num_tokens)]
         ) or max(d.num_tokens for d in plan.descriptors()) > s.used_max_capture_size
     m = Matcher((e.descriptor, e.strategy) for e in plan)
@@ -434,11 +434,11 @@ def test_size_multiple_applies_to_every_key(mode: str, multiple: int, max_num_se
     plan = CapturePlan.build(**kwargs)
     assert all(d.num_tokens % multiple == 0 for d in plan.descriptors())
     plain = CapturePlan.build(**{**kwargs, "size_multiple": 1})
-    assert [g for g in plan.uncovered() if g.kind == "decode"] == [g for g in plain.uncovered() if g.kind == "decode"]
+    assert [g for g in plan.uncovered() if g.key_class == "decode"] == [g for g in plain.uncovered() if g.key_class == "decode"]
     steps = [B.decode(r, depth) for r in range(1, max_num_seqs + 1)] + [B(t, 1) for t in range(1, 100, 7)]
     fitted = CapturePlan.fit(steps, 2 * len(plan), **kwargs)
     assert all(d.num_tokens % multiple == 0 for d in fitted.descriptors())
-    assert [g for g in fitted.uncovered() if g.kind == "decode"] == [g for g in plain.uncovered() if g.kind == "decode"]
+    assert [g for g in fitted.uncovered() if g.key_class == "decode"] == [g for g in plain.uncovered() if g.key_class == "decode"]
     if mode != "full_decode_only":  # never more padding for mixed batches than vLLM's sizes made multiples
         sizes = sp_sizes(max_num_seqs, depth, 4096, multiple)
         ref = Matcher([(B(t), "piecewise") for t in sizes])

@@ -933,7 +933,7 @@ def test_a_deeply_nested_snapshot_file_is_a_snapshot_error(tmp_path: object) -> 
 
 def test_a_schema_1_snapshot_still_loads_and_unknown_fields_are_ignored() -> None:
     data = good_snapshot()
-    assert data["schema"] == 4
+    assert data["schema"] == 5
     del data["stats"]["bad_batches"]  # what 0.1 wrote
     data["schema"] = 1
     data["note"] = "written by a later version"

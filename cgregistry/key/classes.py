@@ -1,4 +1,4 @@
-"""Key classes: the kinds of batch a strategy may be unable to serve, and the check of a declaration of them.
+"""Key classes: the classes of batch (mixed, spec decode, decode) a strategy may be unable to serve, and the check of a declaration of them.
 
 One place for plans (the engine's ``PlanSettings.unsupported``, a strategy's own
 ``unsupported_classes``), the plugin manager (which checks a strategy's declaration
