@@ -8,7 +8,7 @@ Opt in from a ``conftest.py`` with ``pytest_plugins = ["cgregistry.testing"]``.
 - ``cg_registry``: a fresh registry on the CPU backend around the tiny model.
 - ``StrategyConformance``: subclass it as ``class TestMine(StrategyConformance)``
   with ``strategy = "mine"`` and ``plugins = (my_plugin,)`` to run the suite every
-  strategy must pass.
+  strategy must pass; a strategy that graphs compiled code overrides ``compiled(body)``.
 """
 
 from __future__ import annotations
@@ -67,6 +67,14 @@ class StrategyConformance:
     plugins: ClassVar[Sequence[object]] = ()
     backend: ClassVar[str] = "cpu"
 
+    # -- how the suite builds its steps (override for a strategy that needs its step compiled)
+
+    def compiled(self, body: Callable[..., Any]) -> Callable[..., Any]:
+        """What the suite's steps call to run a test's tensor code, ``body(**inputs)`` (the step's host-side code, a
+        check of the batch, runs before it, outside): ``body`` itself.  A strategy whose graphs come from compiled
+        code overrides it; the built-in ``piecewise``, say, returns ``cgregistry.compile_piecewise(...)`` of it."""
+        return body
+
     # -- helpers
 
     def _plugins(self) -> Plugins:
@@ -82,13 +90,26 @@ class StrategyConformance:
             BatchDescriptor.decode(r) for r in (8, 4, 2, 1)
         ]
 
-    def _registry(self, step: Callable[..., Any] | None = None, inputs: dict[str, StaticInput] | None = None) -> tuple[GraphRegistry, Any]:
+    def _step(self, body: Callable[..., Any], host: Callable[[BatchDescriptor], None] | None = None) -> Callable[..., Any]:
+        """A step that runs ``host(batch)``, then ``body`` as ``compiled`` makes it."""
+        run = self.compiled(body)
+
+        def step(batch: BatchDescriptor, **inputs: Any) -> Any:
+            if host is not None:
+                host(batch)
+            return run(**inputs)
+
+        return step
+
+    def _registry(self) -> tuple[GraphRegistry, Any]:
+        """A registry around the tiny demo decoder, and the decoder (eager: the oracle)."""
         plugins = self._plugins()
         model = DemoDecoder(TINY, plugins.backend(self.backend).device(), seed=0)
-        reg = GraphRegistry(
-            step or model, inputs or demo_inputs(TINY), backend=self.backend, plugins=plugins,
-            preference=(self.strategy,),
-        )
+
+        def body(input_ids: torch.Tensor, req_idx: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+            return model(None, input_ids, req_idx, seq_lens)  # the demo decoder reads no field of the batch
+
+        reg = GraphRegistry(self._step(body), demo_inputs(TINY), backend=self.backend, plugins=plugins, preference=(self.strategy,))
         return reg, model
 
     # -- the suite
@@ -134,12 +155,12 @@ class StrategyConformance:
         plugins = self._plugins()
         broken = self._keys(plugins)[1]
 
-        def step(batch: BatchDescriptor, x: torch.Tensor) -> torch.Tensor:
+        def fail_at_broken(batch: BatchDescriptor) -> None:
             if batch == broken:
                 raise RuntimeError("step failed for this key")
-            return x * 2 + 1
 
-        reg = GraphRegistry(step, {"x": StaticInput((32, 4), torch.float32)}, backend=self.backend, plugins=plugins)
+        reg = GraphRegistry(self._step(lambda x: x * 2 + 1, host=fail_at_broken), {"x": StaticInput((32, 4), torch.float32)},
+                            backend=self.backend, plugins=plugins)
         keys = self._keys(plugins)[:3]
         with pytest.raises(CaptureError, match="step failed for this key") as info:
             reg.capture([(k, self.strategy) for k in keys])
@@ -149,10 +170,10 @@ class StrategyConformance:
         torch.testing.assert_close(reg.run(BatchDescriptor(3, 1), x=x), x * 2 + 1)
 
     def test_pytree_outputs(self) -> None:
-        def step(batch: BatchDescriptor, x: torch.Tensor) -> dict[str, Any]:
+        def body(x: torch.Tensor) -> dict[str, Any]:
             return {"h": x + 1, "pair": (x * 3, None)}
 
-        reg = GraphRegistry(step, {"x": StaticInput((32, 4), torch.float32)}, backend=self.backend, plugins=self._plugins())
+        reg = GraphRegistry(self._step(body), {"x": StaticInput((32, 4), torch.float32)}, backend=self.backend, plugins=self._plugins())
         reg.capture([(self._keys(reg.plugins)[0], self.strategy)])
         x = torch.randn(5, 4, device=reg.device)
         out = reg.run(BatchDescriptor(5, 2), x=x)

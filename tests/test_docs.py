@@ -1,11 +1,21 @@
-"""Every python code block in README.md and docs/*.md runs.
+"""Every python code block in README.md and docs/*.md runs, and prints what the page shows it printing.
 
 Each block runs on its own, as a reader pastes it, except on the pages that build one example
 step by step (``SEQUENTIAL``, each saying so at its top): their blocks run in order in one namespace.
+
+Printed output: a block that prints is followed on its page by a ```text block holding what it prints (only blank
+lines between the two). The two are compared as doctest compares, with ELLIPSIS (``...`` stands for any text: a
+timing, an address, a registry's numbered name) and NORMALIZE_WHITESPACE (a run of spaces or newlines equals any
+other, so a table's columns may be wider or narrower than shown). A block that prints with no such block after it
+fails, and so does an output block after a block that prints nothing. Comments in a block say what a value means;
+the ```text block says what it is.
 """
 
 from __future__ import annotations
 
+import contextlib
+import doctest
+import io
 import re
 import sys
 import types
@@ -15,21 +25,55 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)
 # Pages whose blocks continue one another (one registry or plan through the page).
 SEQUENTIAL = {"inspection.md", "minimal-engine.md", "plans-and-workloads.md", "writing-plugins.md", "adaptive.md", "lifecycle.md"}
 SEQUENTIAL_NOTE = "The blocks of this page run in order, as one session"
+# Blocks whose printed output goes unchecked, by page and a line of the block: docs/lifecycle.md's in_place_refresh
+# example, which a reg.load_weights(...) section replaces.
+UNCHECKED_OUTPUT = {"lifecycle.md": "in_place_refresh=True"}
+OUTPUT_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
-def run_blocks(page: Path, blocks: list[tuple[int, str]]) -> None:
-    """Run ``blocks`` in order in one fresh module (a real module, as a script has: torch.compile
-    looks the blocks' globals up by module name)."""
+def python_blocks(text: str) -> list[tuple[str, str | None]]:
+    """Each python block of a page, with the output the ```text block right after it shows (None: no such block)."""
+    fences = list(FENCE.finditer(text))
+    blocks = []
+    for this, after in zip(fences, [*fences[1:], None]):
+        if this.group(1) != "python":
+            continue
+        shown = None
+        if after is not None and after.group(1) == "text" and not text[this.end():after.start()].strip():
+            shown = after.group(2)
+        blocks.append((this.group(2), shown))
+    return blocks
+
+
+def check_output(page: Path, i: int, block: str, shown: str | None, printed: str) -> None:
+    """What block ``i`` printed is what the page shows after it (see the module docstring)."""
+    where = f"{page.name}[block {i}]"
+    if shown is None:
+        if printed and UNCHECKED_OUTPUT.get(page.name, "\0") not in block:
+            pytest.fail(f"{where} prints, but no ```text block right after it shows what:\n{printed}")
+        return
+    checker = doctest.OutputChecker()
+    if not checker.check_output(shown, printed, OUTPUT_FLAGS):
+        pytest.fail(f"{where} prints other than its ```text block shows:\n"
+                    + checker.output_difference(doctest.Example("", shown), printed, OUTPUT_FLAGS))
+
+
+def run_blocks(page: Path, blocks: list[tuple[int, str, str | None]]) -> None:
+    """Run ``blocks`` (index, code, output shown) in order in one fresh module (a real module, as a script has:
+    torch.compile looks the blocks' globals up by module name), checking what each prints."""
     module = types.ModuleType(f"docs_{page.stem.replace('-', '_')}")
     sys.modules[module.__name__] = module
     try:
-        for i, block in blocks:
+        for i, block, shown in blocks:
             code = compile(block, f"{page.name}[block {i}]", "exec")
-            exec(code, module.__dict__)  # noqa: S102 - the docs are ours
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(code, module.__dict__)  # noqa: S102 - the docs are ours
+            check_output(page, i, block, shown, printed.getvalue())
     finally:
         del sys.modules[module.__name__]
 
@@ -48,8 +92,8 @@ EXPECTED_WARNINGS = {
                  + ([pytest.mark.slow] if p.name in SLOW_PAGES else []))
     for p in PAGES
 ], ids=[p.name for p in PAGES])
-def test_code_blocks_run(page: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    blocks = list(enumerate(BLOCK.findall(page.read_text())))
+def test_code_blocks_run_and_print_what_the_page_shows(page: Path) -> None:
+    blocks = [(i, block, shown) for i, (block, shown) in enumerate(python_blocks(page.read_text()))]
     if page.name in SEQUENTIAL:
         run_blocks(page, blocks)
     else:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor as B
@@ -164,6 +164,7 @@ def make_half_loaded(backend: str) -> tuple[cg.GraphRegistry, HalfLoaded]:
     return cg.GraphRegistry(model, {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)}, backend=backend), model
 
 
+Pair = tuple[B, str]
 PLAN_KEYS = {(e.descriptor, e.strategy) for e in PLAN}
 
 
@@ -417,27 +418,49 @@ def test_sleep_gives_back_at_least_95_percent_of_what_capture_took() -> None:
 
 
 class Lifecycle(RuleBasedStateMachine):
-    """Traffic, weight updates of both kinds, refresh, sleep/wake and background capture, interleaved: every output
-    equals eager with the current weights, and a replay never reads moved weights (it raises until refresh())."""
+    """Traffic, weight updates of both kinds, refresh (a failing one too), sleep/wake and background capture,
+    interleaved, against a model of the keys the registry must hold: the plan once ``capture(PLAN)`` ran, nothing
+    before.  Checked: every output equals eager with the current weights, a replay never reads moved weights (it
+    raises until refresh()), every run is counted once, the registry never holds a key outside the plan and never
+    loses one (each plan key is captured, planned lazily, being captured or owed), and every key a failed refresh
+    owes is captured again by the next refresh() or wake()."""
 
     backend = "cpu"
 
     def __init__(self) -> None:
         super().__init__()
         self.reg, self.model = make_half_loaded(self.backend)
-        self.planned = False  # capture(PLAN) was called: a foreground refresh or wake leaves every key of it captured
+        self.expected: set[Pair] = set()  # the keys the registry must hold: PLAN_KEYS once capture(PLAN) ran
+        self.owed: set[Pair] = set()  # keys a failed refresh left to capture again: the next refresh() or wake() does
         self.moved = False  # weights replaced since the last refresh (and graphs held)
         self.asleep = False
         self.seed = 0
+        self.runs = 0  # run() calls that served (eagerly or from a graph)
+
+    @initialize(start=st.sampled_from(["nothing", "captured", "capturing"]))
+    def start(self, start: str) -> None:
+        """Most runs start with the plan captured (or being captured), so that refreshes and sleeps have keys to keep."""
+        if start != "nothing":
+            self.capture(background=start == "capturing")
+
+    def held(self) -> set[Pair]:
+        return {(e.key, e.strategy) for e in self.reg.entries()}
+
+    def captured_again(self, recaptured: Iterable[Pair], held_before: set[Pair]) -> None:
+        """What a foreground refresh() or wake() leaves: every key of the plan captured, what was owed among them."""
+        assert self.owed - held_before <= set(recaptured), "a key owed by a failed refresh was not captured again"
+        assert self.held() == self.expected
+        self.owed = set()
 
     @rule(background=st.booleans())
     @precondition(lambda self: not self.asleep)
     def capture(self, background: bool) -> None:
         if self.moved:
-            self.reg.refresh()
-            self.moved = False
+            self.refresh(background=False)
         self.reg.capture(PLAN, background=background)
-        self.planned = True
+        self.expected = set(PLAN_KEYS)
+        if not background:
+            assert self.held() == self.expected
 
     @rule(n=st.integers(1, MAX_TOKENS))
     def step(self, n: int) -> None:
@@ -448,6 +471,7 @@ class Lifecycle(RuleBasedStateMachine):
         except cg.WeightsMovedError:
             assert self.moved, "refused a replay though no weight moved"
             return
+        self.runs += 1
         with torch.inference_mode():
             torch.testing.assert_close(out, self.model(B.decode(n), x), rtol=1e-5, atol=1e-5)
 
@@ -463,45 +487,80 @@ class Lifecycle(RuleBasedStateMachine):
 
     @rule(background=st.booleans())
     def refresh(self, background: bool) -> None:
-        self.reg.refresh(background=background)
+        held = self.held()
+        result = self.reg.refresh(background=background)
         self.moved = False
-        if self.planned and not background and not self.asleep:
-            self.captured_all()
+        if self.asleep:
+            assert result.recaptured == () and len(self.reg) == 0, "asleep, a refresh captures nothing"
+        elif background:
+            assert self.owed - held <= set(result.recaptured), "a key owed by a failed refresh was not queued again"
+            self.owed = set()
+        else:
+            self.captured_again(result.recaptured, held)
 
     @rule()
     def refresh_fails(self) -> None:
-        """A weight moves and the step raises while the refresh captures (weights half-loaded): no key is lost."""
+        """A weight moves and the step raises while the refresh captures (weights half-loaded): no graph reads the old
+        weight, and every key of the plan is owed to the next refresh() or wake()."""
         self.model.first.weight.data = self.model.first.weight.detach().clone()
-        with self.model.half_loaded(), contextlib.suppress(cg.CaptureError):
-            self.reg.refresh()
         self.moved = False
-
-    def captured_all(self) -> None:
-        assert {(e.key, e.strategy) for e in self.reg.entries()} == PLAN_KEYS
+        if self.asleep or not self.expected:  # nothing to capture: it succeeds
+            with self.model.half_loaded():
+                result = self.reg.refresh()
+            assert result.recaptured == () and len(self.reg) == 0
+            return
+        with self.model.half_loaded(), pytest.raises(cg.CaptureError, match=r"weights half-loaded.*next refresh\(\) captures"):
+            self.reg.refresh()
+        assert len(self.reg) == 0, "every graph read the moved weight"
+        failed = set(self.reg.failures())
+        assert failed and failed <= self.expected
+        assert self.expected <= failed | set(self.reg.pending()), "a key neither failed nor planned lazily"
+        self.owed = set(self.expected)
 
     @rule()
     def sleep(self) -> None:
-        self.reg.sleep()
+        held = self.held()
+        slept = self.reg.sleep()
+        if not self.asleep:
+            assert set(slept.keys) >= held and set(slept.keys) | set(slept.lazy) == self.expected, "sleep lost a key"
+            assert self.owed <= set(slept.keys), "a key owed by a failed refresh is not in the plan wake() captures"
+        assert len(self.reg) == 0
         self.asleep = True
 
     @rule(background=st.booleans())
     def wake(self, background: bool) -> None:
         if self.moved:  # wake captures the plan again: a moved weight is refreshed first
-            self.reg.refresh()
-            self.moved = False
-        self.reg.wake(background=background)
-        if self.planned and self.asleep and not background:
-            self.captured_all()
+            self.refresh(background=False)
+        held = self.held()
+        keys = self.reg.wake(background=background)
+        if not background and (self.asleep or self.owed):
+            self.captured_again(keys, held)
+        elif self.owed:
+            assert self.owed - held <= set(keys), "a key owed by a failed refresh was not queued again"
+            self.owed = set()
         self.asleep = False
 
     @rule()
     def wait(self) -> None:
         assert self.reg.wait_captured(timeout=60)
+        assert self.reg.capturing() == []
+        if not self.asleep and not self.owed and not self.reg.pending():
+            assert self.held() == self.expected
 
     @invariant()
-    def consistent(self) -> None:
+    def every_run_is_counted_once(self) -> None:
         stats = self.reg.stats()
-        assert stats.hits + stats.misses >= 0 and (not self.asleep or len(self.reg) == 0)
+        assert stats.hits + stats.misses == self.runs
+
+    @invariant()
+    def no_key_outside_the_plan_and_none_lost(self) -> None:
+        held = self.held()
+        assert held <= self.expected
+        if self.asleep:
+            assert not held
+        else:
+            somewhere = held | set(self.reg.pending()) | set(self.reg.capturing()) | set(self.reg.failures())
+            assert self.expected <= somewhere, f"lost {self.expected - somewhere}"
 
     def teardown(self) -> None:
         self.reg.wait_captured(timeout=60)
@@ -514,8 +573,36 @@ def _run(machine: type[RuleBasedStateMachine], examples: int) -> None:
                  suppress_health_check=[HealthCheck.too_slow])(type(machine.__name__, (machine,), {})).TestCase().runTest()
 
 
+# Ways back from a failed refresh, as rule calls of the machine: each must capture again every key it owes.
+AFTER_A_FAILED_REFRESH = {
+    "refresh": [("refresh", {"background": False})],
+    "refresh in the background": [("refresh", {"background": True}), ("wait", {})],
+    "wake": [("wake", {"background": False})],
+    "wake in the background": [("wake", {"background": True}), ("wait", {}), ("refresh", {"background": False})],
+    "sleep, wake": [("sleep", {}), ("wake", {"background": False})],
+    "a lazy capture, then refresh": [("step", {"n": 3}), ("refresh", {"background": False})],
+    "failed twice, then refresh": [("refresh_fails", {}), ("refresh", {"background": False})],
+}
+
+
+@pytest.mark.parametrize("then", list(AFTER_A_FAILED_REFRESH))
+def test_the_lifecycle_model_through_a_failed_refresh(then: str) -> None:
+    """The stateful test's rules and invariants on fixed paths: the plan captured, a refresh that fails, then each
+    way back; every step checked against the machine's model, as a hypothesis run checks it."""
+    machine = Lifecycle()
+    calls = [("start", {"start": "captured"}), ("step", {"n": 5}), ("refresh_fails", {}), *AFTER_A_FAILED_REFRESH[then], ("step", {"n": 7})]
+    try:
+        for name, kwargs in calls:
+            getattr(machine, name)(**kwargs)
+            machine.every_run_is_counted_once()
+            machine.no_key_outside_the_plan_and_none_lost()
+        assert machine.held() == PLAN_KEYS and not machine.owed
+    finally:
+        machine.teardown()
+
+
 def test_lifecycle_cpu_quick() -> None:
-    _run(Lifecycle, 6)
+    _run(Lifecycle, 25)
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -205,13 +206,59 @@ def test_padding_caps_are_checked(kwargs: dict, message: str) -> None:
         Matcher([], **kwargs)
 
 
-def _capped_oracle(keys: list, actual: B, cap: cg.key.PaddingCap) -> tuple | None:
-    """Strategy by strategy in preference order: that strategy's least-padding key, if the cap allows it."""
+def within_documented_cap(pad_tokens: int, actual_tokens: int, max_tokens: int | None, max_ratio: float | None) -> bool:
+    """The padding cap as docs/plans-and-workloads.md states it, in exact arithmetic and without the code under test:
+    at most ``max_tokens`` padding token slots and at most ``max_ratio`` padding tokens per real token (the ratio
+    as written: ``0.1`` is one tenth); with both, a key must meet both; None: no limit of that kind."""
+    if max_tokens is not None and pad_tokens > max_tokens:
+        return False
+    return max_ratio is None or Fraction(pad_tokens, actual_tokens) <= Fraction(str(max_ratio))
+
+
+# Ratios a float holds exactly (k/8), and a few written in decimal: the matcher's float product and the exact
+# ratio agree on all of them for batches of up to 40 tokens.
+RATIOS = st.one_of(st.integers(0, 24).map(lambda k: k / 8), st.sampled_from([0.1, 0.3, 0.2, 0.6, 0.75, 1.5]))
+
+
+def test_padding_equal_to_the_cap_is_allowed_and_one_more_is_not() -> None:
+    """The cap is inclusive: a key padding exactly ``max_padding_tokens`` slots, or exactly ``max_padding_ratio``
+    padding tokens per real token, serves; one slot more runs eagerly as a ``padding_cap`` miss."""
+    reg = registry(max_padding_tokens=4)
+    reg.capture([(B(16), "full")])
+    torch.testing.assert_close(reg.run(B(12), x=x_for(12)), eager(B(12), x_for(12)))  # pads 4 = the cap
+    torch.testing.assert_close(reg.run(B(11), x=x_for(11)), eager(B(11), x_for(11)))  # pads 5
+    assert (reg.stats().hits, reasons(reg)) == (1, {"padding_cap": 1})
+
+    reg = registry(max_padding_ratio=0.25)
+    reg.capture([(B(20), "full")])
+    torch.testing.assert_close(reg.run(B(16), x=x_for(16)), eager(B(16), x_for(16)))  # 4 for 16: 0.25 = the cap
+    torch.testing.assert_close(reg.run(B(15), x=x_for(15)), eager(B(15), x_for(15)))  # 5 for 15: 0.33
+    assert (reg.stats().hits, reasons(reg)) == (1, {"padding_cap": 1})
+
+
+def test_a_key_serves_a_batch_exactly_when_its_padding_is_within_the_documented_cap() -> None:
+    """Every batch of 1..32 tokens against every single key of 1..32 tokens under a grid of caps (either kind,
+    both, neither): ``match``, ``candidates`` and ``explain`` take the key exactly when the documented cap allows
+    its padding, boundaries included."""
+    for max_tokens in (None, 0, 1, 4, 9):
+        for max_ratio in (None, 0, 0.125, 0.25, 0.5, 1, 2.5, 0.1, 0.3):
+            for key_tokens in range(1, 33):
+                m = Matcher([(B(key_tokens), "full")], max_padding_tokens=max_tokens, max_padding_ratio=max_ratio)
+                for tokens in range(1, key_tokens + 1):
+                    want = within_documented_cap(key_tokens - tokens, tokens, max_tokens, max_ratio)
+                    case = f"{tokens} tokens in a {key_tokens}-token key, max_padding_tokens={max_tokens}, max_padding_ratio={max_ratio}"
+                    assert (m.match(B(tokens)) is not None) == want, case
+                    assert len(m.candidates(B(tokens))) == want, case
+                    assert ("over the cap" in m.explain(B(tokens)).candidates[0].reason) == (not want), case
+
+
+def _capped_oracle(keys: list, actual: B, max_tokens: int | None, max_ratio: float | None) -> tuple | None:
+    """Strategy by strategy in preference order: that strategy's least-padding key, if the documented cap allows it."""
     for rank, strategy in enumerate(STRATEGIES):
         pads = [key.padding(actual) for key, s in keys if s == strategy and key.covers(actual)]
         if pads:
             best = min(pads)
-            if cap.allows(best.tokens, actual.num_tokens):
+            if within_documented_cap(best.tokens, actual.num_tokens, max_tokens, max_ratio):
                 return (rank, *best)
     return None
 
@@ -221,24 +268,25 @@ def _capped_oracle(keys: list, actual: B, cap: cg.key.PaddingCap) -> tuple | Non
     keys=st.lists(st.tuples(descriptors(), st.sampled_from(STRATEGIES)), max_size=30, unique=True),
     actual=descriptors(),
     tokens=st.one_of(st.none(), st.integers(0, 20)),
-    ratio=st.one_of(st.none(), st.floats(0, 3, allow_nan=False)),
+    ratio=st.one_of(st.none(), RATIOS),
 )
 def test_no_match_pads_more_than_the_cap(keys: list, actual: B, tokens: int | None, ratio: float | None) -> None:
+    """The capped match is the first strategy (in preference order) whose least-padding key is within the
+    documented cap; explain marks as over the cap exactly the covering keys the cap refuses."""
     capped = Matcher(keys, STRATEGIES, max_padding_tokens=tokens, max_padding_ratio=ratio)
-    cap = capped.cap
     got = capped.match(actual)
-    want = _capped_oracle(keys, actual, cap)
+    want = _capped_oracle(keys, actual, tokens, ratio)
     if got is None:
         assert want is None
     else:
-        assert cap.allows(got.padding.tokens, actual.num_tokens), f"{got} pads more than {cap.describe()}"
+        assert within_documented_cap(got.padding.tokens, actual.num_tokens, tokens, ratio), f"{got} pads more than the cap"
         assert (STRATEGIES.index(got.strategy), *got.padding) == want
     explanation = capped.explain(actual)
     assert explanation.match == got
     for c in explanation.candidates:
-        if "over the cap" in c.reason:
-            assert c.covers and not cap.allows(c.padding.tokens, actual.num_tokens)
-    if not cap:
+        refused = c.covers and not within_documented_cap(c.key.num_tokens - actual.num_tokens, actual.num_tokens, tokens, ratio)
+        assert ("over the cap" in c.reason) == refused, c
+    if tokens is None and ratio is None:
         assert got == Matcher(keys, STRATEGIES).match(actual), "without a cap, the matcher is the one it was"
 
 

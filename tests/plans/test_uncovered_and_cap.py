@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 import cgregistry as cg
 from cgregistry import BatchDescriptor, CapturePlan, Matcher
-from cgregistry.key import PaddingCap
 from cgregistry.cli import main
 from cgregistry.plan.fit import evaluate
 from cgregistry.plan import MODES, UncoveredRange
+from tests.matching.test_exclude_and_padding_cap import within_documented_cap
 from tests.matching.test_matcher import STRATEGIES, descriptors
 
 B = BatchDescriptor
@@ -49,7 +49,6 @@ def reported(gaps: list[UncoveredRange], widest: dict[int, int]) -> dict[tuple[s
 
 
 def check_against_oracle(plan: CapturePlan, widest: dict[int, int], max_tokens: int | None, max_ratio: float | None) -> None:
-    cap = PaddingCap(max_tokens, max_ratio)
     keys = [(e.descriptor, e.strategy) for e in plan]
     matcher = Matcher(keys, max_padding_tokens=max_tokens, max_padding_ratio=max_ratio)
     gaps = plan.uncovered(max_padding_tokens=max_tokens, max_padding_ratio=max_ratio)
@@ -57,7 +56,7 @@ def check_against_oracle(plan: CapturePlan, widest: dict[int, int], max_tokens: 
     expected = {}
     for shape, actual in shapes(plan, widest):
         covering = [k for k, _ in keys if k.covers(actual)]
-        served = any(cap.allows(k.num_tokens - actual.num_tokens, actual.num_tokens) for k in covering)
+        served = any(within_documented_cap(k.num_tokens - actual.num_tokens, actual.num_tokens, max_tokens, max_ratio) for k in covering)
         assert served == (matcher.match(actual) is not None), f"the oracle and the capped Matcher disagree on {actual}"
         if not served:
             expected[shape] = "padding_cap" if covering else "no_key"

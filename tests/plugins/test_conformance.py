@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
+from torch.utils._pytree import tree_map_only
 
 import cgregistry as cg
 from cgregistry.testing import StrategyConformance
@@ -49,3 +53,19 @@ class TestBreakableConformance(StrategyConformance):
 class TestBreakableConformanceOnCuda(StrategyConformance):
     strategy = "breakable"
     backend = "cuda"
+
+
+@cg.eager_break
+def handed_to_host(t: torch.Tensor) -> torch.Tensor:
+    """Host code a step hands its outputs to (an eager break): where a piecewise trace splits."""
+    return t.clone()
+
+
+class TestPiecewiseConformance(StrategyConformance):
+    """``piecewise`` graphs the pieces of a compiled trace between splitting ops: the suite's tensor code runs compiled
+    with ``cgregistry.compile_piecewise``, its outputs handed to host code (an eager break) for a split."""
+
+    strategy = "piecewise"
+
+    def compiled(self, body: Callable[..., Any]) -> Callable[..., Any]:
+        return cg.compile_piecewise(lambda **inputs: tree_map_only(torch.Tensor, handed_to_host, body(**inputs)))
