@@ -29,9 +29,6 @@ FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)
 # Pages whose blocks continue one another (one registry or plan through the page).
 SEQUENTIAL = {"inspection.md", "minimal-engine.md", "plans-and-workloads.md", "writing-plugins.md", "adaptive.md", "lifecycle.md"}
 SEQUENTIAL_NOTE = "The blocks of this page run in order, as one session"
-# Blocks whose printed output goes unchecked, by page and a line of the block: docs/lifecycle.md's in_place_refresh
-# example, which a reg.load_weights(...) section replaces.
-UNCHECKED_OUTPUT = {"lifecycle.md": "in_place_refresh=True"}
 OUTPUT_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
@@ -53,7 +50,7 @@ def check_output(page: Path, i: int, block: str, shown: str | None, printed: str
     """What block ``i`` printed is what the page shows after it (see the module docstring)."""
     where = f"{page.name}[block {i}]"
     if shown is None:
-        if printed and UNCHECKED_OUTPUT.get(page.name, "\0") not in block:
+        if printed:
             pytest.fail(f"{where} prints, but no ```text block right after it shows what:\n{printed}")
         return
     checker = doctest.OutputChecker()
