@@ -20,6 +20,9 @@ Two ways to agree:
   queue of GPU work stays full.  ``same_batch=True`` (tensor parallel: every rank is handed the
   same batch) also checks that every rank brought the same descriptor and raises
   :class:`~cgregistry.errors.AgreementError` on every rank when one did not.
+
+Whatever the group answers, ``run`` replays nothing for a batch the agreed descriptor does not cover (the store's
+route raises ``AgreementError``): an agreement gone wrong raises instead of truncating outputs.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Agreement on the host (``HostAgreement``): several processes on gloo (CPU) and NCCL (GPUs), its arguments, and its
-shared-memory page (private, made exclusively, reserved before use)."""
+"""Agreement on the host (``HostAgreement``): several processes on gloo (CPU) and NCCL (GPUs), its arguments, its
+shared-memory page (private, made exclusively, reserved before use), and a rank's check of what the group agreed."""
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -19,8 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import cgregistry as cg
 from cgregistry import BatchDescriptor as B
 from cgregistry.distributed import HostAgreement
+from cgregistry.errors import AgreementError
+from cgregistry.testing import make_plugins
 
 from tests import agreement_worker
 
@@ -200,3 +204,35 @@ def test_a_group_that_is_not_gloo_is_refused_naming_its_backend(one_rank_group: 
                                          r"144 bytes \(/dev/shm is full.*\), and the other way, .* needs a gloo group"):
         HostAgreement(one_rank_group)
 
+
+class Told(HostAgreement):
+    """An agreement that answers what it was told, whatever the ranks brought: a tampered page, a peer's bug."""
+
+    def __init__(self, agreed: B) -> None:
+        self.agreed = agreed
+
+    def agree(self, actual: B) -> B:
+        return self.agreed
+
+
+@pytest.mark.parametrize(("own", "agreed"), [
+    (B(12), B(4)),  # fewer tokens: a replay would hand back 4 rows of 12
+    (B(4, 2), B.decode(4)),  # a uniform key for a mixed batch
+    (B(8, 8), B(8, 8, num_ubatches=2)),  # another micro-batch split
+])
+def test_a_rank_replays_nothing_for_an_agreed_descriptor_that_does_not_cover_its_batch(own: B, agreed: B) -> None:
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    reg = cg.GraphRegistry(lambda b, x: torch.tanh(x @ w), {"x": cg.StaticInput((16, 8), torch.float32)}, backend="cpu",
+                           plugins=make_plugins())
+    reg.capture([(B(4), "full"), (B(16), "full"), (B.decode(4), "full"), (B(8, 8, num_ubatches=2), "full")])
+    x = torch.randn(own.num_tokens, 8)
+    named = rf"the group agreed on {re.escape(str(agreed))}, which does not cover this rank's own batch {re.escape(str(own))}"
+    with pytest.raises(AgreementError, match=named + "; nothing was replayed"):
+        reg.run(own, x=x, group=Told(agreed))
+    with pytest.raises(AgreementError, match=named):
+        reg.match(own, group=Told(agreed))
+    assert reg.stats().hits == 0 and sum(e.replays for e in reg.entries()) == 0
+    # an agreed descriptor that covers the batch is served, the batch's own rows back
+    out = reg.run(own, x=x, group=Told(B(16)))
+    torch.testing.assert_close(out, torch.tanh(x @ w))
+    assert reg.stats().hits == 1
