@@ -16,13 +16,15 @@ rank.  TP > 1 rows are served with ``run(..., group=agreement)``, a ``HostAgreem
 TP=1 rows are the unsharded model on rank 0 (no collectives, no agreement).
 
 What agreement costs, for each TP > 1 and batch size: ``full`` steps back to back (the device drained only before and
-after the loop) with no agreement, with the host agreement, and with ``group=tp_group`` (the all-reduce on NCCL and
-the host read of its result); and each agreement alone.  On CUDA every rank then serves steps through the host
+after the loop) with no agreement, with the host agreement (its shared-memory page), and with ``group=tp_group`` (the
+all-reduce on NCCL and the host read of its result); and each agreement alone, with the host agreement's fallback
+beside them (``transport="group"``: one all-reduce on a gloo group of the same ranks, on the CPU).  On CUDA every rank then serves steps through the host
 agreement under ``torch.cuda.set_sync_debug_mode("error")``, which raises at any synchronizing call: none is made.
 
 Then the no-hang check, for each TP > 1: a ``full_and_breakable`` registry over the engine's whole capture plan
 serves ``--random-batches`` random batches (decode-only and mixed, 1..max_num_seqs requests, random contexts and
-block tables), the same on every rank (one seed), through ``run(..., group=...)``.  A watchdog on every rank kills
+block tables), the same on every rank (one seed), through ``run(..., group=...)``, and reports what the host
+agreement took a batch.  A watchdog on every rank kills
 its process, and so torchrun the job, when a batch makes no progress for ``--timeout`` seconds ("HANG" on stderr).  At the end the ranks must have
 replayed the same graphs the same number of times, and their logits' checksums must agree.
 
@@ -279,16 +281,34 @@ def latency_rows(label: str, tp: int, model: torch.nn.Module, group: Any, args: 
     return rows
 
 
-def agreement_rows(label: str, model: torch.nn.Module, group: Any, args: argparse.Namespace, shape: Any,
+class TimedAgreement(HostAgreement):
+    """A ``HostAgreement`` that sums the wall time of its ``agree()`` calls (what the no-hang check reports)."""
+
+    seconds, calls = 0.0, 0
+
+    def agree(self, actual: B) -> B:
+        start = time.perf_counter()
+        try:
+            return super().agree(actual)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
+def agreement_rows(label: str, model: torch.nn.Module, group: Any, gloo: Any, args: argparse.Namespace, shape: Any,
                    device: torch.device, batches: dict[int, tuple]) -> list[tuple]:
     """Per batch size: (TP label, batch, full us with no agreement, with the host agreement, with the group's
-    all-reduce (NCCL on GPUs), host agree() alone us, all-reduce agree() alone us)."""
+    all-reduce (NCCL on GPUs), host agree() alone us, all-reduce agree() alone us, the host agreement's gloo fallback
+    agree() alone us).  ``gloo``: a gloo group of the same ranks."""
     step = hf.make_step(model, hf.decoder(model))
     backend = "cuda" if device.type == "cuda" else "cpu"
     reg = cg.GraphRegistry(step, hf.static_inputs(shape), backend=backend, output_axis=hf.OUTPUT_AXES, name=f"agree{label}")
     with torch.inference_mode():
         reg.capture([(B.decode(n), "full") for n in args.batches])
     host = HostAgreement(group, same_batch=True)
+    fallback = HostAgreement(gloo, same_batch=True, transport="group")
+    backend = dist.get_backend(group).upper()
+    note(f"TP={label}: the host agreement meets in {host.transport!r}" + (f" ({host.shm_refused})" if host.shm_refused else ""))
     rows = []
     with torch.inference_mode():
         for n in args.batches:
@@ -297,10 +317,12 @@ def agreement_rows(label: str, model: torch.nn.Module, group: Any, args: argpars
             ways = {"none": {}, "host": {"group": host}, "group": {"group": group}}
             us = {way: per_step_us(lambda served=served: reg.run(batch, context=context, **served, **inputs), device, group,
                                    args.iters, args.repeats) for way, served in ways.items()}
-            alone = [per_step_us(lambda g=g: agree(batch, g), device, group, args.iters, args.repeats) for g in (host, group)]
+            alone = [per_step_us(lambda g=g: agree(batch, g), device, group, args.iters, args.repeats)
+                     for g in (host, group, fallback)]
             rows.append((label, n, us["none"], us["host"], us["group"], *alone))
             note(f"TP={label} batch {n}: full {us['none']:.1f} us, with host agreement {us['host']:.1f}, with the "
-                 f"NCCL all-reduce {us['group']:.1f}; agree() alone: host {alone[0]:.1f} us, NCCL {alone[1]:.1f} us")
+                 f"{backend} all-reduce {us['group']:.1f}; agree() alone: host {alone[0]:.1f} us, {backend} {alone[1]:.1f} "
+                 f"us, the host agreement over gloo {alone[2]:.1f} us")
         if device.type == "cuda":
             sync(device)
             torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises from here on
@@ -337,7 +359,7 @@ def no_hang(label: str, tp: int, model: torch.nn.Module, group: Any, args: argpa
     reg = hf.build_registry(model, shape, "full_and_breakable", backend, progress=False)
     capture_s = time.perf_counter() - started
     note(f"TP={label}: {len(reg)} graphs captured in {capture_s:.1f} s; serving {args.random_batches} random batches")
-    agreement = HostAgreement(group, same_batch=True)
+    agreement = TimedAgreement(group, same_batch=True)
     g = torch.Generator().manual_seed(args.seed + 1)  # the same batches on every rank
     checksum = torch.zeros((), dtype=torch.float64, device=device)
     kinds = {True: 0, False: 0}
@@ -367,7 +389,9 @@ def no_hang(label: str, tp: int, model: torch.nn.Module, group: Any, args: argpa
     return (f"no hang at TP={label}: {args.random_batches} random batches ({kinds[True]} decode-only, {kinds[False]} mixed) "
             f"in {seconds:.1f} s ({seconds / args.random_batches * 1e3:.2f} ms a batch, input building included), "
             f"{len(reg)} graphs captured in {capture_s:.1f} s, {stats.hits} hits, {stats.misses} misses; every rank "
-            f"replayed the same graphs the same number of times; logits checksum spread over the ranks {high - low:.3g}")
+            f"replayed the same graphs the same number of times; logits checksum spread over the ranks {high - low:.3g}; "
+            f"the host agreement ({agreement.transport}) took {agreement.seconds / agreement.calls * 1e6:.1f} us a batch, "
+            "waiting for the other ranks included")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -395,6 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     runs += [("1g", 1)] if args.tp1_group else []
     runs += [(str(tp), tp) for tp in args.tp if tp > 1]
     groups = {label: dist.new_group(list(range(tp))) for label, tp in runs if label != "1"}
+    gloo_groups = {label: dist.new_group(list(range(tp)), backend="gloo") for label, tp in runs if label != "1"}
     watchdog = Watchdog(rank, args.timeout)
     shape = GPU_SHAPE if args.config != "tiny" else hf.EngineShape()
     sizes = [n for n in args.batches if n > shape.max_num_seqs]
@@ -422,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
                 group = groups[label]
                 model = hf.shard_model(copy.deepcopy(full), rank, tp, group)
                 rows += latency_rows(label, tp, model, group, args, shape, device, batches, reference)
-                agreed += agreement_rows(label, model, group, args, shape, device, batches)
+                agreed += agreement_rows(label, model, group, gloo_groups[label], args, shape, device, batches)
                 if args.random_batches:
                     hangs.append(no_hang(label, tp, model, group, args, shape, device, rank, watchdog))
                 del model
@@ -436,8 +461,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"rank {rank}: logits differ from TP=1 by {worst:.3g} (tolerance {args.tolerance})")
     finally:
         # a rank outside a subgroup is handed an int marker by new_group(), not a group: nothing of it to free
-        subgroups = [weakref.ref(g) for g in groups.values() if isinstance(g, dist.ProcessGroup)]
-        groups = group = model = None  # this frame's references: every group must be freed before exit
+        subgroups = [weakref.ref(g) for g in (*groups.values(), *gloo_groups.values()) if isinstance(g, dist.ProcessGroup)]
+        groups = gloo_groups = group = model = None  # this frame's references: every group must be freed before exit
         hf.release_process_group(subgroups)
 
 
@@ -457,10 +482,10 @@ def report(args: argparse.Namespace, device: torch.device, world: int, shape: An
         print("\nwhat agreement costs a full step, steps back to back (median us a step, the slowest rank; the device "
               "drained only around each loop)")
         print(f"{'TP':>3} {'batch':>5} {'no agreement':>13} {'host':>9} {'(+%)':>7} {'all-reduce':>11} {'(+%)':>7} "
-              f"{'agree() host':>13} {'agree() a-r':>13}")
-        for label, n, none, host, group, host_alone, group_alone in agreed:
+              f"{'agree() host':>13} {'agree() a-r':>13} {'agree() gloo':>13}")
+        for label, n, none, host, group, host_alone, group_alone, gloo_alone in agreed:
             print(f"{label:>3} {n:5d} {none:13.1f} {host:9.1f} {(host / none - 1) * 100:+6.1f}% {group:11.1f} "
-                  f"{(group / none - 1) * 100:+6.1f}% {host_alone:13.1f} {group_alone:13.1f}")
+                  f"{(group / none - 1) * 100:+6.1f}% {host_alone:13.1f} {group_alone:13.1f} {gloo_alone:13.1f}")
     for line in hangs:
         print(line)
     print(f"every logit within {args.tolerance:g} of TP=1: {'yes' if max((r[5] for r in rows), default=0) <= args.tolerance else 'NO'}")

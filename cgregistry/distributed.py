@@ -7,7 +7,7 @@ descriptors' encodings with MAX (``BatchDescriptor.encode``) and returns the sma
 in: the most tokens, requests and LoRA slots any rank has, and uniform only if
 every rank's batch is uniform with the same speculative depth.  Matching that
 descriptor gives every rank the same key, padded to the largest need, of the
-weakest kind any rank can use (a mixed batch anywhere means a mixed key
+weakest form any rank can use (a mixed batch anywhere means a mixed key
 everywhere) -- provided every rank captured the same plan.
 
 Two ways to agree:
@@ -15,22 +15,26 @@ Two ways to agree:
 - a process group (``run(..., group=dp_group)``): one all-reduce on it; with NCCL
   the integers travel on the GPU and are read back, a device sync every step;
 - a :class:`HostAgreement` built once over the group (``run(..., group=agreement)``):
-  the ranks meet on the host (shared memory when they share one, else a gloo group),
-  with no device work and no sync, so an engine's queue of GPU work stays full.
-  ``same_batch=True`` (tensor parallel: every rank is handed the same batch) also
-  checks that every rank brought the same descriptor and raises
+  the ranks meet on the host (in a page of ``multiprocessing.shared_memory`` when they share
+  one, else in one all-reduce of a gloo group), with no device work and no sync, so an engine's
+  queue of GPU work stays full.  ``same_batch=True`` (tensor parallel: every rank is handed the
+  same batch) also checks that every rank brought the same descriptor and raises
   :class:`~cgregistry.errors.AgreementError` on every rank when one did not.
+
+Whatever the group answers, ``run`` replays nothing for a batch the agreed descriptor does not cover (the store's
+route raises ``AgreementError``): an agreement gone wrong raises instead of truncating outputs.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import mmap
-from array import array
 import os
-import tempfile
+import secrets
+import sys
 import time
-import uuid
+from array import array
 from typing import Any
 
 import torch
@@ -78,10 +82,12 @@ def agree(actual: BatchDescriptor, group: Any = None) -> BatchDescriptor:
 class HostAgreement:
     """Agreement of ``group``'s ranks on the host, for ``run(..., group=agreement)``: no device work, no sync.
 
-    Build it once, on every rank of ``group`` (the construction is collective over it).  Ranks that share a
-    shared-memory page (one host, checked by reading a page rank 0 wrote) meet in it, a few microseconds a step;
-    otherwise ``group`` must be a gloo group (``dist.new_group(ranks, backend="gloo")``), on which one small
-    all-reduce a step runs on the CPU.  ``transport`` forces one ('shm' or 'group'; default 'auto').
+    Build it once, on every rank of ``group`` (the construction is collective over it).  Ranks on one host meet in a
+    shared-memory page (``multiprocessing.shared_memory``: mode 0600, created exclusively, its memory reserved before
+    use, its name sent through ``group`` and unlinked once every rank has mapped it), a few microseconds a step.
+    Otherwise ``group`` must be a gloo group (``dist.new_group(ranks, backend="gloo")``), on which one small all-reduce
+    a step runs on the CPU; ``shm_refused`` then says why the page was not used (another host, /dev/shm full).
+    ``transport`` forces one ('shm' or 'group'; default 'auto'); what cannot serve is refused, naming why.
 
     ``same_batch``: every rank must bring the same descriptor (tensor parallel); one that does not raises
     :class:`~cgregistry.errors.AgreementError` on every rank, naming each rank's descriptor, and the group goes on.
@@ -105,22 +111,27 @@ class HostAgreement:
                              "only on the group's ranks")
         self.group, self.same_batch, self.timeout = group, same_batch, float(timeout)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        gloo = "gloo" in str(dist.get_backend(group))
-        self._mailbox = _Mailbox.open(group, self.rank, self.world) if transport in ("auto", "shm") else None
+        backend = str(dist.get_backend(group))
+        gloo = "gloo" in backend
+        if transport == "group" and not gloo:
+            raise ValueError(f"HostAgreement(transport='group') agrees by one all-reduce a step on the CPU, which needs a "
+                             f"gloo group (dist.new_group(ranks, backend='gloo')); this group's backend is {backend!r}")
+        self._mailbox, why = _Mailbox.open(group, self.rank, self.world) if transport != "group" else (None, "")
         if self._mailbox is None and transport == "shm":
-            raise ValueError("transport='shm': the ranks of the group do not share one shared-memory page (several "
-                             "hosts, or containers with their own /dev/shm); use a gloo group and transport='group'")
+            raise ValueError(f"HostAgreement(transport='shm'): {why}")
         if self._mailbox is None and not gloo:
-            raise ValueError("HostAgreement: the ranks of the group do not share one shared-memory page (several hosts, "
-                             "or containers with their own /dev/shm), so it needs a gloo group (dist.new_group(ranks, "
-                             f"backend='gloo')); this group's backend is {dist.get_backend(group)!r}")
+            raise ValueError(f"HostAgreement: the ranks cannot meet in shared memory ({why}), and the other way, one "
+                             "all-reduce a step on the CPU, needs a gloo group (dist.new_group(ranks, backend='gloo')); "
+                             f"this group's backend is {backend!r}")
         self.transport = "shm" if self._mailbox is not None else "group"
+        self.shm_refused = why or None  # why 'auto' fell back to the group (None: it did not, or did not try)
         self._step = 0
         self._broken: str | None = None  # why an earlier step ended the agreement (a timeout)
         self._decoded: dict[BatchDescriptor, BatchDescriptor] = {}  # what the integers of a descriptor decode to
 
     def __repr__(self) -> str:
-        return (f"HostAgreement(rank {self.rank} of {self.world}, {self.transport}, same_batch={self.same_batch}, "
+        refused = f" (no shared memory: {self.shm_refused})" if self.shm_refused else ""
+        return (f"HostAgreement(rank {self.rank} of {self.world}, {self.transport}{refused}, same_batch={self.same_batch}, "
                 f"step {self._step})")
 
     def agree(self, actual: BatchDescriptor) -> BatchDescriptor:
@@ -207,47 +218,50 @@ class _Mailbox:
     by the step's parity: a rank can post step n+2 only after every rank posted n+1, so after each finished reading n.
     """
 
-    def __init__(self, view: memoryview, region: mmap.mmap, rank: int, world: int) -> None:
-        self.view, self.region, self.rank, self.world = view, region, rank, world
+    def __init__(self, view: memoryview, rank: int, world: int) -> None:
+        self.view, self.rank, self.world = view, rank, world  # the view holds the mapping: unmapped with the last of it
 
     @classmethod
-    def open(cls, group: Any, rank: int, world: int) -> _Mailbox | None:
-        """The group's page, mapped on every rank; None on every rank when some rank cannot see the page rank 0 made
-        (another host, or a private /dev/shm under the same host name)."""
+    def open(cls, group: Any, rank: int, world: int) -> tuple[_Mailbox | None, str]:
+        """The group's page mapped on every rank, and ""; or None and why not, the same on every rank.
+
+        Rank 0 makes it (:func:`_created`), the name goes to the others through the group, each maps it
+        (:func:`_mapped`) and reads the probe rank 0 wrote there: a rank that cannot open the name, or opens another
+        object of that name, is on another host or has a /dev/shm of its own.  Rank 0 unlinks the name once every
+        rank has tried: nothing is left behind, and no process can open the page afterwards."""
         import torch.distributed as dist
 
-        words = 2 * world * _FIELDS + _HEADER
-        names: list[Any] = [None, None]
+        nbytes = 8 * (2 * world * _FIELDS + _HEADER)
+        segment, view, why = None, None, ""
         if rank == 0:
-            directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            names = [os.path.join(directory, f"cgregistry-agree-{uuid.uuid4().hex}"), uuid.uuid4().int >> 65]
-            with open(names[0], "wb") as f:
-                f.truncate(8 * words)
-        try:
-            dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-            region = None
             try:
-                with open(names[0], "r+b") as f:
-                    region = mmap.mmap(f.fileno(), 8 * words)
-                view = memoryview(region).cast("q")
-                if rank == 0:
-                    view[_PROBE] = names[1]
-            except OSError:
-                view = None
+                segment = _created(nbytes)
+            except OSError as exc:
+                why = f"rank 0 could not make a shared-memory page of {nbytes} bytes ({_cause(exc)})"
+        note: list[Any] = [None if segment is None else segment.name, secrets.randbits(62), why]
+        try:
+            dist.broadcast_object_list(note, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+            name, probe, why = note
+            if name is not None:
+                try:
+                    view = memoryview(_mapped(name, nbytes)).cast("q")
+                    if rank == 0:
+                        view[_PROBE] = probe
+                except OSError as exc:
+                    elsewhere = ": ranks on several hosts, or in containers with a /dev/shm each" if rank else ""
+                    why = f"rank {rank} could not map the shared-memory page {name!r} rank 0 made ({_cause(exc)}){elsewhere}"
             dist.barrier(group=group)  # rank 0's probe is written: every rank reads it
-            seen = view is not None and view[_PROBE] == names[1]
-            everyone: list[Any] = [None] * world
-            dist.all_gather_object(everyone, seen, group=group)
+            if view is not None and view[_PROBE] != probe:
+                why = f"rank {rank} mapped a shared-memory page named {name!r}, but not rank 0's (another host?)"
+            whys: list[Any] = [None] * world
+            dist.all_gather_object(whys, why, group=group)
         finally:
-            if rank == 0:
-                os.unlink(names[0])  # every rank holds its mapping (or failed to): the name is no longer needed
-        if not all(everyone):
-            if view is not None:
-                view.release()
-            if region is not None:
-                region.close()
-            return None
-        return cls(view, region, rank, world)
+            if segment is not None:
+                segment.unlink()  # every rank holds its mapping (or failed to): the name is no longer needed
+        why = next((w for w in whys if w), "")
+        if why:
+            return None, why
+        return cls(view, rank, world), ""  # type: ignore[arg-type]
 
     def _row(self, step: int, rank: int) -> int:
         return _HEADER + ((step & 1) * self.world + rank) * _FIELDS
@@ -300,3 +314,49 @@ class _Mailbox:
     def late(self, step: int) -> list[int]:
         tag = step & 0x7FFFFFFF
         return [r for r in range(self.world) if any(self.view[self._row(step, r) + i] >> 32 != tag for i in range(_FIELDS))]
+
+
+_SHM = "/dev/shm"  # where Linux keeps shm_open's objects, each a file named as the object (shm_overview(7))
+
+
+def _created(nbytes: int) -> Any:
+    """A new, closed ``multiprocessing.shared_memory`` segment of ``nbytes`` with its memory reserved: ``unlink()`` it.
+
+    ``SharedMemory(create=True)`` makes it under a free name (O_CREAT | O_EXCL) that only this user can open (mode
+    0600), but sizes it with ftruncate, which leaves it sparse: with /dev/shm full, the first write to it would kill
+    the process with SIGBUS.  ``posix_fallocate`` reserves the pages now, or fails with ENOSPC.  SharedMemory keeps
+    its descriptor private, so this opens the segment's file to do it.  Python 3.13 keeps the segment from the
+    resource tracker (``track=False``); before, the tracker forgets it at ``unlink()``."""
+    from multiprocessing import shared_memory
+
+    track = {"track": False} if sys.version_info >= (3, 13) else {}
+    segment = shared_memory.SharedMemory(f"cgregistry-agree-{secrets.token_hex(8)}", create=True, size=nbytes, **track)
+    try:
+        segment.close()
+        fd = os.open(os.path.join(_SHM, segment.name), os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+    except BaseException:
+        segment.unlink()
+        raise
+    return segment
+
+
+def _mapped(name: str, nbytes: int) -> mmap.mmap:
+    """Rank 0's segment ``name``, mapped here.  Its file is opened as glibc's shm_open opens it, rather than through
+    ``SharedMemory(name)``: before Python 3.13 that registers the segment with this process's resource tracker, which
+    unlinks it and warns of a leak when the process ends, and stumbles where ranks share one tracker."""
+    fd = os.open(os.path.join(_SHM, name), os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:  # mapping past its end would raise SIGBUS at the first read
+            raise OSError(errno.EINVAL, f"{name!r} holds {size} bytes, not {nbytes}: another object of that name")
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _cause(exc: OSError) -> str:
+    return f"/dev/shm is full: {exc}" if exc.errno == errno.ENOSPC else f"{type(exc).__name__}: {exc}"

@@ -28,7 +28,7 @@ from cgregistry.contracts import runtime
 from cgregistry.capture.refit import Adapter
 from cgregistry.capture.queue import PendingCaptures
 from cgregistry.capture.job import CaptureJob
-from cgregistry.store.catalog import NO_EXCLUSION, Catalog, Entry, Route, Variant, not_a_descriptor
+from cgregistry.store.catalog import NO_EXCLUSION, Catalog, Entry, Route, Variant, check_agreed, not_a_descriptor
 from cgregistry.store.debug import Clock, Runs, checked, check_addresses, plain
 from cgregistry.weights.watch import WeightWatch
 from cgregistry.key.descriptor import BatchDescriptor
@@ -409,7 +409,9 @@ class Server:
         """The match ``run`` would use for ``actual``; with ``group``, for the batch every rank's fits in (padding relative to it)."""
         skip = self.exclusion(exclude)
         if group is not None:
-            actual = agree(actual, group)
+            agreed = agree(actual, group)
+            check_agreed(agreed, actual)
+            actual = agreed
         return self._route(actual, Variant(None, skip) if skip else None).match
 
     def exclusion(self, exclude: Any) -> frozenset[str]:

@@ -98,6 +98,10 @@ def bad_arguments(rank: int, world: int, device: torch.device, backend: str, tra
         HostAgreement(dist.group.WORLD, timeout=True)
     with pytest.raises(TypeError, match="same_batch='no'"):
         HostAgreement(dist.group.WORLD, same_batch="no")  # type: ignore[arg-type]
+    if backend == "cuda":  # an NCCL group: the group transport is refused for what it is
+        with pytest.raises(ValueError, match="transport='group'\\) agrees by one all-reduce a step on the CPU, which "
+                                             "needs a gloo group .*; this group's backend is 'nccl'"):
+            HostAgreement(dist.group.WORLD, transport="group")
     agreement = HostAgreement(dist.group.WORLD, transport="shm")
     with pytest.raises(TypeError, match="needs a BatchDescriptor"):
         agreement.agree(5)  # type: ignore[arg-type]

@@ -21,14 +21,14 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from cgregistry.errors import InputError, PluginError
+from cgregistry.errors import AgreementError, InputError, PluginError
 from cgregistry.inspection import MISS_REASONS, CapturePhases, ClassStats, EntryInfo, Stats, key_class
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.key.matcher import DEFAULT_PREFERENCE, Explanation, Match, Matcher, PaddingCap, Verdict
 from cgregistry.contracts.runtime import BreakContext
 from cgregistry.store.io import OutputAxes, OutputSlicer, StaticBuffer, describe_rows, rows_for, staging
 
-__all__ = ["NO_EXCLUSION", "ROUTE_CACHE_LIMIT", "Catalog", "Chooser", "Counters", "Entry", "Pair", "Route", "RouteTable", "Variant", "not_a_descriptor"]
+__all__ = ["NO_EXCLUSION", "ROUTE_CACHE_LIMIT", "Catalog", "Chooser", "Counters", "Entry", "Pair", "Route", "RouteTable", "Variant", "check_agreed", "not_a_descriptor"]
 
 
 Pair = tuple[BatchDescriptor, str]  # (key, strategy name)
@@ -104,6 +104,18 @@ class Variant(NamedTuple):
 
 def not_a_descriptor(value: object) -> TypeError:
     return TypeError(f"a batch must be a cgregistry.BatchDescriptor, got {value!r} ({type(value).__name__})")
+
+
+def check_agreed(agreed: BatchDescriptor, actual: BatchDescriptor) -> None:
+    """Refuse a group's ``agreed`` descriptor that does not cover this rank's own batch: the key matched to it would be
+    replayed for a batch it cannot hold (a truncated output) or of another form.  Any key covering ``agreed`` covers
+    ``actual`` when it does, so checking the descriptor checks every key it may be matched to."""
+    if not agreed.covers(actual):
+        raise AgreementError(
+            f"group=...: the group agreed on {agreed}, which does not cover this rank's own batch {actual}; "
+            "nothing was replayed. Agreement combines every rank's batch into one covering each of them: every rank "
+            "must call it with the descriptor of its own batch, micro-batches split alike, and nothing else may "
+            "write the agreement")
 
 
 class Route:
@@ -215,6 +227,7 @@ class RouteTable:
         if variant is not None:
             target = actual if variant.agreed is None else variant.agreed
             exclude = variant.exclude
+            check_agreed(target, actual)  # once per route: the hot path finds the checked route cached
         if self.too_large(actual) is not None:  # more requests than a relaxed key's buffers hold: eager
             verdict = Verdict(None, "above_capacity")
         else:
