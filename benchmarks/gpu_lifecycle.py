@@ -200,16 +200,23 @@ def main() -> None:
     rows.append(("weight sync in place: refresh / kept / captured again", f"{refresh_s * 1e3:.1f} ms (then median {statistics.median(again_ms):.1f}) / {len(result.kept)} / {len(result.recaptured)}"))
     rows.append(("weight sync in place: eager steps, max |logit - HF|", f"{eager_steps} of {len(eng.steps)}, {err_in_place:.3g}"))
 
+    def recapture_window(seed: int, idle: tuple[int, float] | None = None) -> tuple[Any, float, float, Any]:
+        """A sync by assign captured again in the background while the engine serves (``idle``: the loop's idle gaps,
+        (steps, seconds)): refresh()'s result, when every key was back (seconds after it), max |logit - HF|, the
+        engine that served."""
+        model.load_state_dict(new_weights(seed), assign=True)
+        eng = Timed(model, shape, reg, keep_logits=True)
+        eng.idle = idle
+        start = len(counter.finished)
+        t0 = time.perf_counter()
+        result = reg.refresh(background=True)
+        res = eng.serve(requests(5))
+        reg.wait_captured()
+        done = counter.finished[start + planned - 1] - t0 if len(counter.finished) >= start + planned else float("nan")
+        return result, done, hf.check_against_hf(model, res.finished), eng
+
     # 1b. by assign, captured again in the background while serving
-    model.load_state_dict(new_weights(11), assign=True)
-    eng = Timed(model, shape, reg, keep_logits=True)
-    start = len(counter.finished)
-    t0 = time.perf_counter()
-    result = reg.refresh(background=True)
-    res = eng.serve(requests(5))
-    reg.wait_captured()
-    done = counter.finished[start + planned - 1] - t0 if len(counter.finished) >= start + planned else float("nan")
-    err_assign = hf.check_against_hf(model, res.finished)
+    result, done, err_assign, eng = recapture_window(11)
     eager_steps = sum(1 for _, _, hit in eng.steps if not hit)
     window = [ms for ms, at, _ in eng.steps if at <= done]
     same_a, same_b = (steps[:len(window)] for steps in same[:2])
@@ -261,17 +268,8 @@ def main() -> None:
     rows.append(("wake: first graph-served step after wake()", f"{first * 1e3:.0f} ms"))
     rows.append(("wake: max |logit - HF|", f"{err_wake:.3g}"))
     # 3. by assign again, in a loop that gives idle time between bursts: no piece inside a step
-    model.load_state_dict(new_weights(13), assign=True)
     reg.capture_budget = 0
-    eng = Timed(model, shape, reg, keep_logits=True)
-    eng.idle = (args.burst, args.idle)
-    start = len(counter.finished)
-    t0 = time.perf_counter()
-    result = reg.refresh(background=True)
-    res = eng.serve(requests(5))
-    reg.wait_captured()
-    done = counter.finished[start + planned - 1] - t0 if len(counter.finished) >= start + planned else float("nan")
-    err_idle = hf.check_against_hf(model, res.finished)
+    result, done, err_idle, eng = recapture_window(13, (args.burst, args.idle))
     reg.capture_budget = None
     window = [ms for ms, at, _ in eng.steps if at <= done] or [ms for ms, _, _ in eng.steps]
     same_a, same_b = (steps[:len(window)] for steps in same[:2])

@@ -14,8 +14,9 @@ import cgregistry as cg
 HIDDEN = 16
 
 
-def run_in_thread(fn: Callable[[], Any], timeout: float) -> tuple[bool, dict]:
-    """Run ``fn`` on a daemon thread (as the engine's serving thread); True if it finished within ``timeout``.
+def run_in_thread(fn: Callable[[], Any], timeout: float, name: str | None = None) -> tuple[bool, dict]:
+    """Run ``fn`` on a daemon thread (as the engine's serving thread, or one named ``name``); True if it finished within
+    ``timeout``.
 
     The result is ``{"value": ...}`` or ``{"error": exception}``: a hang fails the test instead of stalling the run."""
     result: dict = {}
@@ -26,7 +27,7 @@ def run_in_thread(fn: Callable[[], Any], timeout: float) -> tuple[bool, dict]:
         except BaseException as exc:  # noqa: BLE001
             result["error"] = exc
 
-    thread = threading.Thread(target=target, daemon=True)
+    thread = threading.Thread(target=target, daemon=True, name=name)
     thread.start()
     thread.join(timeout)
     return not thread.is_alive(), result
