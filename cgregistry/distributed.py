@@ -205,9 +205,10 @@ class HostAgreement:
 
     def _gave_up(self) -> str:
         rank, step = self._mailbox.giver()  # type: ignore[union-attr]
-        return (f"HostAgreement step {self._step}: rank {rank} of the group gave up waiting at its step {step} (a rank "
-                "was late by more than the timeout); nothing was replayed here, and the agreement is over on every "
-                "rank: treat it as fatal for the job")
+        return (f"HostAgreement step {self._step}: rank {rank} of the group gave up at its step {step} (a rank it waited "
+                "for was late by more than the timeout, or its own batch was too large to agree on: that rank's error "
+                "says which); nothing was replayed here, and the agreement is over on every rank: treat it as fatal "
+                "for the job")
 
 
 class _Mailbox:

@@ -15,6 +15,7 @@ Each part owns its state and keeps it consistent; none imports this module.  See
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import math
 import threading
@@ -438,7 +439,7 @@ class GraphRegistry:
         the current stream after the steps before them: keep the sources unchanged until it reaches them.  On the
         owner thread: a trainer thread hands it over with ``reg.call_on_owner(reg.load_weights, weights)``."""
         with self._busy("load_weights()", touches=False):
-            return load_in_place(module if module is not None else self._job.watch.the_module(), weights)
+            return load_in_place(self._job.watch.the_module(module), weights)
 
     def sleep(self) -> Slept:
         """Release every graph, the pool and the static inputs to the device; the plan, counters and adaptation's history
@@ -618,7 +619,10 @@ def estimate_pool_memory(
         warn(f"cgregistry: {call}: registry {held[0]!r} already holds graphs in the pool; the keys of the registries "
              "after it are priced as in an empty pool, which overstates what they add beside those graphs: estimate "
              "before capturing")
-    return PoolEstimate(tuple(names), tuple(estimate(parts, sample)))
+    with contextlib.ExitStack() as busy:  # it runs every registry's step: each busy meanwhile, as estimate_memory() is
+        for reg, _ in pairs:
+            busy.enter_context(reg._busy(call, touches=False))
+        return PoolEstimate(tuple(names), tuple(estimate(parts, sample)))
 
 
 def _naming(exc: BaseException, registry: str) -> BaseException:

@@ -277,24 +277,32 @@ class CaptureJob:
                       self.name, "; ".join(said), more)
 
     def say_unseen(self) -> None:
-        """Once per registry, a warning naming what the step reads that ``run()`` cannot check: what the registry cannot
-        see (a module-level model or tensor, a context variable, a table too large to look into), and the modules it
-        reads through attributes of plain objects, whose rebinding (``engine.model = new``) only ``refresh()`` finds.
-        Where the engine named what its step reads (``watch=``), the ``cgregistry`` log (INFO) says it instead."""
+        """Once per registry, a warning naming what ``run()`` cannot check: what the registry cannot see (a module-level
+        model or tensor, a context variable, a table too large to look into: a weight replaced there goes unseen), and
+        the modules the step reads through attributes of plain objects (a weight replaced inside one is caught; the
+        attribute rebound to another module, ``engine.model = new``, is found by ``refresh()`` only).  Where the engine
+        named what its step reads (``watch=``), it knows: the ``cgregistry`` log (INFO) says it instead."""
         if self._said_unseen:
             return
         self._said_unseen = True
-        unseen = self._reached.unseen + [f"{name} (an attribute: rebinding it is found by refresh(), not by run())"
-                                         for name in self._reached.attributes]
-        if not unseen:
+        unseen, attributes = self._reached.unseen, self._reached.attributes
+        said = []
+        if unseen:
+            said.append(f"the step reads {', '.join(unseen[:4])}, which the registry cannot see: a weight replaced there "
+                        "goes unseen and graphs would read the old memory; name it with GraphRegistry(..., watch=[...]) "
+                        "(then an assign sync there is refused until reg.refresh())")
+        if attributes:
+            said.append(f"the step reads {', '.join(attributes[:4])} through attributes of plain objects: a weight "
+                        "replaced inside is caught, but the attribute rebound to another module (engine.model = "
+                        "new_model) is found by reg.refresh() only, so call it after such a rebind; GraphRegistry(..., "
+                        "watch=[...]) naming the modules says the engine knows")
+        if not said:
             return
-        if self.watch.named:  # the engine named what its step reads: it knows
-            _log.info("registry %r: run() does not check what the step reads through %s", self.name, ", ".join(unseen[:4]))
+        if self.watch.named:
+            _log.info("registry %r: %s", self.name, "; ".join(said))
             return
-        warn(f"cgregistry: registry {self.name!r}: the step reads {', '.join(unseen[:4])}, which run() cannot check: a "
-             "weight replaced there would go unseen and graphs would read the old memory. Load new weights in place "
-             "with reg.load_weights (every graph stays valid), or call reg.refresh() after any other sync; name the "
-             "modules the step reads with GraphRegistry(..., watch=[...]) (debug=True checks before every replay)")
+        warn(f"cgregistry: registry {self.name!r}: {'; '.join(said)}. Weights loaded in place (reg.load_weights) keep "
+             "every graph valid whatever holds them; debug=True checks every watched address before each replay")
 
     def forget(self) -> None:
         """No context (after ``clear()``): the next capture request records one, and every key warms up again."""
@@ -577,11 +585,13 @@ class CaptureJob:
     def _record_read(self, warmed: Warmed) -> Entry:
         """``_record`` into the registry's pool, with what its graph reads (``entry.weights``) read in the capture
         context, where the step's context variables are the engine's (a model in a ContextVar)."""
-        generation = self.watch.generation
+        generation, first = self.watch.generation, not self._catalog.entries
         weights = self.watch.seen()
         entry = self._record(self.strategy(warmed.pair[1]), warmed.context.payload, FOREGROUND, warmed)
         if self.watch.generation != generation:  # the step registered tensors while it was captured
             weights = self.watch.joined(weights)
+        if first:  # no graph before this one: what it reads is there from the start
+            self.watch.settle(weights)
         entry.weights = weights
         return entry
 

@@ -7,6 +7,8 @@ captured for the key can serve the batch after padding.
 
 from __future__ import annotations
 
+import numbers
+
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -123,12 +125,13 @@ class BatchDescriptor:
         lens = list(query_lens)
         if not lens:
             raise ValueError("from_query_lens() needs at least one request's query length, got none")
-        bad = [n for n in lens if type(n) is not int or n < 1]
+        bad = [n for n in lens if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1]
         if bad:
             raise ValueError(f"from_query_lens() takes query lengths as ints >= 1, got {bad[0]!r} (of {lens[:8]}"
                              f"{' ...' if len(lens) > 8 else ''})")
         if spec_depth is not None:
             _check_count("spec_depth", spec_depth, 0)
+        lens = [int(n) for n in lens]  # numpy's integers too (an engine's scheduler keeps them so)
         first = lens[0]
         if all(n == first for n in lens) and (spec_depth is None or first == 1 + spec_depth):
             if num_ubatches == 1:

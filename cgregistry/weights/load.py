@@ -14,10 +14,10 @@ __all__ = ["load_in_place"]
 
 
 def load_in_place(module: nn.Module, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
-    """Copy ``weights`` into ``module``'s parameters and buffers by name (tied names included: one copy, of the value
-    given first); the names loaded.  Every pair is checked before anything is written: ``ValueError`` names each name
-    it does not hold or gets twice, each shape, dtype or device that differs (a cpu source is copied over), each target
-    in memory torch did not allocate.  Works under ``inference_mode`` and ``no_grad``; the copies go on the current
+    """Copy ``weights`` into ``module``'s parameters and buffers by name; the names loaded.  Every pair is checked
+    before anything is written: ``ValueError`` names each name it does not hold or gets twice, each shape, dtype or
+    device that differs (a cpu source is copied over), each target it may not write (memory mapped from a file, an
+    inference tensor outside ``inference_mode``), and two values for one tied tensor.  The copies go on the current
     stream, after the replays queued on it."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"load_in_place() loads into an nn.Module, got {module!r}")
@@ -25,6 +25,7 @@ def load_in_place(module: nn.Module, weights: Mapping[str, torch.Tensor] | Itera
     targets: dict[str, torch.Tensor] = {}
     for table in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
         targets.update((name, tensor) for name, tensor in table if tensor is not None)
+    mapped = _file_mappings() if any(t.device.type == "cpu" for t in targets.values()) else []
     problems: list[str] = []
     seen: dict[str, torch.Tensor] = {}
     chosen: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}  # target tensor -> (name, target, source)
@@ -32,19 +33,15 @@ def load_in_place(module: nn.Module, weights: Mapping[str, torch.Tensor] | Itera
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
             raise TypeError(f"load_in_place() takes a state dict or (name, tensor) pairs, got an item {item!r}")
         name, source = item
-        if name in seen:
-            problems.append(f"{name}: given twice")
-            continue
-        seen[name] = source
         target = targets.get(name)
-        if target is None:
-            problems.append(f"{name}: no such parameter or buffer")
-            continue
-        why = _mismatch(source, target) or _foreign(target)
+        why = ("given twice" if name in seen else "no such parameter or buffer" if target is None
+               else _mismatch(source, target) or _unwritable(target, mapped))
+        seen.setdefault(name, source)
+        tied = chosen.setdefault(id(target), (name, target, source)) if not why else None
+        if tied is not None and tied[2] is not source and not torch.equal(tied[2], source.to(tied[2].device)):
+            why = f"tied to {tied[0]} (one tensor), but given another value"
         if why:
             problems.append(f"{name}: {why}")
-            continue
-        chosen.setdefault(id(target), (name, target, source))  # a tied tensor's later names: copied once, the first
     if problems:
         known = ", ".join(list(targets)[:6]) + (", ..." if len(targets) > 6 else "")
         raise ValueError(f"load_in_place() into {type(module).__name__} refused, nothing written: {'; '.join(problems)} "
@@ -68,12 +65,27 @@ def _mismatch(source: torch.Tensor, target: torch.Tensor) -> str | None:
     return None
 
 
-def _foreign(target: torch.Tensor) -> str | None:
-    """Why the loader will not write into ``target``'s memory: memory torch did not allocate for it (a numpy or
-    memory-mapped array loaded zero-copy: writing would change the file on disk, or fault on a read-only mapping)."""
-    if not target.untyped_storage().resizable():
-        return ("its memory is not torch's own (a numpy or memory-mapped array loaded without a copy, say): writing "
-                "there would change that array or fault; give the module memory of its own first (module.to(...), a "
-                "copy of its state)")
+def _unwritable(target: torch.Tensor, mapped: list[tuple[int, int, str, str]]) -> str | None:
+    """Why the loader will not write into ``target``: an inference tensor outside ``inference_mode`` (torch refuses
+    it), or memory mapped from a file (``np.memmap``, ``torch.load(mmap=True)``, shared memory): writing would change
+    the file, and what other processes read, or fault on a read-only mapping."""
+    if target.is_inference() and not torch.is_inference_mode_enabled():
+        return "an inference tensor (made under inference_mode): load under torch.inference_mode()"
+    start = target.data_ptr()
+    for low, high, perms, path in mapped if target.device.type == "cpu" and target.numel() else ():
+        if low <= start < high and (perms[3] == "s" or "w" not in perms):
+            return (f"its memory is mapped from {path} ({'read-only' if 'w' not in perms else 'shared'}): writing there "
+                    "would change that file or fault; give the module memory of its own first (a copy of its state)")
     return None
 
+
+def _file_mappings() -> list[tuple[int, int, str, str]]:
+    """The process's file-backed memory mappings (start, end, permissions, file), from ``/proc/self/maps`` where the
+    system has it (Linux); elsewhere none are known."""
+    try:
+        with open("/proc/self/maps") as maps:
+            rows = [line.split(maxsplit=5) for line in maps]
+    except OSError:
+        return []
+    return [(int(row[0].partition("-")[0], 16), int(row[0].partition("-")[2], 16), row[1], row[5].strip()) for row in rows
+            if len(row) == 6 and row[4] != "0" and not row[5].startswith("[")]

@@ -33,8 +33,7 @@ from cgregistry.errors import WeightsMovedError
 
 __all__ = ["Reached", "WeightWatch", "WeightsMovedError", "reached"]
 
-# Where a tensor's memory is and how a kernel reads it: (address, shape, strides, dtype).  A replacement at the same
-# address with another layout (a weight re-registered as its transposed view) moves it too.
+# Where a tensor's memory is and how a kernel reads it: (address, shape, strides, dtype); another layout moves it too.
 Layout = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]
 Seen = Mapping[str, "Layout | None"]  # a watched tensor's name to its layout when a graph was captured
 
@@ -42,17 +41,12 @@ MAX_DEPTH = 4  # objects and containers followed from the step (an engine's mode
 MAX_ITEMS = 256  # a larger container is not looked into
 
 
-def _layout(tensor: torch.Tensor) -> Layout:
-    try:
-        strides = tensor.stride()
-    except RuntimeError:  # a sparse or nested tensor: its address and shape say what there is to say
-        strides = ()
-    return (tensor.data_ptr(), tuple(tensor.shape), strides, tensor.dtype)
+def _layout(tensor: torch.Tensor) -> Layout:  # a sparse or nested tensor has no strides: address and shape say it
+    return (tensor.data_ptr(), tuple(tensor.shape), _get(lambda: tensor.stride()) or (), tensor.dtype)
 
 
 class _ModuleSlot:
-    """A parameter or buffer of a module, looked up from the root by its path each time: a replaced parameter, buffer
-    or submodule is seen, and so is a root rebound (``root`` is called: an attribute read anew)."""
+    """A module's parameter or buffer, looked up from the root (read anew) by its path each time: one replaced is seen."""
 
     __slots__ = ("root", "path", "table", "name")
 
@@ -60,8 +54,8 @@ class _ModuleSlot:
         self.root, self.path, self.table, self.name = root, path, table, name
 
     def layout(self, modules: dict[tuple[int, str], tuple[Any, Any]]) -> Layout | None:
-        """Where the tensor is now; ``modules`` holds the submodules one read of every slot found, each looked up once
-        from its root (held with it: a root made anew at each read, freed, would give its id to the next)."""
+        """Where the tensor is now; ``modules``: the submodules found in this read, with their roots (held: a root made
+        anew at each read and freed would give its id to the next)."""
         root = self.root()
         key = (id(root), self.path)
         found = modules.get(key)
@@ -71,8 +65,7 @@ class _ModuleSlot:
         return None if tensor is None else _layout(tensor)
 
 
-def _submodule(module: Any, path: str) -> nn.Module | None:
-    """The submodule at ``path`` under ``module`` where attribute lookup finds it (``forward`` reads it so)."""
+def _submodule(module: Any, path: str) -> nn.Module | None:  # where attribute lookup finds it, as forward does
     for part in path.split(".") if path else ():
         if not isinstance(module, nn.Module):
             return None
@@ -80,8 +73,7 @@ def _submodule(module: Any, path: str) -> nn.Module | None:
     return module if isinstance(module, nn.Module) else None
 
 
-class _Tensor:
-    """A tensor given by ``watch((name, tensor))`` (always that tensor), or read anew (an attribute, a cell)."""
+class _Tensor:  # a tensor given by watch((name, tensor)) (always that one), or read anew (a cell, an argument)
 
     __slots__ = ("read",)
 
@@ -102,17 +94,23 @@ def _module_slots(root: Callable[[], Any], prefix: str) -> list[tuple[str, _Modu
             for name, tensor in getattr(sub, table).items() if tensor is not None]
 
 
-# Every module of a watched tree, to the watches that want to hear of a registration on it.
-_listeners: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[WeightWatch]] = weakref.WeakKeyDictionary()
+# Every module of a watched tree, by id (a module need not be hashable), to a weak reference to it and the watches
+# that want to hear of a registration on it.
+_listeners: dict[int, tuple[weakref.ref[nn.Module], weakref.WeakSet[WeightWatch]]] = {}
 
 
 def _registered(module: nn.Module, name: str, value: Any) -> None:
     """torch's registration hook (parameters, buffers, submodules of any module): tell the watches of this module.
     Not while dynamo traces (a forward that builds a ModuleList would have the trace guard on what is watched)."""
-    if torch.compiler.is_compiling():
-        return
-    for watch in list(_listeners.get(module, ())):
-        watch.generation += 1
+    entry = _listeners.get(id(module))
+    if entry is not None and entry[0]() is module and not torch.compiler.is_compiling():
+        for watch in list(entry[1]):
+            watch.generation += 1
+
+
+def _forget(key: int) -> None:
+    if key in _listeners and _listeners[key][0]() is None:
+        del _listeners[key]
 
 
 @functools.cache  # once per process (two threads racing here register twice: a generation moves by two, no harm)
@@ -126,23 +124,20 @@ def _install_hooks() -> None:
 
 @attrs.frozen
 class Reached:
-    """What a step is given: modules and tensors, each as (name, a callable that reads it anew); what it reads that the
-    registry cannot see (a module-level name holding a module or tensor, a context variable); and the modules it reads
-    through attributes of plain objects, whose rebinding only ``refresh()`` finds."""
+    """What a step is given (modules, tensors: each as its name and a callable that reads it anew), what run() cannot
+    check (``unseen``; the modules read through plain objects' attributes, whose rebinding only ``refresh()`` finds)."""
 
     modules: list[tuple[str, Callable[[], Any]]]
     tensors: list[tuple[str, Callable[[], Any]]]
     unseen: list[str]
     attributes: list[str] = attrs.field(factory=list)
-    # The module-level names among ``unseen`` that hold a module or a tensor, each read anew (debug mode watches them).
-    module_level: list[tuple[str, Callable[[], Any]]] = attrs.field(factory=list)
+    module_level: list[tuple[str, Callable[[], Any]]] = attrs.field(factory=list)  # of ``unseen``: debug mode watches
 
 
 def reached(step: Callable[..., Any]) -> Reached:
-    """What ``step`` is given, by structure (see the module's docstring); the step itself, or a bound method's object,
-    is named ``step``, anything else by its cell, argument, attribute or item name.  Modules are found anywhere on
-    the way; tensors only where the step is given them (a cell, an argument, an item of what it is given), not in an
-    object's attributes, where an engine keeps its bookkeeping."""
+    """What ``step`` is given, by structure (the step itself, or a bound method's object, named ``step``; the rest by
+    cell, argument, attribute or item name).  Modules anywhere on the way; tensors only where the step is given them,
+    not in an object's attributes, where an engine keeps its bookkeeping."""
     modules: dict[int, tuple[str, Callable[[], Any]]] = {}
     tensors: dict[str, Callable[[], Any]] = {}
     unseen: list[str] = []
@@ -156,11 +151,9 @@ def reached(step: Callable[..., Any]) -> Reached:
         if isinstance(value, nn.Module):
             if id(value) not in modules:
                 modules[id(value)] = (label, read)
-                if held:
-                    attributes.append(label)
+                attributes.extend([label] if held else [])
         elif isinstance(value, torch.Tensor):
-            if not held:
-                tensors.setdefault(label, read)
+            tensors.update({} if held or label in tensors else {label: read})
         elif depth > MAX_DEPTH or id(value) in looked:
             return
         elif _wrapped(value) is not None:  # a wrapper (functools.wraps, a cache, reg.compile's model): what it wraps too
@@ -171,9 +164,7 @@ def reached(step: Callable[..., Any]) -> Reached:
         elif isinstance(value, functools.partial):
             looked.add(id(value))
             visit(value.func, label, lambda: value.func, depth, held)
-            for i, arg in enumerate(value.args):
-                visit(arg, f"{label}.args[{i}]", lambda a=arg: a, depth + 1, held)
-            for key, arg in value.keywords.items():
+            for key, arg in [*((f"args[{i}]", a) for i, a in enumerate(value.args)), *value.keywords.items()]:
                 visit(arg, f"{label}.{key}", lambda a=arg: a, depth + 1, held)
         elif isinstance(value, types.MethodType):
             visit(value.__self__, label, lambda: value.__self__, depth, held)
@@ -183,17 +174,12 @@ def reached(step: Callable[..., Any]) -> Reached:
         elif isinstance(value, (list, tuple, dict)) and len(value) > MAX_ITEMS:
             if _holds_weights(value):  # said only where no module was found (an engine object holds many tables)
                 large.append(f"{label} ({len(value)} items, not looked into)")
-        elif isinstance(value, (list, tuple)):
+        elif isinstance(value, (list, tuple, dict)):
             looked.add(id(value))
-            for i, item in enumerate(value):
-                visit(item, f"{label}[{i}]", lambda r=read, i=i: _get(lambda: r()[i]), depth + 1, held)
-        elif isinstance(value, dict):
-            looked.add(id(value))
-            for key, item in list(value.items()):
+            for key, item in list(value.items() if isinstance(value, dict) else enumerate(value)):
                 visit(item, f"{label}[{key!r}]", lambda r=read, k=key: _get(lambda: r()[k]), depth + 1, held)
         elif isinstance(value, types.ModuleType):
-            if _holds_weights(value):
-                unseen.append(f"Python module {label!r}")
+            unseen.extend([f"Python module {label!r}"] if _holds_weights(value) else [])
         elif _plain_object(value):
             looked.add(id(value))
             for name, item in _attributes(value):
@@ -205,9 +191,8 @@ def reached(step: Callable[..., Any]) -> Reached:
         for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
             visit(_get(lambda c=cell: c.cell_contents), name, lambda c=cell: _get(lambda: c.cell_contents), depth + 1, held)
         defaults = fn.__defaults__ or ()
-        for name, default in zip(code.co_varnames[code.co_argcount - len(defaults):code.co_argcount], defaults):
-            visit(default, name, lambda d=default: d, depth + 1, held)
-        for name, default in (fn.__kwdefaults__ or {}).items():
+        named = zip(code.co_varnames[code.co_argcount - len(defaults):code.co_argcount], defaults)
+        for name, default in [*named, *(fn.__kwdefaults__ or {}).items()]:
             visit(default, name, lambda d=default: d, depth + 1, held)
         scope = fn.__globals__
         for name in code.co_names:  # the names its code looks up outside itself: module-level ones are not given to it
@@ -247,15 +232,13 @@ def _get(read: Callable[[], Any]) -> Any:
         return None
 
 
-def _wrapped(value: Any) -> Any:
-    """What a wrapper wraps (``__wrapped__``, set by ``functools.wraps`` and ``update_wrapper``), else None."""
+def _wrapped(value: Any) -> Any:  # what a wrapper wraps (functools.wraps, update_wrapper), else None
     return _get(lambda: getattr(value, "__wrapped__", None))
 
 
 def _holds_weights(value: Any) -> bool:
-    """Whether a module-level value (or a Python module) is something a graph may read and the registry does not
-    follow there: a module, a tensor, a context variable, a container of modules or tensors, a Python module holding
-    one (an engine's own: torch's are left alone)."""
+    """Whether a value the registry does not follow may hold what a graph reads: a module, a tensor, a context
+    variable, a container of modules or tensors, an engine's Python module holding one."""
     if isinstance(value, types.ModuleType):
         if value.__name__.partition(".")[0] in ("torch", "cgregistry") or value.__name__ in sys.stdlib_module_names:
             return False
@@ -266,8 +249,8 @@ def _holds_weights(value: Any) -> bool:
 
 
 class WeightWatch:
-    """The watched tensors (each with its baseline: its address when it was watched or last rebased, or None for one
-    added to a watched module since), and a generation that moves whenever one may have moved."""
+    """The watched tensors, each with its baseline (its layout when watched or rebased; None: added since), and a
+    generation that moves whenever one may have moved."""
 
     def __init__(self) -> None:
         self._watched: dict[str, tuple[_ModuleSlot | _Tensor, Layout | None]] = {}  # name -> (source, baseline)
@@ -306,8 +289,7 @@ class WeightWatch:
             return
         for item in items:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
-                raise TypeError("watch() takes an nn.Module, a list of modules, or (name, tensor) pairs; got an item "
-                                f"{type(item).__name__}{f' {item!r}' if not isinstance(item, (nn.Module, torch.Tensor)) else ''}")
+                raise TypeError(f"watch() takes an nn.Module, a list of modules, or (name, tensor) pairs; got {item!r:.80}")
             name, tensor = item
             self._watched[f"{prefix}{name}"] = (_Tensor(lambda t=tensor: t), _layout(tensor))
 
@@ -320,27 +302,28 @@ class WeightWatch:
             self.watch(read, prefix=f"{name}.", added=added)
         for name, read in [*found.tensors, *((n, r) for n, r in module_level if isinstance(r(), torch.Tensor))]:
             if name not in self._watched:
-                source = _Tensor(read)
-                self._watched[name] = (source, None if added else source.layout({}))
+                self._watched[name] = (_Tensor(read), None if added else _Tensor(read).layout({}))
                 self.generation += added
         if rebase:
             self.rebase()
         return found
 
-    def the_module(self) -> nn.Module:
-        """The one module holding weights that the step reads (``load_weights``' target); else ValueError naming them."""
+    def the_module(self, module: nn.Module | None = None) -> nn.Module:
+        """``module`` where the step reads it (in a watched module), else the one module holding weights that the step
+        reads (``load_weights``' target); ValueError naming those it reads otherwise."""
         found = [(prefix.removesuffix("."), m) for read, prefix in self._roots if isinstance(m := read(), nn.Module) and m.state_dict()]
+        if module is not None and any(module is sub for _, m in found for sub in m.modules()):
+            return module
         inner = {id(sub) for _, m in found for sub in list(m.modules())[1:]}  # a submodule: loaded through its parent
-        modules = {id(m): (name, m) for name, m in found if id(m) not in inner}
-        if len(modules) != 1:
-            names = [name for name, _ in modules.values()]
-            raise ValueError(f"the step reads {len(modules)} modules{f' ({names})' if names else ''}: name the one to load "
-                             "into, load_weights(weights, module=...)")
-        return next(iter(modules.values()))[1]
+        names = [name for name, m in found if id(m) not in inner]
+        if module is not None or len(names) != 1:
+            why = "module=... is not a module the step reads" if module is not None else "name the one to load into, module=..."
+            raise ValueError(f"{why}: the step reads {len(names)} modules {names}")
+        return next(m for name, m in found if id(m) not in inner)
 
     def sync(self) -> None:
-        """Watch what was added to a watched module (or comes with a module an attribute now names) since the last
-        walk, with no baseline (no graph captured before read it); walks only when one may have changed."""
+        """Watch, with no baseline, what was added to a watched module (or an attribute's new module) since the last
+        walk; walks only when one may have changed."""
         objects = tuple(id(read()) for read, _ in self._roots)
         if self._walked == (self.generation, objects):
             return
@@ -359,14 +342,19 @@ class WeightWatch:
     def seen(self) -> Seen:
         """What a graph captured now reads (the same object as long as nothing moved, so entries share it)."""
         now = self.now()
-        if now != self._last_seen:
-            self._last_seen = now
+        self._last_seen = self._last_seen if now == self._last_seen else now
         return self._last_seen
 
     def joined(self, before: Seen) -> Seen:
         """What a graph read whose capture began at ``before``, when a watched module registered tensors meanwhile (a
         cache the step makes at its first call): ``before``'s layouts, and those of the tensors new since."""
         return {**{name: ptr for name, ptr in self.seen().items() if name not in before}, **before}
+
+    def settle(self, seen: Seen) -> None:
+        """The first graph read ``seen``: a tensor added since it was watched (a cache its warm-up made) is there
+        from the start, its baseline where that graph read it."""
+        self._watched.update({name: (self._watched[name][0], ptr) for name, ptr in seen.items()
+                              if name in self._watched and self._watched[name][1] is None})
 
     def reads_current(self, seen: Seen, now: Mapping[str, Layout | None] | None = None) -> bool:
         """Whether a graph that read ``seen`` reads every watched tensor where it is ``now``."""
@@ -404,16 +392,16 @@ class WeightWatch:
         return list(self._watched)
 
     def _listen(self, root: Any) -> None:
-        if isinstance(root, nn.Module):
-            for module in root.modules():
-                _listeners.setdefault(module, weakref.WeakSet()).add(self)
+        for module in root.modules() if isinstance(root, nn.Module) else ():
+            entry = _listeners.get(id(module))
+            if entry is None or entry[0]() is not module:
+                entry = _listeners[id(module)] = (weakref.ref(module, lambda _, key=id(module): _forget(key)), weakref.WeakSet())
+            entry[1].add(self)
 
 
 def _move(name: str, was: Layout | None, now: Layout | None) -> str:
-    if now is None:
-        return f"{name} was removed"
-    if was is None:
-        return f"{name} was added"
+    if now is None or was is None:
+        return f"{name} was {'removed' if now is None else 'added'}"
     if was[0] != now[0]:
         return f"{name} moved from {was[0]:#x} to {now[0]:#x}"
     return (f"{name} changed layout at {now[0]:#x}: shape {list(was[1])} strides {list(was[2])} {was[3]} to shape "

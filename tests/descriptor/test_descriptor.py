@@ -131,3 +131,12 @@ def test_a_warning_labels_a_prefill_chunk_as_a_prefill(recwarn: pytest.WarningsR
 def test_from_query_lens_names_a_bad_length(lens: list[object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         B.from_query_lens(lens)  # type: ignore[arg-type]
+
+
+def test_from_query_lens_takes_numpy_integers_as_an_engine_keeps_them() -> None:
+    import numpy as np
+
+    assert B.from_query_lens(np.array([1, 1, 1])) == B.decode(3)
+    assert B.from_query_lens(np.array([3, 5], dtype=np.int32)) == B(8, 2)
+    with pytest.raises(ValueError, match=r"query lengths as ints >= 1, got np.int64\(0\)"):
+        B.from_query_lens(np.array([1, 0]))

@@ -114,14 +114,22 @@ def test_the_models_own_forward_and_backward_work_after_a_sync_under_inference_m
     served_equals_eager(reg, model, 5, seed=3)
 
 
-def test_tied_weights_stay_tied_and_get_one_copy_of_the_value_given_first() -> None:
+def test_tied_weights_stay_tied_and_two_values_for_them_are_refused() -> None:
+    """A trainer sends both names of a tied tensor, as two tensors of one value (over the wire): one copy.  Two
+    different values for one tensor cannot both be loaded: refused, nothing written."""
     reg, model = make("cpu")
     state = trainer_state(model, 4)
-    state["head.weight"] = state["head.weight"] + 1.0  # a different value for the second name of the tied tensor
-    reg.load_weights(state)
+    assert state["head.weight"] is not state["embed.weight"]
+    assert reg.load_weights(state) == tuple(state)
     assert model.head.weight is model.embed.weight
     torch.testing.assert_close(model.embed.weight, state["embed.weight"])
     served_equals_eager(reg, model, 6, seed=4)
+    before = model.layer.weight.clone()
+    other = trainer_state(model, 5)
+    other["head.weight"] = other["embed.weight"] + 1.0
+    with pytest.raises(ValueError, match=r"head.weight: tied to embed.weight \(one tensor\), but given another value"):
+        reg.load_weights(other)
+    assert torch.equal(model.layer.weight, before), "nothing written"
 
 
 def test_a_bad_sync_is_refused_whole_naming_every_problem_and_writes_nothing() -> None:
@@ -159,7 +167,7 @@ def test_the_module_loaded_is_the_one_the_step_reads_or_the_one_named() -> None:
     reg = cg.GraphRegistry(lambda batch, x: second(first(x)), {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)},
                            backend="cpu")
     reg.capture(PLAN)
-    with pytest.raises(ValueError, match=r"the step reads 2 modules \(\['first', 'second'\]\): name the one"):
+    with pytest.raises(ValueError, match=r"name the one to load into, module=...: the step reads 2 modules \['first', 'second'\]"):
         reg.load_weights({"weight": torch.zeros(WIDTH, WIDTH)})
     reg.load_weights({"weight": torch.eye(WIDTH), "bias": torch.zeros(WIDTH)}, module=second)
     x = torch.randn(5, WIDTH)
@@ -190,7 +198,7 @@ def test_a_parameter_in_a_memory_mapped_file_is_refused_and_the_file_is_untouche
     reg = cg.GraphRegistry(lambda batch, x: model(x), {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)},
                            backend="cpu", watch=[model])
     reg.capture(PLAN)
-    with pytest.raises(ValueError, match="weight: its memory is not torch's own"):
+    with pytest.raises(ValueError, match=r"weight: its memory is mapped from .*weights\.bin \(shared\)"):
         reg.load_weights({"weight": torch.zeros(WIDTH, WIDTH)})
     assert np.array_equal(np.fromfile(path, dtype=np.float32), np.arange(WIDTH * WIDTH, dtype=np.float32))
 
@@ -209,7 +217,7 @@ with warnings.catch_warnings():
 try:
     load_in_place(model, {"weight": torch.zeros(8, 8)})
 except ValueError as exc:
-    assert "not torch's own" in str(exc), exc
+    assert "weights.bin (read-only)" in str(exc), exc
     print("refused")
 """
 
@@ -219,3 +227,59 @@ def test_a_parameter_in_a_read_only_mapping_is_refused_without_a_crash(tmp_path:
     code = READ_ONLY_MAPPING.replace("PATH", repr(str(tmp_path / "weights.bin")))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "refused", (done.returncode, done.stderr[-2000:])
+
+
+def test_an_inference_tensor_outside_inference_mode_is_refused_before_anything_is_written() -> None:
+    """A buffer the step registers at its first call, under the inference mode capture ran in, is an inference tensor:
+    torch refuses an update to it outside inference mode, so the loader refuses the whole sync first, naming it."""
+
+    class Lazy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, batch: B, x: torch.Tensor) -> torch.Tensor:
+            if not hasattr(self, "scale"):
+                self.register_buffer("scale", torch.ones(WIDTH), persistent=False)
+            return self.lin(x) * self.scale
+
+    model = Lazy()
+    reg = cg.GraphRegistry(model, {"x": cg.StaticInput((MAX_TOKENS, WIDTH), torch.float32)}, backend="cpu")
+    with torch.inference_mode():
+        reg.capture(PLAN)
+    assert model.scale.is_inference()
+    before = model.lin.weight.clone()
+    state = {"lin.weight": torch.zeros(WIDTH, WIDTH), "scale": torch.full((WIDTH,), 2.0)}
+    with pytest.raises(ValueError, match=r"scale: an inference tensor .*load under torch.inference_mode\(\)"):
+        reg.load_weights(state)
+    assert torch.equal(model.lin.weight, before), "nothing written"
+    with torch.inference_mode():
+        assert reg.load_weights(state) == ("lin.weight", "scale")
+        x = torch.randn(5, WIDTH)
+        torch.testing.assert_close(reg.run(B.decode(5), x=x), model(B.decode(5), x))
+
+
+def test_weights_loaded_by_torch_load_are_written_and_shared_memory_is_refused(tmp_path: Path) -> None:
+    """A model loaded from a checkpoint (torch.load, memory-mapped copy-on-write too) holds memory of its own: the
+    loader writes it, and the file stays as it was.  Memory shared with other processes (share_memory_()) is not
+    written."""
+    path = tmp_path / "model.pt"
+    torch.save(torch.nn.Linear(WIDTH, WIDTH).state_dict(), path)
+    for mmap in (False, True):
+        model = torch.nn.Linear(WIDTH, WIDTH)
+        model.load_state_dict(torch.load(path, mmap=mmap), assign=True)
+        load_in_place(model, {"weight": torch.ones(WIDTH, WIDTH)})
+        assert torch.equal(model.weight, torch.ones(WIDTH, WIDTH))
+        assert not torch.equal(torch.load(path)["weight"], torch.ones(WIDTH, WIDTH)), "the checkpoint is untouched"
+    shared = torch.nn.Linear(WIDTH, WIDTH).share_memory()
+    with pytest.raises(ValueError, match=r"weight: its memory is mapped from /dev/shm/.*\(shared\)"):
+        load_in_place(shared, {"weight": torch.ones(WIDTH, WIDTH)})
+
+
+def test_a_module_the_step_does_not_read_is_refused() -> None:
+    reg, model = make("cpu")
+    stranger = torch.nn.Linear(WIDTH, WIDTH)
+    with pytest.raises(ValueError, match=r"module=... is not a module the step reads: the step reads 1 modules \['step'\]"):
+        reg.load_weights({"weight": torch.zeros(WIDTH, WIDTH)}, module=stranger)
+    reg.load_weights({"weight": torch.eye(WIDTH), "bias": torch.zeros(WIDTH)}, module=model.layer)  # a part of it: fine
+    torch.testing.assert_close(model.layer.weight, torch.eye(WIDTH))

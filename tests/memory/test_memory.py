@@ -314,3 +314,27 @@ def test_the_demo_fits_its_plan_to_memory_only_where_there_is_device_memory(caps
 
     assert main(["demo", "--backend", "cpu", "--steps", "2", "--gpu-memory-utilization", "0.5"]) == 2
     assert "gpu_memory_utilization needs the cuda backend (device memory to share), got 'cpu'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["estimate_memory", "estimate_pool_memory"])
+def test_a_call_from_the_step_during_an_estimate_is_refused(how: str) -> None:
+    """An estimate runs the step: the registries it prices are busy meanwhile, so a clear() or a weight load from the
+    step (or a hook) is refused as from inside any capture."""
+    engine = Engine()
+    refused: list[BaseException] = []
+
+    def step(batch: B, **inputs: torch.Tensor) -> torch.Tensor:
+        if not refused:
+            try:
+                reg.clear()
+            except cg.ConcurrentRunError as exc:
+                refused.append(exc)
+        return plain(batch, **inputs)
+
+    engine.step, plain = step, engine.step  # type: ignore[method-assign]
+    reg = make(engine)
+    if how == "estimate_memory":
+        reg.estimate_memory(PLAN.entries[:2])
+    else:
+        cg.estimate_pool_memory([(reg, PLAN.entries[:2])])
+    assert len(refused) == 1 and "from inside one of its calls" in str(refused[0]), refused

@@ -105,7 +105,7 @@ def test_a_module_the_step_reads_through_its_globals_is_warned_about_and_watched
     ``watch=``, an assigned weight there is refused, then captured again by refresh()."""
     reg = cg.GraphRegistry(global_step, INPUTS, backend="cpu")
     with pytest.warns(RuntimeWarning, match=r"the step reads module-level name 'GLOBAL_LINEAR' \(Linear\), which "
-                                             r"run\(\) cannot check.*watch="):
+                                             r"the registry cannot see.*watch="):
         reg.capture(PLAN)
     reg = cg.GraphRegistry(global_step, INPUTS, backend="cpu", watch=[GLOBAL_LINEAR])
     capture_quietly(reg, PLAN)
@@ -288,7 +288,7 @@ W = torch.randn(WIDTH, WIDTH)
 
 def test_a_step_that_logs_or_waits_on_an_event_is_not_warned_about() -> None:
     """A logger, a lock or an event the step uses holds no weight: the step reads a tensor it is given (watched) and
-    nothing run() cannot check, so no warning; a module-level tensor it reads is named."""
+    nothing the registry cannot see, so no warning; a module-level tensor it reads is named."""
     ready, w = threading.Event(), torch.randn(WIDTH, WIDTH)
     ready.set()
 

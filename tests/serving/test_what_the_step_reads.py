@@ -168,10 +168,10 @@ def test_what_the_registry_cannot_see_is_said_once_at_capture_and_watch_names_it
         if said is None:  # a module's forward reads what its code reads: its own module is watched, nothing named
             reg.capture(KEY)
         else:
-            with pytest.warns(RuntimeWarning, match=rf"reads {said}, which run\(\) cannot check.*watch=") as warned:
+            with pytest.warns(RuntimeWarning, match=rf"reads {said}, which the registry cannot see.*watch=") as warned:
                 reg.capture(KEY)
                 reg.capture([(B(4), "full")])  # said once per registry
-            assert len([w for w in warned if "cannot check" in str(w.message)]) == 1
+            assert len([w for w in warned if "cannot see" in str(w.message)]) == 1
         watching = cg.GraphRegistry(step, INPUTS, backend="cpu", watch=[MODEL])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -192,8 +192,9 @@ def test_a_model_rebound_on_the_engine_object_is_said_once_at_capture_found_by_r
     with pytest.warns(RuntimeWarning) as warned:
         reg.capture(KEY)
         reg.capture([(B(4), "full")])
-    said = [str(w.message) for w in warned if "run() cannot check" in str(w.message)]
-    assert len(said) == 1 and "step.runner.model (an attribute: rebinding it is found by refresh(), not by run())" in said[0]
+    said = [str(w.message) for w in warned if "through attributes of plain objects" in str(w.message)]
+    assert len(said) == 1 and "step.runner.model through attributes of plain objects" in said[0]
+    assert "a weight replaced inside is caught" in said[0] and "found by reg.refresh() only" in said[0]
     assert "reg.refresh()" in said[0] and "reg.load_weights" in said[0], said
     engine.runner.model = nn.Linear(WIDTH, WIDTH)  # registers nothing anywhere: run() cannot see it
     assert reg.refresh().recaptured == (*KEY, (B(4), "full")), "refresh() reads the attribute anew"
@@ -320,7 +321,7 @@ def test_watch_takes_a_list_of_modules_and_names_a_bad_item() -> None:
     assign_new(models[299])
     with pytest.raises(cg.WeightsMovedError, match=r"models\[299\]\.weight"):
         reg.run(B(8), x=X)
-    with pytest.raises(TypeError, match=r"watch\(\) takes an nn.Module, a list of modules, or \(name, tensor\) pairs; got an item str"):
+    with pytest.raises(TypeError, match=r"watch\(\) takes an nn.Module, a list of modules, or \(name, tensor\) pairs; got 'weight'"):
         reg.watch(["weight"])
 
 
@@ -430,3 +431,52 @@ def test_an_engine_object_that_raises_when_looked_at_is_not_fatal() -> None:
     reg = cg.GraphRegistry(lambda batch, x: hostile(x) * 2, INPUTS, backend="cpu")
     reg.capture(KEY)
     torch.testing.assert_close(reg.run(B(8), x=X), X * 2)
+
+
+def test_a_buffer_the_model_makes_at_its_first_forward_is_read_by_every_graph_and_debug_mode_serves() -> None:
+    """A cache a module registers at its first forward (a rotary table) is made by the first capture's warm-up: every
+    graph reads it, so it is there from the start, not 'added': debug mode serves, refresh() keeps every graph and
+    names nothing moved."""
+
+    class Rotary(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not hasattr(self, "cos"):
+                self.register_buffer("cos", torch.full((WIDTH,), 0.5), persistent=False)
+            return self.lin(x) * self.cos
+
+    for debug, background in ((True, False), (True, True), (False, False)):
+        model = Rotary()
+        reg = cg.GraphRegistry(lambda batch, x: model(x), INPUTS, backend="cpu", debug=debug)
+        with torch.inference_mode():
+            reg.capture(KEY, background=background)
+            assert reg.wait_captured()
+        with torch.inference_mode():
+            torch.testing.assert_close(reg.run(B(8), x=X), model(X))
+        result = reg.refresh()
+        assert result.recaptured == () and result.moved == (), (debug, background, result)
+
+
+def test_a_module_that_is_not_hashable_builds_anywhere_in_a_process_with_a_registry() -> None:
+    """The watch hears of registrations through torch's global hooks: they must not ask anything of other modules
+    (an nn.Module with dataclass equality is not hashable)."""
+    import dataclasses
+
+    lin = nn.Linear(WIDTH, WIDTH)
+    reg = cg.GraphRegistry(lambda batch, x: lin(x), INPUTS, backend="cpu")
+    capture_quietly(reg, KEY)
+
+    @dataclasses.dataclass(eq=True)
+    class Head(nn.Module):
+        width: int
+
+        def __post_init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(self.width, self.width)
+
+    head = Head(WIDTH)
+    head.proj.weight = nn.Parameter(torch.zeros(WIDTH, WIDTH))
+    assert torch.equal(head.proj.weight, torch.zeros(WIDTH, WIDTH))
