@@ -1,0 +1,224 @@
+"""transformers' continuous batching served three ways in one process: eager, transformers' own CUDA graphs, and
+cgregistry's (``plugins/cgregistry-transformers``), on a Llama-3.2-1B-shaped model with random bf16 weights (sdpa).
+
+Workloads: ``--prompts`` random prompts of 16-256 tokens with ``--new`` new tokens each (greedy), and the first
+``--trace`` requests of the bundled Azure trace (prompts capped at 1024 tokens, outputs at 128).  For each way, one
+persistent manager is called three times: the first call includes the start-up (transformers' warm-up captures, or
+cgregistry's capture while serving), the later two are the steady state.  Reported: tokens/s per call, the time to the
+first request's first token, requests whose tokens equal transformers' graphs' (bf16, so near ties may differ), graph
+count and the device memory the serving grew by, and a per-step host breakdown of a steady call (the batch's
+preparation, the forward as launched, sampling, waiting for the device, the batch's update; for cgregistry also
+``run()`` and the eager attention breaks inside it).
+
+    PYTHONPATH=.:plugins/cgregistry-transformers python3 benchmarks/gpu_transformers_cb.py [--prompts 64 --new 64 --trace 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+import cgregistry_transformers as cgt
+from cgregistry.plan.workload import read_trace
+
+WAYS = ("eager", "transformers graphs", "cgregistry")
+
+
+CUDA = torch.cuda.is_available()
+
+
+def llama_1b(tiny: bool) -> LlamaForCausalLM:
+    """The Llama-3.2-1B shape in bf16 on the GPU; ``tiny``: two small layers in fp32 (a smoke run on a CPU)."""
+    shape = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=64)
+    if tiny:
+        shape = dict(vocab_size=128256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = LlamaConfig(**shape, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device("cuda" if CUDA else "cpu"):
+        model = LlamaForCausalLM(config).to(torch.float32 if tiny else torch.bfloat16)
+    return model.eval()
+
+
+def free_memory() -> int:
+    return torch.cuda.mem_get_info()[0] if CUDA else 0
+
+
+def random_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, 257, (count,), generator=g).tolist()
+    return [torch.randint(1, 128000, (n,), generator=g).tolist() for n in lengths]
+
+
+def trace_prompts(count: int) -> tuple[list[list[int]], int]:
+    g = torch.Generator().manual_seed(1)
+    reqs = read_trace(limit=count)
+    prompts = [torch.randint(1, 128000, (min(r.prompt_tokens, 1024),), generator=g).tolist() for r in reqs]
+    return prompts, min(128, max(r.output_tokens for r in reqs))
+
+
+class StepClock:
+    """Host time of each part of a step, wrapped around the batch processor's methods for one call."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[float]] = defaultdict(list)
+
+    def wrap(self, obj: Any, name: str, label: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.parts[label].append(time.perf_counter() - start)
+
+        setattr(obj, name, timed)
+
+    def summary(self, steps: int) -> str:
+        return ", ".join(f"{label} {sum(v) / steps * 1e3:.3f}" for label, v in self.parts.items())
+
+
+def instrument(manager: Any, way: str) -> tuple[StepClock, Any]:
+    clock = StepClock()
+    bp = manager.batch_processor
+    clock.wrap(bp, "prepare_next_batch", "prepare")
+    clock.wrap(bp.inputs_and_outputs, "retrieve_device_outputs", "wait device")
+    clock.wrap(bp, "update_batch", "update")
+    runner = bp.model_runner
+    clock.wrap(runner, "compute_batch", "forward+sample launch")
+    if way == "cgregistry":
+        reg = runner.registry
+        inner_run = reg.run
+        clock.wrap(reg, "run", "of which run()")
+        attention = runner.attention
+        original = type(attention).__call__
+
+        class Timed(type(attention)):
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    clock.parts["of which breaks"].append(time.perf_counter() - start)
+
+        attention.__class__ = Timed
+        return clock, (reg, inner_run, attention, type(attention).__mro__[1])
+    return clock, None
+
+
+def manager_for(model: LlamaForCausalLM, way: str, new_tokens: int, hints: Any) -> Any:
+    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    if way == "cgregistry":
+        return cgt.init_continuous_batching(model, gen, ContinuousBatchingConfig(), workload_hints=hints)
+    config = ContinuousBatchingConfig(use_cuda_graph=way == "transformers graphs" and CUDA)
+    return model.init_continuous_batching(gen, config, workload_hints=hints)
+
+
+def serve(manager: Any, prompts: list[list[int]], new_tokens: int, warm_up: bool) -> tuple[dict, float, float]:
+    """One call: warm-up (transformers' own, as generate_batch does), start, every request, stop (kept)."""
+    start = time.perf_counter()
+    if warm_up and not manager.warmed_up:
+        manager.warmup()
+    manager.start()
+    ids = manager.add_requests(inputs=prompts, max_new_tokens=new_tokens, record_timestamps=True)
+    results = {}
+    while len(results) < len(ids):
+        out = manager.get_result(timeout=60)
+        if out is None:
+            raise RuntimeError("no result for 60 s")
+        if out.is_finished():
+            results[out.request_id] = out
+    manager.stop(block=True, keep_for_next_session=True)
+    if CUDA:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    first = min(r.timestamps[0] for r in results.values() if r.timestamps) - start
+    return {rid: results[rid] for rid in ids}, elapsed, first
+
+
+def run_workload(model: LlamaForCausalLM, name: str, prompts: list[list[int]], new_tokens: int) -> None:
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=new_tokens,
+                          num_requests=len(prompts))
+    print(f"\n== {name}: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"{new_tokens} new tokens each")
+    outputs: dict[str, list[list[int]]] = {}
+    for way in WAYS:
+        gc.collect()
+        if CUDA:
+            torch.cuda.empty_cache()
+        free_before = free_memory()
+        made_at = time.perf_counter()
+        manager = manager_for(model, way, new_tokens, hints)
+        making = time.perf_counter() - made_at  # the first call pays for the manager (its KV cache) too
+        rates = []
+        for call in range(3):
+            clock = None
+            if call == 2:
+                if manager.batch_processor is None:
+                    manager.batch_processor = manager._create_batch_processor()
+                clock, _ = instrument(manager, way)
+            results, elapsed, first = serve(manager, prompts, new_tokens, warm_up=way != "cgregistry")
+            if call == 0:
+                elapsed, first = elapsed + making, first + making
+            made = sum(len(r.generated_tokens) for r in results.values())
+            rates.append(made / elapsed)
+            errors = [r.error for r in results.values() if r.error]
+            print(f"{way:20s} call {call + 1}: {elapsed:6.2f} s, {made / elapsed:8.0f} tokens/s, first token after "
+                  f"{first * 1e3:7.1f} ms{'; ERRORS: ' + errors[0] if errors else ''}")
+            if call == 0:
+                outputs[way] = [list(r.generated_tokens) for r in results.values()]
+            if clock is not None:
+                steps = len(clock.parts["prepare"])
+                print(f"{'':20s} per step (host ms, {steps} steps): {clock.summary(steps)}")
+        used = free_before - free_memory()
+        if way == "cgregistry":
+            reg = cgt.registry_of(manager)
+            print(f"{'':20s} graphs: {len(reg.entries())} entries, {reg.memory_bytes() / 2**20:.0f} MiB measured; "
+                  f"{reg.stats().hits} steps from graphs, {reg.stats().misses} eager")
+        elif way == "transformers graphs":
+            graphs = manager.batch_processor.inputs_and_outputs.graphs._storage
+            print(f"{'':20s} graphs: {len(graphs)} ({sorted(graphs)[:6]} ...)")
+        print(f"{'':20s} device memory held after the calls (KV cache, graphs, pools): {used / 2**30:.2f} GiB; "
+              f"steady {statistics.mean(rates[1:]):.0f} tokens/s")
+        manager.stop(block=True)
+        manager.destroy()
+        model.__dict__.pop("_cached_continuous_batching_manager", None)
+        del manager
+    ref = outputs["transformers graphs"]
+    for way in ("eager", "cgregistry"):
+        same = sum(a == b for a, b in zip(outputs[way], ref))
+        print(f"{way}: {same}/{len(ref)} requests' tokens equal transformers graphs'")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--trace", type=int, default=64)
+    parser.add_argument("--tiny", action="store_true", help="a two-layer fp32 model: a smoke run of this script")
+    args = parser.parse_args()
+    import transformers
+    where = torch.cuda.get_device_name() if CUDA else "cpu"
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, {where}")
+    model = llama_1b(args.tiny)
+    with torch.no_grad():
+        run_workload(model, "random prompts", random_prompts(args.prompts), args.new)
+        if args.trace:
+            prompts, new_tokens = trace_prompts(args.trace)
+            run_workload(model, "bundled trace", prompts, new_tokens)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Each layer's attention as an eager break: the graphs hold the projections, norms and MLP of every layer, and the
+attention runs between graph segments through transformers' own paged attention on the live batch, so one set of
+graphs serves every KV length (transformers' own graphs need one per padded KV length)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import cgregistry as cg
+
+NAME = "cgregistry_breakable"  # the attention implementation the graphs' step runs the model with
+# What the model itself consumes of a batch's kwargs; the rest reaches every attention call as keyword arguments.
+MODEL_ARGUMENTS = frozenset({"input_ids", "position_ids", "attention_mask", "use_cache", "logits_to_keep",
+                             "past_key_values", "inputs_embeds"})
+
+
+class TransformersAttention:
+    """How the installed transformers attends one layer of a continuous batch, eagerly: the attention function of the
+    implementation the manager chose, after the paged cache's update where the model (not that function) makes it."""
+
+    def __init__(self, implementation: str, cache: Any) -> None:
+        if implementation == NAME:
+            raise ValueError(f"the model's attention implementation is already {NAME!r}: give the one transformers' "
+                             "continuous batching chose for it ('sdpa', 'paged|sdpa', a flash implementation, ...)")
+        self.function: Callable[..., tuple[torch.Tensor, Any]] = ALL_ATTENTION_FUNCTIONS[implementation]
+        self.implementation = implementation
+        self.cache = cache
+        # Where the paged cache is written: releases whose cache.update takes the batch's kwargs have the attention
+        # module call it before the attention function; earlier ones leave it to a "paged|" attention function.
+        self.model_updates_cache = "kwargs" in inspect.signature(type(cache).update).parameters
+
+    def layer_kwargs(self, batch_data: Mapping[str, Any]) -> dict[str, Any]:
+        """The keyword arguments the model hands every attention call for this batch (what it does not consume)."""
+        kwargs = {k: v for k, v in batch_data.items() if k not in MODEL_ARGUMENTS}
+        if self.model_updates_cache:
+            kwargs.pop("cache", None)  # a named argument of the model there, not forwarded to attention
+        return kwargs
+
+    def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 mask: Any, kwargs: Mapping[str, Any], scaling: float | None) -> torch.Tensor:
+        """One layer's attention over ``query``'s tokens, (1, tokens, heads, head_dim), the cache written as it goes."""
+        kwargs = dict(kwargs)  # cache.update narrows the per-layer-type entries in place: a fresh dict per layer
+        if self.model_updates_cache:
+            key, value = self.cache.update(key, value, module.layer_idx, kwargs=kwargs)
+        if isinstance(mask, dict):  # one mask per layer type (sliding-window models)
+            mask = mask[module.config.layer_types[module.layer_idx]]
+        out, _ = self.function(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)
+        return out
+
+
+class LiveBatch:
+    """What the attention break reads of the batch being served (``run(..., context=...)``): its real token count, the
+    kwargs transformers prepared for it (unpadded), its mask, and how to attend."""
+
+    __slots__ = ("num_tokens", "kwargs", "mask", "attend")
+
+    def __init__(self, batch_data: Mapping[str, Any], num_tokens: int, attend: TransformersAttention) -> None:
+        self.num_tokens = num_tokens
+        self.kwargs = attend.layer_kwargs(batch_data)
+        self.mask = batch_data.get("attention_mask")
+        self.attend = attend
+
+
+def _skip_during_capture(*args: Any) -> None:
+    """While segments are recorded there is no live batch: nothing is attended and the KV cache is not touched."""
+
+
+@cg.eager_break(capture_stub=_skip_during_capture, name="transformers paged attention")
+def attend_live_batch(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      out: torch.Tensor, scaling: float | None) -> None:
+    """Write the live batch's attention for its real tokens into ``out``'s first rows (padded rows stay zero)."""
+    live = cg.current_batch()
+    batch = live.payload if live is not None else None
+    if not isinstance(batch, LiveBatch):
+        return  # a capture's warm-up runs the all-padding batch: nothing to attend, and the cache stays as it is
+    n = batch.num_tokens
+    result = batch.attend(module, query[:, :, :n], key[:, :, :n], value[:, :, :n], batch.mask, batch.kwargs, scaling)
+    out[:, :n].copy_(result)
+
+
+def graph_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The attention implementation ``NAME``: an output buffer made inside the graph segment (zeroed at each replay),
+    filled by the eager break; (1, tokens, heads, head_dim), as transformers' attention functions return."""
+    out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[3]))
+    attend_live_batch(module, query, key, value, out, scaling)
+    return out, None
+
+
+AttentionInterface.register(NAME, graph_attention)

@@ -1,0 +1,123 @@
+"""The model runner a continuous-batching manager calls each step, serving the forward through a ``GraphRegistry``.
+
+transformers' ``ContinuousBatchProcessor`` asks its ``model_runner`` four things: ``pad_inputs``,
+``maybe_pad_inputs``, ``compute_batch`` and ``warmup``.  ``GraphRunner`` answers them and leaves the rest (logits
+processing, sampling, the output tensors) to transformers' own runner: its batches stay unpadded (the matcher pads),
+and the forward inside its ``compute_batch`` is a registry ``run()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+import cgregistry as cg
+
+from .attention import NAME, LiveBatch, TransformersAttention
+from .settings import GraphSettings
+
+
+class Logits:
+    """What transformers reads of a model's output here: ``.logits``, (1, requests, vocab)."""
+
+    __slots__ = ("logits",)
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+@contextlib.contextmanager
+def attention_implementation(config: Any, name: str) -> Iterator[None]:
+    """The model attends through ``name`` inside the block (the graphs' step), through its own one after it."""
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+class GraphRunner:
+    """transformers' model runner with the forward served by cgregistry's graphs (attention as eager breaks)."""
+
+    def __init__(self, runner: Any, model: torch.nn.Module, settings: GraphSettings) -> None:
+        io = runner.inputs_and_outputs
+        if type(io).__name__ != "ContinuousBatchingIOs":
+            raise ValueError(f"cgregistry-transformers serves synchronous batching only; the manager uses "
+                             f"{type(io).__name__}: pass ContinuousBatchingConfig(use_async_batching=False)")
+        self.runner = runner  # transformers' own: logits processing, sampling, the output tensors
+        self.model = model
+        self.settings = settings
+        self.io = io
+        self.pad_inputs = False  # batches stay unpadded: the registry pads them to the closest captured key
+        self.attention = TransformersAttention(model.config._attn_implementation, runner.cache)
+        cache, cb = runner.cache, runner.cb_config
+        self.max_requests = cb.max_requests_per_batch
+        self.max_tokens = cache.max_batch_tokens
+        self.registry = self._registry(model, io.input_ids.dtype, io.device)
+        self.plan = settings.plan_for(self.max_requests, self.max_tokens)
+        self._serving = threading.current_thread()  # the thread object, not its ident: idents are reused
+        self._captured = False
+
+    def _registry(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> cg.GraphRegistry:
+        config = model.config
+
+        def step(batch: cg.BatchDescriptor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 logits_indices: torch.Tensor) -> torch.Tensor:
+            with attention_implementation(config, NAME):
+                out = model(input_ids=input_ids[None], position_ids=position_ids[None], logits_to_keep=logits_indices,
+                            use_cache=False)
+            return out.logits[0]  # (requests, vocab): the logits of each request's last token
+
+        inputs = {
+            "input_ids": cg.StaticInput((self.max_tokens,), dtype, fill=0),
+            "position_ids": cg.StaticInput((self.max_tokens,), dtype, fill=0),
+            "logits_indices": cg.StaticInput((self.max_requests,), dtype, axis="reqs", fill=0),
+        }
+        backend = "cuda" if device.type == "cuda" else "cpu"
+        return cg.GraphRegistry(step, inputs, backend=backend, output_axis="reqs", debug=self.settings.debug,
+                                capture_budget=self.settings.capture_budget, name="transformers-cb")
+
+    # ------------------------------------------------------------------ what the batch processor calls
+
+    def maybe_pad_inputs(self, num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool) -> tuple[int, int]:
+        """No interval or power-of-two padding: the matcher pads each batch to the closest key."""
+        return num_q_tokens, max_kv_read
+
+    def warmup(self, model: torch.nn.Module) -> None:
+        """Nothing ahead of serving: the plan is captured on the serving thread, from its first step."""
+
+    def compute_batch(self, model: torch.nn.Module, batch_data: dict[str, Any]) -> None:
+        """One step: the forward through the registry, then transformers' own logits processing and sampling."""
+        if model is not self.model:
+            raise ValueError("this GraphRunner serves the model it was attached with, not another one")
+        if threading.current_thread() is not self._serving:  # the manager serves each session from a fresh thread
+            self.registry.adopt()
+            self._serving = threading.current_thread()
+        if not self._captured:
+            self._captured = True
+            self.registry.capture(self.plan, background=self.settings.background)
+        io = self.io
+        carry_over_ids, prev_output_ids, output_ids = io.get_cb_kwargs()
+        batch_data["logits_to_keep"] = batch_data["logits_indices"]  # the step keeps only these rows' logits
+        stream = io.compute_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self.runner._forward_process_and_sample(self.forward, batch_data, carry_over_ids, prev_output_ids,
+                                                    output_ids)
+
+    def forward(self, **batch_data: Any) -> Logits:
+        """The model's forward for the batch transformers prepared, served by the registry."""
+        io = self.io
+        tokens, requests = io.num_q_tokens, io.num_request_in_batch
+        actual = cg.BatchDescriptor.decode(requests) if tokens == requests else cg.BatchDescriptor(tokens, requests)
+        logits = self.registry.run(actual, context=LiveBatch(batch_data, tokens, self.attention),
+                                   input_ids=batch_data["input_ids"][0], position_ids=batch_data["position_ids"][0],
+                                   logits_indices=batch_data["logits_indices"])
+        return Logits(logits[None])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)  # anything else transformers asks of its runner

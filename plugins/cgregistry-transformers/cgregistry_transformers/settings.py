@@ -1,0 +1,44 @@
+"""What a transformers user chooses about the graphs: how much is captured, and when."""
+
+from __future__ import annotations
+
+import attrs
+
+import cgregistry as cg
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+        raise ValueError(f"GraphSettings.{attribute.name} must be None or a number of seconds >= 0, got {value!r}")
+
+
+def _size(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(f"GraphSettings.{attribute.name} must be None or an int >= 1, got {value!r}")
+
+
+@attrs.frozen
+class GraphSettings:
+    """How cgregistry serves a continuous-batching manager.
+
+    ``max_capture_size``: the largest token count captured (a batch above it runs eagerly); None: 128 tokens, or the
+    manager's ``max_batch_tokens`` when smaller.  ``background``: True (the default) serves from the first request and
+    captures the plan between steps, within ``capture_budget`` seconds a step (None: an eager step's time; 0: never
+    while serving); False captures the whole plan at the first step.  ``plan``: a ``CapturePlan`` of your own instead
+    (its strategies must run attention eagerly: ``breakable``).  ``debug``: the registry's debug mode.
+    """
+
+    max_capture_size: int | None = attrs.field(default=None, validator=_size)
+    background: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    capture_budget: float | None = attrs.field(default=None, validator=_non_negative)
+    plan: cg.CapturePlan | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(cg.CapturePlan)))
+    debug: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    def plan_for(self, max_requests: int, max_batch_tokens: int) -> cg.CapturePlan:
+        """The plan for a manager's limits: ``plan`` when given, else breakable keys up to ``max_capture_size``."""
+        if self.plan is not None:
+            return self.plan
+        largest = min(self.max_capture_size or 128, max_batch_tokens)
+        return cg.CapturePlan.build(max_num_seqs=max_requests, max_num_tokens=max_batch_tokens,
+                                    max_capture_size=largest, mode="breakable")

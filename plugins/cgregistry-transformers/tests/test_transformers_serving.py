@@ -1,0 +1,164 @@
+"""A manager served by cgregistry as transformers users run one: sessions, background capture, inspection, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cb_models import cb_config, generate_oracle, greedy, prompts_of, tiny_llama, tokens
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+import cgregistry as cg
+import cgregistry_transformers as cgt
+from cgregistry_transformers.manager import serving_config
+from cgregistry_transformers.versions import check_version
+
+
+def float_tensors(obj, depth=3):
+    """The floating-point tensors ``obj`` holds (the paged cache's K and V, wherever a release keeps them)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if depth == 0:
+        return []
+    if isinstance(obj, dict):
+        values = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        values = list(obj)
+    else:
+        values = list(getattr(obj, "__dict__", {}).values())
+    return [t for v in values for t in float_tensors(v, depth - 1)]
+
+
+@pytest.fixture
+def model():
+    m = tiny_llama()
+    yield m
+    m.__dict__.pop("_cached_continuous_batching_manager", None)
+
+
+def test_a_persistent_manager_keeps_its_graphs_across_sessions(model):
+    prompts = [prompts_of([4, 11, 6], seed) for seed in range(3)]
+    config = cb_config(max_batch_tokens=32, max_requests=3)
+    first = cgt.generate_batch(model, prompts[0], greedy(6), config, graphs=cgt.GraphSettings(background=False),
+                               persistent_manager=True)
+    reg = cgt.registry_of(model._cached_continuous_batching_manager)
+    graphs = [(e.key, e.strategy) for e in reg.entries()]
+    served = reg.stats().hits
+    assert tokens(first) == generate_oracle(model, prompts[0], 6)
+    for session in prompts[1:]:  # each session runs on a fresh generation thread: the registry moves with it
+        again = cgt.generate_batch(model, session, greedy(6), persistent_manager=True)
+        assert tokens(again) == generate_oracle(model, session, 6)
+    assert cgt.registry_of(model._cached_continuous_batching_manager) is reg
+    assert [(e.key, e.strategy) for e in reg.entries()] == graphs  # nothing captured again
+    assert reg.stats().hits > served
+
+
+def test_a_manager_that_is_not_kept_leaves_no_graphs_on_the_model(model):
+    prompts = prompts_of([5, 3])
+    cgt.generate_batch(model, prompts, greedy(3), cb_config())
+    assert getattr(model, "_cached_continuous_batching_manager", None) is None
+    plain = model.generate_batch(prompts, generation_config=greedy(3), continuous_batching_config=cb_config())
+    assert tokens(plain) == generate_oracle(model, prompts, 3)
+
+
+def test_background_capture_serves_the_first_requests_eagerly_then_from_graphs(model):
+    prompts = prompts_of([6, 2, 9, 4])
+    manager = cgt.init_continuous_batching(model, greedy(12), cb_config(max_batch_tokens=32, max_requests=4),
+                                           graphs=cgt.GraphSettings(capture_budget=0.0))
+    reg = cgt.registry_of(manager)
+    model._cached_continuous_batching_manager = manager
+    results = model.generate_batch(prompts, generation_config=greedy(12), persistent_manager=True)
+    assert tokens(results) == generate_oracle(model, prompts, 12)
+    stats = reg.stats()
+    # A budget of 0: nothing is captured while serving, so every step ran eagerly and none waited on a capture.
+    assert stats.hits == 0 and stats.misses_by_reason["capturing"] == stats.misses > 0 and reg.entries() == []
+    assert reg.capture_pending(None)  # the engine's idle time captures the plan
+    again = model.generate_batch(prompts, generation_config=greedy(12), persistent_manager=True)
+    assert tokens(again) == tokens(results) and reg.stats().hits > 0
+
+
+def test_the_default_budget_captures_while_serving(model):
+    prompts = prompts_of([6, 2, 9, 4])
+    manager = cgt.init_continuous_batching(model, greedy(24), cb_config(max_batch_tokens=32, max_requests=4))
+    reg = cgt.registry_of(manager)
+    planned = len(manager.batch_processor.model_runner.plan)
+    model._cached_continuous_batching_manager = manager
+    results = model.generate_batch(prompts, generation_config=greedy(24), persistent_manager=True)
+    assert tokens(results) == generate_oracle(model, prompts, 24)
+    stats = reg.stats()
+    assert stats.misses_by_reason["capturing"] >= 1  # the first step did not wait for the plan
+    assert stats.hits > 0 and 0 < len(reg.entries()) <= planned
+
+
+def test_inspection_on_transformers_batches(model):
+    manager = cgt.init_continuous_batching(model, greedy(4), cb_config(max_batch_tokens=32, max_requests=4),
+                                           graphs=cgt.GraphSettings(background=False))
+    reg = cgt.registry_of(manager)
+    runner = manager.batch_processor.model_runner
+    kv = [t.clone() for t in float_tensors(runner.cache)]
+    assert kv and sum(t.numel() for t in kv) >= 2 * 16 * 256  # the KV cache is among them
+    estimate = reg.estimate_memory(runner.plan)
+    assert estimate.total_bytes > 0 and len(estimate.keys) == len(runner.plan)
+    same = [torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(kv, float_tensors(runner.cache))]
+    assert all(same)  # the estimate wrote no KV cache (made with torch.empty: NaN where it was never written)
+    model._cached_continuous_batching_manager = manager
+    model.generate_batch(prompts_of([3, 5, 2]), generation_config=greedy(4), persistent_manager=True)
+    why = reg.explain(cg.BatchDescriptor.decode(3))
+    assert why.match is not None and why.match.key.covers(cg.BatchDescriptor.decode(3))
+    assert reg.stats().hits > 0
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("use_cuda_graph", True, "use_cuda_graph=True"),
+    ("use_cuda_graph", (False, True), "use_cuda_graph=(False, True)"),
+    ("use_async_batching", True, "use_async_batching=True"),
+])
+def test_a_config_asking_for_transformers_own_graphs_is_refused(field, value, named):
+    config = ContinuousBatchingConfig(**{field: value})
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        serving_config(config)
+    assert getattr(config, field) == value  # the caller's config is not changed
+
+
+def test_the_served_config_turns_transformers_graphs_off_on_a_copy():
+    config = ContinuousBatchingConfig(max_batch_tokens=48)
+    served = serving_config(config)
+    assert served is not config and served.use_cuda_graph is False and served.use_async_batching is False
+    assert served.max_batch_tokens == 48 and config.use_cuda_graph is None
+
+
+def test_a_model_holding_a_plain_persistent_manager_is_refused(model):
+    model.generate_batch(prompts_of([3]), generation_config=greedy(2), continuous_batching_config=cb_config(),
+                         persistent_manager=True)
+    with pytest.raises(RuntimeError, match="without cgregistry's graphs"):
+        cgt.init_continuous_batching(model, greedy(2), cb_config())
+    model.destroy_cached_continuous_batching_manager()
+
+
+def test_attach_refuses_other_settings_and_a_running_manager(model):
+    manager = model.init_continuous_batching(greedy(2), serving_config(cb_config()))
+    with pytest.raises(TypeError, match="GraphSettings"):
+        cgt.attach(manager, {"background": False})
+    manager.start()
+    try:
+        with pytest.raises(RuntimeError, match="before manager.start"):
+            cgt.attach(manager)
+    finally:
+        manager.stop(block=True)
+
+
+@pytest.mark.parametrize("bad", [dict(max_capture_size=0), dict(capture_budget=-1.0), dict(background="yes"),
+                                 dict(plan=[(cg.BatchDescriptor(4), "breakable")])])
+def test_bad_settings_are_refused_naming_the_field(bad):
+    with pytest.raises((ValueError, TypeError), match=next(iter(bad))):
+        cgt.GraphSettings(**bad)
+
+
+@pytest.mark.parametrize("version", ["5.16.2", "5.25.0", "4.57.1", "6.0.0"])
+def test_a_transformers_outside_the_tested_range_is_refused_naming_it(version):
+    with pytest.raises(cgt.UnsupportedTransformersVersion, match=rf">=5\.17,<5\.25.*{version}"):
+        check_version(version)
+
+
+@pytest.mark.parametrize("version", ["5.17.0", "5.20.1", "5.24.0.dev0"])
+def test_a_transformers_in_the_range_is_accepted(version):
+    check_version(version)
