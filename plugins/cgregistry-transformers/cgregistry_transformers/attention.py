@@ -20,11 +20,21 @@ MODEL_ARGUMENTS = frozenset({"input_ids", "position_ids", "attention_mask", "use
                              "past_key_values", "inputs_embeds"})
 
 
+# Implementations that attend through a dense mask over the packed batch; on CUDA, in half precision, a model whose
+# layers all attend fully is served by varlen flash attention over the same cache reads instead (see ``varlen``).
+MASKED = frozenset({"sdpa", "paged|sdpa", "eager", "paged|eager"})
+
+
 class TransformersAttention:
     """How the installed transformers attends one layer of a continuous batch, eagerly: the attention function of the
-    implementation the manager chose, after the paged cache's update where the model (not that function) makes it."""
+    implementation the manager chose, after the paged cache's update where the model (not that function) makes it.
 
-    def __init__(self, implementation: str, cache: Any) -> None:
+    ``varlen``: the cache is written and read by transformers' own ``cache.update``, and the attention over what it
+    read runs as torch's varlen flash kernel (``cu_seq_lens``, causal from the end of each request's keys) instead of
+    SDPA over the dense mask: SDPA's default CUDA backend (cuDNN) plans each new shape on the host, tens of ms, and
+    every step of continuous batching reads a new key length (transformers' own graphs freeze one padded shape)."""
+
+    def __init__(self, implementation: str, cache: Any, config: Any, device: torch.device, dtype: torch.dtype) -> None:
         if implementation == NAME:
             raise ValueError(f"the model's attention implementation is already {NAME!r}: give the one transformers' "
                              "continuous batching chose for it ('sdpa', 'paged|sdpa', a flash implementation, ...)")
@@ -34,6 +44,29 @@ class TransformersAttention:
         # Where the paged cache is written: releases whose cache.update takes the batch's kwargs have the attention
         # module call it before the attention function; earlier ones leave it to a "paged|" attention function.
         self.model_updates_cache = "kwargs" in inspect.signature(type(cache).update).parameters
+        full = all(t == "full_attention" for t in (getattr(config, "layer_types", None) or ["full_attention"]))
+        self.varlen = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and full
+                       and implementation in MASKED)
+
+    def read_cache(self, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                   kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's keys and values, read every key each token sees: (keys, kv_heads, head_dim) each."""
+        if self.model_updates_cache:
+            key, value = self.cache.update(key, value, module.layer_idx, kwargs=kwargs)
+            return key[0].transpose(0, 1), value[0].transpose(0, 1)
+        return self.cache.update(key, value, module.layer_idx, kwargs["read_index"], kwargs["write_index"])
+
+    def flash(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              kwargs: dict[str, Any], scaling: float | None) -> torch.Tensor:
+        key, value = self.read_cache(module, key, value, kwargs)
+        cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
+        max_q = kwargs["max_length_q"] if "max_length_q" in kwargs else kwargs["max_seqlen_q"]
+        max_k = kwargs["max_length_k"] if "max_length_k" in kwargs else kwargs["max_seqlen_k"]
+        cu_k = cu_k["full_attention"] if isinstance(cu_k, dict) else cu_k
+        max_k = max_k["full_attention"] if isinstance(max_k, dict) else max_k
+        out = torch.ops.aten._flash_attention_forward(query[0].transpose(0, 1), key, value, cu_q, cu_k, max_q, max_k,
+                                                      0.0, True, False, scale=scaling)[0]
+        return out[None]  # (1, tokens, heads, head_dim)
 
     def layer_kwargs(self, batch_data: Mapping[str, Any]) -> dict[str, Any]:
         """The keyword arguments the model hands every attention call for this batch (what it does not consume)."""
@@ -46,6 +79,8 @@ class TransformersAttention:
                  mask: Any, kwargs: Mapping[str, Any], scaling: float | None) -> torch.Tensor:
         """One layer's attention over ``query``'s tokens, (1, tokens, heads, head_dim), the cache written as it goes."""
         kwargs = dict(kwargs)  # cache.update narrows the per-layer-type entries in place: a fresh dict per layer
+        if self.varlen:
+            return self.flash(module, query, key, value, kwargs, scaling)
         if self.model_updates_cache:
             key, value = self.cache.update(key, value, module.layer_idx, kwargs=kwargs)
         if isinstance(mask, dict):  # one mask per layer type (sliding-window models)

@@ -54,7 +54,8 @@ class GraphRunner:
         self.settings = settings
         self.io = io
         self.pad_inputs = False  # batches stay unpadded: the registry pads them to the closest captured key
-        self.attention = TransformersAttention(model.config._attn_implementation, runner.cache)
+        self.attention = TransformersAttention(model.config._attn_implementation, runner.cache, model.config.get_text_config(),
+                                               io.device, model.dtype)
         cache, cb = runner.cache, runner.cb_config
         self.max_requests = cb.max_requests_per_batch
         self.max_tokens = cache.max_batch_tokens
