@@ -60,8 +60,8 @@ def random_prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(1, 128000, (n,), generator=g).tolist() for n in lengths]
 
 
-def trace_prompts(count: int) -> tuple[list[list[int]], int]:
-    g = torch.Generator().manual_seed(1)
+def trace_prompts(count: int, seed: int = 0) -> tuple[list[list[int]], int]:
+    g = torch.Generator().manual_seed(seed)
     reqs = read_trace(limit=count)
     prompts = [torch.randint(1, 128000, (min(r.prompt_tokens, 1024),), generator=g).tolist() for r in reqs]
     return prompts, min(128, max(r.output_tokens for r in reqs))
@@ -147,11 +147,13 @@ def serve(manager: Any, prompts: list[list[int]], new_tokens: int, warm_up: bool
     return {rid: results[rid] for rid in ids}, elapsed, first
 
 
-def run_workload(model: LlamaForCausalLM, name: str, prompts: list[list[int]], new_tokens: int) -> None:
+def run_workload(model: LlamaForCausalLM, name: str, calls: list[list[list[int]]], new_tokens: int) -> None:
+    """Each way serves ``calls[i]`` at its i-th call: new prompts each call (no prefix cached from the last)."""
+    prompts = calls[0]
     from transformers.generation.continuous_batching.utils import WorkloadHints
     hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=new_tokens,
                           num_requests=len(prompts))
-    print(f"\n== {name}: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+    print(f"\n== {name}: {len(prompts)} requests a call, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{new_tokens} new tokens each")
     outputs: dict[str, list[list[int]]] = {}
     for way in WAYS:
@@ -169,7 +171,7 @@ def run_workload(model: LlamaForCausalLM, name: str, prompts: list[list[int]], n
                 if manager.batch_processor is None:
                     manager.batch_processor = manager._create_batch_processor()
                 clock, _ = instrument(manager, way)
-            results, elapsed, first = serve(manager, prompts, new_tokens, warm_up=way != "cgregistry")
+            results, elapsed, first = serve(manager, calls[call], new_tokens, warm_up=way != "cgregistry")
             if call == 0:
                 elapsed, first = elapsed + making, first + making
             made = sum(len(r.generated_tokens) for r in results.values())
@@ -214,10 +216,10 @@ def main() -> None:
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {where}")
     model = llama_1b(args.tiny)
     with torch.no_grad():
-        run_workload(model, "random prompts", random_prompts(args.prompts), args.new)
+        run_workload(model, "random prompts", [random_prompts(args.prompts, seed) for seed in range(3)], args.new)
         if args.trace:
-            prompts, new_tokens = trace_prompts(args.trace)
-            run_workload(model, "bundled trace", prompts, new_tokens)
+            new_tokens = trace_prompts(args.trace)[1]
+            run_workload(model, "bundled trace", [trace_prompts(args.trace, seed)[0] for seed in range(3)], new_tokens)
 
 
 if __name__ == "__main__":
