@@ -61,7 +61,9 @@ def attach(manager: Any, graphs: GraphSettings | None = None) -> Any:
 
 
 def registry_of(manager: Any) -> cg.GraphRegistry | None:
-    """The ``GraphRegistry`` serving ``manager`` (entries, stats, explain, estimate_memory), or None if none does."""
+    """The ``GraphRegistry`` serving ``manager`` (entries, stats, explain, estimate_memory), or None if none does; given
+    a model, the one serving the manager it keeps (``persistent_manager=True``)."""
+    manager = getattr(manager, "_cached_continuous_batching_manager", manager)  # a model: its kept manager
     processor = getattr(manager, "batch_processor", None)
     runner = getattr(processor, "model_runner", None)
     return runner.registry if isinstance(runner, GraphRunner) else None
