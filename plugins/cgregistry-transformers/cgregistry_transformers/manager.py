@@ -72,11 +72,11 @@ def registry_of(manager: Any) -> cg.GraphRegistry | None:
 def init_continuous_batching(model: Any, generation_config: GenerationConfig | None = None,
                              continuous_batching_config: ContinuousBatchingConfig | None = None, *,
                              graphs: GraphSettings | None = None, **kwargs: Any) -> Any:
-    """``model.init_continuous_batching(...)`` with cgregistry serving the manager's forwards."""
+    """``model.init_continuous_batching(...)`` with cgregistry serving the manager's forwards.  A manager the model
+    keeps is reused, its configs as they are (as transformers reuses it), and served from its next session on."""
     cached = getattr(model, "_cached_continuous_batching_manager", None)
-    if cached is not None and registry_of(cached) is None:
-        raise RuntimeError("the model holds a persistent continuous-batching manager without cgregistry's graphs: call "
-                           "model.destroy_cached_continuous_batching_manager() first")
+    if cached is not None:
+        return attach(model.init_continuous_batching(generation_config=generation_config, **kwargs), graphs)
     manager = model.init_continuous_batching(generation_config=generation_config,
                                              continuous_batching_config=serving_config(continuous_batching_config),
                                              **kwargs)
@@ -92,7 +92,7 @@ def generate_batch(model: Any, inputs: Sequence[Sequence[int]], generation_confi
     if not inputs:
         return {}
     cached = getattr(model, "_cached_continuous_batching_manager", None)
-    if cached is None or registry_of(cached) is None:
+    if cached is None or registry_of(cached) is None:  # none kept, or one without graphs (or dropped by a stop())
         config = generation_config if generation_config is not None else model.generation_config
         returns = config.num_return_sequences or 1
         new_tokens = kwargs.get("max_new_tokens", config.max_new_tokens)

@@ -61,11 +61,17 @@ class GraphRunner:
         self.max_tokens = cache.max_batch_tokens
         self.registry = self._registry(model, io.input_ids.dtype, io.device)
         self.plan = settings.plan_for(self.max_requests, self.max_tokens)
+        too_large = [e.descriptor for e in self.plan if e.descriptor.num_tokens > self.max_tokens
+                     or (e.descriptor.num_reqs or 0) > self.max_requests]
+        if too_large:
+            raise ValueError(f"GraphSettings.plan key {too_large[0]} does not fit the manager's batches: "
+                             f"max_batch_tokens={self.max_tokens}, max_requests_per_batch={self.max_requests} "
+                             "(ContinuousBatchingConfig); build the plan with those limits")
         self._serving = threading.current_thread()  # the thread object, not its ident: idents are reused
         self._captured = False
 
     def _registry(self, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> cg.GraphRegistry:
-        config = model.config
+        config = model.config.get_text_config()  # the decoder's layers read theirs; a vision tower's is left alone
 
         def step(batch: cg.BatchDescriptor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  logits_indices: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,18 @@ def _non_negative(instance: object, attribute: attrs.Attribute, value: float | N
         raise ValueError(f"GraphSettings.{attribute.name} must be None or a number of seconds >= 0, got {value!r}")
 
 
+def _breakable_plan(instance: object, attribute: attrs.Attribute, value: cg.CapturePlan | None) -> None:
+    if value is None:
+        return
+    if not isinstance(value, cg.CapturePlan):
+        raise TypeError(f"GraphSettings.plan must be a cgregistry.CapturePlan, got {value!r}")
+    others = sorted({entry.strategy for entry in value} - {"breakable"})
+    if others:
+        raise ValueError(f"GraphSettings.plan has keys of strategy {others}: the attention runs as an eager break "
+                         "between graph segments, which only 'breakable' keys serve (build the plan with "
+                         "mode='breakable')")
+
+
 def _size(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
     if value is not None and (type(value) is not int or value < 1):
         raise ValueError(f"GraphSettings.{attribute.name} must be None or an int >= 1, got {value!r}")
@@ -31,8 +43,7 @@ class GraphSettings:
     max_capture_size: int | None = attrs.field(default=None, validator=_size)
     background: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     capture_budget: float | None = attrs.field(default=None, validator=_non_negative)
-    plan: cg.CapturePlan | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(cg.CapturePlan)))
+    plan: cg.CapturePlan | None = attrs.field(default=None, validator=_breakable_plan)
     debug: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def plan_for(self, max_requests: int, max_batch_tokens: int) -> cg.CapturePlan:

@@ -126,12 +126,56 @@ def test_the_served_config_turns_transformers_graphs_off_on_a_copy():
     assert served.max_batch_tokens == 48 and config.use_cuda_graph is None
 
 
-def test_a_model_holding_a_plain_persistent_manager_is_refused(model):
-    model.generate_batch(prompts_of([3]), generation_config=greedy(2), continuous_batching_config=cb_config(),
-                         persistent_manager=True)
-    with pytest.raises(RuntimeError, match="without cgregistry's graphs"):
-        cgt.init_continuous_batching(model, greedy(2), cb_config())
+def test_a_manager_the_model_keeps_without_graphs_is_served_with_them(model):
+    prompts = prompts_of([3, 8])
+    model.generate_batch(prompts, generation_config=greedy(4), continuous_batching_config=cb_config(),
+                         persistent_manager=True)  # transformers' own, kept
+    again = cgt.generate_batch(model, prompts, greedy(4), persistent_manager=True)
+    assert tokens(again) == generate_oracle(model, prompts, 4)
+    assert cgt.registry_of(model).stats().hits + cgt.registry_of(model).stats().misses > 0
     model.destroy_cached_continuous_batching_manager()
+
+
+def test_a_plain_call_between_two_served_calls_does_not_strand_the_next(model):
+    prompts = prompts_of([5, 2, 7])
+    cgt.generate_batch(model, prompts, greedy(3), cb_config(), persistent_manager=True)
+    plain = model.generate_batch(prompts, generation_config=greedy(3))  # transformers drops the kept manager's processor
+    served = cgt.generate_batch(model, prompts, greedy(3), cb_config())
+    assert tokens(plain) == tokens(served) == generate_oracle(model, prompts, 3)
+
+
+def test_a_plan_with_keys_the_attention_break_cannot_serve_is_refused():
+    plan = cg.CapturePlan.build(max_num_seqs=4, max_num_tokens=64, max_capture_size=64, mode="full")
+    with pytest.raises(ValueError, match=r"strategy \['full'\].*breakable"):
+        cgt.GraphSettings(plan=plan)
+
+
+def test_a_plan_larger_than_the_managers_batches_is_refused_naming_the_limit(model):
+    plan = cg.CapturePlan.build(max_num_seqs=4, max_num_tokens=256, max_capture_size=256, mode="breakable")
+    with pytest.raises(ValueError, match="max_batch_tokens=64"):
+        cgt.init_continuous_batching(model, greedy(2), cb_config(max_batch_tokens=64),
+                                     graphs=cgt.GraphSettings(plan=plan))
+
+
+def test_a_vision_towers_attention_is_left_as_transformers_leaves_it():
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    def llava():
+        torch.manual_seed(0)
+        text = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)
+        vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=28, patch_size=14)
+        m = LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision, image_token_index=97))
+        m.set_attn_implementation({"": "sdpa", "text_config": "sdpa", "vision_config": "eager"})
+        return m.eval()
+
+    prompts = prompts_of([5, 9])
+    theirs, ours = llava(), llava()
+    expected = tokens(theirs.generate_batch(prompts, generation_config=greedy(3), continuous_batching_config=cb_config()))
+    got = tokens(cgt.generate_batch(ours, prompts, greedy(3), cb_config(), graphs=cgt.GraphSettings(background=False)))
+    assert got == expected
+    assert ours.config.vision_config._attn_implementation == theirs.config.vision_config._attn_implementation
 
 
 def test_attach_refuses_other_settings_and_a_running_manager(model):
