@@ -54,12 +54,10 @@ class GraphRunner:
         self.settings = settings
         self.io = io
         self.pad_inputs = False  # batches stay unpadded: the registry pads them to the closest captured key
-        self.attention = TransformersAttention(model.config._attn_implementation, runner.cache, model.config.get_text_config(),
-                                               io.device, model.dtype)
-        cache, cb = runner.cache, runner.cb_config
-        self.max_requests = cb.max_requests_per_batch
-        self.max_tokens = cache.max_batch_tokens
-        self.registry = self._registry(model, io.input_ids.dtype, io.device)
+        text = model.config.get_text_config()  # the decoder's config (the model's own, unless it has a vision tower)
+        self.attention = TransformersAttention(text._attn_implementation, runner.cache, text, io.device, model.dtype)
+        self.max_requests = runner.cb_config.max_requests_per_batch
+        self.max_tokens = runner.cache.max_batch_tokens
         self.plan = settings.plan_for(self.max_requests, self.max_tokens)
         too_large = [e.descriptor for e in self.plan if e.descriptor.num_tokens > self.max_tokens
                      or (e.descriptor.num_reqs or 0) > self.max_requests]
@@ -67,6 +65,7 @@ class GraphRunner:
             raise ValueError(f"GraphSettings.plan key {too_large[0]} does not fit the manager's batches: "
                              f"max_batch_tokens={self.max_tokens}, max_requests_per_batch={self.max_requests} "
                              "(ContinuousBatchingConfig); build the plan with those limits")
+        self.registry = self._registry(model, io.input_ids.dtype, io.device)
         self._serving = threading.current_thread()  # the thread object, not its ident: idents are reused
         self._captured = False
 
