@@ -45,7 +45,8 @@ class TransformersAttention:
         # module call it before the attention function; earlier ones leave it to a "paged|" attention function.
         self.model_updates_cache = "kwargs" in inspect.signature(type(cache).update).parameters
         full = all(t == "full_attention" for t in (getattr(config, "layer_types", None) or ["full_attention"]))
-        self.varlen = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and full
+        plain = getattr(config, "attn_logit_softcapping", None) is None  # what the flash kernel does not apply
+        self.varlen = (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and full and plain
                        and implementation in MASKED)
 
     def read_cache(self, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,

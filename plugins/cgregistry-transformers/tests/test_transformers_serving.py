@@ -213,3 +213,21 @@ def test_a_transformers_outside_the_tested_range_is_refused_naming_it(version):
 @pytest.mark.parametrize("version", ["5.17.0", "5.20.1", "5.24.0.dev0"])
 def test_a_transformers_in_the_range_is_accepted(version):
     check_version(version)
+
+
+@pytest.mark.parametrize("dtype, extra, implementation, varlen", [
+    (torch.bfloat16, {}, "sdpa", True),
+    (torch.float16, {}, "paged|eager", True),
+    (torch.float32, {}, "sdpa", False),  # the flash kernel takes half precision only
+    (torch.bfloat16, {"layer_types": ["full_attention", "sliding_attention"]}, "sdpa", False),
+    (torch.bfloat16, {"attn_logit_softcapping": 50.0}, "sdpa", False),
+])
+def test_the_varlen_kernel_serves_only_what_it_computes_the_same(model, dtype, extra, implementation, varlen):
+    from cgregistry_transformers.attention import TransformersAttention
+
+    manager = model.init_continuous_batching(greedy(2), serving_config(cb_config()))
+    cache = cgt.attach(manager).batch_processor.model_runner.cache
+    config = type(model.config)(**{**model.config.to_dict(), **extra})
+    attention = TransformersAttention(implementation, cache, config, torch.device("cuda"), dtype)
+    assert attention.varlen is varlen
+    assert not TransformersAttention("sdpa", cache, config, torch.device("cpu"), torch.bfloat16).varlen
