@@ -103,7 +103,8 @@ class StepClock:
         return ", ".join(f"{label} {sum(v) / steps * 1e3:.3f}" for label, v in self.parts.items())
 
 
-def instrument(manager: Any, way: str) -> tuple[StepClock, Any]:
+def instrument(manager: Any, way: str) -> StepClock:
+    """Time each part of the steps of the next call (and, for cgregistry, run() and its attention breaks)."""
     clock = StepClock()
     bp = manager.batch_processor
     clock.wrap(bp, "prepare_next_batch", "prepare")
@@ -113,7 +114,6 @@ def instrument(manager: Any, way: str) -> tuple[StepClock, Any]:
     clock.wrap(runner, "compute_batch", "forward+sample launch")
     if way == "cgregistry":
         reg = runner.registry
-        inner_run = reg.run
         clock.wrap(reg, "run", "of which run()")
         attention = runner.attention
         original = type(attention).__call__
@@ -127,8 +127,7 @@ def instrument(manager: Any, way: str) -> tuple[StepClock, Any]:
                     clock.parts["of which breaks"].append(time.perf_counter() - start)
 
         attention.__class__ = Timed
-        return clock, (reg, inner_run, attention, type(attention).__mro__[1])
-    return clock, None
+    return clock
 
 
 def manager_for(model: LlamaForCausalLM, way: str, new_tokens: int, hints: Any) -> Any:
@@ -189,7 +188,7 @@ def run_workload(model: LlamaForCausalLM, name: str, calls: list[list[list[int]]
         for call in range(3):
             clock = None
             if call == 2:  # a kept manager keeps its batch processor between calls
-                clock, _ = instrument(manager, way)
+                clock = instrument(manager, way)
             results, elapsed, first = serve(manager, calls[call], new_tokens, warm_up=way != "cgregistry")
             if call == 0:
                 elapsed, first = elapsed + making, first + making

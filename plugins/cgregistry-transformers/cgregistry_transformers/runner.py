@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
 
 import cgregistry as cg
 
@@ -46,7 +47,7 @@ class GraphRunner:
 
     def __init__(self, runner: Any, model: torch.nn.Module, settings: GraphSettings) -> None:
         io = runner.inputs_and_outputs
-        if type(io).__name__ != "ContinuousBatchingIOs":
+        if not isinstance(io, ContinuousBatchingIOs):  # the asynchronous pair of IOs is another class
             raise ValueError(f"cgregistry-transformers serves synchronous batching only; the manager uses "
                              f"{type(io).__name__}: pass ContinuousBatchingConfig(use_async_batching=False)")
         self.runner = runner  # transformers' own: logits processing, sampling, the output tensors
