@@ -231,3 +231,57 @@ def test_the_varlen_kernel_serves_only_what_it_computes_the_same(model, dtype, e
     attention = TransformersAttention(implementation, cache, config, torch.device("cuda"), dtype)
     assert attention.varlen is varlen
     assert not TransformersAttention("sdpa", cache, config, torch.device("cpu"), torch.bfloat16).varlen
+
+
+def test_capture_writes_nothing_of_the_kv_cache_between_steps_or_inside_them(model):
+    from cgregistry_transformers.attention import TransformersAttention
+
+    manager = cgt.init_continuous_batching(model, greedy(6), cb_config(max_batch_tokens=32, max_requests=4),
+                                           graphs=cgt.GraphSettings(capture_budget=0.0))
+    runner, reg = manager.batch_processor.model_runner, cgt.registry_of(manager)
+    model._cached_continuous_batching_manager = manager
+    first = model.generate_batch(prompts_of([6, 2, 9]), generation_config=greedy(6), persistent_manager=True)
+    kv = [t.clone() for t in float_tensors(runner.cache)]
+    assert reg.capture_pending(None) and reg.entries()  # the whole plan, between calls, on fill values
+    same = [torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(kv, float_tensors(runner.cache))]
+    assert all(same)
+
+    reg.clear()  # captured again inside the next call's steps, all of it in its first step
+    reg.capture_budget = 10.0
+    attended, per_step, attend = [0], [], runner.attention
+
+    class Counted(TransformersAttention):
+        def __call__(self, *args, **kwargs):
+            attended[0] += 1
+            return TransformersAttention.__call__(self, *args, **kwargs)
+
+    attend.__class__ = Counted
+    served = runner.forward
+
+    def counted(**batch_data):
+        attended[0] = 0
+        out = served(**batch_data)
+        per_step.append(attended[0])
+        return out
+
+    runner.forward = counted
+    reg.capture(runner.plan, background=True)  # pending: the next call's steps capture it
+    assert reg.entries() == []
+    again = model.generate_batch(prompts_of([6, 2, 9]), generation_config=greedy(6), persistent_manager=True)
+    layers = model.config.num_hidden_layers
+    assert per_step and all(n == layers for n in per_step)  # no capture piece attended the live batch
+    assert len(reg.entries()) == len(runner.plan)
+    assert tokens(again) == tokens(first) == generate_oracle(model, prompts_of([6, 2, 9]), 6)
+
+
+def test_served_under_inference_mode_and_autocast_as_eager_leaving_the_process_as_it_was(model):
+    from tests.background.test_process_state import differences, process_state
+
+    prompts = prompts_of([6, 2, 9, 4])
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs = model.generate_batch(prompts, generation_config=greedy(8), continuous_batching_config=cb_config())
+        before = process_state()
+        ours = cgt.generate_batch(model, prompts, greedy(8), cb_config())  # capture between back-to-back steps
+        after = process_state()
+    assert tokens(ours) == tokens(theirs)
+    assert differences(before, after) == []
