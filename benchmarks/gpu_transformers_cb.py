@@ -8,7 +8,9 @@ cgregistry's capture while serving), the later two are the steady state.  Report
 first request's first token, requests whose tokens equal transformers' graphs' (bf16, so near ties may differ), graph
 count and the device memory the serving grew by, and a per-step host breakdown of a steady call (the batch's
 preparation, the forward as launched, sampling, waiting for the device, the batch's update; for cgregistry also
-``run()`` and the eager attention breaks inside it).
+``run()``, and inside it the graph segments' launches, the eager attention breaks, and the rest: what ``run()`` adds).
+``--ways`` serves only some ways (one way per process compares first calls without another way's warm-up before
+them); ``--capture`` is ``GraphSettings(capture=...)``.
 
     PYTHONPATH=.:plugins/cgregistry-transformers python3 benchmarks/gpu_transformers_cb.py [--prompts 64 --new 64 --trace 64]
 """
@@ -104,7 +106,7 @@ class StepClock:
 
 
 def instrument(manager: Any, way: str) -> StepClock:
-    """Time each part of the steps of the next call (and, for cgregistry, run() and its attention breaks)."""
+    """Time each part of the steps of the next call (and, for cgregistry, run(), its graph launches and breaks)."""
     clock = StepClock()
     bp = manager.batch_processor
     clock.wrap(bp, "prepare_next_batch", "prepare")
@@ -115,25 +117,27 @@ def instrument(manager: Any, way: str) -> StepClock:
     if way == "cgregistry":
         reg = runner.registry
         clock.wrap(reg, "run", "of which run()")
-        attention = runner.attention
-        original = type(attention).__call__
-
-        class Timed(type(attention)):
-            def __call__(self, *args: Any, **kwargs: Any) -> Any:
-                start = time.perf_counter()
-                try:
-                    return original(self, *args, **kwargs)
-                finally:
-                    clock.parts["of which breaks"].append(time.perf_counter() - start)
-
-        attention.__class__ = Timed
+        for entry in reg._catalog.entries.values():  # each graph segment's launch and each break, timed apart
+            graph = entry.graph
+            graph._order = tuple(timed(clock, step, "of which launches" if getattr(step, "__name__", "") == "replay"
+                                       else "of which breaks") for step in graph._order)
     return clock
 
 
-def manager_for(model: LlamaForCausalLM, way: str, new_tokens: int, hints: Any) -> Any:
+def timed(clock: StepClock, step: Any, label: str) -> Any:
+    def run() -> None:
+        start = time.perf_counter()
+        step()
+        clock.parts[label].append(time.perf_counter() - start)
+
+    return run
+
+
+def manager_for(model: LlamaForCausalLM, way: str, new_tokens: int, hints: Any, capture: str) -> Any:
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     if way == "cgregistry":
-        return cgt.init_continuous_batching(model, gen, ContinuousBatchingConfig(), workload_hints=hints)
+        return cgt.init_continuous_batching(model, gen, ContinuousBatchingConfig(), workload_hints=hints,
+                                            graphs=cgt.GraphSettings(capture=capture))
     config = ContinuousBatchingConfig(use_cuda_graph=way == "transformers graphs" and CUDA)
     return model.init_continuous_batching(gen, config, workload_hints=hints)
 
@@ -161,7 +165,8 @@ def serve(manager: Any, prompts: list[list[int]], new_tokens: int, warm_up: bool
     return {rid: results[rid] for rid in ids}, elapsed, first
 
 
-def run_workload(model: LlamaForCausalLM, name: str, calls: list[list[list[int]]], new_tokens: int) -> None:
+def run_workload(model: LlamaForCausalLM, name: str, calls: list[list[list[int]]], new_tokens: int,
+                 ways: list[str], capture: str) -> None:
     """Each way serves ``calls[i]`` at its i-th call (the same prompts each call unless ``--fresh-prompts``: then no
     prefix is cached from the call before; transformers 5.17's own kept managers fail on new prompts, see the note)."""
     prompts = calls[0]
@@ -171,7 +176,7 @@ def run_workload(model: LlamaForCausalLM, name: str, calls: list[list[list[int]]
     print(f"\n== {name}: {len(prompts)} requests a call, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{new_tokens} new tokens each")
     outputs: dict[str, list[list[int]]] = {}
-    for way in WAYS:
+    for way in ways:
         gc.collect()
         if CUDA:
             torch.cuda.empty_cache()
@@ -182,7 +187,7 @@ def run_workload(model: LlamaForCausalLM, name: str, calls: list[list[list[int]]
         cb_logger.addHandler(keys)
         level = cb_logger.level
         cb_logger.setLevel(min(level or logging.INFO, logging.INFO))
-        manager = manager_for(model, way, new_tokens, hints)
+        manager = manager_for(model, way, new_tokens, hints, capture)
         making = time.perf_counter() - made_at  # the first call pays for the manager (its KV cache) too
         rates = []
         for call in range(3):
@@ -201,7 +206,13 @@ def run_workload(model: LlamaForCausalLM, name: str, calls: list[list[list[int]]
                 outputs[way] = [list(r.generated_tokens) for r in results.values()]
             if clock is not None:
                 steps = len(clock.parts["prepare"])
-                print(f"{'':20s} per step (host ms, {steps} steps): {clock.summary(steps)}")
+                if "of which run()" in clock.parts:  # what run() adds: neither a graph launch nor a break
+                    rest = sum(clock.parts["of which run()"]) - sum(clock.parts["of which launches"]) - sum(
+                        clock.parts["of which breaks"])
+                    clock.parts["of which run() adds"] = [rest]
+                step_s = sum(sum(clock.parts[k]) for k in ("prepare", "forward+sample launch", "wait device", "update"))
+                print(f"{'':20s} per step (host ms, {steps} steps): {clock.summary(steps)}; step "
+                      f"{step_s / steps * 1e3:.3f}")
         used = free_before - free_memory()
         if way == "cgregistry":
             reg = cgt.registry_of(manager)
@@ -217,8 +228,10 @@ def run_workload(model: LlamaForCausalLM, name: str, calls: list[list[list[int]]
         manager.destroy()
         model.__dict__.pop("_cached_continuous_batching_manager", None)
         del manager
+    if "transformers graphs" not in outputs:
+        return
     ref = outputs["transformers graphs"]
-    for way in ("eager", "cgregistry"):
+    for way in (w for w in ("eager", "cgregistry") if w in outputs):
         same = sum(a == b for a, b in zip(outputs[way], ref))
         print(f"{way}: {same}/{len(ref)} requests' tokens equal transformers graphs'")
 
@@ -230,17 +243,24 @@ def main() -> None:
     parser.add_argument("--trace", type=int, default=64)
     parser.add_argument("--tiny", action="store_true", help="a two-layer fp32 model: a smoke run of this script")
     parser.add_argument("--fresh-prompts", action="store_true", help="new prompts at each call of a kept manager")
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"a comma-separated subset of {WAYS}")
+    parser.add_argument("--capture", default="background", help="GraphSettings(capture=...) for cgregistry")
     args = parser.parse_args()
+    ways = args.ways.split(",")
+    if not set(ways) <= set(WAYS):
+        parser.error(f"--ways {args.ways!r}: each must be one of {WAYS}")
     import transformers
     where = torch.cuda.get_device_name() if CUDA else "cpu"
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {where}")
     model = llama_1b(args.tiny)
     with torch.no_grad():
         seeds = range(3) if args.fresh_prompts else [0, 0, 0]
-        run_workload(model, "random prompts", [random_prompts(args.prompts, seed) for seed in seeds], args.new)
+        run_workload(model, "random prompts", [random_prompts(args.prompts, seed) for seed in seeds], args.new, ways,
+                     args.capture)
         if args.trace:
             new_tokens = trace_prompts(args.trace)[1]
-            run_workload(model, "bundled trace", [trace_prompts(args.trace, seed)[0] for seed in seeds], new_tokens)
+            run_workload(model, "bundled trace", [trace_prompts(args.trace, seed)[0] for seed in seeds], new_tokens, ways,
+                         args.capture)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,8 @@ class GraphRunner:
             self._serving = threading.current_thread()
         if not self._captured:
             self._captured = True
-            self.registry.capture(self.plan, background=self.settings.background)
+            when = self.settings.capture
+            self.registry.capture(self.plan, background=when == "background", lazy=when == "first use")
         io = self.io
         carry_over_ids, prev_output_ids, output_ids = io.get_cb_kwargs()
         batch_data["logits_to_keep"] = batch_data["logits_indices"]  # the step keeps only these rows' logits

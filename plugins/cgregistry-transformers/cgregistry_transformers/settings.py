@@ -24,6 +24,9 @@ def _breakable_plan(instance: object, attribute: attrs.Attribute, value: cg.Capt
                          "mode='breakable')")
 
 
+CAPTURE_WHEN = ("background", "first use", "at start")
+
+
 def _size(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
     if value is not None and (type(value) is not int or value < 1):
         raise ValueError(f"GraphSettings.{attribute.name} must be None or an int >= 1, got {value!r}")
@@ -34,16 +37,18 @@ class GraphSettings:
     """How cgregistry serves a continuous-batching manager.
 
     ``max_capture_size``: the largest token count captured (a batch above it runs eagerly); None: 128 tokens, or the
-    manager's ``max_batch_tokens`` when smaller.  ``background``: True (the default) serves from the first request and
-    captures the plan between steps, within ``capture_budget`` seconds a step (at least one piece: a key's warm-up or
-    its recording); the default, 5 ms, is about one piece a step, half a steady step of a 1B model on an H200 (None:
-    an eager step's time, which a long prefill makes large: the first tokens wait; 0: never while serving); False
-    captures the whole plan at the first step.  ``plan``: a ``CapturePlan`` of your own instead
-    (its strategies must run attention eagerly: ``breakable``).  ``debug``: the registry's debug mode.
+    manager's ``max_batch_tokens`` when smaller.  ``capture``: when the plan's keys are captured, on the manager's
+    generation thread: "background" (the default) serves from the first request and captures the plan between steps,
+    within ``capture_budget`` seconds a step (at least one piece: a key's warm-up or its recording; 5 ms by default,
+    about one piece a step, half a steady step of a 1B model on an H200; None: an eager step's time, which a long
+    prefill makes large; 0: never while serving); "first use" captures each key inside the first step it is the best
+    key for (that step waits for one key; keys no batch needs are never captured); "at start" captures the whole plan
+    at the first step.  ``plan``: a ``CapturePlan`` of your own instead (its strategies must run attention eagerly:
+    ``breakable``).  ``debug``: the registry's debug mode.
     """
 
     max_capture_size: int | None = attrs.field(default=None, validator=_size)
-    background: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    capture: str = attrs.field(default="background", validator=attrs.validators.in_(CAPTURE_WHEN))
     capture_budget: float | None = attrs.field(default=0.005, validator=_non_negative)
     plan: cg.CapturePlan | None = attrs.field(default=None, validator=_breakable_plan)
     debug: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))

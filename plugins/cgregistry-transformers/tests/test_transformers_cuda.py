@@ -13,11 +13,11 @@ from cgregistry_transformers.runner import Logits
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_every_step_matches_transformers_eager_step_in_bf16(background):
+@pytest.mark.parametrize("when", cgt.settings.CAPTURE_WHEN)
+def test_every_step_matches_transformers_eager_step_in_bf16(when):
     model = tiny_llama().to("cuda", torch.bfloat16)
     manager = cgt.init_continuous_batching(model, greedy(8), cb_config(max_batch_tokens=32, max_requests=4),
-                                           graphs=cgt.GraphSettings(background=background))
+                                           graphs=cgt.GraphSettings(capture=when))
     runner = manager.batch_processor.model_runner
     assert runner.attention.varlen
     served, errors = runner.forward, []

@@ -38,7 +38,7 @@ def model():
 def test_a_persistent_manager_keeps_its_graphs_across_sessions(model):
     prompts = [prompts_of([4, 11, 6], seed) for seed in range(3)]
     config = cb_config(max_batch_tokens=32, max_requests=3)
-    first = cgt.generate_batch(model, prompts[0], greedy(6), config, graphs=cgt.GraphSettings(background=False),
+    first = cgt.generate_batch(model, prompts[0], greedy(6), config, graphs=cgt.GraphSettings(capture="at start"),
                                persistent_manager=True)
     reg = cgt.registry_of(model._cached_continuous_batching_manager)
     graphs = [(e.key, e.strategy) for e in reg.entries()]
@@ -96,9 +96,32 @@ def test_the_default_budget_captures_while_serving(model):
     assert after_each_step[-1] == planned and reg.pending() == [] and reg.stats().hits > 0
 
 
+def test_first_use_captures_only_the_keys_the_batches_needed_inside_their_steps(model):
+    prompts = prompts_of([6, 2, 9, 4])
+    manager = cgt.init_continuous_batching(model, greedy(10), cb_config(max_batch_tokens=32, max_requests=4),
+                                           graphs=cgt.GraphSettings(capture="first use"))
+    reg = cgt.registry_of(manager)
+    runner = manager.batch_processor.model_runner
+    served, steps = runner.forward, []
+
+    def recorded(**batch_data):
+        io = runner.io
+        steps.append(cg.BatchDescriptor(io.num_q_tokens, io.num_request_in_batch))
+        return served(**batch_data)
+
+    runner.forward = recorded
+    model._cached_continuous_batching_manager = manager
+    results = model.generate_batch(prompts, generation_config=greedy(10), persistent_manager=True)
+    assert tokens(results) == generate_oracle(model, prompts, 10)
+    captured = {e.key for e in reg.entries()}
+    served_by = {reg.match(actual).key for actual in steps}  # every step's key, live now
+    assert captured == served_by < {e.descriptor for e in runner.plan}  # the keys no batch needed stay uncaptured
+    assert reg.stats().lazy_captures == len(captured) and reg.stats().hits == len(steps)  # no step ran eagerly
+
+
 def test_inspection_on_transformers_batches(model):
     manager = cgt.init_continuous_batching(model, greedy(4), cb_config(max_batch_tokens=32, max_requests=4),
-                                           graphs=cgt.GraphSettings(background=False))
+                                           graphs=cgt.GraphSettings(capture="at start"))
     reg = cgt.registry_of(manager)
     runner = manager.batch_processor.model_runner
     kv = [t.clone() for t in float_tensors(runner.cache)]
@@ -180,7 +203,7 @@ def test_a_vision_towers_attention_is_left_as_transformers_leaves_it():
     prompts = prompts_of([5, 9])
     theirs, ours = llava(), llava()
     expected = tokens(theirs.generate_batch(prompts, generation_config=greedy(3), continuous_batching_config=cb_config()))
-    got = tokens(cgt.generate_batch(ours, prompts, greedy(3), cb_config(), graphs=cgt.GraphSettings(background=False)))
+    got = tokens(cgt.generate_batch(ours, prompts, greedy(3), cb_config(), graphs=cgt.GraphSettings(capture="at start")))
     assert got == expected
     assert ours.config.vision_config._attn_implementation == theirs.config.vision_config._attn_implementation
 
@@ -188,7 +211,7 @@ def test_a_vision_towers_attention_is_left_as_transformers_leaves_it():
 def test_attach_refuses_other_settings_and_a_running_manager(model):
     manager = model.init_continuous_batching(greedy(2), serving_config(cb_config()))
     with pytest.raises(TypeError, match="GraphSettings"):
-        cgt.attach(manager, {"background": False})
+        cgt.attach(manager, {"capture": "at start"})
     manager.start()
     try:
         with pytest.raises(RuntimeError, match="before manager.start"):
@@ -197,7 +220,7 @@ def test_attach_refuses_other_settings_and_a_running_manager(model):
         manager.stop(block=True)
 
 
-@pytest.mark.parametrize("bad", [dict(max_capture_size=0), dict(capture_budget=-1.0), dict(background="yes"),
+@pytest.mark.parametrize("bad", [dict(max_capture_size=0), dict(capture_budget=-1.0), dict(capture="lazy"), dict(capture=True),
                                  dict(plan=[(cg.BatchDescriptor(4), "breakable")])])
 def test_bad_settings_are_refused_naming_the_field(bad):
     with pytest.raises((ValueError, TypeError), match=next(iter(bad))):

@@ -16,7 +16,7 @@ def served(model, prompts, new_tokens, config, graphs=None):
     """generate_batch through the registry, with every step's batch and whether a graph served it."""
     steps: list[tuple[cg.BatchDescriptor, bool]] = []
     manager = cgt.init_continuous_batching(model, greedy(new_tokens), config,
-                                           graphs=graphs or cgt.GraphSettings(background=False))
+                                           graphs=graphs or cgt.GraphSettings(capture="at start"))
     runner = manager.batch_processor.model_runner
     forward = runner.forward
 
