@@ -116,7 +116,18 @@ def instrument(manager: Any, way: str) -> StepClock:
     clock.wrap(runner, "compute_batch", "forward+sample launch")
     if way == "cgregistry":
         reg = runner.registry
-        clock.wrap(reg, "run", "of which run()")
+        served = reg.run
+
+        def run(*args: Any, **kwargs: Any) -> Any:  # a step served by graphs launches one; an eager step none
+            launched, start = len(clock.parts["of which launches"]), time.perf_counter()
+            try:
+                return served(*args, **kwargs)
+            finally:
+                took = time.perf_counter() - start
+                graphs = len(clock.parts["of which launches"]) > launched
+                clock.parts["of which run() from graphs" if graphs else "of which run() eager"].append(took)
+
+        reg.run = run
         for entry in reg._catalog.entries.values():  # each graph segment's launch and each break, timed apart
             graph = entry.graph
             graph._order = tuple(timed(clock, step, "of which launches" if getattr(step, "__name__", "") == "replay"
@@ -206,13 +217,16 @@ def run_workload(model: LlamaForCausalLM, name: str, calls: list[list[list[int]]
                 outputs[way] = [list(r.generated_tokens) for r in results.values()]
             if clock is not None:
                 steps = len(clock.parts["prepare"])
-                if "of which run()" in clock.parts:  # what run() adds: neither a graph launch nor a break
-                    rest = sum(clock.parts["of which run()"]) - sum(clock.parts["of which launches"]) - sum(
-                        clock.parts["of which breaks"])
-                    clock.parts["of which run() adds"] = [rest]
                 step_s = sum(sum(clock.parts[k]) for k in ("prepare", "forward+sample launch", "wait device", "update"))
+                adds = ""
+                if "of which launches" in clock.parts:  # what run() adds to a step its graphs serve: neither launch nor break
+                    rest = sum(clock.parts["of which run() from graphs"]) - sum(clock.parts["of which launches"]) - sum(
+                        clock.parts["of which breaks"])
+                    graph_steps = len(clock.parts["of which run() from graphs"])
+                    adds = f"; what run() adds {rest / graph_steps * 1e3:.3f} ms a graph-served step ({graph_steps})"
+                    clock.parts["of which run() adds"] = [rest]
                 print(f"{'':20s} per step (host ms, {steps} steps): {clock.summary(steps)}; step "
-                      f"{step_s / steps * 1e3:.3f}")
+                      f"{step_s / steps * 1e3:.3f}{adds}")
         used = free_before - free_memory()
         if way == "cgregistry":
             reg = cgt.registry_of(manager)

@@ -24,7 +24,7 @@ def _breakable_plan(instance: object, attribute: attrs.Attribute, value: cg.Capt
                          "mode='breakable')")
 
 
-CAPTURE_WHEN = ("background", "first use", "at start")
+CAPTURE_WHEN = ("first use", "background", "at start")
 
 
 def _size(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
@@ -37,18 +37,17 @@ class GraphSettings:
     """How cgregistry serves a continuous-batching manager.
 
     ``max_capture_size``: the largest token count captured (a batch above it runs eagerly); None: 128 tokens, or the
-    manager's ``max_batch_tokens`` when smaller.  ``capture``: when the plan's keys are captured, on the manager's
-    generation thread: "background" (the default) serves from the first request and captures the plan between steps,
-    within ``capture_budget`` seconds a step (at least one piece: a key's warm-up or its recording; 5 ms by default,
-    about one piece a step, half a steady step of a 1B model on an H200; None: an eager step's time, which a long
-    prefill makes large; 0: never while serving); "first use" captures each key inside the first step it is the best
-    key for (that step waits for one key; keys no batch needs are never captured); "at start" captures the whole plan
-    at the first step.  ``plan``: a ``CapturePlan`` of your own instead (its strategies must run attention eagerly:
-    ``breakable``).  ``debug``: the registry's debug mode.
+    manager's ``max_batch_tokens`` when smaller.  ``capture``: when keys are captured, on the manager's generation
+    thread: "first use" (the default) captures each key inside the first step it is the best key for (that step waits
+    for one capture, tens of ms; a key no batch needs is never captured); "background" captures the whole plan between
+    steps from the first one, within ``capture_budget`` seconds a step (at least one piece: a key's warm-up or its
+    recording; 5 ms by default, about one piece a step; None: an eager step's time; 0: never while serving), serving
+    eagerly until a key is live; "at start" captures the whole plan at the first step.  ``plan``: a ``CapturePlan`` of
+    your own (its strategies must run attention eagerly: ``breakable``).  ``debug``: the registry's debug mode.
     """
 
     max_capture_size: int | None = attrs.field(default=None, validator=_size)
-    capture: str = attrs.field(default="background", validator=attrs.validators.in_(CAPTURE_WHEN))
+    capture: str = attrs.field(default="first use", validator=attrs.validators.in_(CAPTURE_WHEN))
     capture_budget: float | None = attrs.field(default=0.005, validator=_non_negative)
     plan: cg.CapturePlan | None = attrs.field(default=None, validator=_breakable_plan)
     debug: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))

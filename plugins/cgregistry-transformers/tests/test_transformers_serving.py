@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from cb_models import cb_config, generate_oracle, greedy, prompts_of, tiny_llama, tokens
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -63,7 +64,7 @@ def test_a_manager_that_is_not_kept_leaves_no_graphs_on_the_model(model):
 def test_background_capture_serves_the_first_requests_eagerly_then_from_graphs(model):
     prompts = prompts_of([6, 2, 9, 4])
     manager = cgt.init_continuous_batching(model, greedy(12), cb_config(max_batch_tokens=32, max_requests=4),
-                                           graphs=cgt.GraphSettings(capture_budget=0.0))
+                                           graphs=cgt.GraphSettings(capture="background", capture_budget=0.0))
     reg = cgt.registry_of(manager)
     model._cached_continuous_batching_manager = manager
     results = model.generate_batch(prompts, generation_config=greedy(12), persistent_manager=True)
@@ -76,9 +77,10 @@ def test_background_capture_serves_the_first_requests_eagerly_then_from_graphs(m
     assert tokens(again) == tokens(results) and reg.stats().hits > 0
 
 
-def test_the_default_budget_captures_while_serving(model):
+def test_background_capture_with_the_default_budget_captures_the_whole_plan_while_serving(model):
     prompts = prompts_of([6, 2, 9, 4])
-    manager = cgt.init_continuous_batching(model, greedy(24), cb_config(max_batch_tokens=32, max_requests=4))
+    manager = cgt.init_continuous_batching(model, greedy(24), cb_config(max_batch_tokens=32, max_requests=4),
+                                           graphs=cgt.GraphSettings(capture="background"))
     reg = cgt.registry_of(manager)
     runner = manager.batch_processor.model_runner
     planned, served, after_each_step = len(runner.plan), runner.forward, []
@@ -99,7 +101,7 @@ def test_the_default_budget_captures_while_serving(model):
 def test_first_use_captures_only_the_keys_the_batches_needed_inside_their_steps(model):
     prompts = prompts_of([6, 2, 9, 4])
     manager = cgt.init_continuous_batching(model, greedy(10), cb_config(max_batch_tokens=32, max_requests=4),
-                                           graphs=cgt.GraphSettings(capture="first use"))
+                                           graphs=cgt.GraphSettings())  # capture="first use"
     reg = cgt.registry_of(manager)
     runner = manager.batch_processor.model_runner
     served, steps = runner.forward, []
@@ -260,7 +262,7 @@ def test_capture_writes_nothing_of_the_kv_cache_between_steps_or_inside_them(mod
     from cgregistry_transformers.attention import TransformersAttention
 
     manager = cgt.init_continuous_batching(model, greedy(6), cb_config(max_batch_tokens=32, max_requests=4),
-                                           graphs=cgt.GraphSettings(capture_budget=0.0))
+                                           graphs=cgt.GraphSettings(capture="background", capture_budget=0.0))
     runner, reg = manager.batch_processor.model_runner, cgt.registry_of(manager)
     model._cached_continuous_batching_manager = manager
     first = model.generate_batch(prompts_of([6, 2, 9]), generation_config=greedy(6), persistent_manager=True)
@@ -297,14 +299,20 @@ def test_capture_writes_nothing_of_the_kv_cache_between_steps_or_inside_them(mod
     assert tokens(again) == tokens(first) == generate_oracle(model, prompts_of([6, 2, 9]), 6)
 
 
-def test_served_under_inference_mode_and_autocast_as_eager_leaving_the_process_as_it_was(model):
+@pytest.mark.parametrize("when", ["first use", "background"])  # captures inside steps, and between them
+def test_served_under_inference_mode_and_autocast_as_eager_leaving_the_process_as_it_was(model, when):
     from tests.background.test_process_state import differences, process_state
 
     prompts = prompts_of([6, 2, 9, 4])
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         theirs = model.generate_batch(prompts, generation_config=greedy(8), continuous_batching_config=cb_config())
+        failed = [r.error for r in theirs.values() if r.error] or [f"{len(theirs)} results"]
+        if [len(t) for t in tokens(theirs)] != [8] * len(prompts):  # 5.17 writes inference tensors outside the mode
+            pytest.skip(f"transformers {transformers.__version__}'s own continuous batching fails under the caller's "
+                        f"inference_mode: {failed[0][:80]}")
         before = process_state()
-        ours = cgt.generate_batch(model, prompts, greedy(8), cb_config())  # capture between back-to-back steps
+        ours = cgt.generate_batch(model, prompts, greedy(8), cb_config(), graphs=cgt.GraphSettings(capture=when))
         after = process_state()
+    assert [len(t) for t in tokens(ours)] == [8] * len(prompts)
     assert tokens(ours) == tokens(theirs)
     assert differences(before, after) == []
