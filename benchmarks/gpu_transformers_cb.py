@@ -144,11 +144,11 @@ def timed(clock: StepClock, step: Any, label: str) -> Any:
     return run
 
 
-def manager_for(model: LlamaForCausalLM, way: str, new_tokens: int, hints: Any, capture: str) -> Any:
+def manager_for(model: LlamaForCausalLM, way: str, new_tokens: int, hints: Any, capture: str | None) -> Any:
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     if way == "cgregistry":
-        return cgt.init_continuous_batching(model, gen, ContinuousBatchingConfig(), workload_hints=hints,
-                                            graphs=cgt.GraphSettings(capture=capture))
+        settings = cgt.GraphSettings() if capture is None else cgt.GraphSettings(capture=capture)
+        return cgt.init_continuous_batching(model, gen, ContinuousBatchingConfig(), workload_hints=hints, graphs=settings)
     config = ContinuousBatchingConfig(use_cuda_graph=way == "transformers graphs" and CUDA)
     return model.init_continuous_batching(gen, config, workload_hints=hints)
 
@@ -177,7 +177,7 @@ def serve(manager: Any, prompts: list[list[int]], new_tokens: int, warm_up: bool
 
 
 def run_workload(model: LlamaForCausalLM, name: str, calls: list[list[list[int]]], new_tokens: int,
-                 ways: list[str], capture: str) -> None:
+                 ways: list[str], capture: str | None) -> None:
     """Each way serves ``calls[i]`` at its i-th call (the same prompts each call unless ``--fresh-prompts``: then no
     prefix is cached from the call before; transformers 5.17's own kept managers fail on new prompts, see the note)."""
     prompts = calls[0]
@@ -258,14 +258,15 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a two-layer fp32 model: a smoke run of this script")
     parser.add_argument("--fresh-prompts", action="store_true", help="new prompts at each call of a kept manager")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"a comma-separated subset of {WAYS}")
-    parser.add_argument("--capture", default="background", help="GraphSettings(capture=...) for cgregistry")
+    parser.add_argument("--capture", help="GraphSettings(capture=...) for cgregistry (default: the plugin's default)")
     args = parser.parse_args()
     ways = args.ways.split(",")
     if not set(ways) <= set(WAYS):
         parser.error(f"--ways {args.ways!r}: each must be one of {WAYS}")
     import transformers
     where = torch.cuda.get_device_name() if CUDA else "cpu"
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}, {where}")
+    capture = args.capture or cgt.GraphSettings().capture
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, {where}; cgregistry captures: {capture}")
     model = llama_1b(args.tiny)
     with torch.no_grad():
         seeds = range(3) if args.fresh_prompts else [0, 0, 0]
