@@ -53,6 +53,19 @@ def test_a_persistent_manager_keeps_its_graphs_across_sessions(model):
     assert reg.stats().hits > served
 
 
+def test_keys_first_needed_in_a_later_session_are_captured_on_its_thread(model):
+    config = cb_config(max_batch_tokens=32, max_requests=4)
+    first = cgt.generate_batch(model, prompts_of([3]), greedy(4), config, persistent_manager=True)  # one request
+    reg = cgt.registry_of(model)
+    captured = {e.key for e in reg.entries()}
+    assert tokens(first) == generate_oracle(model, prompts_of([3]), 4) and captured
+    wider = prompts_of([9, 2, 14, 5], seed=4)  # a new session (a new generation thread) with wider batches
+    again = cgt.generate_batch(model, wider, greedy(5), persistent_manager=True)
+    assert tokens(again) == generate_oracle(model, wider, 5)
+    assert {e.key for e in reg.entries()} > captured  # new keys, captured inside that session's steps
+    assert reg.stats().lazy_captures == len(reg.entries()) and reg.failures() == {}
+
+
 def test_a_manager_that_is_not_kept_leaves_no_graphs_on_the_model(model):
     prompts = prompts_of([5, 3])
     cgt.generate_batch(model, prompts, greedy(3), cb_config())
