@@ -119,29 +119,50 @@ def instrument(manager: Any, way: str) -> StepClock:
         served = reg.run
 
         def run(*args: Any, **kwargs: Any) -> Any:  # a step served by graphs launches one; an eager step none
-            launched, start = len(clock.parts["of which launches"]), time.perf_counter()
+            launches, breaks = clock.parts["of which launches"], clock.parts["of which breaks"]
+            seen, start = (len(launches), len(breaks)), time.perf_counter()
             try:
                 return served(*args, **kwargs)
             finally:
                 took = time.perf_counter() - start
-                graphs = len(clock.parts["of which launches"]) > launched
-                clock.parts["of which run() from graphs" if graphs else "of which run() eager"].append(took)
+                if len(launches) > seen[0]:  # what run() adds to this step: neither a launch nor a break
+                    clock.parts["of which run() from graphs"].append(took)
+                    inside = sum(launches[seen[0]:]) + sum(breaks[seen[1]:])
+                    clock.parts["of which run() adds"].append(took - inside)
+                else:
+                    clock.parts["of which run() eager"].append(took)
 
         reg.run = run
-        for entry in reg._catalog.entries.values():  # each graph segment's launch and each break, timed apart
-            graph = entry.graph
-            graph._order = tuple(timed(clock, step, "of which launches" if getattr(step, "__name__", "") == "replay"
-                                       else "of which breaks") for step in graph._order)
+        TIMING[:] = [clock]
     return clock
 
 
-def timed(clock: StepClock, step: Any, label: str) -> Any:
-    def run() -> None:
-        start = time.perf_counter()
-        step()
-        clock.parts[label].append(time.perf_counter() - start)
+TIMING: list[StepClock] = []  # the clock of the call being timed, if any: graph launches and breaks report to it
 
-    return run
+
+def time_launches_and_breaks() -> None:
+    """Time each graph segment's launch and each attention break of the graphs captured from now on (before any
+    capture: a breakable graph binds its segments' launches when it is made)."""
+    import cgregistry.backends.cuda as cuda
+    from cgregistry.backends.cpu import CpuGraph
+    from cgregistry_transformers.attention import LiveBatch
+
+    def timed(run: Any, label: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not TIMING:
+                return run(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                TIMING[0].parts[label].append(time.perf_counter() - start)
+
+        return call
+
+    launch = cuda.direct_replay
+    cuda.direct_replay = lambda graph: timed(launch(graph), "of which launches")
+    CpuGraph.replay = timed(CpuGraph.replay, "of which launches")  # the tiny run on a CPU
+    LiveBatch.attend_into = timed(LiveBatch.attend_into, "of which breaks")
 
 
 def manager_for(model: LlamaForCausalLM, way: str, new_tokens: int, hints: Any, capture: str | None) -> Any:
@@ -216,15 +237,13 @@ def run_workload(model: LlamaForCausalLM, name: str, calls: list[list[list[int]]
             if call == 0:
                 outputs[way] = [list(r.generated_tokens) for r in results.values()]
             if clock is not None:
+                TIMING.clear()
                 steps = len(clock.parts["prepare"])
                 step_s = sum(sum(clock.parts[k]) for k in ("prepare", "forward+sample launch", "wait device", "update"))
                 adds = ""
-                if "of which launches" in clock.parts:  # what run() adds to a step its graphs serve: neither launch nor break
-                    rest = sum(clock.parts["of which run() from graphs"]) - sum(clock.parts["of which launches"]) - sum(
-                        clock.parts["of which breaks"])
-                    graph_steps = len(clock.parts["of which run() from graphs"])
-                    adds = f"; what run() adds {rest / graph_steps * 1e3:.3f} ms a graph-served step ({graph_steps})"
-                    clock.parts["of which run() adds"] = [rest]
+                if clock.parts.get("of which run() adds"):
+                    rest = clock.parts["of which run() adds"]
+                    adds = f"; what run() adds {sum(rest) / len(rest) * 1e3:.3f} ms a graph-served step ({len(rest)})"
                 print(f"{'':20s} per step (host ms, {steps} steps): {clock.summary(steps)}; step "
                       f"{step_s / steps * 1e3:.3f}{adds}")
         used = free_before - free_memory()
@@ -268,6 +287,7 @@ def main() -> None:
     capture = args.capture or cgt.GraphSettings().capture
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, {where}; cgregistry captures: {capture}")
     model = llama_1b(args.tiny)
+    time_launches_and_breaks()
     with torch.no_grad():
         seeds = range(3) if args.fresh_prompts else [0, 0, 0]
         run_workload(model, "random prompts", [random_prompts(args.prompts, seed) for seed in seeds], args.new, ways,

@@ -102,6 +102,13 @@ class LiveBatch:
         self.mask = batch_data.get("attention_mask")
         self.attend = attend
 
+    def attend_into(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    out: torch.Tensor, scaling: float | None) -> None:
+        """Write this batch's attention for its real tokens into ``out``'s first rows (padded rows stay zero)."""
+        n = self.num_tokens
+        result = self.attend(module, query[:, :, :n], key[:, :, :n], value[:, :, :n], self.mask, self.kwargs, scaling)
+        out[:, :n].copy_(result)
+
 
 def _skip_during_capture(*args: Any) -> None:
     """While segments are recorded there is no live batch: nothing is attended and the KV cache is not touched."""
@@ -110,14 +117,11 @@ def _skip_during_capture(*args: Any) -> None:
 @cg.eager_break(capture_stub=_skip_during_capture, name="transformers paged attention")
 def attend_live_batch(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       out: torch.Tensor, scaling: float | None) -> None:
-    """Write the live batch's attention for its real tokens into ``out``'s first rows (padded rows stay zero)."""
+    """The live batch's attention for its real tokens, into ``out``'s first rows (padded rows stay zero)."""
     live = cg.current_batch()
     batch = live.payload if live is not None else None
-    if not isinstance(batch, LiveBatch):
-        return  # a capture's warm-up runs the all-padding batch: nothing to attend, and the cache stays as it is
-    n = batch.num_tokens
-    result = batch.attend(module, query[:, :, :n], key[:, :, :n], value[:, :, :n], batch.mask, batch.kwargs, scaling)
-    out[:, :n].copy_(result)
+    if isinstance(batch, LiveBatch):  # else a capture's warm-up runs the all-padding batch: the cache stays as it is
+        batch.attend_into(module, query, key, value, out, scaling)
 
 
 def graph_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
