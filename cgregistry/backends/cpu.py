@@ -251,10 +251,6 @@ class CpuGraph:
                     for i, target in op.targets:
                         target.copy_(fresh[i])
 
-    @property
-    def num_ops(self) -> int:
-        return len(self.ops)
-
 
 def find_graph_unsafe_ops(fn: Callable[[], Any]) -> list[GraphUnsafeOpError]:
     """Run ``fn`` eagerly and list every graph-unsafe op it calls (does not stop at the first)."""

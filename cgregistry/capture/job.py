@@ -22,6 +22,7 @@ thread holds.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import logging
@@ -30,7 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NoReturn
 
 import attrs
 import torch
@@ -53,8 +54,6 @@ from cgregistry.store.io import OutputAxes, StaticBuffer, capture_inputs, check_
 from cgregistry.messages import warn
 
 __all__ = ["FOREGROUND", "UNWARMED", "CaptureContext", "CaptureError", "CaptureJob", "Mode", "Warmed", "paused_gc", "scratch"]
-
-_T = TypeVar("_T")
 
 _log = logging.getLogger("cgregistry")
 
@@ -253,7 +252,7 @@ class CaptureJob:
         arguments, and what they hold); looked for again at each ``capture()`` and ``refresh()``, so one made or
         rebound since is seen.  ``rebase``: where no graph is held, every watched address is taken anew as its
         baseline."""
-        held = bool(self._catalog.entries or self._catalog.capturing)  # what is new to the step now, its graphs miss
+        held = self.holds_graphs()  # what is new to the step now, its graphs miss
         self._reached = self.watch.watch_step(self.step, added=held, rebase=rebase and not held)
 
     def say_uncovered(self, plan: object) -> None:
@@ -355,7 +354,7 @@ class CaptureJob:
         """Debug mode's addresses recorded again, and a fresh pool (``GraphPool.renew_if_unused``: to ``release`` its
         memory, or where the old one takes no more captures), when no graph holds or will hold the pool; a pool shared
         with a registry that holds graphs is kept."""
-        if not (self._catalog.entries or self._catalog.capturing):
+        if not self.holds_graphs():
             if self.pool.used or (release and self.pool.kept):
                 self.pool.renew_if_unused(release)
             self.watch.rebase()
@@ -409,10 +408,7 @@ class CaptureJob:
                 warmed = ctx.state.run(self._warm, pair, ctx, used_before)
             except BaseException as exc:
                 self._events.capture_started(key, name)
-                error = self._report_failure(pair, exc)
-                if error is exc:
-                    raise
-                raise error from exc
+                self._raise_failure(pair, exc)
         return warmed
 
     def record_graph(self, warmed: Warmed, between_steps: bool = False, queued: bool = False) -> Entry:
@@ -433,10 +429,7 @@ class CaptureJob:
                     entry = self._record_or_retry(warmed)
                 entry.generation = generation
             except BaseException as exc:
-                error = self._report_failure(pair, exc)
-                if error is exc:
-                    raise
-                raise error from exc
+                self._raise_failure(pair, exc)
             finally:
                 pool.end(entry)
             if not self._warned_no_break and entry.read_live_batch and not key.uniform and getattr(entry.graph, "breaks", None) == 0:
@@ -447,12 +440,14 @@ class CaptureJob:
                 self._events.evicted(evicted)
         return entry
 
-    def _report_failure(self, pair: Pair, exc: BaseException) -> BaseException:
-        """A piece of ``pair``'s capture raised ``exc``: capture_finished told, and what the caller raises, a
-        ``CaptureError`` naming the key (an interrupt stays itself)."""
+    def _raise_failure(self, pair: Pair, exc: BaseException) -> NoReturn:
+        """A piece of ``pair``'s capture raised ``exc`` (being handled): capture_finished told, then a ``CaptureError``
+        naming the key raised (an interrupt stays itself)."""
         error = CaptureError(*pair, exc) if isinstance(exc, Exception) and not isinstance(exc, CaptureError) else exc
         self._events.capture_finished(*pair, None, error if isinstance(error, CaptureError) else CaptureError(*pair, exc))
-        return error
+        if error is exc:
+            raise
+        raise error from exc
 
     def _warn_no_break(self, entry: Entry) -> None:
         """Once per registry: a mixed key of a strategy that splits at eager breaks was captured with none, while the
@@ -735,9 +730,7 @@ def _summary(failed: dict[str, CaptureError], skipped: list[Pair], captured: lis
     for strategy, e in list(failed.items())[1:]:
         cause = _cause(e)
         notes.append(f"; strategy {strategy!r} failed too, capturing {e.descriptor}: {type(cause).__name__}: {cause}")
-    by_strategy: dict[str, int] = {}
-    for _, strategy in skipped:
-        by_strategy[strategy] = by_strategy.get(strategy, 0) + 1
+    by_strategy = collections.Counter(strategy for _, strategy in skipped)
     then = " (planned lazily: captured at first use)" if lazily else ""
     notes += [f"; {n} later key{'s' if n > 1 else ''} of strategy {s!r} not tried{then}" for s, n in by_strategy.items()]
     kept = sorted({info.strategy for info in captured})

@@ -161,9 +161,6 @@ class GraphPool:
         wait for itself)."""
         return getattr(self._holder, "name", None)
 
-    def hold(self, name: str | None) -> None:
-        self._holder.name = name
-
     def refuse_if_held(self, call: str, registry: str) -> None:
         """``call`` on ``registry`` waits for the lock: refused on a thread whose capture (of any registry sharing the
         pool) holds it, from a hook or the step, where it would wait for itself."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -122,29 +122,6 @@ class ServingState:
             recorded_at=recorded_at,
         )
 
-    @contextlib.contextmanager
-    def applied(self) -> Iterator[None]:
-        """Run the block on this thread under this state (its autocast, default device, CUDA device).
-
-        The default dtype and the matmul flags are process-wide, so they are only checked (by ``run``), never set here.
-        """
-        with contextlib.ExitStack() as stack:
-            self._apply(stack)
-            yield
-
-    def _apply(self, stack: contextlib.ExitStack) -> None:
-        """Enter this state's thread-local parts on ``stack``."""
-        if self.cuda_device is not None:
-            stack.enter_context(torch.cuda.device(self.cuda_device))
-        if torch.get_default_device() != self.default_device:
-            stack.enter_context(torch.device(self.default_device))
-        for device_type in self.device_types:
-            dtype = dict(self.autocast).get(device_type)
-            if dtype is not None:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
-            elif torch.is_autocast_enabled(device_type):
-                stack.enter_context(torch.autocast(device_type, enabled=False))
-
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` under this state, in a copy of the context variables it was taken with.
 
@@ -155,8 +132,17 @@ class ServingState:
 
         def body() -> Any:
             self.check_process_wide()
-            with contextlib.ExitStack() as stack:
-                self._apply(stack)
+            with contextlib.ExitStack() as stack:  # the thread-local part: CUDA device, default device, autocast
+                if self.cuda_device is not None:
+                    stack.enter_context(torch.cuda.device(self.cuda_device))
+                if torch.get_default_device() != self.default_device:
+                    stack.enter_context(torch.device(self.default_device))
+                for device_type in self.device_types:
+                    dtype = dict(self.autocast).get(device_type)
+                    if dtype is not None:
+                        stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
+                    elif torch.is_autocast_enabled(device_type):
+                        stack.enter_context(torch.autocast(device_type, enabled=False))
                 result = fn(*args, **kwargs)
             self.check_process_wide()
             return result

@@ -158,16 +158,10 @@ def _plan_settings(args: argparse.Namespace) -> PlanSettings:
     given = {
         "mode": args.mode, "capture_sizes": args.capture_sizes, "max_capture_size": args.max_capture_size,
         "spec_depths": args.spec_depths, "lora_counts": args.lora_counts, "max_loras": args.max_loras,
+        "separate_decode": args.separate_decode or None, "size_multiple": args.size_multiple,
+        "unsupported": args.unsupported, "ubatch_threshold": args.ubatch_threshold,
     }
     fields = {k: v for k, v in given.items() if v is not None}
-    if args.separate_decode:
-        fields["separate_decode"] = True
-    if args.size_multiple is not None:
-        fields["size_multiple"] = args.size_multiple
-    if args.unsupported is not None:
-        fields["unsupported"] = args.unsupported
-    if args.ubatch_threshold is not None:
-        fields["ubatch_threshold"] = args.ubatch_threshold
     return PlanSettings(max_num_seqs=args.max_num_seqs, max_num_tokens=args.max_num_tokens, **fields)
 
 

@@ -231,10 +231,6 @@ def _optional_positive(name: str, minimum: int = 1) -> Callable[[Any, Any, Any],
     return optional
 
 
-# The built-in strategies' own ``relaxes_num_reqs`` (tests hold it equal to the classes'), so plans of
-# built-in modes need no plugin manager; any other strategy is looked up in one.
-
-
 def _spec_depths(value: SpecDepths) -> SpecDepths:
     """A schedule stays a mapping; any other iterable becomes a tuple (a generator is read once, here)."""
     if isinstance(value, Mapping) or isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
