@@ -1,28 +1,15 @@
 """Agreement across ranks: every rank of a group replays the same key.
 
-Ranks of a data-parallel group run different batches, but collectives inside
-the step (an expert-parallel all-to-all, a tensor-parallel all-reduce within
-each replica) need every rank to run the same graph.  ``agree`` combines the
-descriptors' encodings with MAX (``BatchDescriptor.encode``) and returns the smallest descriptor every rank's batch fits
-in: the most tokens, requests and LoRA slots any rank has, and uniform only if
-every rank's batch is uniform with the same speculative depth.  Matching that
-descriptor gives every rank the same key, padded to the largest need, of the
-weakest form any rank can use (a mixed batch anywhere means a mixed key
-everywhere) -- provided every rank captured the same plan.
+Ranks of a data-parallel group run different batches, but collectives inside the step (an expert-parallel
+all-to-all, a tensor-parallel all-reduce) need every rank to run the same graph.  ``agree`` combines the descriptors'
+encodings with MAX (``BatchDescriptor.encode``): the smallest descriptor every rank's batch fits in (uniform only if
+every rank's is, at the same spec depth), so every rank matches the same key, provided each captured the same plan.
 
-Two ways to agree:
-
-- a process group (``run(..., group=dp_group)``): one all-reduce on it; with NCCL
-  the integers travel on the GPU and are read back, a device sync every step;
-- a :class:`HostAgreement` built once over the group (``run(..., group=agreement)``):
-  the ranks meet on the host (in a page of ``multiprocessing.shared_memory`` when they share
-  one, else in one all-reduce of a gloo group), with no device work and no sync, so an engine's
-  queue of GPU work stays full.  ``same_batch=True`` (tensor parallel: every rank is handed the
-  same batch) also checks that every rank brought the same descriptor and raises
-  :class:`~cgregistry.errors.AgreementError` on every rank when one did not.
-
-Whatever the group answers, ``run`` replays nothing for a batch the agreed descriptor does not cover (the store's
-route raises ``AgreementError``): an agreement gone wrong raises instead of truncating outputs.
+Two ways: a process group (``run(..., group=dp_group)``), one all-reduce on it (with NCCL a device sync every step);
+or a :class:`HostAgreement` built once (``run(..., group=agreement)``), the ranks meeting on the host (a shared-memory
+page, else a gloo all-reduce) with no device work and no sync; its ``same_batch=True`` (tensor parallel) also raises
+:class:`~cgregistry.errors.AgreementError` on every rank when one brought another descriptor.  ``run`` replays nothing
+for a batch the agreed descriptor does not cover: an agreement gone wrong raises instead of truncating outputs.
 """
 
 from __future__ import annotations
@@ -82,17 +69,13 @@ def agree(actual: BatchDescriptor, group: Any = None) -> BatchDescriptor:
 class HostAgreement:
     """Agreement of ``group``'s ranks on the host, for ``run(..., group=agreement)``: no device work, no sync.
 
-    Build it once, on every rank of ``group`` (the construction is collective over it).  Ranks on one host meet in a
-    shared-memory page (``multiprocessing.shared_memory``: mode 0600, created exclusively, its memory reserved before
-    use, its name sent through ``group`` and unlinked once every rank has mapped it), a few microseconds a step.
-    Otherwise ``group`` must be a gloo group (``dist.new_group(ranks, backend="gloo")``), on which one small all-reduce
-    a step runs on the CPU; ``shm_refused`` then says why the page was not used (another host, /dev/shm full).
-    ``transport`` forces one ('shm' or 'group'; default 'auto'); what cannot serve is refused, naming why.
-
-    ``same_batch``: every rank must bring the same descriptor (tensor parallel); one that does not raises
-    :class:`~cgregistry.errors.AgreementError` on every rank, naming each rank's descriptor, and the group goes on.
-    ``timeout``: seconds a rank waits for the others at one step before raising ``AgreementError`` instead of
-    hanging; that ends the agreement on every rank (each raises at its next step), like an NCCL timeout.
+    Built once, collectively, on every rank of ``group``.  Ranks on one host meet in a shared-memory page (mode 0600,
+    created exclusively, memory reserved, unlinked once every rank mapped it), a few microseconds a step; otherwise
+    ``group`` must be a gloo group, one small CPU all-reduce a step (``shm_refused`` says why the page was not used).
+    ``transport`` forces 'shm' or 'group' (default 'auto'); what cannot serve is refused, naming why.
+    ``same_batch``: every rank must bring the same descriptor; one that does not raises ``AgreementError`` on every
+    rank, naming each descriptor, and the group goes on.  ``timeout``: seconds a rank waits for the others before
+    raising ``AgreementError``, which ends the agreement on every rank (like an NCCL timeout).
     """
 
     def __init__(self, group: Any = None, *, same_batch: bool = False, timeout: float = 300.0, transport: str = "auto") -> None:
@@ -212,24 +195,18 @@ class HostAgreement:
 
 
 class _Mailbox:
-    """One shared-memory page where each rank posts its descriptor's integers for a step and reads everyone's.
-
-    Each 8-byte word carries the step number in its high half and one integer in its low half, so a reader sees a
-    row only once all its words are of the step it waits for, whatever order the writes land in.  Two rows a rank,
-    by the step's parity: a rank can post step n+2 only after every rank posted n+1, so after each finished reading n.
-    """
+    """One shared-memory page where each rank posts its descriptor's integers for a step and reads everyone's.  Each
+    8-byte word holds the step number (high half) and one integer (low half), so a row is read only once all its words
+    are of the awaited step; two rows a rank by the step's parity (step n+2 is posted only after all read n)."""
 
     def __init__(self, view: memoryview, rank: int, world: int) -> None:
         self.view, self.rank, self.world = view, rank, world  # the view holds the mapping: unmapped with the last of it
 
     @classmethod
     def open(cls, group: Any, rank: int, world: int) -> tuple[_Mailbox | None, str]:
-        """The group's page mapped on every rank, and ""; or None and why not, the same on every rank.
-
-        Rank 0 makes it (:func:`_created`), the name goes to the others through the group, each maps it
-        (:func:`_mapped`) and reads the probe rank 0 wrote there: a rank that cannot open the name, or opens another
-        object of that name, is on another host or has a /dev/shm of its own.  Rank 0 unlinks the name once every
-        rank has tried: nothing is left behind, and no process can open the page afterwards."""
+        """The group's page mapped on every rank, and ""; or None and why not, the same on every rank.  Rank 0 makes it
+        and sends the name; a rank that cannot open it, or reads another probe there, is on another host (or has a
+        /dev/shm of its own).  Rank 0 unlinks the name once every rank has tried: nothing is left behind."""
         import torch.distributed as dist
 
         nbytes = 8 * (2 * world * _FIELDS + _HEADER)
@@ -322,12 +299,8 @@ _SHM = "/dev/shm"  # where Linux keeps shm_open's objects, each a file named as 
 
 def _created(nbytes: int) -> Any:
     """A new, closed ``multiprocessing.shared_memory`` segment of ``nbytes`` with its memory reserved: ``unlink()`` it.
-
-    ``SharedMemory(create=True)`` makes it under a free name (O_CREAT | O_EXCL) that only this user can open (mode
-    0600), but sizes it with ftruncate, which leaves it sparse: with /dev/shm full, the first write to it would kill
-    the process with SIGBUS.  ``posix_fallocate`` reserves the pages now, or fails with ENOSPC.  SharedMemory keeps
-    its descriptor private, so this opens the segment's file to do it.  Python 3.13 keeps the segment from the
-    resource tracker (``track=False``); before, the tracker forgets it at ``unlink()``."""
+    SharedMemory sizes it sparse (ftruncate): with /dev/shm full the first write would SIGBUS, so ``posix_fallocate``
+    (through the segment's file) reserves the pages now or fails with ENOSPC.  Untracked on Python 3.13+."""
     from multiprocessing import shared_memory
 
     track = {"track": False} if sys.version_info >= (3, 13) else {}

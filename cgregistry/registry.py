@@ -62,24 +62,18 @@ class GraphRegistry:
     """Captured graphs for one step function, keyed by BatchDescriptor.
 
     ``step(batch, **inputs)`` is the engine's forward: it gets the padded key and views of the static buffers sized
-    for it, and returns a tensor or a pytree of tensors whose leading dimension is the padded token (or request)
-    count.  ``output_axis`` names that axis ("tokens", "reqs", "reqs+1"), or is a tree shaped like the output with
-    one axis per tensor leaf.  ``preference``: strategies, most preferred first; left out, each captured plan's
-    order is adopted (its decode strategy first).  Outputs returned by ``run`` are views of graph memory: valid until
-    the next ``run``, and only while the registry lives.  A registry belongs to one thread, the one that serves it (the
-    thread that made it; ``adopt()`` moves it): another thread's ``run()`` or change is refused with
-    ``OwnerThreadError``, and ``call_on_owner`` hands a call over to the owner's next step.
-    ``watch``: modules (or ``(name, tensor)`` pairs) the step reads beside what it is given (itself, a bound method's
-    object, closure cells, ``partial`` arguments, and what they hold): a module-level model, say (``reg.watch()``).
-    ``capture_budget``: seconds each ``run()`` may spend capturing pending keys before its step (``capture(plan,
-    background=True)``, ``refresh(background=True)``, ``wake()``, refits); None (the default): as long as an eager step
-    of this registry takes, measured; 0: never while serving (``capture_pending()`` in idle time does it instead).
-    ``pool``: another registry's ``pool`` (a :class:`~cgregistry.capture.pool.GraphPool`) to capture into, one capture at
-    a time: a drafter's graphs beside its target's, which never replay at once, share their memory.
-    ``warm_up_again``: False to record a key captured again (``refresh()``, ``wake()``, after ``release()``) at once on a
-    thread that has warmed it up before, about half the capture time; only for a step that makes nothing lazily on a
-    first run that the engine may have freed since (a KV cache made by the first step and freed at ``sleep()`` would be
-    made inside the graph, and wiped at every replay) and that calls no ``torch.compile`` of its own (docs/lifecycle.md).
+    for it, and returns a tensor or pytree of tensors whose leading dimension is the padded token (or request) count,
+    named by ``output_axis`` ("tokens", "reqs", "reqs+1", or a tree of them shaped like the output).  ``preference``:
+    strategies, most preferred first; left out, each captured plan's order is adopted.  Outputs of ``run`` are views
+    of graph memory, valid until the next ``run`` while the registry lives.  A registry belongs to one thread (its
+    maker; ``adopt()`` moves it): another thread's ``run()`` or change raises ``OwnerThreadError``; ``call_on_owner``
+    hands a call over.  ``watch``: modules or ``(name, tensor)`` pairs the step reads beside what it is given (a
+    module-level model).  ``capture_budget``: seconds each ``run()`` may spend capturing pending keys before its step;
+    None: an eager step's measured time; 0: never while serving (``capture_pending()`` in idle time instead).
+    ``pool``: another registry's ``pool`` to capture into (a drafter's graphs beside its target's share memory).
+    ``warm_up_again=False``: a key captured again skips its warm-up on a thread that warmed it up before (about half
+    the time); only for a step that makes nothing lazily on a first run that may have been freed since, and calls no
+    ``torch.compile`` of its own (docs/lifecycle.md).
     """
 
     def __init__(
@@ -218,27 +212,19 @@ class GraphRegistry:
     ) -> list[EntryInfo]:
         """Capture every entry of ``plan`` not yet captured, in plan order (largest first).
 
-        All entries are checked before any is captured (or planned lazily): the strategy is
-        registered, the key fits the static inputs, and the strategy serves the key's class
-        (its ``unsupported_classes``); a refused plan leaves the registry as it was.  If a
-        capture fails, it is absent (kept in ``failures()``), its strategy's later keys are not
-        tried, every other key is captured, and then ``CaptureError`` names its descriptor and
-        strategy (and what each other failing strategy raised, and what else happened); the
-        entries captured stay.  With ``lazy=True`` nothing is
-        captured now: each key is captured by the first ``run`` it is the best
-        match for (counted in ``stats().lazy_captures``).  ``context`` is the payload
-        eager breaks see through ``current_batch()`` while capturing: it must describe
-        the all-padding batch capture runs on (see docs/integration.md).  It and the calling
-        thread's state (autocast, default dtype and device, CUDA device, context variables)
-        become the capture context, which every later capture runs under, whichever path
-        captures (``context=None`` keeps the payload recorded before); a replay under another
-        state is refused with ``ServingStateError``.
+        Every entry is checked first (strategy registered, key fits the static inputs, class served): a refused plan
+        changes nothing.  A failed key is absent (kept in ``failures()``) and its strategy's later keys are not tried;
+        every other key is captured, then ``CaptureError`` names it (and the other failures); captured entries stay.
+        ``lazy=True``: each key is captured by the first ``run`` it is the best match for (``stats().lazy_captures``).
+        ``context``: the payload eager breaks see through ``current_batch()``, describing the all-padding batch capture
+        runs on (docs/integration.md).  It and the calling thread's state (autocast, default dtype and device, CUDA
+        device, context variables) become the capture context every later capture runs under (``context=None`` keeps
+        the payload recorded before); a replay under another state is refused with ``ServingStateError``.
 
-        With ``background=True`` it returns at once and the keys are captured while ``run()`` serves: on this
-        thread, in pieces (a key's warm-up, then its recording) that each ``run()`` takes before its step within
-        ``capture_budget``, the largest key of each family (strategy, form, LoRA count) first, then the rest from the smallest up, and the key a
-        step's batch needs first; a batch no graph serves yet runs eagerly.  ``capture_pending(seconds)`` captures in
-        idle time the engine has; ``wait_captured()`` captures the rest now (docs/background.md).
+        ``background=True`` returns at once: keys are captured on this thread in pieces (warm-up, then recording) that
+        each ``run()`` takes before its step within ``capture_budget``, the largest key of each family first, then the
+        rest from the smallest up, a key a step needs first; ``capture_pending(seconds)`` uses idle time,
+        ``wait_captured()`` captures the rest now (docs/background.md).
         """
         if type(lazy) is not bool or type(background) is not bool or (progress is not None and type(progress) is not bool):
             check_flag("capture", "lazy", lazy)  # the checks run only when a flag is off (no calls on the usual path)
@@ -342,13 +328,11 @@ class GraphRegistry:
 
     def estimate_memory(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], *,
                         context: Any = None, sample: bool = False) -> MemoryEstimate:
-        """The device memory ``capture(plan)`` will take, per key and in all, and the seconds it will take; measured
-        before capture by capturing the plan into a scratch pool and dropping it, on static inputs of their own
-        (nothing of the engine's state is touched; what stays on the device, the capture reuses; no capture context is
-        recorded).  A plan captured with ``background=True`` takes the same (its keys go into the same pool, on the
-        same inputs).  ``sample``: capture only a sample of the whole-graph (``full``) keys of each family and price the
-        rest from it (less exact, much shorter: docs/integration.md).  ``context``: the payload eager breaks see, as
-        ``capture(context=...)`` takes it.  It runs the step: on the owner thread.  See docs/integration.md."""
+        """The device memory and seconds ``capture(plan)`` (or ``background=True``) will take, per key and in all:
+        measured by capturing the plan into a scratch pool on static inputs of its own and dropping it (no engine state
+        touched, no capture context recorded).  ``sample``: capture a sample of each family's ``full`` keys and price
+        the rest from it.  ``context``: as ``capture(context=...)``.  Runs the step: on the owner thread
+        (docs/integration.md)."""
         check_flag("estimate_memory", "sample", sample)
         todo = self._estimate_check(plan, "estimate_memory()")
         with self._busy("estimate_memory()", touches=False):
@@ -372,39 +356,27 @@ class GraphRegistry:
     def run(
         self, actual: BatchDescriptor, /, *, context: Any = None, group: Any = None, exclude: Any = None, **inputs: torch.Tensor
     ) -> Any:
-        """Match, copy in, pad, replay, and return outputs sliced to ``actual``.
+        """Match, copy in, pad, replay, and return outputs sliced to ``actual``; with no covering key,
+        ``step(actual, **inputs)`` runs eagerly (counted).  Inputs are all checked before anything happens.
 
-        With no covering key, ``step(actual, **inputs)`` runs eagerly (counted).
-        ``context`` is an engine payload that eager breaks (and an eager step)
-        read through ``cgregistry.current_batch()``.  Inputs are all checked
-        before anything happens.  A ``run`` while another is in progress on another
-        thread is refused with ``ConcurrentRunError`` (the static buffers and the
-        outputs are shared); calls from several threads in turn are fine.
-        With ``group`` (a torch.distributed process group), every rank of the
-        group replays the same key: the one for the descriptor all their
-        batches fit in (:func:`cgregistry.distributed.agree`, one collective).
-        ``exclude`` (a tuple, list or set of strategy names) keeps this call off those
-        strategies: ``exclude=("full",)`` is vLLM's ``disable_full``, for a step that runs
-        cascade attention; a batch whose covering keys are all excluded runs eagerly
-        (counted as an ``excluded`` miss).  Such runs have their own route cache, so a
-        run without ``exclude`` costs what it did.
+        ``context``: the engine payload eager breaks (and an eager step) read through ``current_batch()``.  A ``run``
+        while another is in progress on another thread is refused with ``ConcurrentRunError``.  ``group`` (a process
+        group): every rank replays the key for the descriptor all their batches fit in (``distributed.agree``, one
+        collective).  ``exclude`` (strategy names) keeps this call off those strategies (``("full",)`` is vLLM's
+        ``disable_full``, for cascade attention): a batch whose covering keys are all excluded runs eagerly (an
+        ``excluded`` miss); such runs have their own route cache.
 
-        The hot path has no call in between: a registry whose class does not override ``run`` gets its server's
-        own method, bound as an instance attribute at construction, and this definition only documents it.  A
-        subclass that overrides ``run`` (or a ``run`` patched on the class before construction) is called instead,
-        as any override is; its ``super().run(...)`` reaches the server through this definition, one call more.
+        A registry whose class does not override ``run`` gets its server's method bound as an instance attribute at
+        construction (no call in between), so this definition only documents it and serves ``super().run(...)``.
         """
         return self._server.run(actual, context=context, group=group, exclude=exclude, **inputs)
 
     # ------------------------------------------------------------------ release
 
     def release(self, key: BatchDescriptor, strategy: str | None = None) -> int:
-        """Remove the entries captured for ``key`` (under ``strategy``, or any), queued captures included: return how many.
-
-        The graph objects go at once.  Their pool memory stays with the pool while
-        other entries share it, and goes back to the allocator when the last entry
-        is released (``clear()``); a later capture of the key works as before (asleep: it leaves
-        the plan ``wake()`` captures)."""
+        """Remove the entries captured for ``key`` (under ``strategy``, or any), queued captures included: how many.
+        The graphs go at once; their pool memory goes back with the last entry (``clear()``).  Asleep: it leaves the
+        plan ``wake()`` captures."""
         if not isinstance(key, BatchDescriptor):
             raise TypeError(f"release() needs a BatchDescriptor, got {key!r}")
         with self._busy("release()"):
@@ -419,25 +391,20 @@ class GraphRegistry:
 
     def refresh(self, background: bool = False) -> Refreshed:
         """Call after a weight update by assignment (``load_state_dict(assign=True)``, a replaced module): graphs that
-        read the watched weights where they are now stay (an update in place, ``load_weights`` say, keeps them all); the
-        others are dropped at once and captured again, now or, with ``background``, in pieces between the steps that
-        ``run()`` serves meanwhile (eagerly until a key is back).  Until then a replay against moved weights raises
-        ``WeightsMovedError``.  The modules and tensors the step is given (itself, its object, closure cells,
-        ``partial`` arguments, and what they hold) and whatever ``watch`` names are watched.  On the owner thread: a sync
-        on another thread hands both over, ``reg.call_on_owner(sync_and_refresh)``."""
+        read the watched weights where they are now stay; the others are dropped and captured again, now or, with
+        ``background``, between the steps ``run()`` serves (eagerly meanwhile).  Until then a replay against moved
+        weights raises ``WeightsMovedError``.  On the owner thread (``reg.call_on_owner(sync_and_refresh)``)."""
         check_flag("refresh", "background", background)
         with self._busy("refresh()"):
             return self._lifecycle.refresh(background)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                      module: torch.nn.Module | None = None) -> tuple[str, ...]:
-        """A weight sync that keeps every graph: copy ``weights`` (a state dict, or ``(name, tensor)`` pairs as a trainer
-        streams them) into the parameters and buffers of ``module`` (left out: the one module the step reads) where they
-        are, so the graphs read the new values and none is captured again, no ``refresh()``.  Every name, shape, dtype
-        and device is checked before anything is written (``ValueError`` naming each, nothing written); tied
-        parameters get one copy; works under ``torch.inference_mode()``.  The names loaded.  The copies are queued on
-        the current stream after the steps before them: keep the sources unchanged until it reaches them.  On the
-        owner thread: a trainer thread hands it over with ``reg.call_on_owner(reg.load_weights, weights)``."""
+        """A weight sync that keeps every graph: copy ``weights`` (a state dict or ``(name, tensor)`` pairs) into the
+        parameters and buffers of ``module`` (default: the one module the step reads) in place; the names loaded.
+        Every name, shape, dtype and device is checked before anything is written (``ValueError``); tied parameters get
+        one copy.  The copies are queued on the current stream: keep the sources unchanged until it reaches them.  On
+        the owner thread (``reg.call_on_owner(reg.load_weights, weights)``)."""
         with self._busy("load_weights()", touches=False):
             return load_in_place(self._job.watch.the_module(module), weights)
 
@@ -475,12 +442,8 @@ class GraphRegistry:
     # ------------------------------------------------------------------ inspection
 
     def match(self, actual: BatchDescriptor, *, group: Any = None, exclude: Any = None) -> Match | None:
-        """The key, strategy and padding ``run`` would use for ``actual`` (None: eager).
-
-        With ``group``, the match for the descriptor every rank's batch fits in (a
-        collective: every rank must call it); its padding is relative to that descriptor.
-        ``exclude`` as for ``run``.
-        """
+        """The key, strategy and padding ``run`` would use for ``actual`` (None: eager).  With ``group`` (a collective),
+        the match for the descriptor every rank's batch fits in, its padding relative to that; ``exclude`` as for ``run``."""
         return self._server.match(actual, group, exclude)
 
     def explain(self, actual: BatchDescriptor, *, exclude: Any = None) -> Explanation:
@@ -491,12 +454,8 @@ class GraphRegistry:
         return self._catalog.routes.explain(actual, self._server.exclusion(exclude))
 
     def entries(self, **filters: Any) -> list[EntryInfo]:
-        """Captured entries as frozen records, largest first.
-
-        Filters (all optional): ``strategy``, ``uniform``, ``spec_depth``,
-        ``num_active_loras``, ``used`` (replayed at least once); ``sort`` is one of
-        key, replays, padding, memory, capture, recent.
-        """
+        """Captured entries as frozen records, largest first; filters as ``inspection.filter_entries`` (``strategy``,
+        ``uniform``, ``spec_depth``, ``num_active_loras``, ``used``, ``sort``)."""
         backend, predicted = self.backend.name, self._catalog.predicted
         return filter_entries((e.info(backend, predicted.get(e.pair)) for e in tuple(self._catalog.entries.values())), **filters)
 
@@ -574,12 +533,10 @@ def estimate_pool_memory(
     plans: Sequence[tuple[GraphRegistry, CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]]]], *,
     contexts: Mapping[str, Any] | None = None, sample: bool = False,
 ) -> PoolEstimate:
-    """What capturing each registry's plan, in the order given, into the one pool they share will take (a drafter
-    beside its target: ``GraphRegistry(..., pool=target.pool)``), measured as ``estimate_memory`` measures one plan.
-    Each registry's part says what its keys add after the registries before it.  ``contexts``: per registry name,
-    the payload its eager breaks see (as ``capture(context=...)`` takes it).  Estimate before capturing: keys a
-    registry holds already are left out, and what follows them is priced as in an empty pool (an upper bound).
-    ``sample``: a sample of each plan's whole-graph keys captured, as ``estimate_memory(sample=True)``."""
+    """What capturing each registry's plan, in order, into the one pool they share will take, measured as
+    ``estimate_memory``; each part is what its keys add after the registries before.  ``contexts``: payload per
+    registry name.  Estimate before capturing: held keys are left out and what follows them is priced as in an empty
+    pool (an upper bound).  ``sample`` as for ``estimate_memory``."""
     call = "estimate_pool_memory()"
     check_flag("estimate_pool_memory", "sample", sample)
     pairs = list(plans) if isinstance(plans, Sequence) and not isinstance(plans, str) else None

@@ -1,11 +1,8 @@
 """Adaptation: when and how a registry's plan follows the batch shapes it actually serves.
 
-The registry counts the actual shapes it runs into a ``TrafficHistogram``; when
-``Adaptation.due`` says so, ``propose`` fits a plan to the counts with the exact
-fitter (``CapturePlan.fit``) under the graph budget and compares it with the keys
-the registry holds; a ``PlanChange`` (keys to capture, keys to release) comes back
-only when it serves more steps from graphs, brings the plan within its budget, or
-saves at least ``min_gain`` of the padded tokens.  Pure policy: no registry, no
+The registry counts the shapes it runs in a ``TrafficHistogram``; when ``Adaptation.due`` says so, ``propose`` fits a
+plan to the counts (``CapturePlan.fit``) and returns a ``PlanChange`` only when it serves more steps from graphs,
+brings the plan within budget, or saves at least ``min_gain`` of the padded tokens.  Pure policy: no registry, no
 capture, no torch graphs.
 """
 
@@ -66,17 +63,12 @@ def _as_settings(value: object) -> PlanSettings:
 class Adaptation:
     """How a registry adapts its plan: the budget, the settings to fit with, and how eagerly to change.
 
-    ``max_graphs``: graphs the plan may hold.  ``settings``: what ``CapturePlan.fit`` takes (a
-    ``PlanSettings`` or a mapping of its fields).  ``every_steps``: refit after this many
-    observed steps since the last refit; ``min_steps``: none before this many in all.
-    ``decay`` in (0, 1]: counts are multiplied by it at each refit, so old traffic fades
-    (1: never).  ``min_gain`` in [0, 1): change the plan for padding only when it saves at
-    least this fraction of the padded tokens on the observed traffic (hysteresis against noise).
-
-    ``max_bytes`` (with ``memory``, a ``reg.estimate_memory()`` result that prices each key), as well
-    as or instead of ``max_graphs``: the plan's capture may take at most that much device memory
-    (every fitted plan keeps the max capture size, so the shared pool is the same for every refit;
-    what differs is each key's own bytes, ``memory.key_bytes``).
+    ``max_graphs``: graphs the plan may hold.  ``settings``: ``CapturePlan.fit``'s (a ``PlanSettings`` or a mapping).
+    ``every_steps``: refit after this many steps since the last; ``min_steps``: none before this many in all.
+    ``decay`` in (0, 1]: counts are multiplied by it at each refit (1: old traffic never fades).  ``min_gain`` in
+    [0, 1): change for padding only when it saves at least this fraction of the padded tokens (hysteresis).
+    ``max_bytes`` (with ``memory``, a ``reg.estimate_memory()`` result pricing each key): the capture may take at most
+    that much device memory, as well as or instead of ``max_graphs``.
     """
 
     max_graphs: int | None = attrs.field(default=None, validator=attrs.validators.optional(_count("max_graphs", 1)))
@@ -120,10 +112,8 @@ class Adaptation:
 class TrafficHistogram(Mapping[BatchDescriptor, float]):
     """Steps per actual shape, older ones decayed: the traffic a refit fits to.
 
-    Counts are floats so decay is exact; a shape whose count falls below one half (no
-    step, once rounded) is dropped.  ``steps()`` gives the rounded counts the fitter
-    takes.  ``observed`` counts every step added, ``fresh`` those since the last
-    ``decay``.  Not thread-safe: one thread adds, decays and proposes.
+    Counts are floats so decay is exact; a shape below one half is dropped; ``steps()`` gives the rounded counts.
+    ``observed`` counts every step added, ``fresh`` those since the last ``decay``.  Not thread-safe.
     """
 
     __slots__ = ("_counts", "fresh", "observed")
@@ -194,14 +184,10 @@ def propose(
 ) -> PlanChange | None:
     """The change from ``current`` keys to the plan fitted to ``histogram``, or None when it is not worth making.
 
-    Both key sets are scored on the histogram through the matcher with ``preference`` and the
-    padding cap (the registry's).  A change is proposed when the current keys exceed
-    ``max_graphs`` ("budget"), when the fitted plan serves more steps from graphs
-    ("coverage"), or when it pads at least ``min_gain`` fewer tokens ("padding"); never when
-    it would serve fewer steps from graphs (a current key beyond the settings' max capture
-    size, say), nor when the keys are the same.  The fitted plan keeps ``build``'s covering
-    keys, so they are never removed.  ``observed`` (steps served so far, for the record)
-    defaults to the histogram's own count.
+    Both key sets are scored on the histogram through the matcher (``preference``, the padding cap).  Proposed when
+    the current keys exceed the budget ("budget"), the fitted plan serves more steps from graphs ("coverage"), or pads
+    at least ``min_gain`` fewer tokens ("padding"); never when it serves fewer steps from graphs or the keys are the
+    same.  ``observed`` (for the record) defaults to the histogram's count.
     """
     if isinstance(histogram, TrafficHistogram):
         weights, seen = histogram.steps(), histogram.observed
@@ -244,10 +230,8 @@ def refit(
     max_padding_tokens: int | None = None,
     max_padding_ratio: float | None = None,
 ) -> PlanChange | None:
-    """One step of the adaptation loop, after each harvest: when due, ``propose``, then decay the histogram.
-
-    None when no refit is due or the refit proposes nothing; the matching arguments go to ``propose``.
-    """
+    """One step of the adaptation loop, after each harvest: when due, ``propose``, then decay the histogram (None when
+    not due or nothing is proposed)."""
     if not isinstance(histogram, TrafficHistogram):
         raise TypeError(f"refit() takes a TrafficHistogram (it decays it), got {type(histogram).__name__}; propose() takes a plain workload")
     if not adaptation.due(histogram):
@@ -264,9 +248,8 @@ def refit(
 class Replay:
     """The adaptation loop driven over recorded steps (``replay``): how each window of steps was served, and the changes.
 
-    ``windows[i]`` scores steps ``[i * window, (i + 1) * window)`` with the keys held when each was served
-    (``graphs``: the keys held at the window's end); ``changes`` are the plan changes in order; ``keys``
-    are the keys held at the end.
+    ``windows[i]`` scores steps ``[i * window, (i + 1) * window)`` with the keys held when each was served;
+    ``changes``: the plan changes in order; ``keys``: those held at the end.
     """
 
     window: int
@@ -298,10 +281,8 @@ def replay(
 ) -> Replay:
     """Serve ``steps`` (in order) starting from the ``current`` keys, adapting as a registry with ``adaptation`` would.
 
-    Every ``harvest`` steps are served with the keys held, then added to the histogram, and a due refit's
-    change holds from the next harvest on (a registry captures the added keys between steps meanwhile,
-    serving their batches from other keys or eagerly: a little later, not more padded).  What to tune
-    ``every_steps``, ``min_steps`` and ``decay`` on, with a trace of your own traffic (docs/adaptive.md).
+    Every ``harvest`` steps are served with the keys held, then added to the histogram; a due refit's change holds
+    from the next harvest on.  What to tune ``every_steps``, ``min_steps`` and ``decay`` on (docs/adaptive.md).
     """
     harvest, window = _positive("harvest", harvest), _positive("window", window)
     workload_counts(steps, "replay()")  # every step a BatchDescriptor, an error naming the first that is not

@@ -1,8 +1,7 @@
 """CapturePlan: which (descriptor, strategy) pairs to capture, largest first.
 
-``CapturePlan.build`` turns engine settings into keys the way engines size their
-graphs today (a ladder of token counts), but as one list of descriptors instead
-of parallel dicts of sizes.
+``CapturePlan.build`` turns engine settings into keys the way engines size their graphs today (a ladder of token
+counts), as one list of descriptors instead of parallel dicts of sizes.
 """
 
 from __future__ import annotations
@@ -32,10 +31,8 @@ _DECLARERS = ("engine", "strategy", "both")
 def mode_preference(mode: str | tuple[str | None, str | None], base: Sequence[str] = DEFAULT_PREFERENCE) -> tuple[str, ...]:
     """The matcher preference that serves a plan of ``mode`` as the mode says: its decode strategy, its mixed one, then ``base``.
 
-    A plugin strategy is not in the default preference, so it ranks last; as the decode strategy of
-    a mode such as ``("timed", "breakable")`` its uniform keys would then lose every decode batch to
-    the relaxed mixed keys and never replay.  The fitter assumes this order too.
-    """
+    A plugin decode strategy would otherwise rank last, its uniform keys losing every decode batch to the relaxed mixed
+    keys (``("timed", "breakable")``).  The fitter assumes this order too."""
     decode, mixed = MODES[mode] if isinstance(mode, str) else mode
     return tuple(dict.fromkeys(s for s in (decode, mixed, *base) if s is not None))
 
@@ -44,11 +41,8 @@ def mode_preference(mode: str | tuple[str | None, str | None], base: Sequence[st
 class Downgrade:
     """A key class moved off a strategy that cannot serve it, and who said so.
 
-    ``to`` is the strategy that serves the class instead (the mode's other strategy, when
-    it can), or None: those batches get no graph and run eagerly.  ``declared_by`` is
-    "engine" (``PlanSettings.unsupported``), "strategy" (the strategy's own
-    ``unsupported_classes``) or "both".
-    """
+    ``to``: the strategy serving the class instead (the mode's other one, when it can), or None: eager.  ``declared_by``:
+    "engine" (``PlanSettings.unsupported``), "strategy" (its own ``unsupported_classes``) or "both"."""
 
     key_class: str  # a KEY_CLASSES name
     strategy: str
@@ -112,21 +106,14 @@ def request_ladder(top: int, query_len: int) -> list[int]:
 
 
 def whole_requests(sizes: Iterable[int], query_len: int, top: int) -> list[int]:
-    """Each token count rounded up to whole requests of ``query_len`` tokens, where the rounded width fits ``top``.
-
-    vLLM sizes its uniform decode graphs this way (``adjust_cudagraph_sizes_for_spec_decode``), so a
-    5-request verify batch at ``query_len`` 4 finds the 24-token size as a 6-request key; where none fits,
-    one request (vLLM falls back to a single ``query_len``-token size).
-    """
+    """Each token count rounded up to whole requests of ``query_len`` tokens, where the rounded width fits ``top``; [1]
+    if none does.  vLLM sizes its uniform decode graphs so (``adjust_cudagraph_sizes_for_spec_decode``)."""
     return [-(-s // query_len) for s in sizes if _round_up(s, query_len) <= max(top, query_len)] or [1]
 
 
 def rounded_sizes(sizes: Iterable[int], multiple: int, top: int) -> set[int]:
-    """Token counts rounded up to multiples of ``multiple`` that stay within ``top``; ``multiple`` itself if none does.
-
-    vLLM's model runner V1 rounds its capture sizes so when its decode graphs are full (``multiple``: the decode
-    query length), falling back to one size of a single request the same way.
-    """
+    """Token counts rounded up to multiples of ``multiple`` that stay within ``top``; ``multiple`` itself if none does
+    (vLLM's model runner V1 rounds so when its decode graphs are full, ``multiple`` the decode query length)."""
     out = {_round_up(s, multiple) for s in sizes if _round_up(s, multiple) <= top}
     return out or ({multiple} if multiple <= top else set())
 
@@ -158,12 +145,8 @@ class PlanEntry:
 class UncoveredRange:
     """A run of actual batch shapes that no key in a plan serves (they run eagerly).
 
-    ``key_class`` is "decode" (uniform batches of ``spec_depth``) or "mixed" (any
-    batch, checked at its worst-case request count ``min(tokens, max_num_seqs)``).
-    ``reason`` is "no_key" (no key covers them) or "padding_cap" (keys cover them, but
-    each pads more than the padding cap ``uncovered`` was given: the registry's
-    ``padding_cap`` miss).
-    """
+    ``key_class``: "decode" (uniform batches of ``spec_depth``) or "mixed" (checked at ``min(tokens, max_num_seqs)``
+    requests).  ``reason``: "no_key", or "padding_cap" (every covering key pads more than the cap given)."""
 
     key_class: str
     num_active_loras: int
@@ -242,45 +225,26 @@ def _spec_depths(value: SpecDepths) -> SpecDepths:
 class PlanSettings:
     """Engine settings, checked on construction (errors name the setting), and what follows from them.
 
-    The one place the settings are declared: ``CapturePlan.build`` and ``CapturePlan.fit``
-    take these fields (as keywords, or positionally in this order).  ``mode`` is a name
-    from ``MODES`` or a pair ``(decode_strategy, mixed_strategy)`` of any registered
-    strategies (either may be None); each strategy's own ``relaxes_num_reqs`` decides
-    whether its mixed keys carry a request count (a strategy other than the built-ins is
-    looked up in ``plugins``, by default the installed ones).
+    The one place the settings are declared: ``CapturePlan.build`` and ``CapturePlan.fit`` take these fields (by
+    keyword, or positionally in this order).  ``mode``: a ``MODES`` name or a pair ``(decode_strategy,
+    mixed_strategy)`` of registered strategies (either may be None); each strategy's own ``relaxes_num_reqs`` decides
+    whether its mixed keys carry a request count (non-built-ins are looked up in ``plugins``, default the installed).
+    ``separate_decode``: the step branches on uniformity, so uniform batches need graphs of their own even where one
+    strategy serves both classes; without it, such a mode (``full``) captures one graph per token count, each uniform
+    width ``q * r`` (``q = 1 + spec depth``) up to the max capture size a mixed key (``folded``).
+    ``size_multiple``: every key's token count is a multiple of it (the TP size under sequence parallelism).
+    ``unsupported``: ``{strategy: KEY_CLASSES it cannot serve}`` (``{"full": ["mixed"]}`` for an attention backend
+    without full graphs of mixed batches); such a class moves to the mode's other strategy when that one can serve it,
+    else runs eagerly, each move a ``Downgrade`` in ``downgrades``.  The strategies' own ``unsupported_classes`` are in
+    ``strategy_unsupported`` and count the same.  ``decode_strategy``, ``mixed_strategy`` and ``uniform_depths`` (spec
+    depths with uniform keys) are after the moves.  ``ubatch_threshold``: the token count from which the engine splits
+    a step into two micro-batches (vLLM's DBO): each key that large also gets a ``num_ubatches=2`` twin.
 
-    ``separate_decode``: the engine's step branches on uniformity (uniform decode batches
-    run their own routine: other attention metadata or kernels), so uniform batches need
-    graphs of their own even where one strategy serves both classes.  Without it (the
-    default), a mode whose decode and mixed strategies are the same (``full``) captures
-    one graph per token count: each uniform width ``q * r`` (``q = 1 + spec depth``) up to
-    the max capture size becomes a mixed key, which covers the uniform batches too.
-    ``size_multiple``: every key's token count is a multiple of it (the tensor-parallel
-    size under sequence parallelism).
-    ``unsupported``: ``{strategy: key classes}`` it cannot serve (``KEY_CLASSES``: "mixed",
-    "spec_decode", "decode"; an attention backend without full graphs for mixed batches
-    declares ``{"full": ["mixed"]}``).  Such a class moves to the mode's other strategy when
-    that one can serve it (full to piecewise or breakable), else it gets no graph (runs
-    eagerly); each move is a ``Downgrade`` in ``downgrades`` (and the plan's), which
-    ``cgregistry plan`` prints with its reason.  A strategy may declare the same itself
-    (its ``unsupported_classes``, looked up like ``relaxes_num_reqs``): the mode's
-    strategies' declarations are in ``strategy_unsupported`` and count as the engine's do.
-    ``decode_strategy``, ``mixed_strategy`` and ``uniform_depths`` (spec depths with
-    uniform keys) are the strategies after the moves.
-    ``ubatch_threshold``: the token count at or above which the engine splits a step into two
-    micro-batches (dual-batch overlap, as vLLM's DBO threshold): every key of at least that many
-    tokens gets a twin with ``num_ubatches=2``, beside the one-micro-batch key (a smaller batch
-    the engine does not split may still pad up to it).
-
-    The settings stay as given; what follows from them is in ``used_capture_sizes`` (the
-    ladder of mixed token counts), ``used_max_capture_size``, ``used_lora_counts``,
-    ``widest`` (spec depth -> widest uniform batch of that depth), ``decode_reqs`` (spec
-    depth -> request counts of the uniform batches keys are sized for: the request
-    ladder, the capture sizes rounded up to whole requests where the depth has uniform
-    keys, and the widest), ``mixed_sizes`` (the token counts of mixed keys ``build``
-    captures: the ladder plus the uniform widths the mixed keys serve, and the ladder
-    rounded up to whole requests where uniform batches have keys of their own) and
-    ``folded`` (uniform widths are mixed keys).
+    What follows from the settings: ``used_capture_sizes``, ``used_max_capture_size``, ``used_lora_counts``,
+    ``widest`` (spec depth -> widest uniform batch), ``decode_reqs`` (spec depth -> request counts of uniform keys: the
+    request ladder, the capture sizes rounded up to whole requests, the widest) and ``mixed_sizes`` (token counts of
+    mixed keys: the ladder, the uniform widths mixed keys serve, and the ladder rounded up to whole requests where
+    uniform batches have keys of their own).
     """
 
     max_num_seqs: int = attrs.field(validator=_positive("max_num_seqs"))
@@ -404,15 +368,10 @@ class PlanSettings:
     def _mixed_sizes(
         self, sizes: tuple[int, ...], top: int, ladder_reqs: Mapping[int, tuple[int, ...]], default_sizes: bool
     ) -> tuple[int, ...]:
-        """Token counts of mixed keys: the capture sizes, uniform widths ``q * r`` that fit, and, when uniform batches
-        have graphs of their own, the sizes rounded up to whole requests of the deepest spec depth.
-
-        The uniform widths are every one when ``folded`` (the mixed keys are the uniform batches' keys) and, with the
-        default sizes, those of depths without uniform keys (the mixed keys serve them) and the request ladder's and
-        the widest's of the others with spec decode (vLLM's default sizes hold them).  The rounded sizes are model runner V1's, which rounds every
-        capture size up to a multiple of the decode query length when its decode graphs are full, mixed ones
-        included, while V2 keeps them as they are: having both keeps every mixed batch within the padding of either.
-        """
+        """Token counts of mixed keys: the capture sizes, uniform widths ``q * r`` that fit (all when ``folded``; with
+        the default sizes, those of depths without uniform keys and the request ladder's of the others), and, when
+        uniform batches have graphs of their own, the sizes rounded up to whole requests of the deepest spec depth
+        (vLLM V1's rounding; V2 keeps the sizes: having both keeps every mixed batch within the padding of either)."""
         out = set(sizes)
         if self.mixed_strategy is None:
             return tuple(sorted(out))
@@ -443,13 +402,9 @@ class PlanSettings:
     def _downgraded(
         self, decode: str | None, mixed: str | None, widest: Mapping[int, int]
     ) -> tuple[str | None, str | None, bool, tuple[Downgrade, ...]]:
-        """The mode's strategies after ``unsupported`` and their own ``strategy_unsupported``: (decode, mixed,
-        spec decode served by mixed keys, downgrades).
-
-        A class a strategy cannot serve goes to the mode's other strategy when that one can
-        serve it (``full_and_piecewise``: full to piecewise), else it gets no graph.  Mixed
-        first: a ``full`` mode whose full graphs cannot take mixed batches keeps full decode keys.
-        """
+        """The mode's strategies after ``unsupported`` and ``strategy_unsupported``: (decode, mixed, spec decode served
+        by mixed keys, downgrades).  A class moves to the mode's other strategy when that one can serve it, else gets no
+        graph; mixed first, so a ``full`` mode whose graphs cannot take mixed batches keeps full decode keys."""
         engine = self.unsupported
         for name in engine:
             if name not in BUILTIN_RELAXES or self.plugins is not None:
@@ -481,10 +436,8 @@ class PlanSettings:
         return decode, mixed, spec_to_mixed, tuple(found)
 
     def _registered(self, strategy: str) -> Any:
-        """The registered strategy object: from ``plugins``, else from the installed plugins (made once).
-
-        Raises KeyError naming the registered strategies when there is none of that name.
-        """
+        """The registered strategy object, from ``plugins`` else the installed plugins (made once); KeyError naming the
+        registered strategies if none has that name."""
         plugins = self.plugins
         if plugins is None:
             plugins = self._installed
@@ -503,20 +456,15 @@ class PlanSettings:
             raise ValueError(f"mode {self.mode!r}: {exc.args[0]}") from None
 
     def _declared(self, strategy: str) -> frozenset[str]:
-        """The key classes the strategy declares it cannot serve (its own ``unsupported_classes``).
-
-        The built-ins declare none, so plans of built-in modes need no plugin manager.
-        """
+        """The key classes the strategy declares it cannot serve (``unsupported_classes``; the built-ins none, so plans
+        of built-in modes need no plugin manager)."""
         if self.plugins is None and strategy in BUILTIN_RELAXES:
             return frozenset()
         return declared_unsupported(self._registered(strategy))
 
     def plan(self, decode_reqs: Mapping[int, Sequence[int]], mixed_tokens: Sequence[int]) -> CapturePlan:
-        """Keys from chosen sizes: request counts per spec depth, token counts for mixed batches.
-
-        When ``folded``, a uniform width up to the max capture size is captured as a mixed key
-        (one graph per token count); wider uniform batches keep uniform keys.
-        """
+        """Keys from chosen sizes: request counts per spec depth, token counts for mixed batches.  When ``folded``, a
+        uniform width up to the max capture size is a mixed key; wider uniform batches keep uniform keys."""
         keys: list[tuple[BatchDescriptor, str]] = []
         decode_reqs = {d: list(counts) for d, counts in decode_reqs.items()}
         mixed_tokens = list(mixed_tokens)
@@ -551,11 +499,8 @@ class PlanSettings:
 
 @attrs.frozen(slots=True)
 class CapturePlan:
-    """An ordered, duplicate-free list of entries to capture, largest first.
-
-    ``max_num_seqs`` and ``max_num_tokens`` are kept (when the plan was built
-    from settings) so the plan can say which batches it leaves uncovered.
-    """
+    """An ordered, duplicate-free list of entries to capture, largest first; ``max_num_seqs`` and ``max_num_tokens``
+    (kept when built from settings) let it say which batches it leaves uncovered."""
 
     entries: tuple[PlanEntry, ...] = attrs.field(converter=tuple)
     max_num_seqs: int | None = None
@@ -580,28 +525,17 @@ class CapturePlan:
 
     @classmethod
     def build(cls, *settings: Any, **fields: Any) -> CapturePlan:
-        """Keys for an engine's settings: a ``PlanSettings``, or its fields (``max_num_seqs``,
-        ``max_num_tokens``, ``mode``, ``capture_sizes``, ``max_capture_size``, ``spec_depths``,
-        ``lora_counts``, ``max_loras``, ``plugins``, ``separate_decode``, ``size_multiple``,
-        ``unsupported``, ``ubatch_threshold``), by keyword or in that order.
+        """Keys for an engine's settings: a ``PlanSettings``, or its fields by keyword or in declaration order.
 
-        Uniform-decode keys carry an exact request count: for each spec depth ``d`` the
-        capture sizes rounded up to whole requests of ``1 + d`` tokens (as vLLM sizes its
-        uniform graphs), the request ladder (1, 2, 4, 8, 16, 24, ...) while ``r * (1 + d)``
-        fits the max capture size (default sizes only), and the widest uniform batch of that
-        depth, so one token count may have a key per depth.  ``spec_depths`` may be a schedule ``{largest request count: depths}``
-        (deep speculation for small batches only).  Mixed-batch keys cover any batch up to
-        ``max_capture_size`` tokens; a strategy that relaxes ``num_reqs`` (``piecewise``,
-        ``breakable``, a plugin's) gets keys without a request count, others
-        ``min(tokens, max_num_seqs)`` requests.  When mixed keys also serve uniform batches
-        (no decode strategy, or the same strategy for both without ``separate_decode``), the
-        uniform widths ``r * (1 + d)`` that fit are mixed token counts too; with the same
-        strategy they replace the uniform keys of the same width (one graph per token count).
-        When uniform batches have keys of their own, mixed keys also get the capture sizes
-        rounded up to whole requests of the deepest spec depth (vLLM's model runner V1 rounds
-        every size so; V2 keeps them): no batch pads more than under either (see
-        docs/plans-and-workloads.md, "Compared with vLLM").  Every key is repeated for each LoRA count (default with ``max_loras``:
-        ``lora_ladder(max_loras)``).
+        Uniform-decode keys carry an exact request count: per spec depth ``d``, the capture sizes rounded up to whole
+        requests of ``1 + d`` tokens (as vLLM sizes them), the request ladder (1, 2, 4, 8, 16, 24, ...) while it fits
+        the max capture size (default sizes only), and the widest uniform batch.  ``spec_depths`` may be a schedule
+        ``{largest request count: depths}``.  Mixed keys cover any batch up to ``max_capture_size`` tokens, without a
+        request count for a strategy that relaxes ``num_reqs``, else with ``min(tokens, max_num_seqs)``.  Where mixed
+        keys serve uniform batches too, the uniform widths that fit are mixed token counts (one graph per token count
+        when ``folded``); where uniform batches have keys of their own, mixed keys also get the sizes rounded up to
+        whole requests of the deepest depth (docs/plans-and-workloads.md, "Compared with vLLM").  Every key is repeated
+        per LoRA count (default with ``max_loras``: ``lora_ladder(max_loras)``).
         """
         plan_settings = _settings(settings, fields)
         return plan_settings.plan(plan_settings.decode_reqs, plan_settings.mixed_sizes)
@@ -613,25 +547,14 @@ class CapturePlan:
         """The plan with at most ``max_graphs`` graphs (and/or, with ``memory``, a ``reg.estimate_memory()`` result, at
         most ``max_bytes`` of device memory for its capture) that pads ``steps`` least (exactly).
 
-        ``steps``: the actual shapes, one per step, or a histogram ``{shape: steps}``
-        (the same plan as the expanded stream, without expanding it).
-
-        Takes the settings of ``build``; keeps its covering guarantees: the widest uniform
-        batch of each spec depth and the max capture size stay keys.  Key families: one per
-        spec depth for uniform decode batches (sizes are request counts), one for mixed
-        batches (token counts).  Steps are assigned the way the matcher serves them when the
-        decode and mixed strategies differ: uniform batches of a planned depth to their
-        depth's family, everything else up to the max capture size to the mixed family.  A
-        ``folded`` plan (one strategy for both, no ``separate_decode``) fits uniform batches up
-        to the max capture size in the mixed family, as its shared keys serve them; with
-        ``separate_decode`` the matcher may serve a uniform batch from a mixed key when that
-        pads less, so the fitted padding is an upper bound there.  Downgrades (``unsupported``,
-        the strategies' own ``unsupported_classes``) split the steps as ``build`` splits the
-        keys: a class moved off a strategy is fitted with the keys of the strategy it moved
-        to, or left eager.  With ``size_multiple`` every size is a multiple of it.  Sizes are shared by all LoRA counts: each size costs
-        one graph per LoRA count.  Under ``max_bytes`` a key costs what ``memory.key_bytes`` says (its own bytes
-        beside the shared pool), and the pool and warm-up of the largest keys, which every fitted plan keeps, come
-        out of the budget first (``memory.fixed_bytes()``); the budget is split exactly on those prices.
+        ``steps``: the actual shapes, one per step, or a histogram ``{shape: steps}``.  Takes ``build``'s settings and
+        keeps its covering guarantees (the widest uniform batch of each depth and the max capture size stay keys).
+        Families: one per spec depth for uniform batches (request counts), one for mixed batches (token counts); steps
+        go to them as the matcher serves them (uniform batches up to the max capture size to the mixed family when
+        ``folded``; with ``separate_decode`` the fitted padding is an upper bound), downgraded classes with the keys of
+        the strategy they moved to, or left eager.  Sizes are shared by all LoRA counts (a graph per count each).
+        Under ``max_bytes`` a key costs ``memory.key_bytes``, and ``memory.fixed_bytes()`` (the pool and warm-up of the
+        largest keys, which every fitted plan keeps) comes out of the budget first.
         """
         plan_settings = _settings(settings, fields)
         if plan_settings.ubatch_threshold is not None:
@@ -652,14 +575,9 @@ class CapturePlan:
         return [e.descriptor for e in self.entries]
 
     def uncovered(self, *, max_padding_tokens: int | None = None, max_padding_ratio: float | None = None) -> list[UncoveredRange]:
-        """Actual batch shapes up to the plan's maxima that no key serves, each run with its reason.
-
-        Checks every uniform decode batch (each spec depth and LoRA count seen in
-        the plan) and every mixed batch at its worst-case request count.  With a padding
-        cap (``GraphRegistry``'s ``max_padding_tokens`` / ``max_padding_ratio``), shapes whose
-        every covering key pads more than it are uncovered too, as a registry with that cap
-        runs them eagerly (reason "padding_cap").
-        """
+        """Actual batch shapes up to the plan's maxima that no key serves, each run with its reason: every uniform batch
+        (each spec depth and LoRA count of the plan) and every mixed batch at its worst-case request count.  With a
+        padding cap (``GraphRegistry``'s), shapes whose every covering key pads more are uncovered too ("padding_cap")."""
         if self.max_num_seqs is None or self.max_num_tokens is None:
             raise ValueError("uncovered() needs a plan built with max_num_seqs and max_num_tokens")
         pairs = [(e.descriptor, e.strategy) for e in self.entries]
@@ -737,13 +655,10 @@ def _depth_widest(spec_depths: SpecDepths, max_num_seqs: int, max_num_tokens: in
 def _change_points(keys: Sequence[BatchDescriptor], q: int, last: int, cap: PaddingCap, seqs: int | None = None) -> list[int]:
     """Sizes in 1..``last`` where whether a batch is served may change; between two of them it cannot.
 
-    A batch of size ``n`` has ``n * q`` tokens and ``n`` requests (a uniform batch of depth
-    ``q - 1``), or, with ``seqs``, ``n`` tokens and ``min(n, seqs)`` requests (a mixed batch at its
-    worst case).  A key stops covering past its token and request counts, and a padding cap
-    starts allowing it from ``key tokens - max_padding_tokens`` and ``key tokens / (1 +
-    max_padding_ratio)`` tokens on: each threshold, with neighbours against rounding, is a point.
-    So ``uncovered`` asks the matcher a few times per key, whatever ``max_num_tokens`` is.
-    """
+    Size ``n``: ``n * q`` tokens and ``n`` requests (uniform, depth ``q - 1``), or with ``seqs`` ``n`` tokens and
+    ``min(n, seqs)`` requests (mixed).  A key stops covering past its token and request counts, and a padding cap
+    allows it from ``tokens - max_padding_tokens`` and ``tokens / (1 + max_padding_ratio)`` on: each threshold, with
+    neighbours against rounding, is a point, so ``uncovered`` asks the matcher a few times per key."""
     thresholds: list[float] = [0, last]
     if seqs is not None:
         thresholds.append(seqs)
@@ -766,11 +681,8 @@ def _runs(
     key_class: str, n_loras: int, depth: int | None, points: list[int], last: int,
     shape: Callable[[int], tuple[int, BatchDescriptor]], matcher: Matcher, uncapped: Matcher,
 ) -> list[UncoveredRange]:
-    """Runs of sizes 1..``last`` that ``matcher`` serves no key for, split where the reason changes.
-
-    ``points`` are the sizes where the answer may change (``_change_points``): the answer at each
-    holds up to the next, so only they are matched.  ``shape(n)`` is the batch of size ``n`` and its tokens.
-    """
+    """Runs of sizes 1..``last`` that ``matcher`` serves no key for, split where the reason changes; only ``points``
+    (``_change_points``) are matched.  ``shape(n)``: the batch of size ``n`` and its tokens."""
     out: list[UncoveredRange] = []
     start: int | None = None
     reason: str | None = None

@@ -1,18 +1,10 @@
 """The piecewise compiler: a torch.compile backend that splits the traced model at splitting ops.
 
-Dynamo traces the model once with a dynamic token dimension.  This backend cuts
-the FX graph at every splitting op into *pieces* (captured, per descriptor, by
-the ``piecewise`` strategy) and *splits* (run eagerly between the pieces, at
-capture and at every replay).  A split goes through the same break mechanism
-as ``@eager_break``, so one annotation serves both the ``breakable`` and the
-``piecewise`` strategy.
-
-Splitting ops may be torch custom ops (``torch.library``; the op or its
-``"namespace::name"``), Python functions (kept opaque to dynamo), or module
-types (the ops traced from such a module run eagerly: fine for kernels that
-cannot be captured, but host-side decisions inside the module are frozen by
-the trace; put those in a marked function or a custom op).  By default, every
-function marked with ``@eager_break`` is a splitting op.
+Dynamo traces the model once with a dynamic token dimension; this backend cuts the FX graph at every splitting op
+into *pieces* (captured per descriptor by the ``piecewise`` strategy) and *splits* (run eagerly between them, through
+the same break mechanism as ``@eager_break``).  Splitting ops may be custom ops (or ``"namespace::name"``), Python
+functions (kept opaque to dynamo), or module types (their traced ops run eagerly, but host-side decisions inside are
+frozen by the trace).  By default every ``@eager_break`` function is one.
 """
 
 from __future__ import annotations
@@ -338,17 +330,10 @@ def _input_form(value: Any, index: int, storages: dict[Any, int]) -> tuple:
 def _sizes_kept_general(shape_env: Any, allowed: frozenset[Any]) -> Iterator[None]:
     """Undo what Inductor's code generation assumes of a symbolic size only to rule out 0 and 1.
 
-    Inductor asks questions such as "is this size 1?" (for strides, 32-bit indexing) with guards,
-    so a size that the trace left general (``backed_size_oblivious``: any size >= 0) comes out as
-    ``2 <= size``, and the key of size 1 would make dynamo trace and compile the model again.  The
-    kernels generated for a general size serve size 1 as well (the trace already assumes Python
-    code does not branch on a size being 1), so the lower bound goes back to what the trace had and
-    the guards implied by ``size >= 2`` (with the upper bound) alone are dropped.  Every other
-    refinement (an upper bound, a relation between sizes) stays, and becomes a guard as usual.
-    Only sizes in ``allowed`` are kept general: those at which the trace's own shapes agree with
-    the symbolic ones at size 1 (see ``_sizes_safe_at_one``; a ``squeeze`` of a batch axis, say,
-    makes them differ, and then the guard stays).  These are torch internals: where they are not
-    as expected, nothing is undone (size 1 then traces once more, as before).
+    Inductor's "is this size 1?" guards turn a general size into ``2 <= size``, so the key of size 1 would trace and
+    compile again; the kernels for a general size serve size 1 too, so the lower bound goes back to the trace's and
+    guards implied by ``size >= 2`` alone are dropped (other refinements stay).  Only sizes in ``allowed`` (where the
+    trace's shapes agree at size 1, ``_sizes_safe_at_one``).  Torch internals: where not as expected, nothing is undone.
     """
     ranges = getattr(shape_env, "var_to_range", None)
     guards = getattr(shape_env, "guards", None)
@@ -516,10 +501,8 @@ class _Compiled(nn.Module):
 class PiecewiseCompiler:
     """The torch.compile backend: ``torch.compile(model, backend=PiecewiseCompiler(...), dynamic=True)``.
 
-    ``splitting_ops``: custom ops, op names, functions, module types (default: ``@eager_break``
-    functions).  ``inductor``: compile each piece with Inductor (off by default, for start-up time).
-    ``max_traces``: how many times dynamo may trace before it is an error (one dynamic trace should
-    serve every size; dynamo adds one for sizes 0 and 1).
+    ``splitting_ops``: custom ops, op names, functions, module types (default: ``@eager_break`` functions).
+    ``inductor``: compile each piece with Inductor (off by default).  ``max_traces``: traces before it is an error.
     """
 
     def __init__(
@@ -694,13 +677,9 @@ def _members(value: Any) -> list[Any]:
 
 
 def _batch_axes(key: BatchDescriptor, rows: frozenset[int], args: tuple, kwargs: dict) -> list[tuple[int | str, int]]:
-    """The (argument, dimension) pairs of tensor arguments sized like one of ``key``'s axes (tokens,
-    requests, requests + 1; ``rows`` as the static inputs have them under a capture, where a relaxed
-    key's request axes hold every slot): the dimensions dynamo is to treat as symbolic; the rest stay static.
-
-    A dimension that only coincides with one (a weight's, say) is specialised again by the trace,
-    so including it is harmless.  Size 1 is never taken for a batch axis.
-    """
+    """The (argument, dimension) pairs of tensor arguments sized like one of ``key``'s axes (or ``rows``, the static
+    inputs' under a capture): the dimensions dynamo treats as symbolic.  One that only coincides (a weight's) is
+    specialised again by the trace; size 1 is never taken for a batch axis."""
     sizes = {key.num_tokens, *rows}
     if key.num_reqs is not None:
         sizes |= {key.num_reqs, key.num_reqs + 1}
@@ -723,10 +702,8 @@ def _mark_dynamic(axes: list[tuple[int | str, int]], args: tuple, kwargs: dict) 
 
 
 def _unviewed(value: Any) -> Any:
-    """A view (of a registry's static buffer, say) as a plain tensor over the same memory.
-
-    Dynamo guards on how a view relates to its base, which would retrace for every row count.
-    """
+    """A view (of a static buffer, say) as a plain tensor over the same memory: dynamo guards on how a view relates to
+    its base, which would retrace for every row count."""
     if not isinstance(value, torch.Tensor) or value._base is None:
         return value
     alias = torch.empty(0, dtype=value.dtype, device=value.device)
@@ -755,10 +732,7 @@ def compile_piecewise(
     include_marked: bool | None = None,
     specialize_size_one: bool = False,
 ) -> PiecewiseModel:
-    """Compile ``model`` for the ``piecewise`` strategy (dynamic shapes, full graph, split at splitting ops).
-
-    ``specialize_size_one=True`` keeps dynamo's default of a separate trace for size 1 (needed only
-    when the model branches in Python on a size being 1).
-    """
+    """Compile ``model`` for the ``piecewise`` strategy (dynamic shapes, full graph, split at splitting ops);
+    ``specialize_size_one=True`` keeps a separate trace for size 1 (for a model branching on a size being 1)."""
     compiler = PiecewiseCompiler(splitting_ops, inductor=inductor, max_traces=max_traces, include_marked=include_marked)
     return PiecewiseModel(model, compiler, specialize_size_one=specialize_size_one)
