@@ -277,10 +277,8 @@ def _entry_to_dict(e: EntryInfo) -> dict[str, Any]:
 
 def _stats_to_dict(s: Stats) -> dict[str, Any]:
     data = attrs.asdict(s, recurse=False)
-    data["by_class"] = {k: attrs.asdict(v) for k, v in s.by_class.items()}
-    data["by_strategy"] = dict(s.by_strategy)
-    data["misses_by_form"] = dict(s.misses_by_form)
-    data["misses_by_reason"] = dict(s.misses_by_reason)
+    data.update(by_class={k: attrs.asdict(v) for k, v in s.by_class.items()}, by_strategy=dict(s.by_strategy),
+                misses_by_form=dict(s.misses_by_form), misses_by_reason=dict(s.misses_by_reason))
     return data
 
 
@@ -312,21 +310,11 @@ def _table(value: object, where: str) -> Mapping[Any, Any]:
     return value
 
 
-def _finite(value: object) -> bool:
+def _finite(value: object, where: str, expected: str = "a finite number >= 0") -> float:
     """A real number in [0, inf): a JSON number, or what a registry's own dict may hold (``np.float64``), never a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 <= value < float("inf")
-
-
-def _seconds(value: object, where: str) -> float:
-    if not _finite(value):
-        raise _bad(where, "a number of seconds >= 0", value)
-    return float(value)  # type: ignore[arg-type]
-
-
-def _ratio(value: object, where: str) -> float:
-    if not _finite(value):
-        raise _bad(where, "a finite number >= 0", value)
-    return float(value)  # type: ignore[arg-type]
+    if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 <= value < float("inf")):
+        raise _bad(where, expected, value)
+    return float(value)
 
 
 def _pending_from(value: object, where: str) -> tuple[BatchDescriptor, str]:
@@ -340,8 +328,8 @@ def _pending_from(value: object, where: str) -> tuple[BatchDescriptor, str]:
 _READERS: dict[str, Any] = {
     "int": _count,
     "int | None": lambda v, w: None if v is None else _count(v, w),
-    "float": _seconds,
-    "float | None": lambda v, w: None if v is None else _ratio(v, w),
+    "float": lambda v, w: _finite(v, w, "a number of seconds >= 0"),
+    "float | None": lambda v, w: None if v is None else _finite(v, w),
     "str": _text,
     "BatchDescriptor": _descriptor_from,
     "tuple[str, ...]": lambda v, w: tuple(_text(x, f"{w}[{i}]") for i, x in enumerate(_items(v, w))),
@@ -391,23 +379,12 @@ class Snapshot:
     plan_changes: tuple[str, ...] = ()  # the last plan changes adaptation made, one line each
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": self.schema,
-            "name": self.name,
-            "backend": self.backend,
-            "device": self.device,
-            "created": self.created,
-            "preference": list(self.preference),
-            "memory_bytes": self.memory_bytes,
-            "entries": [_entry_to_dict(e) for e in self.entries],
-            "stats": _stats_to_dict(self.stats),
-            "pending": [{"key": attrs.asdict(k), "strategy": s} for k, s in self.pending],
-            "failures": dict(self.failures),
-            "max_padding_tokens": self.max_padding_tokens,
-            "max_padding_ratio": self.max_padding_ratio,
-            "capturing": [{"key": attrs.asdict(k), "strategy": s} for k, s in self.capturing],
-            "plan_changes": list(self.plan_changes),
-        }
+        data = {"schema": self.schema, **attrs.asdict(self, recurse=False)}
+        data.update(preference=list(self.preference), entries=[_entry_to_dict(e) for e in self.entries],
+                    stats=_stats_to_dict(self.stats), pending=[_pair_dict(p) for p in self.pending],
+                    failures=dict(self.failures), capturing=[_pair_dict(p) for p in self.capturing],
+                    plan_changes=list(self.plan_changes))
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Snapshot:

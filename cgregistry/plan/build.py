@@ -182,34 +182,26 @@ def _positive_ints(name: str, values: Iterable[int], minimum: int) -> tuple[int,
     return tuple(sorted(set(out)))
 
 
-def _positive(name: str) -> Callable[[Any, Any, Any], None]:
-    def check(instance: Any, attribute: Any, value: object) -> None:
-        if type(value) is not int or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-    return check
+def _positive(instance: Any, attribute: Any, value: object) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{attribute.name} must be a positive int, got {value!r}")
 
 
-def _flag(name: str) -> Callable[[Any, Any, Any], None]:
-    def check(instance: Any, attribute: Any, value: object) -> None:
-        if type(value) is not bool:
-            raise ValueError(f"{name} must be True or False, got {value!r}")
-
-    return check
+def _flag(instance: Any, attribute: Any, value: object) -> None:
+    if type(value) is not bool:
+        raise ValueError(f"{attribute.name} must be True or False, got {value!r}")
 
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _optional_positive(name: str, minimum: int = 1) -> Callable[[Any, Any, Any], None]:
-    check = _positive(name)
-
+def _optional_positive(minimum: int = 1) -> Callable[[Any, Any, Any], None]:
     def optional(instance: Any, attribute: Any, value: object) -> None:
         if value is not None:
-            check(instance, attribute, value)
+            _positive(instance, attribute, value)
             if value < minimum:  # type: ignore[operator]
-                raise ValueError(f"{name} must be at least {minimum}, got {value}")
+                raise ValueError(f"{attribute.name} must be at least {minimum}, got {value}")
 
     return optional
 
@@ -247,21 +239,21 @@ class PlanSettings:
     uniform batches have keys of their own).
     """
 
-    max_num_seqs: int = attrs.field(validator=_positive("max_num_seqs"))
-    max_num_tokens: int = attrs.field(validator=_positive("max_num_tokens"))
+    max_num_seqs: int = attrs.field(validator=_positive)
+    max_num_tokens: int = attrs.field(validator=_positive)
     # The default serves any step: breakable keys are piecewise's (the same key set as vLLM's FULL_AND_PIECEWISE)
     # without a trace; with a model compiled by reg.compile, "full_and_piecewise" fuses across the pieces too.
     mode: str | tuple[str | None, str | None] = "full_and_breakable"
     capture_sizes: Sequence[int] | None = None  # mixed-batch token counts (the ladder unless given)
-    max_capture_size: int | None = attrs.field(default=None, validator=_optional_positive("max_capture_size"))
+    max_capture_size: int | None = attrs.field(default=None, validator=_optional_positive())
     spec_depths: SpecDepths = attrs.field(default=(0,), converter=_spec_depths)
     lora_counts: Sequence[int] | None = None
-    max_loras: int | None = attrs.field(default=None, validator=_optional_positive("max_loras"))
+    max_loras: int | None = attrs.field(default=None, validator=_optional_positive())
     plugins: Any = attrs.field(default=None, eq=False, repr=False)  # where non-built-in strategies are looked up
-    separate_decode: bool = attrs.field(default=False, validator=_flag("separate_decode"))
-    size_multiple: int = attrs.field(default=1, validator=_positive("size_multiple"))
+    separate_decode: bool = attrs.field(default=False, validator=_flag)
+    size_multiple: int = attrs.field(default=1, validator=_positive)
     unsupported: Mapping[str, Any] = attrs.field(factory=dict, converter=_unsupported)  # strategy -> KEY_CLASSES it cannot serve
-    ubatch_threshold: int | None = attrs.field(default=None, validator=_optional_positive("ubatch_threshold", minimum=2))
+    ubatch_threshold: int | None = attrs.field(default=None, validator=_optional_positive(minimum=2))
     decode_strategy: str | None = attrs.field(init=False)
     mixed_strategy: str | None = attrs.field(init=False)
     mixed_relaxed: bool = attrs.field(init=False)  # mixed keys carry no request count

@@ -78,27 +78,23 @@ def _dtype(instance: StaticInput, attribute: attrs.Attribute, value: object) -> 
         raise TypeError(f"StaticInput.dtype {value} is quantized; a static input holds plain numbers")
 
 
-class _Unset:
+class _Sentinel:
+    """A module-level constant that stays one instance across copies and pickles (a config sent to worker processes)."""
+
+    def __init__(self, name: str, text: str) -> None:
+        self._name, self._text = name, text
+
     def __repr__(self) -> str:
-        return "<unset>"
+        return self._text
 
     def __reduce__(self) -> str:
-        return "UNSET"  # one instance, across copies and pickles
+        return self._name
 
 
-UNSET = _Unset()  # fill not given: 0 for floating and bool inputs, REPEAT_LAST on "reqs+1", else an error for integers
-
-
-class _RepeatLast:
-    def __repr__(self) -> str:
-        return "REPEAT_LAST"
-
-    def __reduce__(self) -> str:
-        return "REPEAT_LAST"  # one instance, across copies and pickles (a config sent to worker processes)
-
-
+# Fill not given: 0 for floating and bool inputs, REPEAT_LAST on "reqs+1", else an error for integers.
+UNSET = _Sentinel("UNSET", "<unset>")
 # A fill: padded rows repeat the batch's last live row, so padded requests of an offsets input are empty.
-REPEAT_LAST = _RepeatLast()
+REPEAT_LAST = _Sentinel("REPEAT_LAST", "REPEAT_LAST")
 
 
 def _is_integer(dtype: torch.dtype) -> bool:
@@ -156,7 +152,7 @@ class StaticInput:
     shape: tuple[int, ...] = attrs.field(converter=_shape)
     dtype: torch.dtype = attrs.field(validator=_dtype)
     axis: Literal["tokens", "reqs", "reqs+1"] = attrs.field(default="tokens", validator=_axis)
-    fill: int | float | bool | None | _RepeatLast = attrs.field(default=UNSET)
+    fill: int | float | bool | None | _Sentinel = attrs.field(default=UNSET)
 
     def __attrs_post_init__(self) -> None:
         fill = self.fill
