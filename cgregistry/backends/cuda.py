@@ -73,11 +73,9 @@ def _known_wrapper(wrapper: Any) -> bool:
 def direct_replay(graph: Any, wrapper: Callable[..., None] | None = None, c_replay: Any = None) -> Callable[[], None]:
     """``graph``'s C++ replay as a bound method, without torch's Python wrapper where the wrapper has nothing to do.
 
-    ``torch.cuda.CUDAGraph.replay`` is a Python method (a frame and a ``super()`` call on every replay; its cost
-    is in docs/performance.md) whose only other work is the input-liveness check, which this backend never turns on.  The
-    wrapper is kept for a graph with a tracker, for a subclass of ``CUDAGraph``, and for wrapper code other than
-    the known ones (a later torch, a decorated or patched ``replay``).  Decided once, when the graph is wrapped
-    after capture: ``replay`` patched later is not seen.  ``wrapper``/``c_replay``: stand-ins for tests."""
+    ``CUDAGraph.replay``'s only other work is the input-liveness check, never on here (its frame's cost: docs/
+    performance.md).  Kept for a graph with a tracker, a subclass, and unknown wrapper code (a later torch, a patched
+    ``replay``); decided once, after capture.  ``wrapper``/``c_replay``: stand-ins for tests."""
     if wrapper is None:
         if type(graph) is not torch.cuda.CUDAGraph:
             return graph.replay
@@ -105,14 +103,10 @@ class CudaGraph:
 def clear_cublas_workspaces() -> None:
     """Drop cuBLAS's cached workspaces, so the next GEMM allocates a fresh one.
 
-    A captured GEMM bakes in the address of the workspace its cuBLAS handle held at
-    capture.  Left to cuBLAS, that is an eager block owned by a per-stream cache, which
-    other code clears (``torch.compile(mode="reduce-overhead")`` does on every warm-up and
-    recording; newer torch does when any graph captured on the stream is destroyed): the
-    block goes back to the allocator and the graph's next replay writes into whatever owns
-    it now, or faults on an unmapped address.  Cleared before a capture, the workspace is
-    allocated inside the capture, from the registry's pool, which lives as long as its
-    graphs; cleared after, eager work does not keep using a block of the pool.
+    A captured GEMM bakes in its workspace's address; left to cuBLAS, that is an eager block of a per-stream cache
+    that other code clears (``reduce-overhead`` compiles, newer torch on graph destruction), after which a replay
+    writes into whatever owns it.  Cleared before a capture, the workspace comes from the registry's pool, which lives
+    as long as its graphs; cleared after, eager work does not keep using a block of the pool.
     """
     torch._C._cuda_clearCublasWorkspaces()
 
@@ -202,11 +196,9 @@ class CudaBackend:
         return torch.cuda.graph_pool_handle()
 
     def keep_pool(self, pool: object) -> Any:
-        """What keeps ``pool`` taking captures for as long as it lives, whether or not a graph in it does: what its dead
-        graphs held is reused by the next captures into it (a pool whose graphs all died takes no capture, and is only
-        freed at ``empty_cache()``).  A one-kernel graph captured into it, on this thread's current device (where the
-        capture that asks for it runs): a graph holds its pool in the device and the pinned host allocator alike (a
-        ``torch.cuda.MemPool`` holds only the device one, and the host one refuses the next capture)."""
+        """What keeps ``pool`` taking captures while it lives, whatever its graphs do (a pool whose graphs all died takes
+        no capture): a one-kernel graph captured into it on this thread's device, which holds it in the device and
+        pinned host allocators alike (a ``torch.cuda.MemPool`` holds only the device one)."""
         keeper, cell = torch.cuda.CUDAGraph(), torch.zeros(1, device="cuda")
         with self._keeper_lock:  # one stream a device for every keeper (a new one each time would cycle through
             device = torch.cuda.current_device()  # torch's stream pool onto streams other threads launch on)

@@ -1,26 +1,15 @@
 """The memory ledger: the device memory a plan's capture will take, known before it is captured.
 
-Engines size their KV cache before they capture (graphs bake in its address), so they need the
-graphs' bytes first.  ``reg.estimate_memory(plan)`` captures the plan as ``capture(plan)`` would (the
-same order, pool sharing and warm-up stream) but into a scratch pool, on static inputs of its own at
-their fills (so nothing of the engine's state is touched); it measures what each key took of the
-device, drops everything, and predicts what dropping it gave back.  Keys captured between steps
-(``capture(plan, background=True)``) go into the same pool on the same inputs: the same estimate.
+Engines size their KV cache before they capture (graphs bake in its address), so they need the graphs' bytes first.
+``reg.estimate_memory(plan)`` captures the plan as ``capture(plan)`` would (same order, pool sharing, warm-up stream)
+into a scratch pool on static inputs of its own, measures what each key took of the device, and drops everything.
 
-With ``sample=True`` it captures a sample of the plan's whole-graph keys (``full``), in the plan's order: of each
-family (strategy, form, LoRA count) the first in capture order (the largest, which sizes the pool), the last,
-and some between (``SAMPLE_PER_FAMILY``); every other such key is priced from its family's sample (the tensors it keeps,
-linear in token count, and the driver's graph objects, averaged).  Keys with eager work between their graphs
-(breakable, piecewise) are captured each: what they add depends on what was captured before them (kept tensors,
-the warm-up's cache; figures in docs/performance.md).  By default the whole plan is captured, which measures all of that to the byte.
-
-What the estimate leaves on the device (the process's first CUDA work: kernels loaded, cuBLAS handles; and what
-the driver keeps of its dropped graphs) the capture that follows reuses rather than takes again, so it is taken
-off the first keys' bytes.
-
-The per-key table says what each key adds in capture order; ``key_bytes`` prices any key (its
-strategy's measured keys interpolated by token count: what stays of a key whatever else is
-captured) for ``CapturePlan.fit(max_bytes=...)``, and ``fixed_bytes`` the pool and warm-up.
+With ``sample=True`` only a sample of each family's ``full`` keys is captured (the first, which sizes the pool, the
+last, ``SAMPLE_PER_FAMILY`` between); the others are priced from it (kept tensors linear in token count, driver
+objects averaged).  Keys with eager breaks are captured each (what they add depends on what came before; figures in
+docs/performance.md).  What the estimate leaves on the device (first CUDA work, the driver's dropped graphs) the
+capture reuses, so it is taken off the first keys' bytes.  ``key_bytes`` prices any key (its strategy's measured keys
+interpolated by token count) for ``CapturePlan.fit(max_bytes=...)``; ``fixed_bytes`` the pool and warm-up.
 """
 
 from __future__ import annotations
@@ -266,11 +255,9 @@ def sampled(order: Sequence[Pair], every: Callable[[Pair], bool] = lambda pair: 
 def estimate_memory(
     parts: Sequence[Part], runs: Sequence[Callable[..., Any]], payloads: Sequence[Any], *, sample: bool = False,
 ) -> list[MemoryEstimate]:
-    """Capture each part's keys (plan order; the parts in order) as ``capture(pairs)`` of each registry would, into one scratch pool, measure each key, and let everything go (see the module's docstring);
-    with ``sample``, a sample of each family of whole-graph keys (``sampled``), the others priced from it.
-
-    ``runs[i](fn, *args, **kwargs)`` runs a capture under part i's capture context, whose eager breaks see ``payloads[i]``.
-    """
+    """Capture each part's keys, in order, as each registry's ``capture`` would, into one scratch pool, measure each
+    and let everything go (with ``sample``, a sample of each ``full`` family, the rest priced from it).  ``runs[i]``
+    runs a capture under part i's capture context, whose eager breaks see ``payloads[i]``."""
     backend = parts[0].job.backend
     device_memory = getattr(backend, "device_memory", None)
     release = getattr(backend, "release_cached", None) or (lambda: None)
@@ -350,12 +337,9 @@ def _capture_all(
 ) -> tuple[list[tuple[Probe, int]], int]:
     """Each part's keys captured into one scratch pool, in order, all alive until the last is measured (as the plans'
     entries are while they are captured), then dropped: each key's probe and what it took of the device (cpu: the
-    emulator's count), and the device memory in use with all of them alive (0 where the backend measures none).
-
-    A key's price (``Probe.own_bytes``) is what stays of its capture whatever else is captured: what it took outside the
-    caching allocator (the driver's graph objects) and the tensors it keeps alive in it (results kept between eager
-    breaks: 64 KiB a token on the Hugging Face engine).  The rest (the pool growing to its need, the warm-up's cache)
-    is the pool and warm-up every plan pays, priced once (``fixed_bytes``)."""
+    emulator's count), and the device memory in use with all of them alive (0 where the backend measures none).  A
+    key's price (``Probe.own_bytes``) is what stays whatever else is captured (driver objects, tensors kept between
+    eager breaks); the pool's growth and the warm-up's cache every plan pays once (``fixed_bytes``)."""
     backend = parts[0].job.backend
     pool = backend.new_pool()
     live = getattr(backend, "live_bytes", None) or (lambda: 0)

@@ -1,16 +1,10 @@
 """Matcher: the best captured key for an actual batch, in table time.
 
-Rule: among keys that cover the batch, the most preferred strategy wins; then
-the least padding (tokens, then requests, then LoRA slots); ties go to uniform
-keys, then to keys with an exact request count.  A matcher built with a padding
-cap (``max_padding_tokens``, ``max_padding_ratio``) refuses a strategy whose best
-key pads more token slots than the cap allows, and goes on to the next strategy
-(or to eager).  Pure: no plugin or torch import.
-
-Keys are grouped into *families* that differ only in token (and request) count:
-(strategy, form -- uniform, spec depth of uniform keys, micro-batches --, LoRA count, exact-reqs).  Per
-family a table maps an actual token count to the first key at or above it, so a
-lookup is a few list indexings whatever the number of keys.
+Rule: among covering keys the most preferred strategy wins, then the least padding (tokens, requests, LoRA slots);
+ties go to uniform keys, then to exact request counts.  With a padding cap, a strategy whose best key pads more is
+skipped for the next (or eager).  Pure: no plugin or torch import.  Keys are grouped into *families* differing only
+in token (and request) count (strategy, form, LoRA count, exact-reqs); per family a table maps an actual token count
+to the first key at or above it, so a lookup is a few list indexings whatever the number of keys.
 """
 
 from __future__ import annotations
@@ -112,13 +106,10 @@ class Explanation:
 class PaddingCap:
     """The most token padding a key may add to a batch; None for either: no such limit.
 
-    ``max_tokens``: padding token slots (``key.num_tokens - actual.num_tokens``).
-    ``max_ratio``: padding token slots per real token, so ``0.25`` lets a 16-token
-    batch take a 20-token key but not a 24-token one.  With both, a key must meet
-    both.  Why: the least-padding key of the preferred strategy can still be a poor
-    deal (a 129-token batch in a 256-token full graph computes twice the tokens);
-    with a cap the batch goes to a less padded key of the next strategy, or eager.
-    Only token padding is capped: request and LoRA padding cost little.
+    ``max_tokens``: padding token slots; ``max_ratio``: per real token (``0.25``: a 16-token batch may take a 20-token
+    key, not a 24-token one); a key must meet both.  Why: a 129-token batch in a 256-token full graph computes twice
+    its tokens; capped, it goes to a less padded key of the next strategy, or eager.  Request and LoRA padding cost
+    little, so only tokens are capped.
     """
 
     max_tokens: int | None = None
@@ -218,11 +209,9 @@ class Verdict:
 class Matcher:
     """Chooses covering keys; built once from (key, strategy) pairs.
 
-    ``preference``: strategy names, most preferred first (others follow in key order).
-    ``max_padding_tokens`` / ``max_padding_ratio``: a :class:`PaddingCap`; a strategy whose
-    best key pads more is skipped for that batch.  Both None (the default): no cap.
-    ``capturing`` and ``failed``: keys pending capture and keys whose capture failed, which serve nothing but say
-    why a batch runs eagerly (``verdict``).
+    ``preference``: strategy names, most preferred first (others follow in key order).  ``max_padding_tokens`` /
+    ``max_padding_ratio``: a :class:`PaddingCap` (None: no cap).  ``capturing`` and ``failed``: keys pending or failed,
+    which serve nothing but say why a batch runs eagerly (``verdict``).
     """
 
     def __init__(
@@ -280,11 +269,8 @@ class Matcher:
         return groups
 
     def match(self, actual: BatchDescriptor, exclude: Iterable[str] = ()) -> Match | None:
-        """The best covering key for ``actual``, or None; memoised, so a seen shape costs one dict lookup.
-
-        ``exclude``: strategies this call may not use (vLLM's ``disable_full`` for cascade
-        attention is ``exclude=("full",)``); memoised apart from the plain lookups.
-        """
+        """The best covering key for ``actual``, or None; memoised, so a seen shape costs one dict lookup.  ``exclude``:
+        strategies this call may not use (``("full",)`` for vLLM's ``disable_full``), memoised apart."""
         if exclude:
             return self._match_excluding(actual, excluded(exclude))
         try:
@@ -381,9 +367,8 @@ class Matcher:
     ) -> Explanation:
         """Every key with the reason it won or lost against ``actual`` (``exclude`` as for ``match``).
 
-        ``capturing``: keys pending capture between steps, which serve nothing yet: each is listed as such, and when no
-        key of this matcher serves the batch, the best of them that would (by this matcher's rule) is the
-        explanation's ``capturing``: the batch runs eagerly until it is captured."""
+        ``capturing``: keys pending capture, listed as such; when no key serves the batch, the best of them that would is
+        the explanation's ``capturing`` (the batch runs eagerly until it is captured)."""
         skip = excluded(exclude)
         chosen = self.match(actual, skip)
         rows: list[tuple[tuple[int, ...], Candidate]] = []

@@ -1,14 +1,10 @@
 """Plans against workloads: how a plan serves a stream of steps, and the plan that serves it best.
 
-A workload is a stream of actual batch shapes, or a histogram of them
-(``{descriptor: steps}``, ``Workload``): both count the same, so a million-step
-histogram is never expanded.  ``evaluate`` replays a workload through a plan's matcher: hit rate,
-eager fallbacks, padded tokens overall and by token count.  ``fit_families``
-chooses the sizes that minimise padded tokens for a workload under a graph
-budget, exactly: a dynamic programme per key family over the observed sizes,
-then an exact split of the budget between families; ``CapturePlan.fit`` turns
-them into a plan.  The covering guarantees of ``build`` stay: the widest
-uniform batch of each spec depth and the max capture size remain keys.
+A workload is a stream of actual batch shapes or a histogram of them (``{descriptor: steps}``), counted the same
+(never expanded).  ``evaluate`` replays one through a plan's matcher: hit rate, eager fallbacks, padded tokens.
+``fit_families`` chooses the sizes that minimise padded tokens under a graph budget, exactly (a dynamic programme per
+key family, then an exact split of the budget); ``CapturePlan.fit`` turns them into a plan, keeping ``build``'s
+covering guarantees.
 """
 
 from __future__ import annotations
@@ -169,11 +165,9 @@ def evaluate(
 def fit_sizes(weights: Mapping[int, int], top: int, unit: int = 1, max_sizes: int | None = None) -> dict[int, tuple[int, list[int]]]:
     """Optimal size sets for one family, for every budget.
 
-    ``weights`` maps an observed size (at most ``top``) to how many steps have it;
-    a step of size v served by size s >= v pads ``(s - v) * unit`` tokens.  Returns,
-    for k = 1 .. max_sizes, the least total padding with k sizes, all of them
-    including ``top``, and one set achieving it.  Exact: dynamic programming over
-    the observed sizes (an optimal set only ever uses observed sizes and ``top``).
+    ``weights``: observed size (at most ``top``) -> steps; size s serving v pads ``(s - v) * unit`` tokens.  For
+    k = 1 .. max_sizes, the least total padding with k sizes including ``top``, and one set achieving it (dynamic
+    programming over the observed sizes, which with ``top`` are all an optimal set uses).
     """
     bad = [v for v in weights if v < 1 or v > top]
     if bad:
@@ -243,22 +237,12 @@ def fit_families(
 ) -> tuple[dict[int, list[int]], list[int]]:
     """The sizes ``CapturePlan.fit`` captures: request counts per spec depth, and mixed token counts.
 
-    ``steps`` is a stream of actual shapes or a ``{shape: steps}`` histogram; the two give the
-    same sizes (the histogram is never expanded).
-
-    Each key family gets an exact padding-versus-size-count curve (``fit_sizes``) over the
-    steps it serves, and the budget is split between families exactly (``_split_budget``).
-    With ``size_multiple`` a step's size is first rounded up to the nearest size a key may
-    have (the padding to it is the same for every plan), so every fitted size is allowed.
-    A folded plan (``settings.folded``) fits uniform batches up to the max capture size in
-    the mixed family, exactly as the matcher serves them.  Downgrades are already in the
-    settings' strategies: a spec depth outside ``uniform_depths`` has no family of its own
-    (its batches are mixed steps), and a class without a strategy is not fitted (eager).
-
-    With ``max_bytes`` (and ``pricing``, a memory estimate), as well as or instead of ``max_graphs``: the
-    plan's keys take at most ``max_bytes`` beside what any fitted plan takes (its largest keys' pool and
-    warm-up, ``pricing.fixed_bytes()``), a size of a family costing what its widest key takes per LoRA
-    count (``pricing.key_bytes``), and the budget is split between families exactly on those prices.
+    Each key family gets an exact padding-versus-size-count curve (``fit_sizes``) over the steps it serves, and the
+    budget is split between families exactly (``_split_budget``).  With ``size_multiple`` a step's size is first
+    rounded up to a size a key may have.  A folded plan fits uniform batches up to the max capture size in the mixed
+    family; a spec depth outside ``uniform_depths`` has no family (mixed steps), a class without a strategy none
+    (eager).  With ``max_bytes`` (and ``pricing``, a memory estimate): beside ``pricing.fixed_bytes()``, a size costs
+    its widest key's ``pricing.key_bytes`` per LoRA count, and the bytes are split exactly on those prices.
     """
     if max_graphs is not None and (type(max_graphs) is not int or max_graphs < 1):
         raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")

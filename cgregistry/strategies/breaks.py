@@ -1,19 +1,11 @@
 """Eager breaks: functions that end a graph segment, run eagerly, and let capture resume.
 
-Mark a function with ``@eager_break`` (or call ``graph_break()`` for an empty
-split point).  Outside a ``breakable`` capture a marked function costs one
-context-variable read and runs as itself; inside a ``full`` capture it runs
-inline and is captured like any other code.  Inside a ``breakable`` capture the
-current segment ends, the function runs eagerly (or its ``capture_stub``
-does), and a new segment begins; at replay the function runs again between the
-segments with the same (captured) arguments, so it sees fresh data in them.
-
-An eager break may write into tensors it is given (in place) or return
-tensors: a returned tensor is kept from capture and every replay copies the
-fresh result into it, so code after the break reads a stable address.
-
-``current_batch()`` gives the live batch inside an eager break: the actual
-descriptor, the padded key and the payload passed to ``run(..., context=...)``.
+Mark a function with ``@eager_break`` (or call ``graph_break()`` for an empty split point).  Outside a ``breakable``
+capture it costs one context-variable read (inside a ``full`` one it is captured like any code); inside, the segment
+ends, the function (or its ``capture_stub``) runs eagerly, and a new segment begins; at replay it runs again between
+the segments with the same arguments, seeing fresh data in them.  It may write into tensors it is given, or return
+tensors: kept from capture, each replay copies the fresh result in, so later code reads a stable address.
+``current_batch()`` gives the live batch inside it: actual descriptor, padded key, ``run(..., context=...)`` payload.
 """
 
 from __future__ import annotations
@@ -60,12 +52,8 @@ def fake_mode_of(args: tuple, kwargs: dict) -> Any:
 
 
 def run_for_trace(fn: Callable[..., Any] | None, fake_mode: Any, args: tuple, kwargs: dict) -> Any:
-    """Run a break on dynamo's fake tensors, for its output shapes only, adding no guards.
-
-    The break stays opaque in the trace and runs on real tensors later, so the size checks
-    inside it (an attention kernel choosing a path for one query row, say) must not make
-    dynamo trace the model again for those sizes.
-    """
+    """Run a break on dynamo's fake tensors, for its output shapes only, adding no guards: it runs on real tensors
+    later, so its size checks (a kernel's path for one query row) must not make dynamo trace again."""
     if fn is None:
         return None
     shape_env = getattr(fake_mode, "shape_env", None)
@@ -140,16 +128,10 @@ def eager_break(*, capture_stub: Callable[..., Any] | None = None, name: str | N
 def eager_break(fn: Any = None, *, capture_stub: Callable[..., Any] | None = None, name: str | None = None) -> Any:
     """Mark ``fn`` as an eager break; usable bare or as ``@eager_break(capture_stub=..., name=...)``.
 
-    ``capture_stub`` runs instead of ``fn`` while segments are being captured
-    (same arguments; to skip a collective, say); replay always runs ``fn``.
-    Arguments may include ``nn.Module`` objects (a Hugging Face attention function
-    gets its layer), also when dynamo traces the model for ``piecewise``.
-
-    ``fn`` may be a torch custom op (``torch.library.custom_op``, with a fake
-    implementation): a trace then records the op itself, with the tensors its schema
-    says it writes (a KV cache), so any ``torch.compile`` of the model takes it, and
-    the piecewise compiler splits at every call of that op (call it through the
-    marked function, so that ``breakable`` captures break there too).
+    ``capture_stub`` runs instead of ``fn`` while segments are captured (to skip a collective, say); replay runs
+    ``fn``.  Arguments may include ``nn.Module`` objects, also under ``piecewise``'s trace.  ``fn`` may be a torch
+    custom op (with a fake implementation): a trace records the op with the tensors it writes, and the piecewise
+    compiler splits at every call of it (call it through the marked function so ``breakable`` breaks there too).
     """
 
     def wrap(func: F) -> F:
