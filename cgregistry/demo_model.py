@@ -92,9 +92,7 @@ def attention_bias(lens: torch.Tensor, positions: torch.Tensor, dtype: torch.dty
     context = positions.shape[0]
     cached = torch.where(positions[None, :] < lens[:, None], 0.0, float("-inf")).to(dtype)  # [T, C]
     own_and_padding = cached.new_zeros(cached.shape[0], (context + 1 + 7) // 8 * 8 - context)  # column C: the token itself
-    padded = torch.cat([cached, own_and_padding], dim=1)
-    width = context + 1
-    return padded[:, None, None, :width]
+    return torch.cat([cached, own_and_padding], dim=1)[:, None, None, : context + 1]
 
 
 class _Layer(nn.Module):

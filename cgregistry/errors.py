@@ -13,6 +13,7 @@ front end): message, class and attributes survive, whatever the class's construc
 
 from __future__ import annotations
 
+import copyreg
 from typing import Any
 
 __all__ = [
@@ -20,19 +21,14 @@ __all__ = [
 ]
 
 
-def _rebuild(cls: type[BaseException], args: tuple[Any, ...]) -> BaseException:
-    """An error of class ``cls`` with ``args`` (its message), made without calling ``cls.__init__``."""
-    return cls.__new__(cls, *args)
-
-
 class CgregistryError(Exception):
     """An error class of cgregistry's own (what a step raises keeps its own type)."""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Exception pickles as ``cls(*self.args)``, which fails for a subclass whose constructor takes
-        # other arguments than its message (CaptureError's descriptor, strategy and cause); rebuild
-        # from the message and restore the attributes instead.
-        return (_rebuild, (type(self), self.args), self.__dict__ or None)
+        # Exception pickles as ``cls(*self.args)``, which fails for a subclass whose constructor takes other arguments
+        # than its message (CaptureError's descriptor, strategy and cause): ``cls.__new__(cls, *self.args)`` instead,
+        # without calling ``__init__``, and the attributes restored.
+        return (copyreg.__newobj__, (type(self), *self.args), self.__dict__ or None)
 
 
 class InputError(CgregistryError, ValueError):

@@ -394,13 +394,8 @@ class Server:
         return out
 
     def _bad_names(self, inputs: Mapping[str, Any]) -> InputError:
-        missing = sorted(self._input_names - inputs.keys())
-        extra = sorted(inputs.keys() - self._input_names)
-        parts = []
-        if missing:
-            parts.append(f"missing {missing}")
-        if extra:
-            parts.append(f"unexpected {extra}")
+        missing, extra = sorted(self._input_names - inputs.keys()), sorted(inputs.keys() - self._input_names)
+        parts = [f"{what} {names}" for what, names in (("missing", missing), ("unexpected", extra)) if names]
         return InputError(f"run() inputs do not match the static inputs: {'; '.join(parts)}; expected {sorted(self._input_names)}")
 
     # ---------------------------------------------------------------- routes of other runs, and match

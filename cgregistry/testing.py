@@ -80,11 +80,8 @@ class StrategyConformance:
     def _plugins(self) -> Plugins:
         return make_plugins(*self.plugins)
 
-    def _relaxed(self, plugins: Plugins) -> bool:
-        return bool(plugins.strategy(self.strategy).relaxes_num_reqs)
-
     def _keys(self, plugins: Plugins) -> list[BatchDescriptor]:
-        if self._relaxed(plugins):
+        if plugins.strategy(self.strategy).relaxes_num_reqs:
             return [BatchDescriptor(t) for t in (32, 16, 8, 4)]
         return [BatchDescriptor(t, min(t, TINY.max_num_seqs)) for t in (32, 16, 8, 4)] + [
             BatchDescriptor.decode(r) for r in (8, 4, 2, 1)

@@ -58,7 +58,6 @@ _BOOL_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 _COPY_OPS = {"to", "_to_copy", "_copy_from", "_copy_from_and_resize"}
 
 
-
 # Modules of the package that hold model code (what a user's step is), not machinery.
 _MODEL_MODULES = frozenset({"cgregistry.demo_model"})
 
@@ -98,11 +97,8 @@ def _works(obj: Any) -> list[Any]:
 
 
 def _unsafe_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
-    reason = _HOST_SYNC.get(func)
-    if reason is not None:
-        return reason
     name = func.overloadpacket.__name__
-    reason = _DATA_DEPENDENT.get(name)
+    reason = _HOST_SYNC.get(func) or _DATA_DEPENDENT.get(name)
     if reason is not None:
         return reason
     if name == "repeat_interleave" and kwargs.get("output_size") is None and any(
@@ -112,16 +108,9 @@ def _unsafe_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> st
     if name in _BOOL_INDEX_OPS and len(args) > 1:
         if any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(args[1])):
             return "boolean-mask indexing has a data-dependent output shape"
-    if name in _COPY_OPS:
-        return _host_copy_reason(name, args, kwargs)
-    return None
-
-
-def _host_copy_reason(name: str, args: tuple, kwargs: dict) -> str | None:
-    """Copies into pinned host memory.  Other host copies are judged by the Python method called
-    (``_HostTransfers``): at the aten level, on a CPU-only machine, ``.to(x.device)`` and ``.cpu()``
-    are the same op."""
-    if kwargs.get("pin_memory"):
+    # Copies into pinned host memory; other host copies are judged by the Python method called (``_HostTransfers``):
+    # at the aten level, on a CPU-only machine, ``.to(x.device)`` and ``.cpu()`` are the same op.
+    if name in _COPY_OPS and kwargs.get("pin_memory"):
         return "copies into pinned host memory"
     return None
 

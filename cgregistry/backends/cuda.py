@@ -37,13 +37,8 @@ class DeviceSpan:
     over it keep it alive, so a finalizer on it runs once the last of them is gone)."""
 
     def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 2,
-            "strides": None,
-        }
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2,
+                                         "strides": None}
 
 
 def non_owning_alias(t: torch.Tensor) -> torch.Tensor:

@@ -433,7 +433,13 @@ class CaptureJob:
             finally:
                 pool.end(entry)
             if not self._warned_no_break and entry.read_live_batch and not key.uniform and getattr(entry.graph, "breaks", None) == 0:
-                self._warn_no_break(entry)
+                self._warned_no_break = True  # once: a mixed key that read the batch outside an eager break
+                warn(
+                    f"cgregistry: registry {self.name!r} captured the mixed key {key} [{name}] with no eager break, "
+                    "and the step read current_batch().actual or .payload while it was recorded: the whole step is "
+                    "one graph, and the host code that read the batch ran once, at capture. Mark such functions with "
+                    "@cgregistry.eager_break"
+                )
             evicted = self._catalog.add(entry, background=queued)
             self._events.capture_finished(key, name, entry, None)
             if evicted:
@@ -448,17 +454,6 @@ class CaptureJob:
         if error is exc:
             raise
         raise error from exc
-
-    def _warn_no_break(self, entry: Entry) -> None:
-        """Once per registry: a mixed key of a strategy that splits at eager breaks was captured with none, while the
-        step read the batch's ``actual`` or ``payload`` outside an eager break."""
-        self._warned_no_break = True
-        warn(
-            f"cgregistry: registry {self.name!r} captured the mixed key {entry.key} [{entry.strategy}] with no eager "
-            "break, and the step read current_batch().actual or .payload while it was recorded: the whole step is one "
-            "graph, and the host code that read the batch ran once, at capture. Mark such functions with "
-            "@cgregistry.eager_break"
-        )
 
     def pool_streams(self) -> contextlib.AbstractContextManager[Any]:
         """Where the backend keeps streams per owner (cuda: ``streams_of``), a capture into this job's pool, or one
@@ -480,7 +475,11 @@ class CaptureJob:
         if progress is None:
             progress = len(pairs) > 1 and sys.stderr.isatty()
         ctx = self.current()
-        bar = _progress(pairs, progress)
+        bar: Iterable[Pair] = pairs
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(pairs, desc="capturing graphs", unit="graph", leave=False)
         captured: list[EntryInfo] = []
         failed: dict[str, CaptureError] = {}  # strategy -> its first failure
         skipped: list[Pair] = []
@@ -753,11 +752,3 @@ def _plan_entry(e: object) -> PlanEntry:
     if isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], BatchDescriptor) and isinstance(e[1], str):
         return PlanEntry(e[0], e[1])
     raise TypeError(f"a plan holds PlanEntry or (BatchDescriptor, strategy name) pairs, got {e!r}")
-
-
-def _progress(items: list[Pair], enabled: bool) -> Iterable[Pair]:
-    if not enabled:
-        return items
-    from tqdm import tqdm
-
-    return tqdm(items, desc="capturing graphs", unit="graph", leave=False)

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import bisect
 import gc
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
 
-from cgregistry.store.io import StaticBuffer
 from cgregistry.capture.job import CaptureJob, paused_gc, scratch
 from cgregistry.key.descriptor import BatchDescriptor
 from cgregistry.store.catalog import Pair
@@ -265,7 +264,8 @@ def estimate_memory(
     if not sample:
         captured = orders
     else:  # keys with eager work between their graphs keep tensors and reuse caches by what came before: each measured
-        captured = [sampled(order, lambda pair: not _whole_graph(part, pair[1])) for part, order in zip(parts, orders)]
+        captured = [sampled(order, lambda pair: not getattr(part.job.strategy(pair[1]), "whole_graph", False))
+                    for part, order in zip(parts, orders)]
     gc.collect()
     release()
     try:
@@ -300,7 +300,8 @@ def _part_estimate(part: Part, order: Sequence[Pair], probes: list[Probe], taken
     if measures:
         probes = _priced_first(probes)
     pool_bytes = max((p.pool_bytes for p in probes), default=0) if measures else 0
-    estimate = MemoryEstimate(job.backend.name, (), pool_bytes, 0, _storage_bytes(job.buffers.values()), tuple(probes))
+    inputs = sum(buf.tensor.untyped_storage().nbytes() for buf in job.buffers.values())
+    estimate = MemoryEstimate(job.backend.name, (), pool_bytes, 0, inputs, tuple(probes))
     measured = {(p.key, p.strategy): KeyMemory(p.key, p.strategy, t, estimate.key_bytes(p.key, p.strategy),
                                                 p.pool_bytes, p.seconds, True) for p, t in zip(probes, taken)}
     warmup = max(0, sum(taken) - pool_bytes - sum(k.own_bytes for k in measured.values())) if measures else 0
@@ -386,12 +387,3 @@ def _priced_first(probes: list[Probe]) -> list[Probe]:
             or [p for p in rest if p.strategy == first.strategy])
     model = like[0] if like else sorted(rest, key=lambda p: p.own_bytes)[len(rest) // 2]
     return [attrs.evolve(first, own_bytes=model.own_bytes, seconds=model.seconds), *rest]
-
-
-def _whole_graph(part: Part, name: str) -> bool:
-    """Whether strategy ``name`` captures a key as one graph with nothing eager inside (``full``)."""
-    return bool(getattr(part.job.strategy(name), "whole_graph", False))
-
-
-def _storage_bytes(buffers: Iterable[StaticBuffer]) -> int:
-    return sum(buf.tensor.untyped_storage().nbytes() for buf in buffers)

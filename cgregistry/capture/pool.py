@@ -56,13 +56,6 @@ class GraphPool:
         """Whether a keeper holds the pool (its memory stays for the next captures once its graphs died)."""
         return self._keeper is not None
 
-    def for_capture(self) -> Any:
-        """The handle the next capture goes into (under the lock): a fresh one if every graph captured into the
-        current one died and nothing kept it."""
-        if self._used and not self._graphs and self._keeper is None:
-            self.renew()
-        return self.handle
-
     def renew(self) -> None:
         self.handle = self.backend.new_pool()
         self._let_go()
@@ -84,13 +77,6 @@ class GraphPool:
             for entry in entries:
                 device, memory = device + entry.device_bytes, memory + entry.memory_bytes
             self._left = (device, memory)
-
-    def _account_left(self, entry: Any) -> None:
-        """``entry``, captured into the kept pool, accounts for what dropped entries left in it (the first capture into
-        a pool accounts for the pool, whichever key it is)."""
-        with self._left_lock:
-            left, self._left = self._left, (0, 0)
-        account_held(entry, left)
 
     def share(self, sharer: Any) -> None:
         """``sharer`` (a registry's capture job, which says whether it ``holds_graphs()``) captures into this pool."""
@@ -126,7 +112,8 @@ class GraphPool:
             self.refuse_if_held(f"a capture of {key} [{strategy}]", registry)
         self.lock.acquire()
         try:
-            self.for_capture()
+            if self._used and not self._graphs and self._keeper is None:  # every graph in it died, and nothing kept it
+                self.renew()
             if self._keeper is None:
                 self._keeper = keep_pool(self.backend, self.handle)
         except BaseException:
@@ -135,11 +122,16 @@ class GraphPool:
         self._holder.name = registry
 
     def end(self, entry: Any = None) -> None:
-        """The capture begun on this thread is over; ``entry``, if given, was captured into ``handle`` (and accounts
-        for what dropped entries left in it)."""
+        """The capture begun on this thread is over; ``entry``, if given, was captured into ``handle`` and accounts for
+        what dropped entries left in the kept pool (it took little new memory, yet holds as much): the first capture
+        into a pool accounts for the pool, whichever key it is."""
         if entry is not None:
-            self.add(entry)
-            self._account_left(entry)
+            self._graphs.add(entry)
+            self._used = True
+            with self._left_lock:
+                left, self._left = self._left, (0, 0)
+            entry.device_bytes = max(entry.device_bytes, left[0])
+            entry.memory_bytes = max(entry.memory_bytes, left[1])
         self._holder.name = None
         self.lock.release()
 
@@ -150,11 +142,6 @@ class GraphPool:
         if handle is not self.handle:
             self.handle = handle
             self._let_go()
-
-    def add(self, entry: Any) -> None:
-        """``entry``'s graph was captured into the current handle."""
-        self._graphs.add(entry)
-        self._used = True
 
     def holder(self) -> str | None:
         """The registry whose capture holds the lock on this thread, if any (a capture asked for from inside it would
@@ -193,10 +180,3 @@ def keep_pool(backend: Backend, handle: Any) -> Any:
                  "again after a weight update take new memory while the dropped graphs' stays cached until "
                  "empty_cache()")
         return None
-
-
-def account_held(entry: Any, held: tuple[int, int]) -> None:
-    """``entry`` was captured into memory that dropped entries accounted for, ``held`` = (device_bytes, memory_bytes):
-    it took little new memory, yet holds as much."""
-    entry.device_bytes = max(entry.device_bytes, held[0])
-    entry.memory_bytes = max(entry.memory_bytes, held[1])

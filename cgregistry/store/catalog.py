@@ -187,13 +187,11 @@ class RouteTable:
         with self._lock:
             matcher = self._matcher
             if matcher is None:
-                matcher = self._matcher = Matcher(self._pairs(), self.preference, max_padding_tokens=self.cap.max_tokens,
+                matcher = self._matcher = Matcher([*self._entries, *self._pending], self.preference,
+                                                  max_padding_tokens=self.cap.max_tokens,
                                                   max_padding_ratio=self.cap.max_ratio, capturing=self.capturing,
                                                   failed=tuple(self._failures))
             return matcher
-
-    def _pairs(self) -> list[Pair]:
-        return [*self._entries, *self._pending]
 
     def changed(self, capturing: Sequence[Pair] = (), asleep: bool = False) -> None:
         """The keys changed (``capturing``: keys not served yet, and ``asleep``: for miss reasons): every cached route is
@@ -285,10 +283,10 @@ class RouteTable:
 class Counters:
     """The registry-wide counters ``stats()`` reports beside the entries' own (replays, tokens)."""
 
-    __slots__ = (
-        "clock", "misses", "eager_fallbacks", "eager_tokens", "bad_batches", "misses_by_form", "misses_by_reason",
-        "lazy_captures", "evictions", "background_captures", "plan_changes", "stale_captures",
-    )
+    # The plain counts, each a ``Stats`` field of the same name.
+    COUNTS = ("misses", "eager_fallbacks", "eager_tokens", "bad_batches", "lazy_captures", "evictions",
+              "background_captures", "plan_changes", "stale_captures")
+    __slots__ = ("clock", "misses_by_form", "misses_by_reason", *COUNTS)
 
     def __init__(self) -> None:
         self.reset()
@@ -369,22 +367,14 @@ class Catalog:
         c = self.counters
         return Stats(
             hits=sum(row[1] for row in classes.values()),
-            misses=c.misses,
-            eager_fallbacks=c.eager_fallbacks,
             graph_tokens=sum(row[2] for row in classes.values()),
             padded_tokens=sum(row[3] for row in classes.values()),
-            eager_tokens=c.eager_tokens,
             by_strategy=by_strategy,
             entry_failures=len(self.failures),
             by_class={label: ClassStats(*row) for label, row in sorted(classes.items())},
             misses_by_form=dict(c.misses_by_form),
-            bad_batches=c.bad_batches,
-            lazy_captures=c.lazy_captures,
-            evictions=c.evictions,
             misses_by_reason=dict(c.misses_by_reason),
-            background_captures=c.background_captures,
-            plan_changes=c.plan_changes,
-            stale_captures=c.stale_captures,
+            **{name: getattr(c, name) for name in Counters.COUNTS},
         )
 
     def reset_counters(self) -> None:

@@ -31,10 +31,9 @@ from cgregistry.errors import InputError, OutputError
 from cgregistry.key.descriptor import BatchDescriptor
 
 __all__ = [
-    "AXES", "REPEAT_LAST", "UNSET", "InputError", "OutputAxes", "OutputError", "OutputSlicer", "StaticBuffer", "StaticInput",
-    "StaticInputs",
-    "capture_inputs", "check_fits", "checked_outputs", "describe_rows", "flatten", "key_rows", "output_slicer", "rows_for",
-    "staging", "unflatten",
+    "AXES", "REPEAT_LAST", "UNSET", "InputError", "OutputAxes", "OutputError", "OutputSlicer", "StaticBuffer",
+    "StaticInput", "StaticInputs", "capture_inputs", "check_fits", "checked_outputs", "describe_rows", "flatten",
+    "key_rows", "output_slicer", "rows_for", "staging",
 ]
 
 
@@ -531,11 +530,6 @@ def _rebuildable_tuple(container: type) -> bool:
     return issubclass(container, tuple) and (hasattr(container, "_make") or hasattr(container, "n_fields"))
 
 
-def unflatten(leaves: list[torch.Tensor], spec: Spec) -> Any:
-    """Rebuild the structure ``flatten`` recorded, with ``leaves`` in place of its tensors."""
-    return _builder(spec, [0])(leaves)
-
-
 def _builder(spec: Spec, leaf_index: list[int]) -> Callable[[list[torch.Tensor]], Any]:
     """A function from fresh leaves to the structure ``spec`` records, with the walk over ``spec`` done once."""
     if spec is None:
@@ -548,11 +542,9 @@ def _builder(spec: Spec, leaf_index: list[int]) -> Callable[[list[torch.Tensor]]
     parts = [_builder(c, leaf_index) for c in children]
     if keys is not None:
         return lambda leaves: container(zip(keys, [part(leaves) for part in parts]))
-    if container is tuple or container is list:
-        return lambda leaves: container([part(leaves) for part in parts])
     if hasattr(container, "_make"):
         return lambda leaves: container._make([part(leaves) for part in parts])  # named tuple
-    return lambda leaves: container([part(leaves) for part in parts])  # torch.return_types structseq
+    return lambda leaves: container([part(leaves) for part in parts])  # tuple, list, torch.return_types structseq
 
 
 class OutputSlicer:
