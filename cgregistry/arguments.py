@@ -1,7 +1,7 @@
 """Checks of the arguments a registry's public calls take, and the facade's delegated attributes.
 
-The facade checks every argument before it hands a call to a part: the errors name the argument,
-the value and what is expected.
+The facade checks every argument before it hands a call to a part: the errors name the argument, the value and what is
+expected.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """A small decoder for demos, tests and benchmarks: RMSNorm, QKV, attention over a static KV cache, MLP.
 
-Inputs are what a model runner hands a step: ``input_ids`` and ``req_idx`` (the
-request of each token) along the token axis, ``seq_lens`` (cached context per
-request) along the request axis.  Each token attends to its request's cached
-keys (masked by ``seq_lens``) and to itself, so its output depends on its own
-row only: padded rows never change real ones, and a graph can be checked
-against eager row for row.
+Inputs are what a model runner hands a step: ``input_ids`` and ``req_idx`` (the request of each token) along the token
+axis, ``seq_lens`` (cached context per request) along the request axis.  Each token attends to its request's cached keys
+(masked by ``seq_lens``) and to itself, so its output depends on its own row only: padded rows never change real ones,
+and a graph can be checked against eager row for row.
 """
 
 from __future__ import annotations
@@ -74,21 +72,16 @@ def attention_core(
 def attention_kernel_into(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """The attention kernel alone, written into ``out``: the part an engine runs eagerly.
-
-    ``q`` is [T, H, 1, D], ``keys``/``values`` [T, H, C + 1, D], ``bias`` [T, 1, 1, C + 1]: additive
-    (0 or -inf), built once per step like an engine's attention metadata (see ``attention_bias``).
-    The out-argument form is what an eager break of either library can take.
-    """
+    """The attention kernel alone, written into ``out``: the part an engine runs eagerly (the out-argument form an eager
+    break of either library can take).  ``q`` is [T, H, 1, D], ``keys``/``values`` [T, H, C + 1, D], ``bias`` [T, 1, 1,
+    C + 1], additive (0 or -inf), built once per step (``attention_bias``)."""
     out.copy_(nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias)[:, :, 0])
 
 
 def attention_bias(lens: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask of the cached keys (``positions < lens``) and each token's own key, [T, 1, 1, C + 1].
-
-    Its rows are padded to a multiple of 8 elements (a view of the first C + 1), as fused attention
-    kernels want them aligned: SDPA then uses it as given, instead of converting and padding it per call.
-    """
+    """The additive mask of the cached keys (``positions < lens``) and each token's own key, [T, 1, 1, C + 1]: rows
+    padded to a multiple of 8 elements (a view of the first C + 1), aligned as fused attention kernels want, so SDPA
+    uses it as given instead of converting and padding it per call."""
     context = positions.shape[0]
     cached = torch.where(positions[None, :] < lens[:, None], 0.0, float("-inf")).to(dtype)  # [T, C]
     own_and_padding = cached.new_zeros(cached.shape[0], (context + 1 + 7) // 8 * 8 - context)  # column C: the token itself

@@ -1,15 +1,14 @@
 """Agreement across ranks: every rank of a group replays the same key.
 
-Ranks of a data-parallel group run different batches, but collectives inside the step (an expert-parallel
-all-to-all, a tensor-parallel all-reduce) need every rank to run the same graph.  ``agree`` combines the descriptors'
-encodings with MAX (``BatchDescriptor.encode``): the smallest descriptor every rank's batch fits in (uniform only if
-every rank's is, at the same spec depth), so every rank matches the same key, provided each captured the same plan.
-
-Two ways: a process group (``run(..., group=dp_group)``), one all-reduce on it (with NCCL a device sync every step);
-or a :class:`HostAgreement` built once (``run(..., group=agreement)``), the ranks meeting on the host (a shared-memory
-page, else a gloo all-reduce) with no device work and no sync; its ``same_batch=True`` (tensor parallel) also raises
-:class:`~cgregistry.errors.AgreementError` on every rank when one brought another descriptor.  ``run`` replays nothing
-for a batch the agreed descriptor does not cover: an agreement gone wrong raises instead of truncating outputs.
+Ranks of a data-parallel group run different batches, but collectives inside the step (an expert-parallel all-to-all, a
+tensor-parallel all-reduce) need every rank to run the same graph.  ``agree`` combines the descriptors' encodings with
+MAX (``BatchDescriptor.encode``) into the smallest descriptor every rank's batch fits in (uniform only if every rank's
+is, at the same spec depth), so every rank matches the same key, provided each captured the same plan: through a process
+group (``run(..., group=dp_group)``), one all-reduce (with NCCL, a device sync every step), or a :class:`HostAgreement`
+(``run(..., group=agreement)``) on the host (a shared-memory page, else a gloo all-reduce), no device work; its
+``same_batch=True`` (tensor parallel) raises :class:`~cgregistry.errors.AgreementError` on every rank when one brought
+another descriptor.  ``run`` replays nothing for a batch the agreed descriptor does not cover: an agreement gone wrong
+raises instead of truncating outputs.
 """
 
 from __future__ import annotations
@@ -67,15 +66,15 @@ def agree(actual: BatchDescriptor, group: Any = None) -> BatchDescriptor:
 
 
 class HostAgreement:
-    """Agreement of ``group``'s ranks on the host, for ``run(..., group=agreement)``: no device work, no sync.
+    """Agreement of ``group``'s ranks on the host, for ``run(..., group=agreement)``: no device work, no sync.  Built
+    once, collectively, on every rank of ``group``.
 
-    Built once, collectively, on every rank of ``group``.  Ranks on one host meet in a shared-memory page (mode 0600,
-    created exclusively, memory reserved, unlinked once every rank mapped it), a few microseconds a step; otherwise
-    ``group`` must be a gloo group, one small CPU all-reduce a step (``shm_refused`` says why the page was not used).
-    ``transport`` forces 'shm' or 'group' (default 'auto'); what cannot serve is refused, naming why.
-    ``same_batch``: every rank must bring the same descriptor; one that does not raises ``AgreementError`` on every
-    rank, naming each descriptor, and the group goes on.  ``timeout``: seconds a rank waits for the others before
-    raising ``AgreementError``, which ends the agreement on every rank (like an NCCL timeout).
+    Ranks on one host meet in a shared-memory page (mode 0600, created exclusively, memory reserved, unlinked once every
+    rank mapped it), a few microseconds a step; otherwise ``group`` must be a gloo group, one small CPU all-reduce a
+    step (``shm_refused`` says why).  ``transport`` forces 'shm' or 'group' (default 'auto'), refused naming why where
+    it cannot serve.  ``same_batch``: a rank that brings another descriptor raises ``AgreementError`` on every rank,
+    naming each, and the group goes on.  ``timeout``: seconds a rank waits for the others before an ``AgreementError``
+    that ends the agreement on every rank (like an NCCL timeout).
     """
 
     def __init__(self, group: Any = None, *, same_batch: bool = False, timeout: float = 300.0, transport: str = "auto") -> None:

@@ -1,14 +1,10 @@
 """Every error class of cgregistry's own, in one module that imports nothing of the package.
 
-Each error class also keeps the builtin base that says what kind of mistake it is
-(``InputError`` is a ``ValueError``, ``CaptureError`` a ``RuntimeError``), so
-``except ValueError`` keeps working, and ``except CgregistryError`` catches every
-one of them.  Invalid arguments to constructors and settings (a ``BatchDescriptor``
-field, a ``PlanSettings`` value, an unknown strategy name) raise plain ``ValueError``,
-``TypeError`` or ``KeyError`` naming the argument, as Python's own functions do.
-
-Every one of them pickles (a multi-process engine forwards a worker's error to its
-front end): message, class and attributes survive, whatever the class's constructor takes.
+Each keeps the builtin base that says what kind of mistake it is (``InputError`` is a ``ValueError``, ``CaptureError`` a
+``RuntimeError``), so ``except ValueError`` keeps working, and ``except CgregistryError`` catches every one.  Invalid
+arguments to constructors and settings (a ``BatchDescriptor`` field, a ``PlanSettings`` value, an unknown strategy name)
+raise plain ``ValueError``, ``TypeError`` or ``KeyError`` naming the argument, as Python's own functions do.  Every one
+pickles, message, class and attributes alike (a multi-process engine forwards a worker's error).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """The lifecycle of a registry's graphs: release and clear, refresh after a weight update, sleep and wake.
 
-Engines serve next to training (RL weight sync) and on GPUs they give back while idle.  Graphs read
-the addresses they saw at capture, so:
-
-- ``refresh()`` after a weight update: an in-place update keeps every graph (nothing is captured again);
-  entries captured while a watched tensor was elsewhere are dropped at once and captured again (between the
-  steps that follow if asked, serving eagerly meanwhile).  Until then a replay is refused, never stale
-  (``WeightsMovedError``, from the capture job's state check).  Keys to capture again stay owed until they are
-  captured or released: a failed or interrupted capture loses none.
-- ``sleep()`` releases every graph, the pool and the registry's own static inputs to the device, and keeps
-  the plan, the counters and adaptation's history; ``run()`` serves eagerly (miss reason ``asleep``).
-  ``wake()`` gives the inputs back and captures the plan again, hottest keys first.
+Engines serve next to training (RL weight sync) and on GPUs they give back while idle, and graphs read the addresses
+they saw at capture.  ``refresh()`` after a weight update keeps every graph an in-place update left valid; entries
+captured while a watched tensor was elsewhere are dropped at once and captured again (between the following steps if
+asked, eagerly meanwhile), a replay refused until then (``WeightsMovedError``), never stale.  Keys to capture again stay
+owed until captured or released: a failed or interrupted capture loses none.  ``sleep()`` gives every graph, the pool
+and the static inputs back to the device, keeping the plan, counters and adaptation's history (``run()`` serves eagerly,
+miss reason ``asleep``); ``wake()`` takes the inputs back and captures the plan again, hottest keys first.
 """
 
 from __future__ import annotations
@@ -121,10 +117,9 @@ class Lifecycle:
         return count + dropped
 
     def _released(self, removed: list[Entry], release: bool = True) -> None:
-        """``removed`` (the caller's list, emptied here: it held the last references) went; their graphs with them.
-        A full collection (0.1-0.3 s on a serving thread with a real model loaded) runs only when one of them outlived
-        its references, in a reference cycle that would keep its pool alive.  ``release``: the pool's memory goes back
-        too once nothing holds it (else keys captured again reuse it)."""
+        """``removed`` (the caller's list, emptied here: it held the last references) went, with their graphs; a full
+        collection (0.1-0.3 s with a real model loaded) runs only when one outlived its references in a cycle that would
+        keep its pool alive.  ``release``: the pool's memory goes back once nothing holds it (else kept for reuse)."""
         self._events.released(removed)
         self._job.renew_if_unused(release)  # drop the pool handle too when nothing holds the old pool
         if _drop(removed):

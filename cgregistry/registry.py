@@ -148,10 +148,9 @@ class GraphRegistry:
         events.registry_created()
 
     def _join_pool(self) -> Clock | None:
-        """This registry captures into its pool from now on.  In debug mode: the stale-output clock of the pool's
-        registries in debug mode (a replay of any may overwrite the outputs of every one: on CUDA their graphs reuse one
-        pool's memory).  A pool that holds registries in debug mode and others not is warned about: the replays of
-        those the check does not see."""
+        """This registry captures into its pool from now on; in debug mode, on the stale-output clock of the pool's
+        debug registries (on CUDA a replay of any may overwrite the outputs of all).  A pool shared by registries in
+        debug mode and others is warned about: the check does not see the others' replays."""
         pool = self.pool
         with _joining:
             others = [r for r in list(pool.registries) if r is not self]
@@ -218,13 +217,13 @@ class GraphRegistry:
         ``lazy=True``: each key is captured by the first ``run`` it is the best match for (``stats().lazy_captures``).
         ``context``: the payload eager breaks see through ``current_batch()``, describing the all-padding batch capture
         runs on (docs/integration.md).  It and the calling thread's state (autocast, default dtype and device, CUDA
-        device, context variables) become the capture context every later capture runs under (``context=None`` keeps
-        the payload recorded before); a replay under another state is refused with ``ServingStateError``.
+        device, context variables) become the capture context every later capture runs under (``context=None`` keeps the
+        payload recorded before); a replay under another state raises ``ServingStateError``.
 
-        ``background=True`` returns at once: keys are captured on this thread in pieces (warm-up, then recording) that
-        each ``run()`` takes before its step within ``capture_budget``, the largest key of each family first, then the
-        rest from the smallest up, a key a step needs first; ``capture_pending(seconds)`` uses idle time,
-        ``wait_captured()`` captures the rest now (docs/background.md).
+        ``background=True`` returns at once: keys are captured on this thread in pieces (warm-up, recording), each
+        ``run()`` taking some before its step within ``capture_budget`` (largest key of each family first, then from the
+        smallest up, a key a step needs first), ``capture_pending(seconds)`` in idle time; ``wait_captured()`` captures
+        the rest now (docs/background.md).
         """
         if type(lazy) is not bool or type(background) is not bool or (progress is not None and type(progress) is not bool):
             check_flag("capture", "lazy", lazy)  # the checks run only when a flag is off (no calls on the usual path)
@@ -328,11 +327,10 @@ class GraphRegistry:
 
     def estimate_memory(self, plan: CapturePlan | Iterable[PlanEntry | tuple[BatchDescriptor, str]], *,
                         context: Any = None, sample: bool = False) -> MemoryEstimate:
-        """The device memory and seconds ``capture(plan)`` (or ``background=True``) will take, per key and in all:
+        """The device memory and seconds ``capture(plan)`` (or ``background=True``) will take, per key and in all,
         measured by capturing the plan into a scratch pool on static inputs of its own and dropping it (no engine state
-        touched, no capture context recorded).  ``sample``: capture a sample of each family's ``full`` keys and price
-        the rest from it.  ``context``: as ``capture(context=...)``.  Runs the step: on the owner thread
-        (docs/integration.md)."""
+        touched, no capture context recorded).  ``sample``: capture a sample of each family's ``full`` keys, pricing the
+        rest; ``context``: as ``capture(context=...)``.  Runs the step: on the owner thread (docs/integration.md)."""
         check_flag("estimate_memory", "sample", sample)
         todo = self._estimate_check(plan, "estimate_memory()")
         with self._busy("estimate_memory()", touches=False):
@@ -356,18 +354,16 @@ class GraphRegistry:
     def run(
         self, actual: BatchDescriptor, /, *, context: Any = None, group: Any = None, exclude: Any = None, **inputs: torch.Tensor
     ) -> Any:
-        """Match, copy in, pad, replay, and return outputs sliced to ``actual``; with no covering key,
-        ``step(actual, **inputs)`` runs eagerly (counted).  Inputs are all checked before anything happens.
+        """Match, copy in, pad, replay, and return outputs sliced to ``actual``; with no covering key, ``step(actual,
+        **inputs)`` runs eagerly (counted).  Inputs are all checked before anything happens.
 
         ``context``: the engine payload eager breaks (and an eager step) read through ``current_batch()``.  A ``run``
-        while another is in progress on another thread is refused with ``ConcurrentRunError``.  ``group`` (a process
-        group): every rank replays the key for the descriptor all their batches fit in (``distributed.agree``, one
-        collective).  ``exclude`` (strategy names) keeps this call off those strategies (``("full",)`` is vLLM's
-        ``disable_full``, for cascade attention): a batch whose covering keys are all excluded runs eagerly (an
-        ``excluded`` miss); such runs have their own route cache.
-
-        A registry whose class does not override ``run`` gets its server's method bound as an instance attribute at
-        construction (no call in between), so this definition only documents it and serves ``super().run(...)``.
+        while another is in progress on another thread raises ``ConcurrentRunError``.  ``group`` (a process group):
+        every rank replays the key for the descriptor all their batches fit in (``distributed.agree``, one collective).
+        ``exclude`` (strategy names; ``("full",)`` is vLLM's ``disable_full``) keeps this call off those strategies: a
+        batch whose covering keys are all excluded runs eagerly (an ``excluded`` miss); such runs have their own route
+        cache.  A class that does not override ``run`` gets its server's method bound at construction, so this
+        definition only documents it and serves ``super().run(...)``.
         """
         return self._server.run(actual, context=context, group=group, exclude=exclude, **inputs)
 

@@ -1,15 +1,16 @@
 """The server: the hot path, ``run()`` and ``match()``, written once; and the thread that owns a registry.
 
-One ``run()``: the owner check, the route of the batch's shape (one dict lookup once the shape was seen), every
-input checked before anything is touched, then the graph (a lazy key captured first) or the eager step; the state
-check, copy in, replay, counters, outputs, in one function body (on a seen shape with no inputs, no Python function
-runs between the owner check and the replay).  Debug mode is a subclass chosen at construction (the way pluggy swaps
-its call executor) that wraps ``run``, so the plain path pays nothing for it.  Work between steps (calls handed over
-from other threads, counting steps for adaptation, pieces of pending captures) is one flag test when there is none.
+One ``run()``: the owner check, the route of the batch's shape (one dict lookup once seen), every input checked before
+anything is touched, then the graph (a lazy key captured first) or the eager step; state check, copy in, replay,
+counters and outputs in one function body (on a seen shape with no inputs, no Python function runs between the owner
+check and the replay).  Debug mode is a subclass chosen at construction that wraps ``run``, so the plain path pays
+nothing for it; work between steps (handed calls, adaptation's count, pending capture pieces) is one flag test when
+there is none.
 
-A registry has one owner, the thread that serves it: the one that made it, or the last that called ``adopt()`` (a
-registry whose owner thread has ended goes to the next thread that uses it).  Another thread's call is refused with ``OwnerThreadError`` naming the owner, or handed to the
-owner's next ``run()`` through ``call_on_owner``; nothing that changes graphs ever runs beside a replay.
+A registry's owner is the thread that serves it: the one that made it, or the last that called ``adopt()`` (one whose
+owner ended goes to the next thread that uses it).  Another thread's call is refused with ``OwnerThreadError`` naming
+the owner, or handed to the owner's next ``run()`` through ``call_on_owner``: nothing that changes graphs runs beside a
+replay.
 """
 
 from __future__ import annotations
@@ -378,12 +379,9 @@ class Server:
             runtime.batch.reset(token)
 
     def _replay_failed(self, entry: Entry, error: Exception, actual: BatchDescriptor, inputs: Mapping[str, torch.Tensor], context: Any) -> Any:
-        """A replay raised: eager, the oracle, tells a bad batch from a broken entry.
-
-        If the step raises on this batch eagerly too, the batch is at fault (an out-of-range
-        token id, say): its error goes to the caller and the entry stays.  If eager succeeds,
-        the entry is broken: it is removed, and the eager result is returned.
-        """
+        """A replay raised: eager, the oracle, tells a bad batch from a broken entry.  If the step raises on this batch
+        eagerly too (an out-of-range token id, say), its error goes to the caller and the entry stays; if eager
+        succeeds, the entry is removed and the eager result returned."""
         out = self._eager(actual, inputs, context)  # raises (and counts) when the batch is at fault
         self._counters.count_miss(actual, "failed")  # the step ran eagerly: a miss, for the broken entry
         self._catalog.fail_replay(entry, error)
@@ -452,15 +450,11 @@ class Server:
 
 
 class DebugServer(Server):
-    """``Server`` with debug mode's checks: moved tensors before a replay, stale outputs after.
-
-    An output passed back as the next input is read before this run overwrites it; a run
-    refused for its batch, its inputs, its serving state or moved weights overwrites nothing, nor does
-    a miss whose eager step refuses the batch; eager outputs are the caller's own.  It wraps
-    ``Server.run``, leaving the plain path free of debug checks, and learns whether a refused
-    run touched the static buffers from the paths that may before raising: a capture piece, a lazy capture
-    and a failed replay (an interrupt, which may come anywhere, counts as touching).
-    """
+    """``Server`` with debug mode's checks, wrapping ``Server.run``: moved tensors before a replay, stale outputs after.
+    An output passed back as the next input is read before this run overwrites it; a run refused for its batch, inputs,
+    serving state or moved weights overwrites nothing, nor does a miss whose eager step refuses the batch; eager outputs
+    are the caller's own.  A refused run counts as touching the static buffers when a capture piece, a lazy capture or a
+    failed replay ran first, or an interrupt came."""
 
     def __init__(self, *args: Any, watch: WeightWatch, clock: Clock | None = None) -> None:
         super().__init__(*args)

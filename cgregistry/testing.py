@@ -3,12 +3,12 @@
 Opt in from a ``conftest.py`` with ``pytest_plugins = ["cgregistry.testing"]``.
 
 - ``cg_tiny_model``: a 2-layer demo decoder on the CPU.
-- ``cg_plugins``: ``cg_plugins(*plugins)`` gives a fresh ``Plugins`` with your plugins
-  (and the built-ins) registered for this test only, entry points not loaded.
+- ``cg_plugins``: ``cg_plugins(*plugins)`` gives a fresh ``Plugins`` with your plugins (and the built-ins) registered
+  for this test only, entry points not loaded.
 - ``cg_registry``: a fresh registry on the CPU backend around the tiny model.
-- ``StrategyConformance``: subclass it as ``class TestMine(StrategyConformance)``
-  with ``strategy = "mine"`` and ``plugins = (my_plugin,)`` to run the suite every
-  strategy must pass; a strategy that graphs compiled code overrides ``compiled(body)``.
+- ``StrategyConformance``: subclass it as ``class TestMine(StrategyConformance)`` with ``strategy = "mine"`` and
+  ``plugins = (my_plugin,)`` to run the suite every strategy must pass; a strategy that graphs compiled code overrides
+  ``compiled(body)``.
 """
 
 from __future__ import annotations
@@ -58,10 +58,8 @@ def cg_registry(cg_tiny_model: DemoDecoder) -> GraphRegistry:
 
 
 class StrategyConformance:
-    """What every strategy must do; subclass with ``strategy`` (and ``plugins``) set.
-
-    Uses the CPU backend unless ``backend`` says otherwise.
-    """
+    """What every strategy must do; subclass with ``strategy`` (and ``plugins``) set.  Uses the CPU backend unless
+    ``backend`` says otherwise."""
 
     strategy: ClassVar[str]
     plugins: ClassVar[Sequence[object]] = ()

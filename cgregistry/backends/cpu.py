@@ -1,16 +1,11 @@
 """The ``cpu`` backend: a CUDA-graph emulator for machines with no GPU.
 
-Capture runs the callable under a TorchDispatchMode that records every aten op
-with the very tensors it touched.  Replay re-runs the recorded ops on those
-tensors, in order, so graph semantics carry over: Python control flow and
-Python scalars are frozen at capture, a tensor the step read at capture is read
-again at replay (a forgotten copy into a static input gives stale results), and
-ops a CUDA capture forbids (host syncs, data-dependent output shapes, copies to
-the host) raise ``GraphUnsafeOpError`` naming the op and the user's source line.
-
-Whether an op was a view is decided by storage at capture time: ops such as
-``reshape`` or ``contiguous`` return a view or a copy depending on strides, and
-only ops that produced fresh storage (or mutated an argument) are replayed.
+Capture runs the callable under a TorchDispatchMode that records every aten op with the very tensors it touched; replay
+re-runs them on those tensors, in order.  So graph semantics carry over: Python control flow and scalars are frozen at
+capture, a tensor read at capture is read again at replay (a forgotten copy into a static input gives stale results),
+and ops a CUDA capture forbids (host syncs, data-dependent output shapes, copies to the host) raise
+``GraphUnsafeOpError`` naming the op and the user's source line.  Only ops that produced fresh storage (or mutated an
+argument) are replayed: whether an op was a view (``reshape``, ``contiguous``) is decided by storage at capture.
 """
 
 from __future__ import annotations

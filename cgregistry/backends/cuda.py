@@ -1,8 +1,7 @@
 """The ``cuda`` backend: torch.cuda.CUDAGraph, every graph of a registry in one pool.
 
-Captured outputs are held through non-owning aliases, so the pool may hand
-their memory to the next (smaller) capture; an output is valid until the next
-replay of any graph in the pool, which is the registry's contract anyway.
+Captured outputs are held through non-owning aliases, so the pool may hand their memory to the next (smaller) capture;
+an output is valid until the next replay of any graph in the pool, which is the registry's contract anyway.
 """
 
 from __future__ import annotations
@@ -96,13 +95,11 @@ class CudaGraph:
 
 
 def clear_cublas_workspaces() -> None:
-    """Drop cuBLAS's cached workspaces, so the next GEMM allocates a fresh one.
-
-    A captured GEMM bakes in its workspace's address; left to cuBLAS, that is an eager block of a per-stream cache
-    that other code clears (``reduce-overhead`` compiles, newer torch on graph destruction), after which a replay
-    writes into whatever owns it.  Cleared before a capture, the workspace comes from the registry's pool, which lives
-    as long as its graphs; cleared after, eager work does not keep using a block of the pool.
-    """
+    """Drop cuBLAS's cached workspaces, so the next GEMM allocates a fresh one.  A captured GEMM bakes in its
+    workspace's address, left to cuBLAS an eager block of a per-stream cache that other code clears (``reduce-overhead``
+    compiles, newer torch on graph destruction), after which a replay writes into whatever owns it.  Cleared before a
+    capture, the workspace comes from the registry's pool (alive as long as its graphs); cleared after, eager work does
+    not keep using a block of the pool."""
     torch._C._cuda_clearCublasWorkspaces()
 
 
@@ -122,11 +119,9 @@ _UNJOINED = ("not joined", "unjoined", "StreamCaptureUnjoined")
 
 
 class CudaSegment:
-    """One capture in progress: ``end()`` finishes it, ``abort()`` abandons it after an error.
-
-    Captured in thread-local mode: what other threads of the engine do meanwhile (their allocations, replays, stream
-    syncs) stays legal; only this thread's calls are checked.  A device-wide sync on any thread while a segment is
-    open fails in CUDA (docs/background.md lists what an engine must not do during a capture)."""
+    """One capture in progress: ``end()`` finishes it, ``abort()`` abandons it after an error.  Captured in thread-local
+    mode: other threads' allocations, replays and stream syncs stay legal; a device-wide sync on any thread while a
+    segment is open fails in CUDA (docs/background.md lists what an engine must not do during a capture)."""
 
     def __init__(self, backend: CudaBackend, pool: object) -> None:
         self.backend = backend

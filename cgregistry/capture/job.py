@@ -1,23 +1,19 @@
 """The capture job: which keys a registry may capture, and capturing them, in one sequence for every path.
 
-Plan checks (the strategy is registered, serves the key's class, the key fits the static inputs), the one capture
-context every capture runs under (the ``context=`` payload and the serving thread's state, see
-:mod:`cgregistry.capture.serving_state`), and a key's capture in two pieces, its warm-up (``warm_up``) and its recording
-(``record_graph``: between the capture_started and capture_finished hooks, one capture at a time into the pool, the entry
-live as it ends).  ``capture_key`` runs both at once; the pending captures of :mod:`cgregistry.capture.queue` run them
-in separate steps.  A :class:`Mode` value says where a capture goes: ``FOREGROUND`` (the shared pool and static
-inputs) or :func:`scratch` (measured and dropped: the memory estimate).  A whole plan now is ``capture_plan``; a lazy
-key at its first use, ``capture_lazily``.
+It checks plans (the strategy is registered and serves the key's class, the key fits the static inputs), holds the one
+capture context every capture runs under (the ``context=`` payload and the serving thread's state, see
+:mod:`cgregistry.capture.serving_state`), and captures a key in two pieces: ``warm_up``, then ``record_graph`` (between
+the capture_started and capture_finished hooks, one capture at a time into the pool, the entry live as it ends).
+``capture_key`` runs both at once (a plan now: ``capture_plan``; a lazy key: ``capture_lazily``), the pending captures
+of :mod:`cgregistry.capture.queue` in separate steps.  A :class:`Mode` says where a capture goes: ``FOREGROUND``, or
+:func:`scratch` (measured and dropped: the memory estimate).
 
-Capture runs the engine's step (a warm-up first, which ``warm_up_again=False`` skips for a key captured again; eager
-breaks and the cpu emulator run it for real), and a step writes engine state such as a KV cache at the slots it reads.
-So every capture, whenever it happens, runs on buffers reset to their fills (a scratch slot for index inputs), never
-on the rows of a batch already served; a failure is a ``CaptureError`` and changes nothing but the pool handle.  The
-collector is paused while a piece runs and put back as it was when it ends; nothing else of the process is touched.
-
-A hook or the step that calls back into the registry from inside a capture is refused (``refuse_inside``): a
-``clear()`` would drop the capture context mid-plan, and a ``capture()`` would wait for the capture lock its own
-thread holds.
+Capture runs the engine's step for real (a warm-up first, unless ``warm_up_again=False`` skips it for a key captured
+again), which writes engine state such as a KV cache at the slots it reads: so every capture runs on buffers reset to
+their fills (a scratch slot for index inputs), never on a served batch's rows.  A failure is a ``CaptureError`` and
+changes nothing but the pool handle; the collector is paused while a piece runs, and nothing else is touched.  A hook or
+the step calling back into the registry from inside a capture is refused (``refuse_inside``): a ``clear()`` would drop
+the capture context mid-plan, a ``capture()`` would wait for the capture lock its own thread holds.
 """
 
 from __future__ import annotations
@@ -60,12 +56,9 @@ _log = logging.getLogger("cgregistry")
 
 @attrs.frozen(slots=True)
 class Mode:
-    """Where a capture goes and what it runs on.
-
-    ``foreground``: the shared pool and static inputs (reset to their fills); the entry goes live.  ``scratch``:
-    measured and dropped (a memory estimate), into ``pool`` (None: one of its own) on ``inputs`` (buffers as large
-    as the registry's, reset to their fills; None: inputs of its own sized for the key), never the shared ones.
-    """
+    """Where a capture goes and what it runs on: ``foreground``, the shared pool and static inputs (reset to their
+    fills), the entry going live; ``scratch``, measured and dropped (a memory estimate), into ``pool`` (None: one of its
+    own) on ``inputs`` (buffers as large as the registry's, at their fills; None: its own, sized for the key)."""
 
     name: Literal["foreground", "scratch"]
     pool: Any = None
@@ -82,9 +75,8 @@ def scratch(pool: Any = None, inputs: Mapping[str, StaticBuffer] | None = None) 
 
 @attrs.define(slots=True)
 class Warmed:
-    """A key's capture between its two pieces: what its recording (``CaptureJob.record_graph``) needs of its warm-up.
-    ``spec`` is ``UNWARMED`` when no warm-up ran yet: the recording piece then warms the key up first (a capture in one
-    call, ``capture_key``)."""
+    """A key's capture between its two pieces: what its recording (``CaptureJob.record_graph``) needs of its warm-up
+    (``spec`` ``UNWARMED``: none ran, the recording warms the key up first, a capture in one call)."""
 
     pair: Pair
     context: CaptureContext
@@ -100,9 +92,8 @@ UNWARMED = object()  # a Warmed whose warm-up has not run
 
 
 class paused_gc:
-    """No collection while a piece of a capture runs on this thread (a finaliser freeing memory a graph is being
-    recorded beside); the collector as it was afterwards, whatever it was (a class, not a generator: a capture walks
-    no other module for it)."""
+    """No collection while a piece of a capture runs on this thread (a finaliser freeing memory beside the recording);
+    the collector as it was afterwards (a class: a capture walks no other module for it)."""
 
     def __enter__(self) -> None:
         self._enabled = gc.isenabled()
@@ -116,12 +107,9 @@ class paused_gc:
 @attrs.frozen(slots=True)
 class CaptureContext:
     """What every capture of a registry runs under, whichever path captures: the payload eager breaks see
-    (``capture(context=...)``) and the serving thread's state.
-
-    Two contexts are equal when a capture under either computes the same: the same payload object and equal states
-    (the context variables are carried, not compared).  A key warmed up under another context than the registry's
-    now is warmed up again before it is recorded.
-    """
+    (``capture(context=...)``) and the serving thread's state.  Equal when a capture under either computes the same (the
+    same payload object, equal states; context variables are carried, not compared): a key warmed up under another
+    context than the registry's now is warmed up again before it is recorded."""
 
     payload: Any = attrs.field(eq=id)  # identity: an engine's payload may not compare (tensors) or may change in place
     state: ServingState
@@ -249,9 +237,8 @@ class CaptureJob:
 
     def watch_step(self, rebase: bool = False) -> None:
         """Watch every module and tensor the step is given (itself, a bound method's object, closure cells, ``partial``
-        arguments, and what they hold); looked for again at each ``capture()`` and ``refresh()``, so one made or
-        rebound since is seen.  ``rebase``: where no graph is held, every watched address is taken anew as its
-        baseline."""
+        arguments, and what they hold); looked for again at each ``capture()`` and ``refresh()``, so one made or rebound
+        since is seen.  ``rebase``: where no graph is held, every watched address is taken anew as its baseline."""
         held = self.holds_graphs()  # what is new to the step now, its graphs miss
         self._reached = self.watch.watch_step(self.step, added=held, rebase=rebase and not held)
 
@@ -277,10 +264,9 @@ class CaptureJob:
 
     def say_unseen(self) -> None:
         """Once per registry, a warning naming what ``run()`` cannot check: what the registry cannot see (a module-level
-        model or tensor, a context variable, a table too large to look into: a weight replaced there goes unseen), and
-        the modules the step reads through attributes of plain objects (a weight replaced inside one is caught; the
-        attribute rebound to another module, ``engine.model = new``, is found by ``refresh()`` only).  Where the engine
-        named what its step reads (``watch=``), it knows: the ``cgregistry`` log (INFO) says it instead."""
+        model or tensor, a context variable, a table too large to look into), and the modules the step reads through
+        attributes of plain objects (a rebound attribute, ``engine.model = new``, is found by ``refresh()`` only). Where
+        the engine named what its step reads (``watch=``), the ``cgregistry`` log (INFO) says it instead."""
         if self._said_unseen:
             return
         self._said_unseen = True
@@ -310,9 +296,8 @@ class CaptureJob:
         self._warm_specs.clear()
 
     def refuse_other_state(self) -> None:
-        """After ``state_test()`` said no: raise ``ServingStateError`` naming how the caller's state differs from the
-        capture context's in what a replay computes; a difference that changes no result (grad mode) becomes the state
-        ``state_test`` compares with from now on."""
+        """After ``state_test()`` said no: ``ServingStateError`` naming how the caller's state differs in what a replay
+        computes; a difference that changes no result (grad mode) is compared with from now on."""
         if self.context is not None:
             self.context.state.check(self.name)
         self.state_test.take(self.device.type)
@@ -351,9 +336,8 @@ class CaptureJob:
         return bool(self._catalog.entries or self._catalog.capturing)
 
     def renew_if_unused(self, release: bool = False) -> None:
-        """Debug mode's addresses recorded again, and a fresh pool (``GraphPool.renew_if_unused``: to ``release`` its
-        memory, or where the old one takes no more captures), when no graph holds or will hold the pool; a pool shared
-        with a registry that holds graphs is kept."""
+        """When no graph holds or will hold the pool: debug mode's addresses recorded again, and a fresh pool
+        (``GraphPool.renew_if_unused``) to ``release`` its memory or where the old one takes no more captures."""
         if not self.holds_graphs():
             if self.pool.used or (release and self.pool.kept):
                 self.pool.renew_if_unused(release)
@@ -363,9 +347,8 @@ class CaptureJob:
 
     def prepare(self, plan: Any, payload: Any, rebase: bool = False) -> list[Pair]:
         """What ``capture(plan)`` does before it captures or queues anything: refuse a call from inside a capture, check
-        every entry, adopt the plan's strategy order where the registry follows plans, record the capture context
-        (``rebase``: where no graph is held, the watched addresses taken anew), say what the plan leaves uncovered;
-        the plan's (key, strategy) pairs, each once, in plan order."""
+        every entry, adopt the plan's strategy order (where the registry follows plans), record the capture context
+        (``rebase``: as ``watch_step``), say what the plan leaves uncovered; the plan's pairs, each once, in order."""
         self.refuse_inside("capture()")
         todo = self.check(plan)
         if self._catalog.follows_plans and isinstance(plan, CapturePlan):  # its decode strategy first
@@ -386,17 +369,15 @@ class CaptureJob:
             self.warn_shadowed()
 
     def capture_key(self, pair: Pair, ctx: CaptureContext) -> Entry:
-        """Capture one key now, its warm-up and recording in one piece (``record_graph`` of a key not warmed up); the
-        entry is live (evictions reported).  Whatever the step raises is a ``CaptureError`` naming the key (a
-        KeyboardInterrupt stays one)."""
+        """Capture one key now, warm-up and recording in one piece; the entry is live (evictions reported).  What the
+        step raises is a ``CaptureError`` naming the key (a KeyboardInterrupt stays one)."""
         return self.record_graph(self.warm_up(pair, ctx, now=False))
 
     def warm_up(self, pair: Pair, ctx: CaptureContext, between_steps: bool = False, now: bool = True) -> Warmed:
-        """A key's first piece: the step run eagerly under ``ctx`` on buffers at their fills, its outputs checked; skipped,
-        with ``warm_up_again=False``, for a key captured before on a thread that has warmed up a key, and left to the
-        recording with ``now=False``.  A failure is the key's ``CaptureError``, reported to the capture hooks.
-        ``between_steps``: inside ``run()`` or ``capture_pending()``, so the backend waits for the capture's own streams
-        only (not the engine's queued steps)."""
+        """A key's first piece: the step run eagerly under ``ctx`` on buffers at their fills, its outputs checked (a
+        failure: the key's ``CaptureError``, told to the capture hooks); skipped with ``warm_up_again=False`` for a key
+        captured before on a thread that warmed one up, left to the recording with ``now=False``.  ``between_steps``:
+        inside ``run()`` or ``capture_pending()`` (the backend waits for the capture's streams only)."""
         key, name = pair
         used_before = self._device_used()
         spec = (self._warm_specs.get(pair, UNWARMED) if not self._warm_up_again and getattr(self._here, "warmed", False)
@@ -413,10 +394,9 @@ class CaptureJob:
 
     def record_graph(self, warmed: Warmed, between_steps: bool = False, queued: bool = False) -> Entry:
         """A key's second piece: between the capture_started and capture_finished hooks, one capture at a time into the
-        pool, its graph recorded (and instantiated) under the context it warmed up under (warmed up first where it was
-        not); the entry goes live in the catalog (evictions reported).  A warm-up skipped before a failed recording runs,
-        and the key is recorded again, unless ranks of a process group would then run collectives the others do not.
-        ``queued``: a pending key (counted in ``stats().background_captures``)."""
+        pool, its graph recorded under the context it warmed up under (warmed up first where it was not; a skipped
+        warm-up runs after a failed recording, which is retried, unless in a process group); the entry goes live
+        (evictions reported).  ``queued``: a pending key (``stats().background_captures``)."""
         key, name = pair = warmed.pair
         pool = self.pool
         with _Piece(self, between_steps):
@@ -456,18 +436,16 @@ class CaptureJob:
         raise error from exc
 
     def pool_streams(self) -> contextlib.AbstractContextManager[Any]:
-        """Where the backend keeps streams per owner (cuda: ``streams_of``), a capture into this job's pool, or one
-        measured for it (``estimate_memory``), runs on the pool's streams: the pool's free blocks, and the warm-up's
-        cached ones, are reused only on the stream they came from."""
+        """A capture into this job's pool, or one measured for it, runs on the pool's streams where the backend keeps
+        them (cuda: ``streams_of``): free blocks are reused only on the stream they came from."""
         streams_of = getattr(self.backend, "streams_of", None)
         return streams_of(self.pool) if streams_of is not None else contextlib.nullcontext()
 
     def capture_all(self, pairs: list[Pair], progress: bool | None, *, untried_lazily: bool = False) -> list[EntryInfo]:
-        """Capture ``pairs`` in order, now.  A failure stops its strategy (its later keys are not tried) but not the
-        others, whose keys are all captured; each failed key is kept in the catalog's failures (as on every capture
-        path), then the first failure is raised, naming what each other failing strategy raised and what else happened.
+        """Capture ``pairs`` in order, now.  A failure stops its strategy's later keys, not the other strategies'; each
+        failed key is kept in the catalog's failures, then the first failure is raised, naming the others.
         ``untried_lazily``: keys held before (a refresh, a wake) that were not tried are planned lazily, never lost (the
-        caller keeps them owed to its next refresh)."""
+        caller keeps them owed)."""
         self.renew_if_unused()
         return self._capture_all(pairs, progress, untried_lazily=untried_lazily)
 
@@ -558,9 +536,9 @@ class CaptureJob:
         return spec, time.perf_counter() - started
 
     def _record_or_retry(self, warmed: Warmed) -> Entry:
-        """``warmed``'s recording under its context, the watched weights it reads taken there; a recording whose warm-up
-        was skipped and that failed is warmed up and recorded again (state the step makes on a first run, a handle say,
-        cannot be made inside a capture), unless ranks of a process group would then run collectives the others do not."""
+        """``warmed``'s recording under its context; one whose warm-up was skipped and that failed (a handle the step
+        makes on a first run cannot be made inside a capture) is warmed up and recorded again, unless ranks of a process
+        group would then run collectives the others do not."""
         (key, name), ctx = warmed.pair, warmed.context
         if not warmed.skipped:
             return ctx.state.run(self._record_read, warmed)
@@ -590,9 +568,8 @@ class CaptureJob:
         return entry
 
     def _record(self, strategy: Any, payload: Any, mode: Mode, warmed: Warmed) -> Entry:
-        """The step recorded into a graph for ``warmed``'s key with ``strategy`` on its buffers at their fills (warmed up
-        first where it was not), its outputs checked against the warm-up's spec; the entry (not live yet), its seconds
-        and phases counting the warm-up."""
+        """The step recorded into a graph for ``warmed``'s key with ``strategy`` on buffers at their fills (warmed up
+        first where it was not), outputs checked against the warm-up's spec: the entry, not live yet."""
         key, strategy_name = warmed.pair
         backend = self.backend
         graph_pool = self.pool
@@ -667,9 +644,8 @@ class _Piece:
 
 
 class _CaptureVars:
-    """What the step sees while a capture runs it: the batch (its key, and the payload eager breaks read), the axes'
-    row counts (what the piecewise compiler makes symbolic), the strategy; and the phase clock that compiles
-    (``_watch_compiles``) and graph ends add their seconds to: where a capture's seconds went (``entry.phases``)."""
+    """What the step sees while a capture runs it (the batch with the payload eager breaks read, the axes' row counts
+    the piecewise compiler makes symbolic, the strategy), and the phase clock that fills ``entry.phases``."""
 
     def __init__(self, key: BatchDescriptor, strategy: Any, payload: Any, views: Mapping[str, torch.Tensor]) -> None:
         self._values = ({"compile": 0.0, "instantiate": 0.0}, BreakContext(key, key, payload),
@@ -696,10 +672,9 @@ _watch_lock = threading.Lock()
 
 
 def _watch_compiles() -> None:
-    """Time dynamo's compiles (``torch.compile``, ``reg.compile``: its trace and the backend's compile) into the
-    capture in progress on their thread, through dynamo's own compile callbacks, registered once the process has
-    imported dynamo (nothing compiles before; ``torch._dynamo.reset()`` clears them, and the next capture registers
-    them again).  Outside a capture they do nothing."""
+    """Time dynamo's compiles (``torch.compile``, ``reg.compile``) into the capture in progress on their thread, through
+    dynamo's compile callbacks, registered once dynamo is imported (``torch._dynamo.reset()`` clears them; the next
+    capture registers them again). Outside a capture they do nothing."""
     callback = sys.modules.get("torch._dynamo.callback")
     if callback is None or _compile_started in callback.callback_handler.start_callbacks:
         return

@@ -5,11 +5,10 @@ Engines size their KV cache before they capture (graphs bake in its address), so
 into a scratch pool on static inputs of its own, measures what each key took of the device, and drops everything.
 
 With ``sample=True`` only a sample of each family's ``full`` keys is captured (the first, which sizes the pool, the
-last, ``SAMPLE_PER_FAMILY`` between); the others are priced from it (kept tensors linear in token count, driver
-objects averaged).  Keys with eager breaks are captured each (what they add depends on what came before; figures in
-docs/performance.md).  What the estimate leaves on the device (first CUDA work, the driver's dropped graphs) the
-capture reuses, so it is taken off the first keys' bytes.  ``key_bytes`` prices any key (its strategy's measured keys
-interpolated by token count) for ``CapturePlan.fit(max_bytes=...)``; ``fixed_bytes`` the pool and warm-up.
+last, ``SAMPLE_PER_FAMILY`` between), the others priced from it (kept tensors linear in token count, driver objects
+averaged); keys with eager breaks are captured each (docs/performance.md).  What the estimate leaves on the device
+(first CUDA work, the driver's dropped graphs) the capture reuses: it is taken off the first keys' bytes.  ``key_bytes``
+prices any key for ``CapturePlan.fit(max_bytes=...)``; ``fixed_bytes`` the pool and warm-up.
 """
 
 from __future__ import annotations
@@ -217,9 +216,9 @@ class PoolEstimate:
 
 
 def estimate(parts: Sequence[Part], sample: bool = False) -> list[MemoryEstimate]:
-    """Measure and predict the capture of each part's keys by its job, the parts in order into their one pool, under
-    the context a capture from this thread would run under, without recording it; one capture at a time; the per-key
-    predictions are kept for inspection.  ``sample``: a sample of the whole-graph keys captured (``sampled``)."""
+    """Measure and predict the capture of each part's keys by its job, in order into their one pool, one at a time,
+    under the context a capture from this thread would run under (not recorded); the per-key predictions are kept for
+    inspection.  ``sample``: only a sample of the whole-graph keys captured (``sampled``)."""
     pool = parts[0].job.pool
     for part in parts:
         pool.refuse_if_held("estimate_memory()", part.job.name)
@@ -318,10 +317,9 @@ def _part_estimate(part: Part, order: Sequence[Pair], probes: list[Probe], taken
 
 
 def _adds_like(probes: Sequence[Probe], key: BatchDescriptor, strategy: str) -> int | None:
-    """What a whole-graph key not captured adds: the tensors it keeps (linear in token count, interpolated between the
-    captured keys of its family) and the driver's graph objects, averaged over those keys after the first (the driver
-    hands out memory for graphs in chunks, so one key's share is lumpy, the first key's most, and only an average over
-    several is near the plan's); None with no key of its family after the first."""
+    """What a whole-graph key not captured adds: the tensors it keeps (interpolated by token count between its family's
+    captured keys) and the driver's graph objects, averaged over those keys after the first (the driver hands out graph
+    memory in chunks, lumpy per key); None with no key of its family after the first."""
     family = (strategy, key.form, key.num_active_loras)
     of_family = [p for p in probes if (p.strategy, p.key.form, p.key.num_active_loras) == family]
     later = of_family[1:]
@@ -336,11 +334,11 @@ def _capture_all(
     parts: Sequence[Part], orders: Sequence[Sequence[Pair]], runs: Sequence[Callable[..., Any]], payloads: Sequence[Any],
     device_memory: Callable[[], tuple[int, int]] | None,
 ) -> tuple[list[tuple[Probe, int]], int]:
-    """Each part's keys captured into one scratch pool, in order, all alive until the last is measured (as the plans'
-    entries are while they are captured), then dropped: each key's probe and what it took of the device (cpu: the
-    emulator's count), and the device memory in use with all of them alive (0 where the backend measures none).  A
-    key's price (``Probe.own_bytes``) is what stays whatever else is captured (driver objects, tensors kept between
-    eager breaks); the pool's growth and the warm-up's cache every plan pays once (``fixed_bytes``)."""
+    """Each part's keys captured into one scratch pool, in order, all alive until the last is measured (as while the
+    plans are captured), then dropped: each key's probe and what it took of the device (cpu: the emulator's count), and
+    the device memory in use with all alive (0 where the backend measures none).  A key's price (``Probe.own_bytes``) is
+    what stays whatever else is captured (driver objects, tensors kept between eager breaks); every plan pays the pool's
+    growth and the warm-up's cache once (``fixed_bytes``)."""
     backend = parts[0].job.backend
     pool = backend.new_pool()
     live = getattr(backend, "live_bytes", None) or (lambda: 0)

@@ -15,17 +15,16 @@ __all__ = ["GraphPool", "keep_pool"]
 
 
 class GraphPool:
-    """A pool shared by every registry given it (``GraphRegistry(..., pool=other.pool)``).
+    """A pool shared by every registry given it (``GraphRegistry(..., pool=other.pool)``); ``lock`` is held for each
+    capture into it, whichever registry and thread captures.
 
-    On a backend that keeps pools usable (cuda: ``keep_pool``) the pool outlives its graphs: a keeper holds it, so a
-    key captured again after a weight update reuses what the dropped graphs held, instead of taking new memory while
-    theirs stays cached.  The keeper is let go, and the pool renewed (a fresh handle; the old pool's memory goes back
-    at ``empty_cache()`` once its graphs are gone), when memory is to be released (``clear()``, ``sleep()``,
-    ``release()`` of the last graph) while no registry sharing it holds a graph; a pool no keeper holds is renewed
-    when every graph in it died (it takes no capture then).  Registries sharing a pool capture into it on the pool's
-    own streams (the caching allocator reuses a pool's free blocks only on the stream they came from), and an output
-    of any of them is valid until the next replay of any of them (their graphs' memory overlaps).  ``lock`` is held
-    for each capture into it, whichever registry and thread captures."""
+    On a backend that keeps pools usable (cuda: ``keep_pool``) a keeper holds the pool past its graphs, so keys captured
+    again after a weight update reuse the dropped graphs' memory.  The keeper is let go, and the pool renewed (its
+    memory goes back at ``empty_cache()`` once its graphs are gone), when memory is released (``clear()``, ``sleep()``,
+    the last ``release()``) while no sharing registry holds a graph; an unkept pool is renewed once all its graphs died.
+    Sharing registries capture on the pool's own streams (the allocator reuses a pool's free blocks only on their
+    stream), and an output of any is valid until the next replay of any (their graphs' memory overlaps).
+    """
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend

@@ -1,12 +1,11 @@
 """Pending captures: keys (and refits) waiting to be captured on the registry's owner thread, between its steps.
 
-A key's capture is two pieces, its warm-up and its recording (the graph instantiated as it ends, the entry live at
-once); a refit is one.  ``run()`` takes pieces before its step, within the registry's ``capture_budget`` (seconds a
-step may spend on them; None: as long as this registry's eager steps take, measured; 0: none while serving), and
-``capture_pending(seconds)`` takes them in idle time the engine offers.  A piece is never cut short: one starts while
-the time given has some left and the piece is expected to fit in it (its own last time, else the median of recent
-pieces of its phase: warm-up, recording or refit); a step always starts one, so that the capture gets on under any loop.  The key a step's batch
-needs (no graph serves it yet) goes to the front.  Everything happens on the calling thread, in the call.
+A key's capture is two pieces, its warm-up and its recording (the entry live as it ends); a refit is one.  ``run()``
+takes pieces before its step within ``capture_budget`` (seconds a step may spend on them; None: an eager step's measured
+time; 0: none while serving), ``capture_pending(seconds)`` in idle time the engine offers.  A piece is never cut short:
+one starts while time is left and it is expected to fit (its own last time, else the median of recent pieces of its
+phase); a step always starts one, so the capture gets on under any loop.  The key a step's batch needs goes to the
+front.  Everything happens on the calling thread, in the call.
 """
 
 from __future__ import annotations
@@ -36,10 +35,9 @@ def _size(pair: Pair) -> tuple[int, int]:
 
 
 def capture_order(pairs: Iterable[Pair]) -> list[Pair]:
-    """Capture order while serving: the largest key of each family (strategy, form, LoRA count) first, so that every batch a family can serve gets a
-    graph soon (padded, but a padded replay beats an eager step), mixed families before uniform ones (a mixed key covers
-    uniform batches too, and a new request's first step is a prefill); then the others from the smallest up, so the
-    padding of the small, frequent batches falls first."""
+    """Capture order while serving: the largest key of each family (strategy, form, LoRA count) first, so every batch
+    gets a graph soon (a padded replay beats an eager step), mixed families before uniform ones (a mixed key covers
+    uniform batches too, and a new request's first step is a prefill); then the rest from the smallest up."""
     pairs = list(pairs)
     largest: dict[tuple[Any, ...], Pair] = {}
     for pair in pairs:
@@ -147,8 +145,7 @@ class PendingCaptures:
 
     def before_step(self) -> bool:
         """Pieces inside ``run()``, before its step: at least one, then more while the budget allows (None: an eager
-        step's time, as measured; 0: none).  Whether a capture piece ran (the static buffers were reset, the pool
-        written)."""
+        step's time; 0: none).  Whether a capture piece ran (buffers reset, pool written)."""
         budget = self.budget
         if budget is None:
             budget = self.eager_s or 0.0
@@ -157,9 +154,8 @@ class PendingCaptures:
         return self.work(budget, first=True)
 
     def work(self, seconds: float, first: bool = False) -> bool:
-        """Run pieces for up to ``seconds``: each starts only while time is left and it is expected to fit in it (one
-        expected of nothing known starts while time is left); ``first``: the first starts whatever it is expected to
-        take.  Whether a capture piece ran."""
+        """Run pieces for up to ``seconds``, each only while time is left and it is expected to fit (or nothing is known
+        of it); ``first``: the first starts whatever it may take.  Whether a capture piece ran."""
         began = time.perf_counter()
         touched = False
         while self.busy:

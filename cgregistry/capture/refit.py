@@ -1,9 +1,9 @@
 """The adapter: adaptation wired into a registry (``GraphRegistry(adapt=...)``).
 
-On the owner thread it counts the actual shape of every step, and now and then harvests the
-counts into a ``TrafficHistogram``; when ``Adaptation.due`` says so it queues a refit (the pure
-policy, :func:`cgregistry.plan.adapt.propose`) as a piece of the pending captures, and applies the
-change it proposes as that piece ends, between two steps: cold keys released, new keys pending capture.
+On the owner thread it counts the actual shape of every step, now and then harvesting the counts into a
+``TrafficHistogram``; when ``Adaptation.due`` says so it queues a refit (the pure policy,
+:func:`cgregistry.plan.adapt.propose`) as a piece of the pending captures, and applies its change as that piece ends,
+between two steps: cold keys released, new keys pending capture.
 """
 
 from __future__ import annotations
@@ -134,12 +134,10 @@ class Adapter:
         return max(1, min(4096, max(adapt.every_steps - traffic.fresh, adapt.min_steps - traffic.observed)))
 
     def _apply(self, change: PlanChange | None, error: BaseException | None) -> None:
-        """A refit's change, between steps: cold keys released, new ones pending capture.
-
-        Keys whose capture failed before, or that this registry cannot capture (a key wider than the static
-        inputs, a class its strategy declares it cannot serve), are left out of the change; a change with
-        nothing left is dropped (not recorded, no hook).  Hooks see the routes after the change.
-        """
+        """A refit's change, between steps: cold keys released, new ones pending capture.  Keys whose capture failed
+        before, or that this registry cannot capture (wider than the static inputs, a class its strategy cannot serve),
+        are left out; a change with nothing left is dropped (not recorded, no hook).  Hooks see the routes after the
+        change."""
         self._refit_running = False
         if self._catalog.asleep:  # proposed before sleep(): its keys are not captured while asleep
             return

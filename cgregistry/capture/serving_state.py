@@ -1,20 +1,16 @@
-"""The serving thread's state a step's result depends on: taken when a capture is asked for, put back for every
-capture, whichever call makes it, and checked where graphs are replayed.
+"""The serving thread's state a step's result depends on: taken when a capture is asked for, put back for every capture,
+whichever call makes it, and checked where graphs are replayed.
 
-A capture runs the engine's step, and what the step computes depends on state of the thread
-running it: autocast (on or off, and its dtype), the default device, the current CUDA device and
-the context variables.  A key captured between steps runs inside whatever ``run()`` or
-``capture_pending()`` takes its piece, a ``refresh()`` may be called outside the engine's autocast
-block, and an engine may serve under another state than the one it captured under.  So a
-registry records one ``ServingState`` (at ``capture()``, or at the first refit of a registry that
-only adapts), every capture path runs the step under it, and a replay under a state whose results
-would differ (autocast, the default dtype, the TF32 and reduced-precision matmul flags) is refused
-with :class:`ServingStateError`, at a cost of two C calls per replay (dynamo's global state guard,
-and the one recorded flag it does not compare, cuDNN's TF32).  The default dtype and the matmul flags are process-wide, so a capture cannot set them
-for itself: a capture that starts or ends while they differ from the record fails with the same error, and
-its graph is never installed.  Grad mode is not part of it:
-captures always run under ``torch.inference_mode()`` (a replay records no autograd graph), and grad
-mode does not change what a replayed graph computes.  Imports nothing of the package but ``errors``.
+What a step computes depends on the state of the thread running it: autocast (on or off, its dtype), the default device,
+the current CUDA device, the context variables.  A key captured between steps runs inside whatever ``run()`` or
+``capture_pending()`` takes its piece, a ``refresh()`` may be called outside the engine's autocast block, and an engine
+may serve under another state than it captured under.  So a registry records one ``ServingState`` (at ``capture()``, or
+at the first refit of a registry that only adapts), every capture runs under it, and a replay under a state whose
+results would differ (autocast, the default dtype, the TF32 and reduced-precision matmul flags) is refused with
+:class:`ServingStateError`, for two C calls per replay (``StateTest``).  The default dtype and the matmul flags are
+process-wide, so a capture cannot set them: one that starts or ends while they differ from the record fails with the
+same error.  Grad mode is not part of it: captures run under ``torch.inference_mode()``, and grad mode does not change
+what a replayed graph computes.  Imports nothing of the package but ``errors``.
 """
 
 from __future__ import annotations
@@ -123,12 +119,10 @@ class ServingState:
         )
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` under this state, in a copy of the context variables it was taken with.
-
-        The process-wide part (default dtype, matmul flags) cannot be set for one thread: it is compared with this
-        record before and after ``fn`` runs, and ``ServingStateError`` names what differs (what ``fn`` captured then
-        computes what a replay under this state would not).  A change made and undone while ``fn`` runs is not seen.
-        """
+        """``fn(*args, **kwargs)`` under this state, in a copy of the context variables it was taken with.  The
+        process-wide part (default dtype, matmul flags) cannot be set per thread: it is compared with this record before
+        and after ``fn`` runs, ``ServingStateError`` naming what differs (a change made and undone meanwhile is not
+        seen)."""
 
         def body() -> Any:
             self.check_process_wide()
@@ -198,12 +192,11 @@ _TRUE: Callable[[], bool] = True.__bool__  # a C callable answering True: a test
 class StateTest:
     """The hot path's test of the calling thread's state against a record: ``guard() and flag() == flag_was``.
 
-    The server reads ``parts``, the triple ``(guard, flag, flag_was)``, where it replays (no Python
-    frame per replay: two C calls, dynamo's ``GlobalStateGuard`` and cuDNN's TF32 flag, which the guard
-    does not cover).  Changed in place (``take``, ``passing``), one tuple swapped whole, so
-    whoever holds it sees the current test and never half of two.  False may also mean a difference
-    that changes no result (grad mode, the thread count): the caller then asks
-    ``ServingState.differences()`` of the record, and ``take``s the state again if there is none.
+    The server reads ``parts``, the triple ``(guard, flag, flag_was)``, where it replays: no Python frame, two C calls
+    (dynamo's ``GlobalStateGuard``, and cuDNN's TF32 flag, which it does not cover).  ``take`` and ``passing`` swap the
+    tuple whole, so a holder never sees half of two.  False may also mean a difference that changes no result (grad
+    mode, the thread count): the caller then asks ``ServingState.differences()``, and ``take``s the state again if there
+    is none.
     """
 
     __slots__ = ("parts",)

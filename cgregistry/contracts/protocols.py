@@ -1,10 +1,9 @@
 """The plugin contract, typed: what a graph, a backend and a strategy provide, and what plugins see of a registry.
 
-Plugin authors implement these protocols; the plugin manager checks registered
-objects against them (the lists of required members are derived from the
-protocols, never copied).  ``SegmentedBackend`` is what the ``breakable`` and
-``piecewise`` strategies need on top of ``Backend``: ending a capture at an eager
-break and resuming it in the same pool.  Imports nothing of the package.
+Plugin authors implement these protocols; the plugin manager checks registered objects against them (the lists of
+required members are derived from the protocols, never copied).  ``SegmentedBackend`` is what the ``breakable`` and
+``piecewise`` strategies need on top of ``Backend``: ending a capture at an eager break and resuming it in the same
+pool.  Imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -114,11 +113,9 @@ class StrategyLookup(Protocol):
 
 @runtime_checkable
 class RegistryView(Protocol):
-    """What hooks and policy plugins are given of a registry: its name and its inspection calls.
-
-    A ``GraphRegistry`` is one; hooks should read it, not drive it (a hook that captures, runs or
-    clears from inside a capture or a step is refused).
-    """
+    """What hooks and policy plugins are given of a registry (a ``GraphRegistry`` is one): its name and its inspection
+    calls.  Hooks should read it, not drive it (a hook that captures, runs or clears from inside a capture or a step is
+    refused)."""
 
     name: str
 

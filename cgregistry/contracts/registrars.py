@@ -1,8 +1,7 @@
-"""What registration hooks receive: a ``Registrar`` that checks each object against its protocol,
-refuses a name another plugin took, and names the plugin in every error.
+"""What registration hooks receive: a ``Registrar`` that checks each object against its protocol, refuses a name another
+plugin took, and names the plugin in every error.
 
-Its own module so that the hook specifications can name it without importing the plugin
-manager (which imports them).
+Its own module so that the hook specifications can name it without importing the plugin manager (which imports them).
 """
 
 from __future__ import annotations
@@ -21,11 +20,9 @@ T = TypeVar("T")
 
 
 class Registrar(Generic[T]):
-    """What a registration hook receives: call it with each object to register (``register(obj)``).
-
-    Checks the object against its protocol, refuses a name another plugin took, and names
-    the plugin in every error.  One registrar per plugin and hook.
-    """
+    """What a registration hook receives, one per plugin and hook: call it with each object to register
+    (``register(obj)``).  It checks the object against its protocol, refuses a name another plugin took, and names the
+    plugin in every error."""
 
     def __init__(self, kind: str, plugin: str, protocol: type, found: dict[str, T], origin: dict[str, str]) -> None:
         self.kind = kind  # "strategy" or "backend"

@@ -1,9 +1,8 @@
-"""The runtime context: what is running now, shared by the registry, the strategies, the piecewise
-compiler and the cpu emulator.
+"""The runtime context: what is running now, shared by the registry, the strategies, the piecewise compiler and the cpu
+emulator; every name here is public to the package, so no module reaches into another's private state.
 
-Every name here is public to the package, so no module reaches into another's private
-state.  Users read it through :func:`current_batch` and run a model eagerly as the
-registry would with :func:`eager_batch`.  Imports nothing of the package but the descriptor.
+Users read it through :func:`current_batch`, and run a model eagerly as the registry would with :func:`eager_batch`.
+Imports nothing of the package but the descriptor.
 """
 
 from __future__ import annotations
@@ -199,12 +198,9 @@ def current_batch() -> BreakContext | RecordingBatch | None:
 
 @contextlib.contextmanager
 def eager_batch(actual: BatchDescriptor, payload: Any = None) -> Iterator[BreakContext]:
-    """Run a model eagerly inside this block exactly as ``run()`` does on a miss.
-
-    ``current_batch()`` gives ``(actual, None, payload)`` to eager breaks, and a model
-    compiled with ``reg.compile`` runs as itself (no trace).  Use it for a reference
-    forward outside the registry.
-    """
+    """Run a model eagerly inside this block exactly as ``run()`` does on a miss (a reference forward outside the
+    registry): ``current_batch()`` gives ``(actual, None, payload)`` to eager breaks, and a model compiled with
+    ``reg.compile`` runs as itself (no trace)."""
     if not isinstance(actual, BatchDescriptor):
         raise TypeError(f"eager_batch() needs a BatchDescriptor, got {actual!r}")
     context = BreakContext(actual, None, payload)

@@ -1,15 +1,14 @@
-"""The store: every key a registry holds (captured entries, lazy keys, keys pending capture between steps,
-failures), the memory budget, the counters, and the routes that serve batches from them.
+"""The store: every key a registry holds (captured entries, lazy keys, keys pending capture between steps, failures),
+the memory budget, the counters, and the routes that serve batches from them.
 
-An :class:`Entry` is one captured graph with its counters.  A *route* holds everything the hot path needs for one
-actual batch shape: the entry to replay (or the lazy key to capture first, or nothing: eager), the rows to copy per
-input, and the sliced outputs.  Routes come from the matcher (or a ``cgregistry_choose_match`` plugin) and are cached
-until the keys change; the matcher itself is rebuilt at the first route asked for after a change, never by the change.
-Routes of a plain ``run(actual)`` are cached by actual batch alone (the hot path's one dict lookup); any other run is a
-*variant* (a group's agreed batch, strategies excluded for the call), cached apart by (own batch, Variant).
+An :class:`Entry` is one captured graph with its counters.  A *route* holds what the hot path needs for one actual batch
+shape: the entry to replay (or the lazy key to capture first, or nothing: eager), the rows to copy per input, and the
+sliced outputs.  Routes come from the matcher (or a ``cgregistry_choose_match`` plugin), cached until the keys change
+(the matcher is rebuilt at the next route asked for, never by the change): a plain ``run(actual)``'s by actual batch
+(the hot path's one dict lookup), a *variant*'s (a group's agreed batch, excluded strategies) by (own batch, Variant).
 
-Every change goes through a :class:`Catalog` method that keeps the routes consistent and returns what it removed, so
-that the caller can tell observers.  Pure bookkeeping: it never captures, replays or calls a hook.
+Every change goes through a :class:`Catalog` method that keeps the routes consistent and returns what it removed, for
+the caller to tell observers.  Pure bookkeeping: it never captures, replays or calls a hook.
 """
 
 from __future__ import annotations
@@ -206,9 +205,8 @@ class RouteTable:
 
     def route(self, actual: BatchDescriptor, variant: Variant | None = None) -> Route:
         """Build and cache the route for ``actual`` (under ``variant``: a group's agreed batch, excluded strategies).
-
-        Safe from any thread: a route whose building overlapped a change (its keys may be gone since) is
-        returned but not cached, so a cached route always reflects the keys as they are."""
+        Safe from any thread: a route built across a change is returned but not cached, so a cached route always
+        reflects the keys as they are."""
         if not isinstance(actual, BatchDescriptor):
             raise not_a_descriptor(actual)
         generation = self._generation
@@ -252,10 +250,9 @@ class RouteTable:
         return None
 
     def explain(self, actual: BatchDescriptor, exclude: frozenset[str] = NO_EXCLUSION) -> Explanation:
-        """The matcher's explanation, with the keys pending capture between steps listed as such (the batch waits for
-        one of them when no captured key serves it: the miss reason ``capturing``), refused as a whole when no graph
-        can take the batch.  Read-only, from any thread: the pending keys are the tuple ``capturing`` (the owner
-        thread replaces it whole), never the queue."""
+        """The matcher's explanation, the keys pending capture between steps listed as such (miss reason ``capturing``),
+        refused as a whole when no graph can take the batch.  Read-only, from any thread: it reads the tuple
+        ``capturing`` (replaced whole by the owner thread), never the queue."""
         capturing = self.capturing
         explanation = self.matcher.explain(actual, exclude, capturing)
         refused = self.too_large(actual)
@@ -453,10 +450,8 @@ class Catalog:
         self._changed()
 
     def release(self, key: BatchDescriptor, strategy: str | None) -> tuple[list[Entry], int]:
-        """Remove the entries and lazy keys of ``key`` (under ``strategy``, or any): the removed entries, and how many pairs went.
-
-        KeyError names what is captured when nothing matches.
-        """
+        """Remove the entries and lazy keys of ``key`` (under ``strategy``, or any): the removed entries, and how many
+        pairs went; KeyError naming what is captured when nothing matches."""
         pairs = [p for p in self.pairs() if p[0] == key and (strategy is None or p[1] == strategy)]
         if not pairs:
             held = sorted({f"{k} [{s}]" for k, s in self.entries})

@@ -1,24 +1,18 @@
 """Debug mode: catch the two silent failures of graph replay, each named.
 
-1. A tensor a graph reads moved: ``param.data = ...``, or a module whose
-   parameter was replaced (``load_state_dict(sd, assign=True)``,
-   ``module.weight = nn.Parameter(...)``): the graph still reads the old
-   address.  Debug mode records the address of every static input and every
-   watched tensor or module slot, and compares them before each replay.  A
-   watched module is looked up by name each time, so a replaced parameter is
-   seen, not just a moved one.
-2. An output of an earlier ``run()`` read after a later ``run()`` overwrote it.
-   Debug mode returns outputs as :class:`CheckedOutput` tensors, which raise
-   :class:`StaleOutputError` when any torch operation reads them, or a view
-   derived from them (``out[:2]``, ``out.detach()``), after the next ``run()``.
-   Reading metadata (``.shape``, ``.dtype``) is always fine.  (Poisoning the old
-   outputs' memory instead was rejected: an output may alias a static input or a
-   weight, which poison would corrupt, and a NaN read is found late and unnamed.)
-   Registries that share a graph pool (a drafter beside its target) share one
-   :class:`Clock`: on CUDA a graph's outputs are memory of the pool that any graph
-   captured into it may reuse, so the next ``run()`` of any of them may overwrite
-   the outputs of all (the cpu backend keeps each graph's memory apart, yet the
-   check is the same, so that it catches there what would be garbage on CUDA).
+1. A tensor a graph reads moved: ``param.data = ...``, or a module whose parameter was replaced (``load_state_dict(sd,
+   assign=True)``, ``module.weight = nn.Parameter(...)``): the graph still reads the old address.  Debug mode records
+   the address of every static input and every watched tensor or module slot, and compares them before each replay.  A
+   watched module is looked up by name each time, so a replaced parameter is seen, not just a moved one.
+2. An output of an earlier ``run()`` read after a later ``run()`` overwrote it. Debug mode returns outputs as
+   :class:`CheckedOutput` tensors, which raise :class:`StaleOutputError` when any torch operation reads them, or a view
+   derived from them (``out[:2]``, ``out.detach()``), after the next ``run()``. Reading metadata (``.shape``,
+   ``.dtype``) is always fine.  (Poisoning the old outputs' memory instead was rejected: an output may alias a static
+   input or a weight, which poison would corrupt, and a NaN read is found late and unnamed.) Registries that share a
+   graph pool (a drafter beside its target) share one :class:`Clock`: on CUDA a graph's outputs are memory of the pool
+   that any graph captured into it may reuse, so the next ``run()`` of any of them may overwrite the outputs of all (the
+   cpu backend keeps each graph's memory apart, yet the check is the same, so that it catches there what would be
+   garbage on CUDA).
 
 Both checks cost a few microseconds per ``run()``; leave debug mode off in serving.
 """
@@ -60,10 +54,9 @@ _METADATA = _metadata_readers()
 
 
 class Clock:
-    """What wrote graph memory last, for the debug registries of one graph pool (one registry's, unless it shares its
-    pool): ``version`` grows with each replay and each change between runs (a capture, a release) of any of them, which
-    may overwrite the outputs of every one (on CUDA their graphs reuse one pool's memory); ``writer`` says which came
-    last; ``registries``: how many share it (past one, the messages name the registry)."""
+    """What wrote graph memory last, for the debug registries of one graph pool: ``version`` grows with each replay and
+    each change between runs (a capture, a release) of any of them, which may overwrite every one's outputs (on CUDA
+    their graphs reuse one pool's memory); ``writer`` says which came last; ``registries``: how many share it."""
 
     __slots__ = ("version", "writer", "registries")
 

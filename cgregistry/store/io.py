@@ -1,19 +1,15 @@
 """What crosses between the engine and a graph: the static inputs the graphs read, and the outputs they write.
 
-Static inputs have fixed addresses: live data is copied in and the padded tail filled.  Each input is indexed along
-the token axis, the request axis, or ``reqs+1`` (one row per request plus one: ``cu_seqlens``, ``query_start_loc``).
-``staging`` copies a route's live inputs in, one ``_foreach_copy_`` per dtype that several inputs share (one kernel
-on CUDA where inputs and views are laid out alike), and re-fills only the rows that an earlier, larger batch left
-dirty, so a steady batch size costs those copies and nothing more; an input whose padding repeats its last live row
-(``REPEAT_LAST``) costs one more copy.  ``fill`` is what every padded row holds, and what *every* row holds while
-graphs are warmed up and captured (capture runs the step, which may write engine state such as a KV cache at the
-indices it reads).  An index input therefore fills with a scratch slot that belongs to no request; integer inputs
-must say their fill.
+Static inputs have fixed addresses: live data is copied in (``staging``: a steady batch size costs its copies and
+nothing more) and the padded tail filled.  Each is indexed along the token axis, the request axis, or ``reqs+1`` (one
+row per request plus one: ``cu_seqlens``, ``query_start_loc``).  ``fill`` is what every padded row holds, and what
+*every* row holds while graphs are warmed up and captured (capture runs the step, which may write engine state such as a
+KV cache at the indices it reads): an index input fills with a scratch slot no request owns; integer inputs must say
+their fill.
 
-Outputs: a step may return a tensor or nested tuples, lists, dicts and named tuples of tensors (None leaves pass
-through).  Every tensor's leading dimension is the padded token count (or request count, with
-``output_axis="reqs"``); an ``output_axis`` shaped like the output gives each leaf its own axis (hidden states per
-token, logits per request).  ``run()`` hands back views sliced to the actual batch.
+Outputs: a tensor or nested tuples, lists, dicts and named tuples of tensors (None leaves pass through), each leading
+dimension the padded token count (or request count: ``output_axis="reqs"``; an ``output_axis`` shaped like the output
+gives each leaf its own axis).  ``run()`` hands back views sliced to the actual batch.
 """
 
 from __future__ import annotations
@@ -136,16 +132,13 @@ def _fill_problem(fill: object, dtype: torch.dtype) -> str | None:
 class StaticInput:
     """Declares one static input: capacity shape, dtype, indexing axis and padding fill.
 
-    ``shape[0]`` is the capacity along ``axis``: max tokens, max requests, or max
-    requests + 1 for ``axis="reqs+1"`` (offsets such as ``cu_seqlens``).
-    ``fill`` is written into padded rows, and into every row before a graph is
-    warmed up and captured; None leaves padded rows as they are (capture then
-    sees zeros).  Integer inputs must give it: an index input (slot mapping,
-    block table) fills with a scratch slot no request owns, so padded rows and
-    capture write only there; token ids or positions may fill with 0.
-    ``REPEAT_LAST`` (the default on ``reqs+1``, and the only fill allowed there) repeats the last live
-    row into the padded rows, so the padded requests of an offsets input are empty (a constant would
-    make the offsets decrease); capture then runs on zeros (a batch of empty requests).
+    ``shape[0]`` is the capacity along ``axis``: max tokens, max requests, or max requests + 1 (``axis="reqs+1"``,
+    offsets such as ``cu_seqlens``).  ``fill`` goes into padded rows, and into every row before a graph is warmed up and
+    captured; None leaves padded rows as they are (capture sees zeros).  Integer inputs must give it: an index input
+    (slot mapping, block table) fills with a scratch slot no request owns, so padded rows and capture write only there;
+    token ids or positions may fill with 0.  ``REPEAT_LAST`` (the default and only fill on ``reqs+1``) repeats the last
+    live row into the padded rows, so the padded requests of an offsets input are empty (a constant would make the
+    offsets decrease); capture then runs on zeros.
     """
 
     shape: tuple[int, ...] = attrs.field(converter=_shape)
@@ -292,10 +285,8 @@ class StaticBuffer:
             self.reset()
 
     def check(self, live: torch.Tensor, rows: int) -> None:
-        """Raise InputError unless ``live`` is exactly ``rows`` dense rows of this input's dtype and device.
-
-        ``rows`` may exceed the capacity (a batch that runs eagerly); the graph path never asks for that.
-        """
+        """Raise InputError unless ``live`` is exactly ``rows`` dense rows of this input's dtype and device (``rows``
+        may exceed the capacity: a batch that runs eagerly)."""
         shape = self._shapes.get(rows)
         if shape is None:
             shape = torch.Size((rows, *self.spec.shape[1:]))  # an oversize batch's (it runs eagerly): never kept
@@ -331,17 +322,15 @@ class StaticBuffer:
 
 
 def staging(copies: tuple[tuple[StaticBuffer, int], ...]) -> Callable[[Mapping[str, torch.Tensor]], None]:
-    """How one route's live inputs reach its static buffers (a function of the inputs, checked already).
+    """How one route's live inputs (checked already) reach its static buffers; built once per route, after the buffers'
+    latest ``restore()`` (a wake changes the catalog, so routes are rebuilt).
 
-    In order: an input that lies inside one of the route's static buffers (the engine handed a buffer's rows back) is
-    cloned first, so every input is read as it was when ``run()`` was called; the rows an earlier, larger batch left
-    get their fill back (before any copy: a copy that raises leaves no row unaccounted for); the live rows are copied
-    in, with one ``_foreach_copy_`` per dtype that several inputs share (a single kernel on CUDA where each input is
-    laid out as its view, else one copy each) and ``copy_`` for the others; a ``REPEAT_LAST`` input's padded rows
-    repeat its last staged row.  An input that needs grad is detached: outside inference mode the copy would chain
-    the caller's autograd graph onto the buffer.
-
-    Built once per route, after the buffers' latest ``restore()`` (a wake changes the catalog, so routes are rebuilt).
+    In order: an input inside one of the route's static buffers (the engine handed a buffer's rows back) is cloned, so
+    every input is read as it was at ``run()``; the rows an earlier, larger batch left get their fill back (before any
+    copy: a copy that raises leaves no row unaccounted for); the live rows are copied in, one ``_foreach_copy_`` per
+    dtype that several inputs share (one kernel on CUDA where each input is laid out as its view) and ``copy_`` for the
+    others; a ``REPEAT_LAST`` input's padded rows repeat its last staged row.  An input that needs grad is detached
+    (outside inference mode the copy would chain the caller's autograd graph onto the buffer).
     """
     by_dtype: dict[torch.dtype, tuple[list[str], list[torch.Tensor]]] = {}
     for buf, rows in copies:
@@ -482,11 +471,9 @@ class OutputAxes:
         return None if None in rows else rows  # type: ignore[return-value]
 
     def check(self, leaves: list[torch.Tensor], spec: Spec, key: BatchDescriptor, request_slots: int | None = None) -> None:
-        """Raise OutputError unless every leaf's leading dimension is its axis's row count for ``key``.
-
-        A relaxed key (any request count) sees every request slot of the static inputs, so its
-        per-request outputs have ``request_slots`` rows (None: no input is indexed by requests).
-        """
+        """Raise OutputError unless every leaf's leading dimension is its axis's row count for ``key`` (a relaxed key
+        sees every request slot: its per-request outputs have ``request_slots`` rows; None: no input is indexed by
+        requests)."""
         if self.single is None and _outline(spec) != _outline(self.spec):
             raise OutputError(
                 f"output_axis={self.given!r} is not shaped like the step's output (which has {len(leaves)} tensor "
