@@ -1,9 +1,8 @@
 """The ``cgregistry`` command: ``demo``, ``plan``, ``inspect``, ``check`` and ``plugins``; ``--json`` on each.
 
-Exit codes: 0 success, 1 the job found a problem (demo mismatches, unsafe ops), 2 bad input (message on stderr),
-141 the output pipe closed early (``| head``), silently, as a Unix tool killed by SIGPIPE.
-Every option's help shows its default; an option that does nothing without another is refused; errors
-name the flag the user passed, never an internal setting name.
+Exit codes: 0 success, 1 the job found a problem (demo mismatches, unsafe ops), 2 bad input (message on stderr), 141
+the output pipe closed early (``| head``), silently, as a Unix tool killed by SIGPIPE.  Every option's help shows its
+default; an option that does nothing without another is refused; errors name the user's flags, never setting names.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ import argparse
 import json
 import re
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,11 +43,8 @@ _TRACE_ONLY = ("limit", "spec_depth", "step_base_ms", "step_per_token_us", "fit"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends ``(default: X)`` to an option's help unless the help states its default itself.
-
-    A default of None or a bare on/off flag gets nothing appended: those options say in words
-    what happens without them ("default: the plan's own"), never "None" or "False".
-    """
+    """Appends ``(default: X)`` to an option's help unless the help states its default itself, or the default is None
+    or a bare on/off flag's: those say in words what happens without them, never "None" or "False"."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -87,10 +84,8 @@ def _demo_flagged(message: str, args: argparse.Namespace) -> str:
 
 
 def _flagged(message: str, args: argparse.Namespace) -> str:
-    """``message`` from CapturePlan.build / PlanSettings / CapturePlan.fit with setting names turned into ``plan`` flags.
-
-    Known messages get the value the user gave; any other setting name is at least replaced by its flag.
-    """
+    """``message`` from CapturePlan.build / PlanSettings / CapturePlan.fit with setting names turned into ``plan`` flags
+    (known messages with the value the user gave)."""
     sizes = "--capture-sizes" if args.capture_sizes is None else f"--capture-sizes={_csv(args.capture_sizes)}"
 
     def too_large(m: re.Match[str]) -> str:
@@ -127,9 +122,7 @@ def _demo(args: argparse.Namespace) -> int:
     result = run_demo(backend=args.backend, steps=args.steps, mode=args.mode, seed=args.seed, log=log, all_entries=args.all,
                       snapshot=args.snapshot, preference=args.preference, gpu_memory_utilization=args.gpu_memory_utilization)
     if args.json:
-        data = attrs.asdict(result)
-        data["speedup"] = result.speedup
-        data["no_speedup_reason"] = result.no_speedup_reason
+        data = {**attrs.asdict(result), "speedup": result.speedup, "no_speedup_reason": result.no_speedup_reason}
         print(json.dumps(data, indent=2))
     if result.mismatches:
         print(f"error: {result.mismatches} of {result.steps} steps differ from eager", file=sys.stderr)
@@ -239,10 +232,7 @@ def _class_counts(plan: CapturePlan) -> dict[str, int]:
     """Graphs per key class (strategy, uniform spec depth or mixed, LoRA count), largest class first."""
     from cgregistry.inspection import key_class
 
-    counts: dict[str, int] = {}
-    for e in plan:
-        name = key_class(e.descriptor, e.strategy)
-        counts[name] = counts.get(name, 0) + 1
+    counts = Counter(key_class(e.descriptor, e.strategy) for e in plan)
     return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
@@ -257,16 +247,14 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps({
             "settings": _settings_dict(settings),
             "padding_cap": _cap(args),
-            "entries": [{"key": attrs.asdict(e.descriptor), "strategy": e.strategy} for e in plan],
+            "entries": _entries_json(plan),
             "graphs_by_class": _class_counts(plan),
             "uncovered": [attrs.asdict(g) for g in gaps],
         }, indent=2))
         return 0
-    for line in _settings_lines(settings, args):
-        print(line)
+    print("\n".join(_settings_lines(settings, args)))
     print()
-    for e in plan:
-        print(f"{e.strategy:10} {e.descriptor}")
+    _print_keys(plan)
     counts = _class_counts(plan)
     print(f"{len(plan)} graphs: " + (", ".join(f"{n} {name}" for name, n in counts.items()) or "every batch runs eagerly"))
     for g in gaps:
@@ -274,6 +262,15 @@ def _plan(args: argparse.Namespace) -> int:
         why = f", over the padding cap: every covering key pads more ({_cap_text(args)})" if g.reason == "padding_cap" else ""
         print(f"uncovered (runs eagerly): {g.key_class}{depth} batches of {g.min_tokens}..{g.max_tokens} tokens, {g.num_active_loras} LoRA{why}")
     return 0
+
+
+def _entries_json(plan: CapturePlan) -> list[dict[str, Any]]:
+    return [{"key": attrs.asdict(e.descriptor), "strategy": e.strategy} for e in plan]
+
+
+def _print_keys(plan: CapturePlan) -> None:
+    for e in plan:
+        print(f"{e.strategy:10} {e.descriptor}")
 
 
 def _cap(args: argparse.Namespace) -> dict[str, Any]:
@@ -333,8 +330,7 @@ def _plan_on_trace(args: argparse.Namespace, plan: CapturePlan, settings: PlanSe
     if args.json:
         _print_trace_json(args, settings, config, len(requests), scope, plans, reports)
         return 0
-    for line in _settings_lines(settings, args):
-        print(line)
+    print("\n".join(_settings_lines(settings, args)))
     print(f"scheduler: step {config.step_base_s * 1e3:g} ms + {config.step_per_token_s * 1e6:g} us per token, "
           f"spec depth {config.spec_depth}")
     print()
@@ -343,8 +339,7 @@ def _plan_on_trace(args: argparse.Namespace, plan: CapturePlan, settings: PlanSe
     if args.show_sizes:
         fitted = list(plans)[-1]
         print(f"\n{fitted} keys:")
-        for e in plans[fitted]:
-            print(f"{e.strategy:10} {e.descriptor}")
+        _print_keys(plans[fitted])
     if args.plot:
         print(f"wrote padding plot to {args.plot}")
     return 0
@@ -357,30 +352,31 @@ def _print_trace_json(
     """The ``plan --trace --json`` document: settings, scheduler, scope, one report per plan (and the plot's path)."""
     out: dict[str, Any] = {
         "settings": _settings_dict(settings), "padding_cap": _cap(args), "scheduler": _scheduler_dict(config, args, requests), "scope": scope,
+        "plans": {},
     }
-    out["plans"] = {}
     for name, r in reports.items():
         report = {k: v for k, v in attrs.asdict(r).items() if k != "by_tokens"}
         report.update(hit_rate=r.hit_rate, padding_ratio=r.padding_ratio, by_tokens={str(t): list(v) for t, v in r.by_tokens.items()})
         if args.show_sizes:
-            report["entries"] = [{"key": attrs.asdict(e.descriptor), "strategy": e.strategy} for e in plans[name]]
+            report["entries"] = _entries_json(plans[name])
         out["plans"][name] = report
     if args.plot:
         out["plot"] = args.plot
     print(json.dumps(out, indent=2))
 
 
+# The rows of ``plan --trace``'s report table: label, and each plan's cell (a format of its report ``r``).
+_REPORT_ROWS = (
+    ("graphs", "{r.graphs}"), ("largest key (tokens)", "{r.largest_key_tokens}"),
+    ("steps served by graphs", "{r.graph_steps} ({r.hit_rate:.1%})"), ("eager fallbacks", "{r.eager_steps}"),
+    ("padded tokens", "{r.padded_tokens}"), ("padding (of graph tokens)", "{r.padding_ratio:.2%}"),
+)
+
+
 def _print_reports(reports: dict[str, Any]) -> None:
     """The plans' reports side by side."""
-    rows = [("", *reports)]
-    rows.append(("graphs", *(str(r.graphs) for r in reports.values())))
-    rows.append(("largest key (tokens)", *(str(r.largest_key_tokens) for r in reports.values())))
-    rows.append(("steps served by graphs", *(f"{r.graph_steps} ({r.hit_rate:.1%})" for r in reports.values())))
-    rows.append(("eager fallbacks", *(str(r.eager_steps) for r in reports.values())))
-    rows.append(("padded tokens", *(str(r.padded_tokens) for r in reports.values())))
-    rows.append(("padding (of graph tokens)", *(f"{r.padding_ratio:.2%}" for r in reports.values())))
-    for line in text_table(rows):
-        print(line)
+    rows = [("", *reports), *((label, *(cell.format(r=r) for r in reports.values())) for label, cell in _REPORT_ROWS)]
+    print("\n".join(text_table(rows)))
 
 
 def _pyplot() -> Any:
@@ -431,8 +427,7 @@ def _plugins(args: argparse.Namespace) -> int:
     for i in infos:
         dist = (i.distribution or "-") + (" (built-in)" if i.builtin else "")
         rows.append((i.name, dist, i.version or "-", ", ".join(provides.get(i.name, [])) or "-", ", ".join(i.hooks)))
-    for line in text_table(rows):
-        print(line)
+    print("\n".join(text_table(rows)))
     return 0
 
 
@@ -452,9 +447,10 @@ def _inspect(args: argparse.Namespace) -> int:
     entries = snap.filtered(**filters)
     explanation = snap.explain(args.explain) if args.explain else None
     if args.json:
+        whole, picked = snap.to_dict(), {(e.key, e.strategy) for e in entries}
         data = {"name": snap.name, "backend": snap.backend, "created": snap.created,
-                "entries": [e for e in snap.to_dict()["entries"] if _picked(e, entries)],
-                "stats": snap.to_dict()["stats"], "pending": len(snap.pending)}
+                "entries": [d for e, d in zip(snap.entries, whole["entries"]) if (e.key, e.strategy) in picked],
+                "stats": whole["stats"], "pending": len(snap.pending)}
         if explanation is not None:
             data["explain"] = explanation.to_dict()
         print(json.dumps(data, indent=2))
@@ -462,16 +458,15 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"snapshot of {snap.name!r} ({snap.backend}, {snap.device}) taken {snap.created}")
     print(snap.table(**filters))
     if not entries:
-        held = len(snap.entries)
-        print(f"no entry matches {_filter_text(args)}; the snapshot holds {held} {'entry' if held == 1 else 'entries'}"
-              if _filter_text(args) else "the snapshot holds no entries")
+        held, given = len(snap.entries), _filter_text(args)
+        print(f"no entry matches {given}; the snapshot holds {held} {'entry' if held == 1 else 'entries'}"
+              if given else "the snapshot holds no entries")
     s = snap.stats
     if s.by_class:
         rows = [("key class", "entries", "replays", "graph tokens", "padded tokens")]
         rows += [(label, str(c.entries), str(c.replays), str(c.graph_tokens), str(c.padded_tokens)) for label, c in s.by_class.items()]
         print()
-        for line in text_table(rows):
-            print(line)
+        print("\n".join(text_table(rows)))
     reasons = {k: v for k, v in s.misses_by_reason.items() if v}
     print(f"misses: {dict(s.misses_by_form)}, by reason {reasons or '{}'}; pending lazy keys: {len(snap.pending)}; "
           f"failed entries: {len(snap.failures)}")
@@ -492,14 +487,9 @@ def _check_strategy(name: str | None, snap: Any) -> None:
 
 def _filter_text(args: argparse.Namespace) -> str:
     """The ``inspect`` filters given, as the user wrote them (empty: none)."""
-    given = [f"--strategy={args.strategy}" if args.strategy else "", f"--form={args.form}" if args.form else "",
-             f"--spec-depth={args.spec_depth}" if args.spec_depth is not None else "",
-             f"--loras={args.loras}" if args.loras is not None else "", "--used" if args.used else ""]
-    return " ".join(g for g in given if g)
-
-
-def _picked(entry: dict, chosen: list) -> bool:
-    return any(attrs.asdict(e.key) == entry["key"] and e.strategy == entry["strategy"] for e in chosen)
+    given = {"--strategy": args.strategy or None, "--form": args.form, "--spec-depth": args.spec_depth,
+             "--loras": args.loras}
+    return " ".join([f"{flag}={value}" for flag, value in given.items() if value is not None] + ["--used"] * args.used)
 
 
 _EXPLAIN_FIELDS = ("tokens", "reqs", "loras", "depth", "uniform")
@@ -529,10 +519,8 @@ def _explain_uniform(text: str, whole: str) -> bool:
 
 
 def parse_descriptor(text: str) -> BatchDescriptor:
-    """``--explain``: 'tokens,reqs[,loras[,depth[,uniform]]]' -> BatchDescriptor (reqs may be 'any' or empty).
-
-    Every field is checked: a misspelled uniform word or a non-integer is an error naming the field.
-    """
+    """``--explain``: 'tokens,reqs[,loras[,depth[,uniform]]]' -> BatchDescriptor (reqs may be 'any' or empty); a
+    misspelled uniform word or a non-integer is an error naming the field."""
     parts = [p.strip() for p in text.split(",")]
     if not 1 <= len(parts) <= len(_EXPLAIN_FIELDS):
         raise argparse.ArgumentTypeError(f"expected {_EXPLAIN_FORM} (1 to 5 fields), got {text!r} ({len(parts)} fields)")
@@ -855,11 +843,8 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     parser.add_argument("--version", action="version", version=_version_text(), help="print the versions of cgregistry, torch and Python, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
-    commands = {}
-    for add in (_add_demo, _add_plan, _add_inspect, _add_check, _add_plugins):
-        command = add(sub)
-        commands[command.prog.split()[-1]] = command
-    return parser, commands
+    commands = [add(sub) for add in (_add_demo, _add_plan, _add_inspect, _add_check, _add_plugins)]
+    return parser, {command.prog.split()[-1]: command for command in commands}
 
 
 def _version_text() -> str:
@@ -900,8 +885,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(argv: Sequence[str] | None) -> int:
     parser, commands = parsers()
     args = parser.parse_args(argv)
-    usage_error = getattr(args, "usage_error", None)
-    problem = usage_error(args) if usage_error is not None else None
+    problem = getattr(args, "usage_error", lambda _: None)(args)
     if problem:
         commands[args.command].error(problem)
     try:
@@ -917,11 +901,8 @@ def _run(argv: Sequence[str] | None) -> int:
 
 
 def _pipe_closed() -> int:
-    """The reader of stdout left (``cgregistry inspect snap.json | head``): stop quietly.
-
-    What is still buffered for stdout goes to /dev/null, so the interpreter's own flush at exit does
-    not fail a second time (Python's documented way to handle SIGPIPE without a traceback).
-    """
+    """The reader of stdout left (``cgregistry inspect snap.json | head``): stop quietly, stdout's buffer sent to
+    /dev/null so the interpreter's flush at exit does not fail again (Python's documented SIGPIPE handling)."""
     import os
 
     try:

@@ -1,9 +1,7 @@
 """The main job: the demo decoder on batch shapes from the bundled serving trace, graphs checked against eager.
 
-Builds a plan, captures it, replays trace-derived steps through ``reg.run``,
-compares every output with an eager forward, and times eager against the
-registry on the same steps.  When the plan has keys of a piecewise strategy the
-model is compiled with ``reg.compile`` and its attention kernel is an eager break
+Builds a plan, captures it, replays trace-derived steps through ``reg.run``, compares every output with an eager
+forward, and times both.  Piecewise keys compile the model with ``reg.compile``, its attention kernel an eager break
 (the splitting op), so every mode the CLI offers runs.
 """
 
@@ -71,14 +69,7 @@ class DemoResult:
     def speedup(self) -> float | None:
         """Eager time over registry time on the same steps; None where that ratio means nothing (see
         ``no_speedup_reason``): without graphs, on the cpu backend, and when no step was served by a graph."""
-        if self.no_speedup_reason is not None:
-            return None
-        return self.eager_seconds / self.graph_seconds
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    # Padded shapes may pick different GEMM kernels than eager, so allow rounding noise.
-    return 1e-3 if dtype == torch.float32 else 5e-2
+        return None if self.no_speedup_reason is not None else self.eager_seconds / self.graph_seconds
 
 
 def _timed(fn: Callable[[], Any], device: torch.device) -> float:
@@ -93,15 +84,9 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
 
 @functools.cache
 def _attention_break() -> Callable[..., None]:
-    """The demo's attention kernel marked as an eager break: the piecewise compiler splits the model there.
-
-    Marked once per process (marking registers the function with the compiler's splitting ops)."""
+    """The demo's attention kernel marked as an eager break, once per process (marking registers it with the
+    compiler's splitting ops): the piecewise compiler splits the model there."""
     return eager_break(attention_kernel_into)
-
-
-def _needs_compile(plan: CapturePlan, plugins: Plugins) -> bool:
-    """Whether some key of ``plan`` is captured by a piecewise strategy (which needs a compiled model)."""
-    return any(isinstance(plugins.strategy(s), PiecewiseStrategy) for s in {e.strategy for e in plan})
 
 
 def _preference(mode: str | tuple[str | None, str | None], given: tuple[str, ...] | None, plugins: Plugins) -> tuple[str, ...]:
@@ -150,20 +135,17 @@ def run_demo(
 ) -> DemoResult:
     """Capture the demo model, run ``steps`` trace-derived batches, check and time them.
 
-    ``mode`` is a name from ``cgregistry.plan.build.MODES`` or a (decode, mixed) strategy pair; with
-    keys of a piecewise strategy the model is compiled (``reg.compile``) before capture.
-    ``preference``: the registry's strategy order; by default the mode's decode strategy, then its
-    mixed one (``mode_preference``), so a plugin's decode keys are not left behind relaxed mixed keys.
-    ``gpu_memory_utilization``: the share of the device's memory the process may use; the plan is estimated
-    first (``reg.estimate_memory``) and, if its capture would take more than what is left, fitted to the trace
-    under those bytes (``CapturePlan.fit(max_bytes=...)``), the integration recipe (docs/integration.md).
+    ``mode``: a ``MODES`` name or a (decode, mixed) strategy pair; piecewise keys compile the model (``reg.compile``).
+    ``preference`` defaults to ``mode_preference``, so a plugin's decode keys do not lose to relaxed mixed keys.
+    ``gpu_memory_utilization``: the device's share the process may use; a plan whose estimated capture takes more than
+    is left is fitted to the trace under those bytes (``CapturePlan.fit(max_bytes=...)``, docs/integration.md).
     """
     plugins = Plugins()
     device = plugins.backend(backend).device()
     cfg = DemoConfig.for_device(device)
     plan = CapturePlan.build(max_num_seqs=cfg.max_num_seqs, max_num_tokens=cfg.max_num_tokens, mode=mode, plugins=plugins)
     order = _preference(mode, preference, plugins)
-    compile_model = _needs_compile(plan, plugins)
+    compile_model = any(isinstance(plugins.strategy(s), PiecewiseStrategy) for s in {e.strategy for e in plan})
     model = DemoDecoder(cfg, device, seed=seed, attention=_attention_break() if compile_model else None)
     if compile_model:
         # Piecewise keys capture the pieces of a compiled model, split at the attention kernel (an eager break).
@@ -190,7 +172,7 @@ def run_demo(
     live = [random_batch(cfg, b, device, gen) for b in batches]
     log(f"trace: {len(batches)} steps of the bundled Azure 2023 conversation trace (max_num_seqs {cfg.max_num_seqs}, budget {cfg.max_num_tokens})")
 
-    tol = _tolerance(cfg.dtype)
+    tol = 1e-3 if cfg.dtype == torch.float32 else 5e-2  # padded shapes may pick other GEMM kernels than eager
     mismatches = 0
     worst = 0.0
     with torch.inference_mode():
