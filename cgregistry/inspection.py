@@ -1,9 +1,7 @@
 """Inspection records: entries, stats, snapshots, and the tables that print them.
 
-Everything here is plain data.  A registry hands out ``EntryInfo`` and ``Stats``;
-``Snapshot`` is the same information frozen to a JSON-serialisable dict with a
-schema version, loadable without a registry (or torch devices) for offline
-inspection, including ``explain`` against the snapshot's keys.
+Plain data.  A registry hands out ``EntryInfo`` and ``Stats``; a ``Snapshot`` freezes them to versioned JSON,
+loadable without a registry (or torch devices) for offline inspection, ``explain`` against its keys included.
 """
 
 from __future__ import annotations
@@ -57,22 +55,17 @@ class CapturePhases:
 
     @property
     def total(self) -> float:
-        return self.compile + self.warmup + self.record + self.instantiate
+        return sum(attrs.astuple(self))
 
     def __add__(self, other: CapturePhases) -> CapturePhases:
         if not isinstance(other, CapturePhases):
             return NotImplemented
-        return CapturePhases(self.compile + other.compile, self.warmup + other.warmup, self.record + other.record,
-                             self.instantiate + other.instantiate)
+        return CapturePhases(*(a + b for a, b in zip(attrs.astuple(self), attrs.astuple(other))))
 
     @classmethod
     def of(cls, entries: Iterable[EntryInfo]) -> CapturePhases:
         """The phases of ``entries`` (``capture()``'s result, ``entries()``) summed; entries without phases add none."""
-        total = cls()
-        for entry in entries:
-            if entry.phases is not None:
-                total = total + entry.phases
-        return total
+        return sum((e.phases for e in entries if e.phases is not None), cls())
 
     def summary(self) -> str:
         """One line: the total and each phase's seconds and share."""
@@ -469,12 +462,9 @@ def _pair_of(data: Mapping[str, Any]) -> Pair:
 
 @attrs.frozen(slots=True)
 class PlanChange:
-    """One refit's outcome: keys to capture (largest first), keys to release, and why.
-
-    ``before`` and ``after`` score the current and the new keys on the traffic the refit
-    saw; ``observed`` is the registry's step count when it was proposed; ``reason`` is a
-    ``PLAN_CHANGE_REASONS`` name.
-    """
+    """One refit's outcome: keys to capture (largest first), keys to release, and why.  ``before`` and ``after`` score
+    the current and the new keys on the traffic the refit saw; ``observed``: the registry's step count when proposed;
+    ``reason``: a ``PLAN_CHANGE_REASONS`` name."""
 
     added: tuple[Pair, ...]
     removed: tuple[Pair, ...]
@@ -491,15 +481,9 @@ class PlanChange:
 
     def to_dict(self) -> dict[str, Any]:
         """The change as JSON-serialisable data (``from_dict`` reads it back)."""
-        return {
-            "reason": self.reason,
-            "observed": self.observed,
-            "added": [_pair_dict(p) for p in self.added],
-            "removed": [_pair_dict(p) for p in self.removed],
-            "before": attrs.asdict(self.before),
-            "after": attrs.asdict(self.after),
-            "gain": self.gain,
-        }
+        return {"reason": self.reason, "observed": self.observed, "added": [_pair_dict(p) for p in self.added],
+                "removed": [_pair_dict(p) for p in self.removed], "before": attrs.asdict(self.before),
+                "after": attrs.asdict(self.after), "gain": self.gain}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PlanChange:
@@ -508,14 +492,9 @@ class PlanChange:
             raise ValueError(f"PlanChange reason must be one of {', '.join(PLAN_CHANGE_REASONS)}, got {data.get('reason')!r}")
         if type(data.get("observed")) is not int or data["observed"] < 0:
             raise ValueError(f"PlanChange observed must be an int >= 0 (steps), got {data.get('observed')!r}")
-        return cls(
-            added=tuple(_pair_of(p) for p in data["added"]),
-            removed=tuple(_pair_of(p) for p in data["removed"]),
-            before=PlanScore(**data["before"]),
-            after=PlanScore(**data["after"]),
-            observed=data["observed"],
-            reason=data["reason"],
-        )
+        return cls(added=tuple(_pair_of(p) for p in data["added"]), removed=tuple(_pair_of(p) for p in data["removed"]),
+                   before=PlanScore(**data["before"]), after=PlanScore(**data["after"]), observed=data["observed"],
+                   reason=data["reason"])
 
     def __str__(self) -> str:
         b, a = self.before, self.after

@@ -3,20 +3,8 @@
 from __future__ import annotations
 
 from cgregistry.plan.build import (
-    BUILTIN_RELAXES,
-    KEY_CLASSES,
-    MODES,
-    CapturePlan,
-    Downgrade,
-    PlanEntry,
-    PlanSettings,
-    UncoveredRange,
-    default_ladder,
-    lora_ladder,
-    mode_preference,
-    request_ladder,
-    rounded_sizes,
-    whole_requests,
+    BUILTIN_RELAXES, KEY_CLASSES, MODES, CapturePlan, Downgrade, PlanEntry, PlanSettings, UncoveredRange,
+    default_ladder, lora_ladder, mode_preference, request_ladder, rounded_sizes, whole_requests,
 )
 
 __all__ = [

@@ -1,9 +1,8 @@
 """Adaptation: when and how a registry's plan follows the batch shapes it actually serves.
 
-The registry counts the shapes it runs in a ``TrafficHistogram``; when ``Adaptation.due`` says so, ``propose`` fits a
-plan to the counts (``CapturePlan.fit``) and returns a ``PlanChange`` only when it serves more steps from graphs,
-brings the plan within budget, or saves at least ``min_gain`` of the padded tokens.  Pure policy: no registry, no
-capture, no torch graphs.
+The registry counts shapes in a ``TrafficHistogram``; when ``Adaptation.due``, ``propose`` fits a plan to the counts
+and returns a ``PlanChange`` only when it serves more steps from graphs, brings the plan within budget, or saves at
+least ``min_gain`` of the padded tokens.  Pure policy: no registry, no capture, no torch graphs.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -26,24 +25,21 @@ __all__ = ["REASONS", "Adaptation", "PlanChange", "PlanScore", "Replay", "Traffi
 
 Pair = tuple[BatchDescriptor, str]
 
-def _count(name: str, minimum: int) -> Any:
+
+def _count(minimum: int) -> Any:
     def check(instance: Any, attribute: Any, value: object) -> None:
         if type(value) is not int or value < minimum:
-            raise ValueError(f"Adaptation.{name} must be an int >= {minimum}, got {value!r}")
+            raise ValueError(f"Adaptation.{attribute.name} must be an int >= {minimum}, got {value!r}")
 
     return check
 
 
-def _fraction(name: str, low: float, high: float, closed_low: bool, closed_high: bool) -> Any:
-    bounds = f"{'[' if closed_low else '('}{low}, {high}{']' if closed_high else ')'}"
+def _fraction(bounds: str, inside: Callable[[float], bool]) -> Any:
+    """A number (never a bool) for which ``inside`` holds, ``bounds`` the interval in words."""
 
     def check(instance: Any, attribute: Any, value: object) -> None:
-        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-        if ok:
-            v = float(value)  # type: ignore[arg-type]
-            ok = (low <= v if closed_low else low < v) and (v <= high if closed_high else v < high)
-        if not ok:
-            raise ValueError(f"Adaptation.{name} must be a number in {bounds}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not inside(float(value)):
+            raise ValueError(f"Adaptation.{attribute.name} must be a number in {bounds}, got {value!r}")
 
     return check
 
@@ -71,13 +67,13 @@ class Adaptation:
     that much device memory, as well as or instead of ``max_graphs``.
     """
 
-    max_graphs: int | None = attrs.field(default=None, validator=attrs.validators.optional(_count("max_graphs", 1)))
+    max_graphs: int | None = attrs.field(default=None, validator=attrs.validators.optional(_count(1)))
     settings: PlanSettings = attrs.field(default=None, converter=_as_settings)
-    every_steps: int = attrs.field(default=10_000, validator=_count("every_steps", 1))
-    min_steps: int = attrs.field(default=10_000, validator=_count("min_steps", 0))
-    decay: float = attrs.field(default=0.9, validator=_fraction("decay", 0, 1, False, True))
-    min_gain: float = attrs.field(default=0.1, validator=_fraction("min_gain", 0, 1, True, False))
-    max_bytes: int | None = attrs.field(default=None, validator=attrs.validators.optional(_count("max_bytes", 0)))
+    every_steps: int = attrs.field(default=10_000, validator=_count(1))
+    min_steps: int = attrs.field(default=10_000, validator=_count(0))
+    decay: float = attrs.field(default=0.9, validator=_fraction("(0, 1]", lambda v: 0 < v <= 1))
+    min_gain: float = attrs.field(default=0.1, validator=_fraction("[0, 1)", lambda v: 0 <= v < 1))
+    max_bytes: int | None = attrs.field(default=None, validator=attrs.validators.optional(_count(0)))
     memory: Any = attrs.field(default=None, eq=False, repr=False)  # a MemoryEstimate: prices keys for max_bytes
 
     def __attrs_post_init__(self) -> None:
@@ -110,11 +106,9 @@ class Adaptation:
 
 
 class TrafficHistogram(Mapping[BatchDescriptor, float]):
-    """Steps per actual shape, older ones decayed: the traffic a refit fits to.
-
-    Counts are floats so decay is exact; a shape below one half is dropped; ``steps()`` gives the rounded counts.
-    ``observed`` counts every step added, ``fresh`` those since the last ``decay``.  Not thread-safe.
-    """
+    """Steps per actual shape, older ones decayed: the traffic a refit fits to.  Float counts (decay is exact; below
+    one half a shape is dropped; ``steps()`` rounds); ``observed``: every step added, ``fresh``: those since the last
+    ``decay``.  Not thread-safe."""
 
     __slots__ = ("_counts", "fresh", "observed")
 
@@ -184,11 +178,10 @@ def propose(
 ) -> PlanChange | None:
     """The change from ``current`` keys to the plan fitted to ``histogram``, or None when it is not worth making.
 
-    Both key sets are scored on the histogram through the matcher (``preference``, the padding cap).  Proposed when
-    the current keys exceed the budget ("budget"), the fitted plan serves more steps from graphs ("coverage"), or pads
-    at least ``min_gain`` fewer tokens ("padding"); never when it serves fewer steps from graphs or the keys are the
-    same.  ``observed`` (for the record) defaults to the histogram's count.
-    """
+    Both key sets are scored on the histogram through the matcher (``preference``, the padding cap).  Proposed when the
+    current keys exceed the budget ("budget"), the fitted plan serves more steps from graphs ("coverage") or pads at
+    least ``min_gain`` fewer tokens ("padding"); never when it serves fewer steps from graphs or the keys are the same.
+    ``observed`` (for the record) defaults to the histogram's count."""
     if isinstance(histogram, TrafficHistogram):
         weights, seen = histogram.steps(), histogram.observed
     else:
@@ -236,21 +229,17 @@ def refit(
         raise TypeError(f"refit() takes a TrafficHistogram (it decays it), got {type(histogram).__name__}; propose() takes a plain workload")
     if not adaptation.due(histogram):
         return None
-    change = propose(
-        histogram, current, adaptation,
-        preference=preference, max_padding_tokens=max_padding_tokens, max_padding_ratio=max_padding_ratio,
-    )
+    change = propose(histogram, current, adaptation, preference=preference, max_padding_tokens=max_padding_tokens,
+                     max_padding_ratio=max_padding_ratio)
     histogram.decay(adaptation.decay)
     return change
 
 
 @attrs.frozen(slots=True)
 class Replay:
-    """The adaptation loop driven over recorded steps (``replay``): how each window of steps was served, and the changes.
-
-    ``windows[i]`` scores steps ``[i * window, (i + 1) * window)`` with the keys held when each was served;
-    ``changes``: the plan changes in order; ``keys``: those held at the end.
-    """
+    """The adaptation loop driven over recorded steps (``replay``): ``windows[i]`` scores steps
+    ``[i * window, (i + 1) * window)`` with the keys held when each was served; ``changes``: the plan changes in order;
+    ``keys``: those held at the end."""
 
     window: int
     windows: tuple[PlanScore, ...]
@@ -279,11 +268,9 @@ def replay(
     max_padding_tokens: int | None = None,
     max_padding_ratio: float | None = None,
 ) -> Replay:
-    """Serve ``steps`` (in order) starting from the ``current`` keys, adapting as a registry with ``adaptation`` would.
-
-    Every ``harvest`` steps are served with the keys held, then added to the histogram; a due refit's change holds
-    from the next harvest on.  What to tune ``every_steps``, ``min_steps`` and ``decay`` on (docs/adaptive.md).
-    """
+    """Serve ``steps`` (in order) from the ``current`` keys, adapting as a registry with ``adaptation`` would: every
+    ``harvest`` steps are served with the keys held, then counted; a due refit's change holds from the next harvest on.
+    What to tune ``every_steps``, ``min_steps`` and ``decay`` on (docs/adaptive.md)."""
     harvest, window = _positive("harvest", harvest), _positive("window", window)
     workload_counts(steps, "replay()")  # every step a BatchDescriptor, an error naming the first that is not
     cap = {"max_padding_tokens": max_padding_tokens, "max_padding_ratio": max_padding_ratio}

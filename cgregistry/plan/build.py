@@ -1,8 +1,5 @@
-"""CapturePlan: which (descriptor, strategy) pairs to capture, largest first.
-
-``CapturePlan.build`` turns engine settings into keys the way engines size their graphs today (a ladder of token
-counts), as one list of descriptors instead of parallel dicts of sizes.
-"""
+"""CapturePlan: which (descriptor, strategy) pairs to capture, largest first.  ``CapturePlan.build`` turns engine
+settings into keys as engines size their graphs today (a ladder of token counts), as one list of descriptors."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ import attrs
 
 from cgregistry.hooks.manager import Plugins
 from cgregistry.key.descriptor import BatchDescriptor
-from cgregistry.plan.fit import Workload, fit_families
+from cgregistry.plan.fit import Workload, fit_families, round_up
 from cgregistry.key.classes import KEY_CLASSES, declared_unsupported, key_classes
 from cgregistry.builtins import BUILTIN_RELAXES, DEFAULT_PREFERENCE, MODES
 from cgregistry.key.matcher import Matcher, PaddingCap
@@ -92,12 +89,7 @@ def lora_ladder(max_loras: int) -> tuple[int, ...]:
     """LoRA counts captured when LoRA is on: 0 (no adapter), powers of two below ``max_loras``, and ``max_loras``."""
     if type(max_loras) is not int or max_loras < 1:
         raise ValueError(f"max_loras must be a positive int, got {max_loras!r}")
-    counts = {0, max_loras}
-    p = 1
-    while p < max_loras:
-        counts.add(p)
-        p *= 2
-    return tuple(sorted(counts))
+    return tuple(sorted({0, max_loras, *(1 << i for i in range(max_loras.bit_length()) if 1 << i < max_loras)}))
 
 
 def request_ladder(top: int, query_len: int) -> list[int]:
@@ -108,20 +100,20 @@ def request_ladder(top: int, query_len: int) -> list[int]:
 def whole_requests(sizes: Iterable[int], query_len: int, top: int) -> list[int]:
     """Each token count rounded up to whole requests of ``query_len`` tokens, where the rounded width fits ``top``; [1]
     if none does.  vLLM sizes its uniform decode graphs so (``adjust_cudagraph_sizes_for_spec_decode``)."""
-    return [-(-s // query_len) for s in sizes if _round_up(s, query_len) <= max(top, query_len)] or [1]
+    return [-(-s // query_len) for s in sizes if round_up(s, query_len) <= max(top, query_len)] or [1]
 
 
 def rounded_sizes(sizes: Iterable[int], multiple: int, top: int) -> set[int]:
     """Token counts rounded up to multiples of ``multiple`` that stay within ``top``; ``multiple`` itself if none does
     (vLLM's model runner V1 rounds so when its decode graphs are full, ``multiple`` the decode query length)."""
-    out = {_round_up(s, multiple) for s in sizes if _round_up(s, multiple) <= top}
+    out = {round_up(s, multiple) for s in sizes if round_up(s, multiple) <= top}
     return out or ({multiple} if multiple <= top else set())
 
 
 def _fitting_requests(counts: Iterable[int], step: int, widest: int, query_len: int, top: int) -> set[int]:
     """Request counts made multiples of ``step`` (whole multiples of the size multiple in tokens) that fit both the
     widest uniform batch and the max capture size."""
-    return {r for r in {_round_up(c, step) for c in counts} if r <= widest and r * query_len <= max(top, query_len)}
+    return {r for r in {round_up(c, step) for c in counts} if r <= widest and r * query_len <= max(top, query_len)}
 
 
 def default_ladder(max_size: int) -> list[int]:
@@ -192,10 +184,6 @@ def _flag(instance: Any, attribute: Any, value: object) -> None:
         raise ValueError(f"{attribute.name} must be True or False, got {value!r}")
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def _optional_positive(minimum: int = 1) -> Callable[[Any, Any, Any], None]:
     def optional(instance: Any, attribute: Any, value: object) -> None:
         if value is not None:
@@ -215,28 +203,21 @@ def _spec_depths(value: SpecDepths) -> SpecDepths:
 
 @attrs.frozen(slots=True, kw_only=True)
 class PlanSettings:
-    """Engine settings, checked on construction (errors name the setting), and what follows from them.
+    """Engine settings, checked on construction (errors name the setting), and what follows from them (the fields
+    without ``init``); the one place the settings are declared: ``CapturePlan.build`` and ``fit`` take these fields by
+    keyword or in this order.
 
-    The one place the settings are declared: ``CapturePlan.build`` and ``CapturePlan.fit`` take these fields (by
-    keyword, or positionally in this order).  ``mode``: a ``MODES`` name or a pair ``(decode_strategy,
-    mixed_strategy)`` of registered strategies (either may be None); each strategy's own ``relaxes_num_reqs`` decides
-    whether its mixed keys carry a request count (non-built-ins are looked up in ``plugins``, default the installed).
-    ``separate_decode``: the step branches on uniformity, so uniform batches need graphs of their own even where one
-    strategy serves both classes; without it, such a mode (``full``) captures one graph per token count, each uniform
-    width ``q * r`` (``q = 1 + spec depth``) up to the max capture size a mixed key (``folded``).
-    ``size_multiple``: every key's token count is a multiple of it (the TP size under sequence parallelism).
-    ``unsupported``: ``{strategy: KEY_CLASSES it cannot serve}`` (``{"full": ["mixed"]}`` for an attention backend
-    without full graphs of mixed batches); such a class moves to the mode's other strategy when that one can serve it,
-    else runs eagerly, each move a ``Downgrade`` in ``downgrades``.  The strategies' own ``unsupported_classes`` are in
-    ``strategy_unsupported`` and count the same.  ``decode_strategy``, ``mixed_strategy`` and ``uniform_depths`` (spec
-    depths with uniform keys) are after the moves.  ``ubatch_threshold``: the token count from which the engine splits
-    a step into two micro-batches (vLLM's DBO): each key that large also gets a ``num_ubatches=2`` twin.
-
-    What follows from the settings: ``used_capture_sizes``, ``used_max_capture_size``, ``used_lora_counts``,
-    ``widest`` (spec depth -> widest uniform batch), ``decode_reqs`` (spec depth -> request counts of uniform keys: the
-    request ladder, the capture sizes rounded up to whole requests, the widest) and ``mixed_sizes`` (token counts of
-    mixed keys: the ladder, the uniform widths mixed keys serve, and the ladder rounded up to whole requests where
-    uniform batches have keys of their own).
+    ``mode``: a ``MODES`` name or a pair ``(decode_strategy, mixed_strategy)`` of registered strategies (either may be
+    None); a strategy's own ``relaxes_num_reqs`` decides whether its mixed keys carry a request count (non-built-ins
+    are looked up in ``plugins``, default the installed).  ``separate_decode``: the step branches on uniformity, so
+    uniform batches need graphs of their own; without it a mode whose one strategy serves both classes (``full``)
+    captures one graph per token count, uniform widths ``q * r`` (``q = 1 + spec depth``) up to the max capture size
+    being mixed keys (``folded``).  ``size_multiple``: every key's token count is a multiple of it (the TP size under
+    sequence parallelism).  ``unsupported``: ``{strategy: KEY_CLASSES it cannot serve}`` (``{"full": ["mixed"]}``);
+    such a class moves to the mode's other strategy if that can serve it, else runs eagerly, each move a ``Downgrade``.
+    The strategies' own ``unsupported_classes`` (``strategy_unsupported``) count the same; ``decode_strategy``,
+    ``mixed_strategy`` and ``uniform_depths`` are after the moves.  ``ubatch_threshold``: from this token count the
+    engine splits a step into two micro-batches (vLLM's DBO), and each key that large gets a ``num_ubatches=2`` twin.
     """
 
     max_num_seqs: int = attrs.field(validator=_positive)
@@ -320,7 +301,7 @@ class PlanSettings:
                              f"{self.max_num_tokens}: no batch can be that large")
         default_sizes = sizes is None
         if sizes is None:
-            sizes = tuple(sorted({_round_up(s, m) for s in default_ladder(top)}))
+            sizes = tuple(sorted({round_up(s, m) for s in default_ladder(top)}))
         else:
             too_big = [size for size in sizes if size > top]
             if too_big:
@@ -541,12 +522,10 @@ class CapturePlan:
 
         ``steps``: the actual shapes, one per step, or a histogram ``{shape: steps}``.  Takes ``build``'s settings and
         keeps its covering guarantees (the widest uniform batch of each depth and the max capture size stay keys).
-        Families: one per spec depth for uniform batches (request counts), one for mixed batches (token counts); steps
-        go to them as the matcher serves them (uniform batches up to the max capture size to the mixed family when
-        ``folded``; with ``separate_decode`` the fitted padding is an upper bound), downgraded classes with the keys of
-        the strategy they moved to, or left eager.  Sizes are shared by all LoRA counts (a graph per count each).
-        Under ``max_bytes`` a key costs ``memory.key_bytes``, and ``memory.fixed_bytes()`` (the pool and warm-up of the
-        largest keys, which every fitted plan keeps) comes out of the budget first.
+        Families: one per spec depth for uniform batches (request counts), one for mixed batches (token counts), served
+        as the matcher serves them (with ``separate_decode`` the fitted padding is an upper bound); sizes are shared by
+        all LoRA counts.  Under ``max_bytes`` a key costs ``memory.key_bytes``, after ``memory.fixed_bytes()`` (the pool
+        and warm-up of the largest keys, which every fitted plan keeps).
         """
         plan_settings = _settings(settings, fields)
         if plan_settings.ubatch_threshold is not None:

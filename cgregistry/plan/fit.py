@@ -1,10 +1,9 @@
 """Plans against workloads: how a plan serves a stream of steps, and the plan that serves it best.
 
-A workload is a stream of actual batch shapes or a histogram of them (``{descriptor: steps}``), counted the same
-(never expanded).  ``evaluate`` replays one through a plan's matcher: hit rate, eager fallbacks, padded tokens.
-``fit_families`` chooses the sizes that minimise padded tokens under a graph budget, exactly (a dynamic programme per
-key family, then an exact split of the budget); ``CapturePlan.fit`` turns them into a plan, keeping ``build``'s
-covering guarantees.
+A workload is a stream of actual batch shapes or a histogram ``{descriptor: steps}`` (never expanded).  ``evaluate``
+replays one through a plan's matcher (hit rate, eager fallbacks, padded tokens); ``fit_families`` chooses the sizes
+that minimise padded tokens under a graph budget, exactly (a dynamic programme per key family, then an exact split of
+the budget), which ``CapturePlan.fit`` turns into a plan.
 """
 
 from __future__ import annotations
@@ -95,10 +94,8 @@ class PlanReport:
 
 
 def workload_counts(steps: Workload, caller: str = "fit()") -> Counter[BatchDescriptor]:
-    """``steps`` as ``{shape: steps}``: a mapping's counts (ints >= 0, checked), or each item of a stream counted once.
-
-    A zero count is dropped.  Errors name ``caller`` and the bad item.
-    """
+    """``steps`` as ``{shape: steps}``: a mapping's counts (ints >= 0, checked; zeros dropped), or each item of a stream
+    counted once.  Errors name ``caller`` and the bad item."""
     counts: Counter[BatchDescriptor] = Counter()
     if isinstance(steps, Mapping):
         for step, n in steps.items():
@@ -163,12 +160,9 @@ def evaluate(
 
 
 def fit_sizes(weights: Mapping[int, int], top: int, unit: int = 1, max_sizes: int | None = None) -> dict[int, tuple[int, list[int]]]:
-    """Optimal size sets for one family, for every budget.
-
-    ``weights``: observed size (at most ``top``) -> steps; size s serving v pads ``(s - v) * unit`` tokens.  For
-    k = 1 .. max_sizes, the least total padding with k sizes including ``top``, and one set achieving it (dynamic
-    programming over the observed sizes, which with ``top`` are all an optimal set uses).
-    """
+    """Optimal size sets for one family: for k = 1 .. max_sizes, the least total padding with k sizes including ``top``
+    and one set achieving it.  ``weights``: observed size (at most ``top``) -> steps; size s serving v pads
+    ``(s - v) * unit`` tokens.  A dynamic programme over the observed sizes (with ``top``, all an optimal set uses)."""
     bad = [v for v in weights if v < 1 or v > top]
     if bad:
         raise ValueError(f"sizes {sorted(bad)[:5]} lie outside 1..{top}")
@@ -237,12 +231,11 @@ def fit_families(
 ) -> tuple[dict[int, list[int]], list[int]]:
     """The sizes ``CapturePlan.fit`` captures: request counts per spec depth, and mixed token counts.
 
-    Each key family gets an exact padding-versus-size-count curve (``fit_sizes``) over the steps it serves, and the
-    budget is split between families exactly (``_split_budget``).  With ``size_multiple`` a step's size is first
-    rounded up to a size a key may have.  A folded plan fits uniform batches up to the max capture size in the mixed
-    family; a spec depth outside ``uniform_depths`` has no family (mixed steps), a class without a strategy none
-    (eager).  With ``max_bytes`` (and ``pricing``, a memory estimate): beside ``pricing.fixed_bytes()``, a size costs
-    its widest key's ``pricing.key_bytes`` per LoRA count, and the bytes are split exactly on those prices.
+    Each key family gets an exact padding curve (``fit_sizes``) over the steps it serves (sizes rounded up to a
+    ``size_multiple``), and the budget is split between families exactly (``_split_budget``).  Folded plans fit uniform
+    batches up to the max capture size in the mixed family; a depth outside ``uniform_depths`` has no family, a class
+    without a strategy none (eager).  Under ``max_bytes`` (``pricing``: a memory estimate), beside
+    ``pricing.fixed_bytes()``, a size costs its widest key's ``pricing.key_bytes`` per LoRA count.
     """
     if max_graphs is not None and (type(max_graphs) is not int or max_graphs < 1):
         raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
@@ -273,9 +266,9 @@ def fit_families(
             step.uniform and depth in decode_hist and step.num_reqs <= settings.widest[depth]  # type: ignore[operator]
             and not (settings.folded and step.num_tokens <= top)
         ):
-            decode_hist[depth][_round_up(step.num_reqs, steps_of[depth])] += n  # type: ignore[arg-type]
+            decode_hist[depth][round_up(step.num_reqs, steps_of[depth])] += n  # type: ignore[arg-type]
         elif settings.mixed_strategy is not None and step.num_tokens <= top:
-            mixed_hist[_round_up(step.num_tokens, m)] += n
+            mixed_hist[round_up(step.num_tokens, m)] += n
     classes: list[tuple[str, int, str, BatchDescriptor]] = [
         ("decode", d, settings.decode_strategy, BatchDescriptor.decode(settings.widest[d], d)) for d in decode_hist  # type: ignore[misc]
     ]
@@ -302,18 +295,12 @@ def fit_families(
             f"takes ({pricing.fixed_bytes()} bytes)"  # type: ignore[union-attr]
         )
     chosen = _split_budget([f[2] for f in families], budget, prices, units)
-    decode: dict[int, list[int]] = {}
-    mixed: list[int] = []
-    for (key_class, depth, curve), k in zip(families, chosen):
-        sizes = curve[k][1]
-        if key_class == "decode":
-            decode[depth] = sizes
-        else:
-            mixed = sizes
-    return decode, mixed
+    sizes = [(key_class, depth, curve[k][1]) for (key_class, depth, curve), k in zip(families, chosen)]
+    return {depth: s for c, depth, s in sizes if c == "decode"}, next((s for c, _, s in sizes if c == "mixed"), [])
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple``."""
     return -(-value // multiple) * multiple
 
 

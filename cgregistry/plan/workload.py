@@ -1,11 +1,9 @@
 """Request traces and a continuous-batching scheduler model that turns them into batch shapes.
 
-``read_trace`` reads the Azure LLM inference format
-(``TIMESTAMP,ContextTokens,GeneratedTokens``); with no path it reads the bundled
-2023 conversation trace (CC BY 4.0, see ``cgregistry/plan/data/README.md``).
-``schedule`` replays requests step by step the way a vLLM-style scheduler
-would (decode first, then chunked prefill under a token budget, at most
-``max_num_seqs`` running) and yields each step's actual BatchDescriptor.
+``read_trace`` reads the Azure LLM inference format (``TIMESTAMP,ContextTokens,GeneratedTokens``), by default the
+bundled 2023 conversation trace (CC BY 4.0, ``cgregistry/plan/data/README.md``).  ``schedule`` replays requests as a
+vLLM-style scheduler would (decode first, then chunked prefill under a token budget, at most ``max_num_seqs``
+running), yielding each step's actual BatchDescriptor.
 """
 
 from __future__ import annotations
@@ -82,12 +80,9 @@ def _schedule(value: Mapping[int, int] | None) -> tuple[tuple[int, int], ...] | 
 
 @attrs.frozen(slots=True)
 class SchedulerConfig:
-    """Scheduler settings and the step-time model used to advance the clock.
-
-    ``spec_schedule`` (dynamic speculative decoding) maps a largest number of
-    decoding requests to the depth used up to it, e.g. ``{8: 3, 64: 1, 256: 0}``;
-    beyond its last bound, and without one, every step uses ``spec_depth``.
-    """
+    """Scheduler settings and the step-time model used to advance the clock.  ``spec_schedule`` (dynamic speculative
+    decoding) maps a largest number of decoding requests to the depth used up to it, e.g. ``{8: 3, 64: 1, 256: 0}``;
+    beyond its last bound, or without one, steps use ``spec_depth``."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -98,10 +93,7 @@ class SchedulerConfig:
 
     def depth_for(self, decoding: int) -> int:
         """The speculative depth for a step with ``decoding`` requests in decode."""
-        for bound, depth in self.spec_schedule or ():
-            if decoding <= bound:
-                return depth
-        return self.spec_depth
+        return next((depth for bound, depth in self.spec_schedule or () if decoding <= bound), self.spec_depth)
 
 
 class _Running:
@@ -151,10 +143,7 @@ def schedule(requests: Iterable[Request], config: SchedulerConfig = SchedulerCon
         if reqs == 0:
             now = pending[0].arrival_s if pending else now
             continue
-        if chunks:
-            yield BatchDescriptor(tokens, reqs, spec_depth=depth)
-        else:
-            yield BatchDescriptor.decode(reqs, depth)
+        yield BatchDescriptor(tokens, reqs, spec_depth=depth) if chunks else BatchDescriptor.decode(reqs, depth)
         steps += 1
         for r in decode:
             r.decode_left = max(r.decode_left - q, 0)
