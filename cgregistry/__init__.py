@@ -1,9 +1,8 @@
 """cgregistry: CUDA graphs for batched inference engines, keyed by BatchDescriptor.
 
-The names an engine writer types, grouped by task.  Everything else lives in its wing:
-records and explanations in :mod:`cgregistry.inspection`, plan details in :mod:`cgregistry.plan`,
-the key's parts in :mod:`cgregistry.key`, every error in :mod:`cgregistry.errors`, and what
-plugin authors need in :mod:`cgregistry.plugin`.
+The names an engine writer types, grouped by task.  The rest lives in its wing: records and explanations in
+:mod:`cgregistry.inspection`, plan details in :mod:`cgregistry.plan`, the key's parts in :mod:`cgregistry.key`, every
+error in :mod:`cgregistry.errors`, and what plugin authors need in :mod:`cgregistry.plugin`.
 """
 
 # ruff: noqa: I001  (grouped by task on purpose)

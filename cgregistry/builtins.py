@@ -1,8 +1,6 @@
-"""The strategies and backends that ship with cgregistry, in one table: the plugin modules registered by default, the
-matcher's default preference, the plan modes, and each strategy's ``relaxes_num_reqs`` all derive from it.
-
-A leaf module (it imports nothing of the package): plans read it without importing a strategy or the plugin manager.
-Adding a built-in strategy is one row here plus its module.
+"""The strategies and backends that ship with cgregistry, in one table: the default plugin modules, the matcher's
+default preference, the plan modes and each strategy's ``relaxes_num_reqs`` derive from it.  A leaf module, so plans
+read it without importing a strategy or the plugin manager; a new built-in strategy is one row here plus its module.
 """
 
 from __future__ import annotations

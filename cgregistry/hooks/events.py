@@ -1,10 +1,9 @@
 """Events: every hook a registry calls, one typed method each, and the only place that builds hook arguments.
 
 Observer hooks are called one implementation at a time (``notify``), a raising one reported as a warning; an event
-nobody observes costs a test of its implementations, and builds no argument.  Hooks are given the registry as a
-:class:`~cgregistry.contracts.protocols.RegistryView`: something to read, not to drive.  Events hold it weakly: nothing that
-reports through them keeps a registry the engine dropped alive (hooks of a registry already collected are not
-called).
+nobody observes builds no argument.  Hooks get the registry as a read-only
+:class:`~cgregistry.contracts.protocols.RegistryView`, held weakly: events never keep a dropped registry alive (hooks
+of a collected one are not called).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ class Events:
         """The ``cgregistry_choose_match`` policy, if a plugin implements it, and the implementing plugins' names."""
         if not self._plugins.observed("cgregistry_choose_match"):
             return None, ""
-        hook = self._plugins.pm.hook.cgregistry_choose_match
+        hook = self._pm.hook.cgregistry_choose_match
         registry = self._registry
 
         def choose(actual: BatchDescriptor, candidates: list[Match]) -> Any:
@@ -50,7 +49,7 @@ class Events:
 
         return choose, ", ".join(i.plugin_name for i in hook.get_hookimpls())
 
-    def _observed(self, hook_name: str) -> bool:
+    def _observed(self, hook_name: str) -> bool:  # here, not Plugins.observed: a capture enters no other module
         return bool(getattr(self._hook, hook_name).get_hookimpls())
 
     def _tell(self, hook_name: str, **kwargs: Any) -> None:

@@ -1,8 +1,7 @@
 """The plugin manager: entry points and built-ins registered the same way, one manager per registry.
 
-Third-party plugins are found through the ``cgregistry`` entry-point group
-(set ``CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD=1`` to skip them); built-ins
-(``DEFAULT_PLUGINS``) are registered after them as ordinary plugin modules.
+Third-party plugins come from the ``cgregistry`` entry-point group (``CGREGISTRY_DISABLE_PLUGIN_AUTOLOAD=1`` skips
+them); built-ins (``DEFAULT_PLUGINS``) are registered after them as ordinary plugin modules.
 """
 
 from __future__ import annotations
@@ -34,11 +33,8 @@ BLOCK_ENV = "CGREGISTRY_BLOCK_PLUGINS"  # comma-separated plugin (entry point or
 def make_plugin_manager(
     plugins: Iterable[object] = (), *, autoload: bool | None = None, block: Iterable[str] = ()
 ) -> pluggy.PluginManager:
-    """A fresh manager: entry points (unless disabled), then ``plugins``, then the built-ins.
-
-    ``block`` (and ``CGREGISTRY_BLOCK_PLUGINS``) names plugins never to register:
-    an entry point's name, or a built-in module such as ``cgregistry.backends.cuda``.
-    """
+    """A fresh manager: entry points (unless disabled), then ``plugins``, then the built-ins.  ``block`` (and
+    ``CGREGISTRY_BLOCK_PLUGINS``) names plugins never to register: entry points or built-in modules."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     blocked = {*block, *(n.strip() for n in os.environ.get(BLOCK_ENV, "").split(",") if n.strip())}
@@ -109,17 +105,12 @@ class Plugins:
         for name, plugin in self.pm.list_name_plugin():
             if plugin is None:  # blocked
                 continue
-            dist = dists.get(id(plugin))
+            dist, builtin = dists.get(id(plugin)), name in DEFAULT_PLUGINS
             hooks = tuple(sorted(caller.name for caller in self.pm.get_hookcallers(plugin) or ()))
-            out.append(
-                PluginInfo(
-                    name=name,
-                    distribution=dist.project_name if dist is not None else ("cgregistry" if name in DEFAULT_PLUGINS else None),
-                    version=dist.version if dist is not None else (_own_version() if name in DEFAULT_PLUGINS else None),
-                    hooks=hooks,
-                    builtin=name in DEFAULT_PLUGINS,
-                )
-            )
+            where = (dist.project_name, dist.version) if dist is not None else (None, None)
+            if dist is None and builtin:  # a built-in module is cgregistry's own
+                where = ("cgregistry", __version__)
+            out.append(PluginInfo(name, *where, hooks=hooks, builtin=builtin))
         return out
 
     def observed(self, hook_name: str) -> bool:
@@ -147,7 +138,3 @@ class Plugins:
         if not backend.is_available():
             raise RuntimeError(f"backend {name!r} is registered but not available on this machine")
         return backend
-
-
-def _own_version() -> str:
-    return __version__

@@ -1,14 +1,10 @@
 """Key classes: the classes of batch (mixed, spec decode, decode) a strategy may be unable to serve, and the check of a declaration of them.
 
-One place for plans (the engine's ``PlanSettings.unsupported``, a strategy's own
-``unsupported_classes``), the plugin manager (which checks a strategy's declaration
-when it is registered) and the registry (which refuses a plan entry its strategy
-declares it cannot serve).
+One place for plans (``PlanSettings.unsupported``, a strategy's own ``unsupported_classes``), the plugin manager
+(checks a strategy's declaration at registration) and the registry (refuses a plan entry its strategy cannot serve).
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 from cgregistry.key.descriptor import BatchDescriptor
 
@@ -26,17 +22,13 @@ _IMPLIES = {"spec_decode": "mixed", "decode": "spec_decode"}
 
 
 def key_classes(value: object, where: str) -> frozenset[str]:
-    """``value`` (key class names, or one name) as a frozenset, checked: known names, nested as KEY_CLASSES says.
-
-    ``where`` names the declaration in errors (``unsupported['full']``).
-    """
+    """``value`` (key class names, or one name) as a frozenset, checked: known names, nested as KEY_CLASSES says;
+    ``where`` names the declaration in errors (``unsupported['full']``)."""
     if isinstance(value, str):
         value = (value,)
-    if not isinstance(value, Iterable):
-        raise ValueError(f"{where} must be key class names, got {value!r}")
     try:
-        names = frozenset(value)
-    except TypeError:
+        names = frozenset(value)  # type: ignore[call-overload]
+    except TypeError:  # not iterable, or unhashable items
         raise ValueError(f"{where} must be key class names, got {value!r}") from None
     bad = sorted(map(repr, names - KEY_CLASSES.keys()))
     if bad:

@@ -1,8 +1,7 @@
 """BatchDescriptor: the hashable shape of one model step, and padding arithmetic.
 
-The engine describes the batch it has (the *actual* batch); the registry holds
-captured descriptors (*keys*).  A key *covers* an actual batch when the graph
-captured for the key can serve the batch after padding.
+The engine describes the batch it has (the *actual* batch); the registry holds captured descriptors (*keys*).  A key
+*covers* an actual batch when the graph captured for the key can serve the batch after padding.
 """
 
 from __future__ import annotations
@@ -40,13 +39,9 @@ _decoded: dict[tuple[int, int, int], BatchDescriptor] = {}  # decode()'s checked
 
 @attrs.frozen(slots=True, cache_hash=True, repr=False)
 class BatchDescriptor:
-    """The shape of one model step.
-
-    ``num_reqs=None`` means "any request count" (a relaxed key); ``uniform``
-    means every request has query length ``1 + spec_depth`` (a pure decode or
-    speculative-verify batch); ``num_ubatches`` is how many micro-batches the step
-    runs (2 under dual-batch overlap): a graph bakes the split in, so it is matched exactly.
-    """
+    """The shape of one model step.  ``num_reqs=None``: any request count (a relaxed key); ``uniform``: every request
+    has query length ``1 + spec_depth`` (pure decode or speculative verify); ``num_ubatches``: the step's micro-batches
+    (2 under dual-batch overlap), baked into a graph, so matched exactly."""
 
     num_tokens: int
     num_reqs: int | None = None
@@ -60,10 +55,8 @@ class BatchDescriptor:
         if self.num_reqs is not None:
             _check_count("num_reqs", self.num_reqs, 1)
             if self.num_reqs > self.num_tokens:
-                raise ValueError(
-                    f"BatchDescriptor.num_reqs={self.num_reqs} exceeds num_tokens={self.num_tokens}: "
-                    "every request contributes at least one token"
-                )
+                raise ValueError(f"BatchDescriptor.num_reqs={self.num_reqs} exceeds num_tokens={self.num_tokens}: "
+                                 "every request contributes at least one token")
         _check_count("num_active_loras", self.num_active_loras, 0)
         _check_count("spec_depth", self.spec_depth, 0)
         _check_count("num_ubatches", self.num_ubatches, 1)
@@ -74,24 +67,19 @@ class BatchDescriptor:
             raise TypeError(f"BatchDescriptor.uniform must be a bool, got {self.uniform!r}")
         if self.uniform:
             if self.num_reqs is None:
-                raise ValueError(
-                    "BatchDescriptor.uniform=True needs num_reqs: a uniform batch has exactly "
-                    "num_tokens / (1 + spec_depth) requests"
-                )
+                raise ValueError("BatchDescriptor.uniform=True needs num_reqs: a uniform batch has exactly "
+                                 "num_tokens / (1 + spec_depth) requests")
             query_len = 1 + self.spec_depth
             if self.num_tokens != self.num_reqs * query_len:
-                raise ValueError(
-                    f"uniform BatchDescriptor needs num_tokens == num_reqs * (1 + spec_depth) = "
-                    f"{self.num_reqs} * {query_len} = {self.num_reqs * query_len}, got num_tokens={self.num_tokens}"
-                )
+                raise ValueError(f"uniform BatchDescriptor needs num_tokens == num_reqs * (1 + spec_depth) = "
+                                 f"{self.num_reqs} * {query_len} = {self.num_reqs * query_len}, "
+                                 f"got num_tokens={self.num_tokens}")
 
     @classmethod
     def decode(cls, num_reqs: int, spec_depth: int = 0, num_active_loras: int = 0) -> BatchDescriptor:
-        """A uniform batch of ``num_reqs`` requests, each with ``1 + spec_depth`` tokens.
-
-        The same arguments give back the descriptor built for them before (its hash cached since its first use): an
-        engine builds one every decode step, and this skips attrs' ``__init__``, the checks and the first hash
-        (together more than ``run()``'s own overhead); ``run()`` then finds its route by identity."""
+        """A uniform batch of ``num_reqs`` requests, each with ``1 + spec_depth`` tokens.  The same arguments give back
+        the descriptor built before (hash cached): an engine builds one every decode step, and this skips attrs'
+        ``__init__``, the checks and the first hash (more than ``run()``'s overhead); ``run()`` routes by identity."""
         if not (type(num_reqs) is int and type(spec_depth) is int and type(num_active_loras) is int
                 and num_reqs >= 1 and spec_depth >= 0 and num_active_loras >= 0):  # one test on the hot path
             _check_count("num_reqs", num_reqs, 1)  # before the arithmetic, so the error names what was passed
@@ -111,17 +99,13 @@ class BatchDescriptor:
     @classmethod
     def from_query_lens(cls, query_lens: Sequence[int], num_active_loras: int = 0, *,
                         spec_depth: int | None = 0, num_ubatches: int = 1) -> BatchDescriptor:
-        """The batch of requests with these query lengths (new tokens per request this step), so that the engine need
-        not count tokens and requests by hand: uniform when every request has ``1 + spec_depth`` tokens, mixed
-        otherwise.
+        """The batch of requests with these query lengths (new tokens per request this step): uniform when every
+        request has ``1 + spec_depth`` tokens, mixed otherwise.
 
-        ``spec_depth``: the drafts per request this step verifies, as the engine knows it.  The default, 0, makes a
-        pure decode step uniform (every request one token) and any other batch mixed: equal lengths above one are
-        prefill chunks as often as verify steps (``[18]`` is one request's 18-token prompt chunk), and a prefill is
-        never taken for speculative decoding unless the caller says so.  A verify step of depth ``d`` passes
-        ``spec_depth=d``: its batch is uniform at that depth when every request has ``1 + d`` tokens.  ``None`` reads
-        any common length ``1 + d`` as depth ``d``: only for an engine whose every such step is a verify step.
-        ``num_ubatches``: the micro-batches the engine splits this step into."""
+        ``spec_depth``: the drafts per request this step verifies.  The default, 0, makes only pure decode uniform:
+        equal lengths above one are as often prefill chunks (``[18]``: one 18-token prompt chunk) as verify steps, so a
+        verify step of depth ``d`` passes ``spec_depth=d``.  ``None`` reads any common length ``1 + d`` as depth ``d``
+        (only for an engine whose every such step verifies).  ``num_ubatches``: the step's micro-batches."""
         lens = list(query_lens)
         if not lens:
             raise ValueError("from_query_lens() needs at least one request's query length, got none")
@@ -213,9 +197,7 @@ class BatchDescriptor:
         if not self.covers(actual):
             raise ValueError(f"{self} does not cover {actual}")
         reqs = 0 if self.num_reqs is None else self.num_reqs - actual.num_reqs  # type: ignore[operator]
-        return Padding(
-            self.num_tokens - actual.num_tokens, reqs, self.num_active_loras - actual.num_active_loras
-        )
+        return Padding(self.num_tokens - actual.num_tokens, reqs, self.num_active_loras - actual.num_active_loras)
 
     def relaxed(self) -> BatchDescriptor:
         """The same batch with any request count (and therefore not uniform)."""
@@ -224,15 +206,9 @@ class BatchDescriptor:
         return BatchDescriptor(self.num_tokens, None, self.num_active_loras, self.spec_depth, False, self.num_ubatches)
 
     def __repr__(self) -> str:
+        shown = {f"loras={self.num_active_loras}": self.num_active_loras, f"spec={self.spec_depth}": self.spec_depth,
+                 "uniform": self.uniform, f"ubatches={self.num_ubatches}": self.num_ubatches != 1}  # the non-defaults
         parts = [f"tokens={self.num_tokens}", f"reqs={'any' if self.num_reqs is None else self.num_reqs}"]
-        if self.num_active_loras:
-            parts.append(f"loras={self.num_active_loras}")
-        if self.spec_depth:
-            parts.append(f"spec={self.spec_depth}")
-        if self.uniform:
-            parts.append("uniform")
-        if self.num_ubatches != 1:
-            parts.append(f"ubatches={self.num_ubatches}")
-        return f"Batch({', '.join(parts)})"
+        return f"Batch({', '.join([*parts, *(part for part, show in shown.items() if show)])})"
 
     __str__ = __repr__

@@ -1,20 +1,16 @@
 """Device memory whose address is fixed before it is backed: capture first, size the KV cache after.
 
-Graphs bake in the addresses of what they read, so an engine allocates its KV cache before it captures and
-has to know beforehand what the graphs will take (``reg.estimate_memory``, which captures the plan once more).
-``ReservedMemory`` takes the other way round: it reserves the cache's whole address range up front with
-only a small head backed by memory (where capture's padded rows write: the scratch block), the engine
-captures, and then backs as much of the range as the device has left (``back_free``).  The addresses never
-move, so the graphs stay valid; on CUDA this is the driver's virtual memory management (``cuMemAddressReserve``,
-``cuMemCreate``, ``cuMemMap``), the calls vLLM's sleep mode makes, made in ``cgregistry.kvcache.vmm`` through NVIDIA's
-``cuda-bindings`` (an optional dependency: ``pip install 'cgregistry[kvcache]'``).  On the ``cpu`` backend the range is
-one host allocation and backing is bookkeeping, so the same engine code runs in tests, with or without
-``cuda-bindings``.
+Graphs bake in the addresses they read, so an engine allocates its KV cache before capture and must know what the
+graphs will take (``reg.estimate_memory`` captures the plan once more).  ``ReservedMemory`` turns that round: reserve
+the cache's whole address range with only a small head backed (the scratch block capture's padded rows write), capture,
+then back as much as the device has left (``back_free``); the addresses never move, so the graphs stay valid.  On CUDA
+this is the driver's virtual memory management (``cuMemAddressReserve``, ``cuMemCreate``, ``cuMemMap``, as in vLLM's
+sleep mode; ``cgregistry.kvcache.vmm``, through the optional ``cuda-bindings``: ``pip install 'cgregistry[kvcache]'``).
+On the ``cpu`` backend the range is one host allocation and backing is bookkeeping, so engine code runs in tests.
 
-What is not backed must not be touched: a kernel that reads or writes past ``backed_bytes`` faults on CUDA
-(the CUDA context is lost).  Memory newly backed holds whatever it held; zero what is read before it is written.
-On CPU what is not backed holds a fill byte, ``UNSET_BYTE`` (NaN in every float dtype), so that a test catches a
-read of a cell nobody wrote, and ``check_unbacked()`` a write where CUDA would fault.
+A kernel touching memory past ``backed_bytes`` faults on CUDA (the context is lost); newly backed memory holds
+garbage, so zero what is read before it is written.  On CPU unbacked memory holds ``UNSET_BYTE`` (NaN in every float
+dtype), so a test catches a read of a cell nobody wrote, and ``check_unbacked()`` a write where CUDA would fault.
 """
 
 from __future__ import annotations
@@ -121,9 +117,8 @@ class ReservedMemory:
         return self._chunks[-1][0] + self._chunks[-1][1] if self._chunks else 0
 
     def check_unbacked(self) -> None:
-        """On the cpu backend: raise ``RuntimeError`` naming the first byte past ``backed_bytes`` something wrote (a
-        kernel doing that faults on CUDA, and the context is lost).  Ranges over ``CPU_MARKED_MAX`` and CUDA ranges
-        are not checked."""
+        """On the cpu backend, ranges up to ``CPU_MARKED_MAX``: raise ``RuntimeError`` naming the first byte past
+        ``backed_bytes`` something wrote (a kernel doing that faults on CUDA)."""
         if self.device.type != "cpu" or not self._marked:
             return
         tail = self._tensor[self.backed_bytes:]
@@ -160,11 +155,9 @@ class ReservedMemory:
     # ------------------------------------------------------------------ backing
 
     def back(self, nbytes: int) -> int:
-        """Back the first ``nbytes`` (rounded up to the granularity, at most the whole range; at least one granule
-        stays backed) and return ``backed_bytes``.  Less than now gives back the chunks wholly past ``nbytes`` (what
-        they held is lost); a chunk holds at most ``CHUNK_BYTES``, one ``back()`` that grew the range may make several.
-        Giving back synchronizes the device first (nothing in flight may read it).  A failure (out of memory) leaves
-        the backing as it was."""
+        """Back the first ``nbytes`` (rounded up to the granularity; at least one granule) and return ``backed_bytes``.
+        Less than now synchronizes the device, then gives back the chunks (at most ``CHUNK_BYTES`` each) wholly past
+        ``nbytes``, their contents lost.  A failure (out of memory) leaves the backing as it was."""
         nbytes = _int_arg("nbytes", nbytes, 0)
         if nbytes > self._max:
             raise ValueError(f"nbytes={nbytes} is past the reserved range (max_bytes={self._max})")
@@ -173,11 +166,10 @@ class ReservedMemory:
             return self.backed_bytes
 
     def back_free(self, leave_bytes: int = 0) -> int:
-        """Back as much more of the range as the device has free, less ``leave_bytes`` (for what else the engine
-        will allocate: an eager step's activations past the captured sizes), and return ``backed_bytes``; where the
-        driver refuses part of it, as much as it gives.  On CUDA what is free is ``torch.cuda.mem_get_info`` (the
-        caching allocator's cached blocks are not free: call ``torch.cuda.empty_cache()`` first to hand them over);
-        on CPU the host's available memory."""
+        """Back as much more of the range as the device has free (as much as the driver gives), less ``leave_bytes``
+        (what else the engine allocates: eager activations past the captured sizes); return ``backed_bytes``.  Free is
+        ``torch.cuda.mem_get_info`` (call ``torch.cuda.empty_cache()`` first to hand over cached blocks), on CPU the
+        host's available memory."""
         leave_bytes = _int_arg("leave_bytes", leave_bytes, 0)
         with self._lock:
             if self.device.type == "cuda":

@@ -1,13 +1,10 @@
 """The CUDA driver's virtual memory management, as ``ReservedMemory`` uses it, through NVIDIA's ``cuda-bindings``.
 
-Reserve an address range (``cuMemAddressReserve``), create physical memory in chunks (``cuMemCreate``), map each
-into the range (``cuMemMap``) and make it readable and writable from the device (``cuMemSetAccess``); unmap, release
-and free the range to give it all back.  Every call here acts on the context current on the calling thread: the
-caller makes the device's primary context current first (``with torch.cuda.device(...)``, after torch has made it).
-
-``cuda-bindings`` is an optional dependency (``pip install 'cgregistry[kvcache]'``; torch's CUDA 13 wheels for Linux
-require it already): it is imported at the first CUDA reservation, never for one on the cpu backend.  Its major
-version is that of the driver's CUDA: 12.x for a CUDA 12 driver, 13.x for CUDA 13.
+Reserve an address range (``cuMemAddressReserve``), create memory in chunks (``cuMemCreate``), map each into the
+range (``cuMemMap``), make it device-readable and -writable (``cuMemSetAccess``); unmap, release and free to give it
+back.  Every call acts on the calling thread's current context: the caller makes the device's primary context current
+(``with torch.cuda.device(...)``).  ``cuda-bindings`` (``pip install 'cgregistry[kvcache]'``; torch's CUDA 13 Linux
+wheels require it) is imported at the first CUDA reservation; its major version is the driver's CUDA major version.
 """
 
 from __future__ import annotations

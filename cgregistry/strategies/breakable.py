@@ -1,15 +1,10 @@
 """The ``breakable`` strategy: graph segments separated by eager breaks, without tracing.
 
-Capture runs the step once.  When execution reaches a function marked with
-``@eager_break`` (or ``graph_break()``), the current segment's capture ends,
-the break runs eagerly (its capture stub, if it has one), and a new segment
-starts in the same pool.  Replay walks the segments in order and calls each
-break again between them with its captured arguments.  Tensors a break returns
-are kept from capture; each replay copies the fresh result into them.
-
-Every segment of every entry shares the registry's pool, and intermediate
-tensors keep their addresses across segments (the step holds them while it
-runs), so memory stays proportional to the largest entry.
+Capture runs the step once: at a function marked ``@eager_break`` (or ``graph_break()``) the segment's capture ends,
+the break runs eagerly (its capture stub, if any) and a new segment starts in the same pool.  Replay runs the segments
+in order, each break between them with its captured arguments, copying its fresh result into the tensors it returned
+at capture.  All segments share the registry's pool and intermediates keep their addresses across segments, so
+memory stays proportional to the largest entry.
 """
 
 from __future__ import annotations
@@ -69,10 +64,6 @@ class _BreakCall:
             old.copy_(new)
 
 
-def _tensors_of(tree: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
-
-
 class CaptureSite:
     """The capture in progress: ends and starts segments when execution reaches a break."""
 
@@ -118,16 +109,12 @@ class CaptureSite:
         self._end_segment("at the end of capture")
 
     def release_intermediates(self) -> None:
-        """Hold the breaks' arguments that live in the pool without owning them.
-
-        The graphs own that memory; owning it here too would keep every entry's
-        intermediates apart, so memory would grow with the sum of the entries
-        instead of the largest one.  Anything outside the pool stays owned.
-        """
+        """Hold the breaks' arguments that live in the pool without owning them: the graphs own that memory, and owning
+        it here too would make memory grow with the sum of the entries, not the largest.  The rest stays owned."""
         calls = [c for c in self.calls if c is not None]
         if not calls:
             return
-        tensors = [t for c in calls for t in _tensors_of((c.args, c.kwargs))]
+        tensors = [t for c in calls for t in tree_flatten((c.args, c.kwargs))[0] if isinstance(t, torch.Tensor)]
         held = {id(t): h for t, h in zip(tensors, self.backend.hold_intermediates(tensors, self.pool))}
         for call in calls:
             call.args, call.kwargs = tree_map_only(torch.Tensor, lambda t: held[id(t)], (call.args, call.kwargs))
@@ -172,12 +159,9 @@ class BreakableGraph:
 
 
 class BreakableStrategy:
-    """Graph segments between eager breaks; keys relax ``num_reqs`` (metadata is built eagerly).
-
-    ``barrier`` (optional; or ``cgregistry.capture_barrier(fn)`` around ``capture``)
-    runs before each eager break during capture, to keep distributed ranks in step
-    between segment finalisation and rank-coupled work.
-    """
+    """Graph segments between eager breaks; keys relax ``num_reqs`` (metadata is built eagerly).  ``barrier`` (or
+    ``cgregistry.capture_barrier(fn)`` around ``capture``) runs before each eager break during capture, keeping
+    distributed ranks in step between segment finalisation and rank-coupled work."""
 
     name = "breakable"
     relaxes_num_reqs = BUILTIN_RELAXES["breakable"]

@@ -30,10 +30,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 @contextlib.contextmanager
 def capture_barrier(fn: Callable[[], None]) -> Iterator[None]:
-    """Run ``fn`` (e.g. ``torch.distributed.barrier``) before each eager break while capturing inside this block.
-
-    It keeps ranks in step between the end of a segment and rank-coupled eager work.
-    """
+    """Run ``fn`` (e.g. ``torch.distributed.barrier``) before each eager break while capturing inside this block: it
+    keeps ranks in step between the end of a segment and rank-coupled eager work."""
     token = runtime.barrier.set(fn)
     try:
         yield
@@ -45,10 +43,7 @@ def fake_mode_of(args: tuple, kwargs: dict) -> Any:
     """The FakeTensorMode of the first fake tensor argument (dynamo is tracing the call), else None."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, FakeTensor):
-            return value.fake_mode
-    return None
+    return next((value.fake_mode for value in (*args, *kwargs.values()) if isinstance(value, FakeTensor)), None)
 
 
 def run_for_trace(fn: Callable[..., Any] | None, fake_mode: Any, args: tuple, kwargs: dict) -> Any:

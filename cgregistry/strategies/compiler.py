@@ -1,10 +1,9 @@
 """The piecewise compiler: a torch.compile backend that splits the traced model at splitting ops.
 
-Dynamo traces the model once with a dynamic token dimension; this backend cuts the FX graph at every splitting op
-into *pieces* (captured per descriptor by the ``piecewise`` strategy) and *splits* (run eagerly between them, through
-the same break mechanism as ``@eager_break``).  Splitting ops may be custom ops (or ``"namespace::name"``), Python
-functions (kept opaque to dynamo), or module types (their traced ops run eagerly, but host-side decisions inside are
-frozen by the trace).  By default every ``@eager_break`` function is one.
+Dynamo traces the model once with a dynamic token dimension; this backend cuts the FX graph at every splitting op into
+*pieces* (captured per descriptor by the ``piecewise`` strategy) and *splits* (run eagerly between them, as
+``@eager_break``s).  Splitting ops: custom ops (or ``"namespace::name"``), Python functions (opaque to dynamo), module
+types (traced ops run eagerly, host-side decisions inside frozen by the trace); by default every ``@eager_break``.
 """
 
 from __future__ import annotations
@@ -685,13 +684,8 @@ def _batch_axes(key: BatchDescriptor, rows: frozenset[int], args: tuple, kwargs:
         sizes |= {key.num_reqs, key.num_reqs + 1}
     sizes.discard(1)
     named: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
-    return [
-        (where, dim)
-        for where, value in named
-        if isinstance(value, torch.Tensor)
-        for dim, size in enumerate(value.shape)
-        if size in sizes
-    ]
+    return [(where, dim) for where, value in named if isinstance(value, torch.Tensor)
+            for dim, size in enumerate(value.shape) if size in sizes]
 
 
 def _mark_dynamic(axes: list[tuple[int | str, int]], args: tuple, kwargs: dict) -> None:
@@ -715,12 +709,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _where(exc: BaseException) -> str:
-    """The innermost user-code location dynamo reports, as ' at FILE:LINE'."""
-    text = str(exc)
-    lines = [line.strip() for line in text.splitlines() if line.strip().startswith('File "')]
-    if not lines:
-        return ""
-    return " (" + lines[-1] + ")"
+    """The innermost user-code location dynamo reports, as ' (File "...", line N)' (empty where it names none)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip().startswith('File "')]
+    return f" ({lines[-1]})" if lines else ""
 
 
 def compile_piecewise(

@@ -1,8 +1,5 @@
-"""The ``full`` strategy: the whole step is one graph.
-
-Fastest replay, but attention metadata is frozen into the graph, so keys carry
-an exact request count.
-"""
+"""The ``full`` strategy: the whole step is one graph.  Fastest replay, but attention metadata is frozen into the
+graph, so keys carry an exact request count."""
 
 from __future__ import annotations
 

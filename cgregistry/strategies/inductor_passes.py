@@ -1,14 +1,11 @@
 """An Inductor graph pass for the pieces: residual adds left to the next kernel instead of folded into a matmul.
 
-Inductor folds ``x + a @ b`` into ``addmm(x, a, b)`` unless every use of the sum is pointwise.  A piece
-ends at a split, so its residual stream is also a piece output, and the fold is taken: cuBLAS's
-``addmm`` then first copies ``x`` into its output (one device-to-device copy per residual, two a
-decoder layer).  Where the sum also feeds a pointwise op (the next norm), the add costs nothing
-there: this pass undoes the fold for those, as one compile of the whole model would have it.  The
-product is then rounded before the add, as the model's ``x + a @ b`` is run eagerly.  On CUDA the
-graph does not tell Inductor's fold from an ``addmm`` the model wrote (both carry ``aten.addmm`` as
-their origin), so a written one with a residual-shaped input is unfolded too: in half precision it
-then rounds like mm-then-add, where Inductor would keep it fused.
+Inductor folds ``x + a @ b`` into ``addmm(x, a, b)`` unless every use of the sum is pointwise.  A piece's residual
+stream is also a piece output, so the fold is taken, and cuBLAS's ``addmm`` first copies ``x`` into its output (two
+device copies a decoder layer).  Where the sum also feeds a pointwise op (the next norm) the add is free there: this
+pass undoes the fold, as a whole-model compile would, the product rounded before the add as eagerly.  On CUDA the graph
+cannot tell the fold from an ``addmm`` the model wrote (both originate in ``aten.addmm``), so a written one with a
+residual-shaped input is unfolded too: in half precision it rounds like mm-then-add, not fused.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The ``piecewise`` strategy: the pieces of a piecewise-compiled model, graphed per descriptor.
 
-The model is traced once by ``torch.compile`` with the piecewise compiler
-(:mod:`cgregistry.strategies.compiler`), which cuts it at splitting ops.  Capturing an
-entry runs the step once: each piece is captured as a graph segment in the
-registry's pool, and each splitting op runs eagerly between them, exactly as an
-eager break of the ``breakable`` strategy does (same replay, same pool rules).
-What differs is how the split points are found: from the traced graph, by op,
-function or module type, and the pieces may be Inductor kernels.
+``torch.compile`` with the piecewise compiler (:mod:`cgregistry.strategies.compiler`) traces the model once and cuts
+it at splitting ops.  Capture runs the step once: each piece a graph segment in the registry's pool, each splitting op
+run eagerly between them, as ``breakable``'s eager breaks (same replay, same pool rules).  Only the split points differ:
+found in the traced graph by op, function or module type, and the pieces may be Inductor kernels.
 """
 
 from __future__ import annotations

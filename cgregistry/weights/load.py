@@ -1,7 +1,5 @@
-"""Loading weights in place: a state dict, or ``(name, tensor)`` pairs as a trainer streams them, copied into the
-parameters and buffers a module holds now.  Graphs read the addresses they were captured with; a copy keeps them, so
-every graph computes with the new values and none is captured again (a load by assignment moves them: ``refresh()``).
-"""
+"""Loading weights in place: a state dict or streamed ``(name, tensor)`` pairs copied into a module's parameters and
+buffers.  A copy keeps the addresses graphs read, so none is captured again (a load by assignment moves them)."""
 
 from __future__ import annotations
 
@@ -14,11 +12,10 @@ __all__ = ["load_in_place"]
 
 
 def load_in_place(module: nn.Module, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
-    """Copy ``weights`` into ``module``'s parameters and buffers by name; the names loaded.  Every pair is checked
-    before anything is written: ``ValueError`` names each name it does not hold or gets twice, each shape, dtype or
-    device that differs (a cpu source is copied over), each target it may not write (memory mapped from a file, an
-    inference tensor outside ``inference_mode``), and two values for one tied tensor.  The copies go on the current
-    stream, after the replays queued on it."""
+    """Copy ``weights`` into ``module``'s parameters and buffers by name, on the current stream; the names loaded.
+    Checked before anything is written: ``ValueError`` names each unknown or repeated name, differing shape, dtype or
+    device (a cpu source is fine), target it may not write (file-mapped memory, an inference tensor outside
+    ``inference_mode``), and two values for one tied tensor."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"load_in_place() loads into an nn.Module, got {module!r}")
     pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)

@@ -1,18 +1,17 @@
-"""What the graphs read, and where it was: the modules and tensors a step is given, with where they were when each
-graph was captured and a generation that moves the moment a watched module registers a new one.
+"""What the graphs read, and where it was: the modules and tensors a step is given, where they were when each graph
+was captured, and a generation that moves the moment a watched module registers a new one.
 
-A graph reads the addresses it saw at capture.  An update in place (``param.copy_``, ``reg.load_weights``) keeps them;
-a replacement moves them (``load_state_dict(assign=True)``, a new ``nn.Parameter``, a replaced submodule or buffer).
-So each entry keeps what it read (``seen()``, shared by the captures that read the same addresses) and the
-``generation`` it was captured in, which moves when a watched module registers a parameter, buffer or submodule
-(torch's registration hooks, which only observe) and when ``rebase()`` finds a change; a replay of an entry of an
-older generation compares its addresses first.  A change that registers nothing (``param.data = t``, an attribute
-rebound to another module) is found by a comparison: at ``refresh()``, and before every replay in debug mode.
+A graph reads the addresses it saw at capture: an update in place (``param.copy_``, ``reg.load_weights``) keeps them, a
+replacement (``load_state_dict(assign=True)``, a new parameter, submodule or buffer) moves them.  So each entry keeps
+what it read (``seen()``, shared by captures reading the same addresses) and its ``generation``, which moves when a
+watched module registers something (torch's registration hooks, which only observe) or ``rebase()`` finds a change;
+replaying an entry of an older generation compares addresses first.  A change registering nothing (``param.data = t``,
+a rebound attribute) is found by comparison: at ``refresh()``, and before every replay in debug mode.
 
-What a step is given is found by its structure, never by its code: the step, a bound method's object, closure cells,
-defaults, a ``functools.partial``'s arguments, and from there the attributes of plain objects and the items of lists,
-tuples and dicts, a few levels deep.  What it reads otherwise (a module-level name, a context variable) the registry
-cannot see: ``unseen`` names it, for the registry to say once; ``watch()`` names it instead.
+What a step is given is found by structure, never code: the step, a bound method's object, closure cells, defaults, a
+``functools.partial``'s arguments, then plain objects' attributes and container items, a few levels deep.  What it
+reads otherwise (a module-level name, a context variable) ``unseen`` names, for the registry to say once; ``watch()``
+names it instead.
 """
 
 from __future__ import annotations
@@ -263,10 +262,9 @@ class WeightWatch:
 
     def watch(self, named: Iterable[tuple[str, torch.Tensor]] | nn.Module | Callable[[], Any], prefix: str = "",
               added: bool = False) -> None:
-        """Watch ``(name, tensor)`` pairs, or every parameter and buffer of a module (by name, so replacing one is seen;
-        a callable returning the module is read anew at each comparison).  Each is compared with its address now; a
-        module already watched is left as it is, and another module under a taken prefix gets ``prefix#2.``, ...
-        ``added``: the step reads it now but did not when the graphs held were captured: those graphs are stale."""
+        """Watch ``(name, tensor)`` pairs, or a module's parameters and buffers by name (a callable returning it is read
+        anew each time), against their addresses now; a watched module is kept, another under a taken prefix gets
+        ``prefix#2.``, ...  ``added``: the step did not read it when the graphs held were captured (they are stale)."""
         if isinstance(named, nn.Module) or callable(named) and not isinstance(named, Iterable):
             read: Callable[[], Any] = (lambda m=named: m) if isinstance(named, nn.Module) else named
             module = read()
