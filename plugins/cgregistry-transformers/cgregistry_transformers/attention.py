@@ -5,6 +5,7 @@ graphs serves every KV length (transformers' own graphs need one per padded KV l
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,6 +14,8 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import cgregistry as cg
+
+from .switch import in_served_step, own_implementation
 
 NAME = "cgregistry_breakable"  # the attention implementation the graphs' step runs the model with
 # What the model itself consumes of a batch's kwargs; the rest reaches every attention call as keyword arguments.
@@ -128,7 +131,13 @@ def graph_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
                     **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The attention implementation ``NAME``: an output buffer made inside the graph segment (zeroed at each replay),
-    filled by the eager break; (1, tokens, heads, head_dim), as transformers' attention functions return."""
+    filled by the eager break; (1, tokens, heads, head_dim), as transformers' attention functions return.  Outside a
+    served step (a forward of the model on another thread while a manager serves it) the model's own implementation."""
+    if not in_served_step():
+        own = own_implementation(module.config)
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)  # the model's own
+        function = ALL_ATTENTION_FUNCTIONS.get(own, eager) if own != "eager" else eager
+        return function(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[3]))
     attend_live_batch(module, query, key, value, out, scaling)
     return out, None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,12 +44,21 @@ def attach(manager: Any, graphs: GraphSettings | None = None) -> Any:
     """Serve ``manager``'s forwards through a ``GraphRegistry`` from its next session on; returns the manager.
 
     Call it before ``manager.start()``.  The manager's batch processor (and its KV cache) is made now, so that
-    ``registry_of(manager)`` can estimate memory before serving."""
+    ``registry_of(manager)`` can estimate memory before serving.  Its own model runner, with its CUDA graphs or compiled
+    forwards if its config asked for them, is replaced.  A manager served already keeps the settings it has."""
     if graphs is not None and not isinstance(graphs, GraphSettings):
         raise TypeError(f"graphs must be a cgregistry_transformers.GraphSettings, got {graphs!r}")
+    if not all(hasattr(manager, name) for name in ("is_running", "batch_processor", "continuous_batching_config")):
+        raise TypeError(f"attach() takes a ContinuousBatchingManager (model.init_continuous_batching(...)), got "
+                        f"{type(manager).__name__}")
     if manager.is_running():
         raise RuntimeError("attach() on a running manager: call it before manager.start() (or after manager.stop())")
-    if registry_of(manager) is not None:
+    served = registry_of(manager)
+    if served is not None:
+        kept = manager.batch_processor.model_runner.settings
+        if graphs is not None and graphs != kept:
+            warnings.warn(f"attach(): the manager is served already, with {kept}; {graphs} is not applied (a new "
+                          "manager takes new settings)", RuntimeWarning, stacklevel=2)
         return manager
     if manager.continuous_batching_config.use_async_batching:
         raise ValueError("attach() on a manager with use_async_batching=True: cgregistry-transformers serves "
@@ -101,6 +111,8 @@ def generate_batch(model: Any, inputs: Sequence[Sequence[int]], generation_confi
         manager = init_continuous_batching(model, generation_config, continuous_batching_config, graphs=graphs,
                                            workload_hints=hints)
         model._cached_continuous_batching_manager = manager  # generate_batch serves through the cached manager
+    elif graphs is not None:
+        attach(cached, graphs)  # served already: its own settings stay (a warning if these differ)
     try:
         return model.generate_batch(inputs, generation_config=generation_config, persistent_manager=persistent_manager,
                                     **kwargs)

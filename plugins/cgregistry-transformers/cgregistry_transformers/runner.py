@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+import warnings
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ import cgregistry as cg
 
 from .attention import NAME, LiveBatch, TransformersAttention
 from .settings import GraphSettings
+from .switch import own_implementation, served_step
 
 
 class Logits:
@@ -29,17 +30,6 @@ class Logits:
 
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits = logits
-
-
-@contextlib.contextmanager
-def attention_implementation(config: Any, name: str) -> Iterator[None]:
-    """The model attends through ``name`` inside the block (the graphs' step), through its own one after it."""
-    before = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
 
 
 class GraphRunner:
@@ -56,7 +46,7 @@ class GraphRunner:
         self.io = io
         self.pad_inputs = False  # batches stay unpadded: the registry pads them to the closest captured key
         text = model.config.get_text_config()  # the decoder's config (the model's own, unless it has a vision tower)
-        self.attention = TransformersAttention(text._attn_implementation, runner.cache, text, io.device, model.dtype)
+        self.attention = TransformersAttention(own_implementation(text), runner.cache, text, io.device, model.dtype)
         self.max_requests = runner.cb_config.max_requests_per_batch
         self.max_tokens = runner.cache.max_batch_tokens
         self.plan = settings.plan_for(self.max_requests, self.max_tokens)
@@ -75,7 +65,7 @@ class GraphRunner:
 
         def step(batch: cg.BatchDescriptor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  logits_indices: torch.Tensor) -> torch.Tensor:
-            with attention_implementation(config, NAME):
+            with served_step(config, NAME):
                 out = model(input_ids=input_ids[None], position_ids=position_ids[None], logits_to_keep=logits_indices,
                             use_cache=False)
             return out.logits[0]  # (requests, vocab): the logits of each request's last token
@@ -108,7 +98,11 @@ class GraphRunner:
         if not self._captured:
             self._captured = True
             when = self.settings.capture
-            self.registry.capture(self.plan, background=when == "background", lazy=when == "first use")
+            try:
+                self.registry.capture(self.plan, background=when == "background", lazy=when == "first use")
+            except cg.CaptureError as exc:  # the keys captured serve; a failed key costs its batches speed, not requests
+                warnings.warn(f"cgregistry-transformers: {exc}; the manager serves on, the batches no captured key "
+                              "serves run eagerly (registry_of(manager).failures())", RuntimeWarning, stacklevel=2)
         io = self.io
         carry_over_ids, prev_output_ids, output_ids = io.get_cb_kwargs()
         batch_data["logits_to_keep"] = batch_data["logits_indices"]  # the step keeps only these rows' logits
@@ -122,9 +116,14 @@ class GraphRunner:
         io = self.io
         tokens, requests = io.num_q_tokens, io.num_request_in_batch
         actual = cg.BatchDescriptor.decode(requests) if tokens == requests else cg.BatchDescriptor(tokens, requests)
-        logits = self.registry.run(actual, context=LiveBatch(batch_data, tokens, self.attention),
-                                   input_ids=batch_data["input_ids"][0], position_ids=batch_data["position_ids"][0],
-                                   logits_indices=batch_data["logits_indices"])
+        live = LiveBatch(batch_data, tokens, self.attention)
+        inputs = dict(input_ids=batch_data["input_ids"][0], position_ids=batch_data["position_ids"][0],
+                      logits_indices=batch_data["logits_indices"])
+        try:
+            logits = self.registry.run(actual, context=live, **inputs)
+        except cg.WeightsMovedError:  # weights replaced while the manager was paused or stopped: capture them again
+            self.registry.refresh()
+            logits = self.registry.run(actual, context=live, **inputs)
         return Logits(logits[None])
 
     def __getattr__(self, name: str) -> Any:

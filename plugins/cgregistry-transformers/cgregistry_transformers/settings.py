@@ -8,7 +8,7 @@ import cgregistry as cg
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
         raise ValueError(f"GraphSettings.{attribute.name} must be None or a number of seconds >= 0, got {value!r}")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import transformers
@@ -10,7 +12,9 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import cgregistry as cg
 import cgregistry_transformers as cgt
+from cgregistry_transformers.attention import NAME, LiveBatch
 from cgregistry_transformers.manager import serving_config
+from cgregistry_transformers.switch import served_step
 from cgregistry_transformers.versions import check_version
 
 
@@ -235,7 +239,77 @@ def test_attach_refuses_other_settings_and_a_running_manager(model):
         manager.stop(block=True)
 
 
-@pytest.mark.parametrize("bad", [dict(max_capture_size=0), dict(capture_budget=-1.0), dict(capture="lazy"), dict(capture=True),
+def test_attach_names_what_it_takes_and_keeps_a_served_managers_settings(model):
+    with pytest.raises(TypeError, match="takes a ContinuousBatchingManager.*LlamaForCausalLM"):
+        cgt.attach(model)
+    manager = cgt.init_continuous_batching(model, greedy(2), cb_config())
+    kept = manager.batch_processor.model_runner.settings
+    with pytest.warns(RuntimeWarning, match="served already"):
+        assert cgt.attach(manager, cgt.GraphSettings(capture="at start")) is manager
+    assert manager.batch_processor.model_runner.settings is kept
+
+
+def test_a_key_that_fails_at_start_costs_its_batches_speed_not_the_requests(model):
+    plain = model.forward
+
+    def forward(*args, **kwargs):  # the 4-token keys fail to capture; served batches (a live batch) run as ever
+        live = cg.current_batch()
+        if kwargs["input_ids"].shape[1] == 4 and not isinstance(getattr(live, "payload", None), LiveBatch):
+            raise RuntimeError("injected: this key cannot be captured")
+        return plain(*args, **kwargs)
+
+    prompts = prompts_of([6, 2, 9, 4])
+    expected = generate_oracle(model, prompts, 6)
+    model.forward = forward
+    with pytest.warns(RuntimeWarning, match="serves on"):
+        results = cgt.generate_batch(model, prompts, greedy(6), cb_config(max_batch_tokens=32),
+                                     graphs=cgt.GraphSettings(capture="at start"), persistent_manager=True)
+    assert tokens(results) == expected and all(r.error is None for r in results.values())
+    reg = cgt.registry_of(model)
+    assert reg.failures() and {k.num_tokens for k, _ in reg.failures()} == {4} and reg.stats().hits > 0
+
+
+def test_weights_replaced_between_sessions_are_served_after_a_refresh(model):
+    prompts = prompts_of([6, 3, 9])
+    first = cgt.generate_batch(model, prompts, greedy(5), cb_config(), persistent_manager=True)
+    assert tokens(first) == generate_oracle(model, prompts, 5)
+    new = tiny_llama(seed=1)
+    with torch.no_grad():  # new tensors, as load_state_dict(assign=True) or a reload would make
+        model.load_state_dict({k: v.clone() for k, v in new.state_dict().items()}, assign=True)
+    again = cgt.generate_batch(model, prompts, greedy(5), persistent_manager=True)
+    assert tokens(again) == generate_oracle(new, prompts, 5) != tokens(first)
+    assert all(r.error is None for r in again.values()) and cgt.registry_of(model).stats().hits > 0
+
+
+def test_a_forward_beside_served_steps_attends_its_own_way_and_leaves_the_config_as_it_was(model):
+    config, own = model.config, model.config._attn_implementation
+    ids = torch.tensor([[5, 17, 3, 9, 11]])
+    with torch.no_grad():
+        expected = model(ids).logits
+    entered, release = threading.Event(), threading.Event()
+
+    def another_managers_step():
+        with served_step(config, NAME):
+            entered.set()
+            release.wait(10)
+
+    other = threading.Thread(target=another_managers_step)
+    other.start()
+    assert entered.wait(10)
+    try:
+        with served_step(config, NAME):  # this thread's own step begins and ends while the other is in progress
+            pass
+        assert config._attn_implementation == NAME  # the other step still attends through the graphs' implementation
+        with torch.no_grad():
+            beside = model(ids).logits  # a forward outside any served step, meanwhile
+    finally:
+        release.set()
+        other.join(10)
+    assert config._attn_implementation == own
+    torch.testing.assert_close(beside, expected)
+
+
+@pytest.mark.parametrize("bad", [dict(max_capture_size=0), dict(capture_budget=-1.0), dict(capture_budget=float("nan")), dict(capture="lazy"), dict(capture=True),
                                  dict(plan=[(cg.BatchDescriptor(4), "breakable")])])
 def test_bad_settings_are_refused_naming_the_field(bad):
     with pytest.raises((ValueError, TypeError), match=next(iter(bad))):
