@@ -438,18 +438,8 @@ def test_a_buffer_the_model_makes_at_its_first_forward_is_read_by_every_graph_an
     graph reads it, so it is there from the start, not 'added': debug mode serves, refresh() keeps every graph and
     names nothing moved."""
 
-    class Rotary(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(WIDTH, WIDTH)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if not hasattr(self, "cos"):
-                self.register_buffer("cos", torch.full((WIDTH,), 0.5), persistent=False)
-            return self.lin(x) * self.cos
-
     for debug, background in ((True, False), (True, True), (False, False)):
-        model = Rotary()
+        model = LazyCache()
         reg = cg.GraphRegistry(lambda batch, x: model(x), INPUTS, backend="cpu", debug=debug)
         with torch.inference_mode():
             reg.capture(KEY, background=background)
