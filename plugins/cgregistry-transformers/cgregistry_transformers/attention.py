@@ -134,9 +134,8 @@ def graph_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     filled by the eager break; (1, tokens, heads, head_dim), as transformers' attention functions return.  Outside a
     served step (a forward of the model on another thread while a manager serves it) the model's own implementation."""
     if not in_served_step():
-        own = own_implementation(module.config)
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)  # the model's own
-        function = ALL_ATTENTION_FUNCTIONS.get(own, eager) if own != "eager" else eager
+        function = ALL_ATTENTION_FUNCTIONS.get_interface(own_implementation(module.config), eager)  # as the model looks
         return function(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], value.shape[3]))
     attend_live_batch(module, query, key, value, out, scaling)

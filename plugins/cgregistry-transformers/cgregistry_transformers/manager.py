@@ -53,8 +53,7 @@ def attach(manager: Any, graphs: GraphSettings | None = None) -> Any:
                         f"{type(manager).__name__}")
     if manager.is_running():
         raise RuntimeError("attach() on a running manager: call it before manager.start() (or after manager.stop())")
-    served = registry_of(manager)
-    if served is not None:
+    if registry_of(manager) is not None:
         kept = manager.batch_processor.model_runner.settings
         if graphs is not None and graphs != kept:
             warnings.warn(f"attach(): the manager is served already, with {kept}; {graphs} is not applied (a new "
