@@ -346,6 +346,8 @@ def test_the_varlen_kernel_serves_only_what_it_computes_the_same(model, dtype, e
 
 
 def test_capture_writes_nothing_of_the_kv_cache_between_steps_or_inside_them(model):
+    """Between calls, as pieces before steps, and at a key's first use inside its step: no capture attends the live
+    batch, so the KV cache is written only by the served steps."""
     from cgregistry_transformers.attention import TransformersAttention
 
     manager = cgt.init_continuous_batching(model, greedy(6), cb_config(max_batch_tokens=32, max_requests=4),
@@ -384,6 +386,13 @@ def test_capture_writes_nothing_of_the_kv_cache_between_steps_or_inside_them(mod
     assert per_step and all(n == layers for n in per_step)  # no capture piece attended the live batch
     assert len(reg.entries()) == len(runner.plan)
     assert tokens(again) == tokens(first) == generate_oracle(model, prompts_of([6, 2, 9]), 6)
+
+    reg.clear()  # each key captured inside the step that first needs it, before that step's replay
+    per_step.clear()
+    reg.capture(runner.plan, lazy=True)
+    third = model.generate_batch(prompts_of([6, 2, 9]), generation_config=greedy(6), persistent_manager=True)
+    assert reg.stats().lazy_captures > 0 and per_step and all(n == layers for n in per_step)
+    assert tokens(third) == tokens(first)
 
 
 @pytest.mark.parametrize("when", ["first use", "background"])  # captures inside steps, and between them
